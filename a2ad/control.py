@@ -1,0 +1,140 @@
+"""Typed access to a job's control block (layout in a2ad/layout.py).
+
+The block is shared host memory: the daemon maps it read-write to publish the
+generation, abort word and rank states; every client maps it to read those and
+to write its own status record. On the CUDA backend the clients also register
+it for GPU access so that kernels read the abort word and write status records.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+
+from . import layout as L
+
+_U32 = struct.Struct("<I")
+_I32 = struct.Struct("<i")
+_U64 = struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class StatusRecord:
+    code: int
+    peer: int
+    round: int
+    phase: int
+    waited_ns: int
+
+    @property
+    def phase_name(self) -> str:
+        return L.PHASE_NAMES.get(self.phase, f"phase{self.phase}")
+
+
+class ControlBlock:
+    """A view of one job's control block over any writable buffer of CONTROL_BLOCK_SIZE bytes."""
+
+    def __init__(self, buf, owner=None):
+        self._mv = memoryview(buf).cast("B")
+        if len(self._mv) < L.CONTROL_BLOCK_SIZE:
+            raise ValueError(f"control block needs {L.CONTROL_BLOCK_SIZE} bytes, got {len(self._mv)}")
+        self._owner = owner  # keeps the mmap alive
+
+    @classmethod
+    def map_fd(cls, fd: int) -> "ControlBlock":
+        mm = mmap.mmap(fd, L.CONTROL_BLOCK_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        return cls(mm, owner=mm)
+
+    def address(self) -> int:
+        """Host address of the block (for cudaHostRegister and kernel arguments)."""
+        import ctypes
+
+        return ctypes.addressof(ctypes.c_char.from_buffer(self._mv))
+
+    def close(self) -> None:
+        mv, self._mv = self._mv, None
+        if mv is not None:
+            mv.release()
+        if self._owner is not None:
+            try:
+                self._owner.close()
+            except BufferError:
+                pass  # another view (e.g. a registered pointer's buffer) still holds it
+            self._owner = None
+
+    # --- raw fields ---------------------------------------------------------
+    def _get(self, st: struct.Struct, off: int) -> int:
+        return st.unpack_from(self._mv, off)[0]
+
+    def _set(self, st: struct.Struct, off: int, value: int) -> None:
+        st.pack_into(self._mv, off, value)
+
+    def initialize(self, ep_size: int) -> None:
+        self._mv[:L.CONTROL_BLOCK_SIZE] = bytes(L.CONTROL_BLOCK_SIZE)
+        self._set(_U32, L.CB_VERSION, L.CONTROL_VERSION)
+        self._set(_U32, L.CB_EP_SIZE, ep_size)
+        self._set(_I32, L.CB_ABORT_RANK, -1)
+        self._set(_U32, L.CB_MAGIC, L.CONTROL_MAGIC)
+
+    @property
+    def valid(self) -> bool:
+        return self._get(_U32, L.CB_MAGIC) == L.CONTROL_MAGIC and self._get(_U32, L.CB_VERSION) == L.CONTROL_VERSION
+
+    @property
+    def ep_size(self) -> int:
+        return self._get(_U32, L.CB_EP_SIZE)
+
+    @property
+    def generation(self) -> int:
+        return self._get(_U64, L.CB_GENERATION)
+
+    @generation.setter
+    def generation(self, value: int) -> None:
+        self._set(_U64, L.CB_GENERATION, value)
+
+    @property
+    def abort_word(self) -> int:
+        return self._get(_U32, L.CB_ABORT)
+
+    @property
+    def abort_rank(self) -> int:
+        return self._get(_I32, L.CB_ABORT_RANK)
+
+    def set_abort(self, reason: int, rank: int = -1) -> None:
+        # rank first, so a reader that sees the abort word sees its rank (x86-64 TSO)
+        self._set(_I32, L.CB_ABORT_RANK, rank)
+        self._set(_U32, L.CB_ABORT, reason)
+
+    def clear_abort(self) -> None:
+        self._set(_U32, L.CB_ABORT, L.ABORT_NONE)
+        self._set(_I32, L.CB_ABORT_RANK, -1)
+
+    def rank_state(self, rank: int) -> int:
+        return self._get(_U32, L.CB_RANK_STATE + 4 * rank)
+
+    def set_rank_state(self, rank: int, state: int) -> None:
+        self._set(_U32, L.CB_RANK_STATE + 4 * rank, state)
+
+    # --- status records -------------------------------------------------------
+    def status(self, rank: int) -> StatusRecord:
+        off = L.status_offset(rank)
+        return StatusRecord(
+            code=self._get(_U32, off + L.STATUS_CODE),
+            peer=self._get(_I32, off + L.STATUS_PEER),
+            round=self._get(_U32, off + L.STATUS_ROUND),
+            phase=self._get(_U32, off + L.STATUS_PHASE),
+            waited_ns=self._get(_U64, off + L.STATUS_WAITED_NS),
+        )
+
+    def record_status(self, rank: int, code: int, peer: int, round: int, phase: int, waited_ns: int) -> None:
+        off = L.status_offset(rank)
+        self._set(_I32, off + L.STATUS_PEER, peer)
+        self._set(_U32, off + L.STATUS_ROUND, round & 0xFFFFFFFF)
+        self._set(_U32, off + L.STATUS_PHASE, phase)
+        self._set(_U64, off + L.STATUS_WAITED_NS, waited_ns)
+        self._set(_U32, off + L.STATUS_CODE, code)
+
+    def clear_status(self, rank: int) -> None:
+        off = L.status_offset(rank)
+        self._mv[off : off + L.STATUS_RECORD_SIZE] = bytes(L.STATUS_RECORD_SIZE)

@@ -1,0 +1,362 @@
+"""Workspace and control-block layout: the one place every offset comes from.
+
+Both the daemon (which initializes the aux region) and the clients (host data
+plane, CUDA kernels through their launch arguments) take offsets from here; the
+CUDA side never recomputes them.
+
+Workspace
+---------
+Each rank owns one *row*: ``size_per_rank`` bytes. A client maps all rows of a
+job into one range, row ``q`` at ``q * row_stride`` (``row_stride`` >=
+``size_per_rank``: the backend's page or allocation granularity), so the
+workspace is a ``[ep_size, size_per_rank]`` uint8 tensor with ``stride(0) ==
+row_stride``.
+
+A row starts with the *aux* region (fixed for a job; every field 128-byte
+aligned; all int32)::
+
+    FLAG_VAL                    [1]                round number of this rank (starts at 1)
+    LOCAL_TOKEN_COUNTER         [1]                local token count of the current dispatch
+    SEND_COUNTERS               [ep_size]          tokens this rank sends to each target
+    RECV_COUNTERS               [ep_size]          written by source s: tokens s sent here
+    DISPATCH_COMPLETION_FLAGS   [ep_size]          written by source s: = round when its data is here
+    COMBINE_COMPLETION_FLAGS    [ep_size]          written by target t: = round when t's combine
+                                                   region holds the outputs for this rank
+    TOPK_TARGET_RANKS           [max_tokens, 22]   per (token, k): target rank, -1 for a repeat
+    TOPK_SEND_INDICES           [max_tokens, 22]   per (token, k): slot at the target, -1 for a repeat
+    BLOCK_COUNTERS              [32]               scratch for the CUDA kernels' last-block pattern
+    PAYLOAD_DATA                                   start of the payload area
+
+followed by ``ALIGN_SLACK`` bytes that make room for aligning every payload
+region, so that a payload set sized by :func:`workspace_size_per_rank` always
+fits.
+
+The payload area is laid out per call (it depends on the payload widths and on
+``runtime_max_tokens_per_rank``, see :func:`payload_layout`): one region per
+dispatch payload, ``[ep_size(source), runtime_max_tokens_per_rank,
+bytes_per_token]``, each 128-byte aligned, then the combine region
+``[ep_size(source), runtime_max_tokens_per_rank, combine_bytes_per_token]``.
+
+The data-plane protocol over this layout (host and CUDA alike) is documented in
+``docs/PROTOCOL.md``.
+
+Control block
+-------------
+One per job, ``CONTROL_BLOCK_SIZE`` bytes of shared host memory (registered for
+GPU access on the CUDA backend)::
+
+    0    u32  magic              CONTROL_MAGIC
+    4    u32  layout version     CONTROL_VERSION
+    8    u64  generation         bumped by every job-wide re-arm
+    16   u32  abort word         0, or an ABORT_* reason; set by the daemon
+    20   i32  abort rank         the rank whose loss caused the abort, or -1
+    24   u32  ep_size
+    64   u32  rank state [64]    RANK_* values, maintained by the daemon
+    512  status record [64]      one per rank, STATUS_RECORD_SIZE bytes each, written by that
+                                 rank's own kernels/host waits when a wait fails:
+                                 +0 u32 code (STATUS_*), +4 i32 peer, +8 u32 round,
+                                 +12 u32 phase (PHASE_*), +16 u64 waited ns
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Largest top_k the layout has room for (the seed's limit).
+MAX_TOP_K = 22
+#: Largest ep_size a job may have.
+MAX_EP_SIZE = 64
+#: Most payloads one dispatch may carry.
+MAX_PAYLOADS = 6
+ALIGN = 128
+#: Room for aligning up to MAX_PAYLOADS dispatch regions and the combine region.
+ALIGN_SLACK = (MAX_PAYLOADS + 1) * ALIGN
+BLOCK_COUNTER_SLOTS = 32
+
+# Metainfo indices (names as in the seed API).
+FLAG_VAL_OFFSET_INDEX = 0
+LOCAL_TOKEN_COUNTER_OFFSET_INDEX = 1
+SEND_COUNTERS_OFFSET_INDEX = 2
+RECV_COUNTERS_OFFSET_INDEX = 3
+DISPATCH_COMPLETION_FLAGS_OFFSET_INDEX = 4
+COMBINE_COMPLETION_FLAGS_OFFSET_INDEX = 5
+TOPK_TARGET_RANKS_OFFSET_INDEX = 6
+TOPK_SEND_INDICES_OFFSET_INDEX = 7
+PAYLOAD_DATA_OFFSET_INDEX = 8
+BLOCK_COUNTERS_OFFSET_INDEX = 9
+NUM_METAINFO_FIELDS = 10
+
+METAINFO_INDEX = {
+    "FLAG_VAL_OFFSET_INDEX": FLAG_VAL_OFFSET_INDEX,
+    "LOCAL_TOKEN_COUNTER_OFFSET_INDEX": LOCAL_TOKEN_COUNTER_OFFSET_INDEX,
+    "SEND_COUNTERS_OFFSET_INDEX": SEND_COUNTERS_OFFSET_INDEX,
+    "RECV_COUNTERS_OFFSET_INDEX": RECV_COUNTERS_OFFSET_INDEX,
+    "DISPATCH_COMPLETION_FLAGS_OFFSET_INDEX": DISPATCH_COMPLETION_FLAGS_OFFSET_INDEX,
+    "COMBINE_COMPLETION_FLAGS_OFFSET_INDEX": COMBINE_COMPLETION_FLAGS_OFFSET_INDEX,
+    "TOPK_TARGET_RANKS_OFFSET_INDEX": TOPK_TARGET_RANKS_OFFSET_INDEX,
+    "TOPK_SEND_INDICES_OFFSET_INDEX": TOPK_SEND_INDICES_OFFSET_INDEX,
+    "PAYLOAD_DATA_OFFSET_INDEX": PAYLOAD_DATA_OFFSET_INDEX,
+    "BLOCK_COUNTERS_OFFSET_INDEX": BLOCK_COUNTERS_OFFSET_INDEX,
+}
+
+#: Round number a freshly initialized workspace starts at (never 0, so a zeroed
+#: flag can never be mistaken for a completed round).
+INITIAL_ROUND = 1
+
+
+def pad_up(x: int, y: int = ALIGN) -> int:
+    return ((x + y - 1) // y) * y
+
+
+@dataclass(frozen=True)
+class AuxLayout:
+    """Offsets (bytes from the start of a row) of the aux fields of one job."""
+
+    ep_size: int
+    max_num_tokens: int
+    flag_val: int
+    local_token_counter: int
+    send_counters: int
+    recv_counters: int
+    dispatch_completion_flags: int
+    combine_completion_flags: int
+    topk_target_ranks: int
+    topk_send_indices: int
+    block_counters: int
+    payload_data: int
+    #: Bytes the daemon zeroes (everything before PAYLOAD_DATA).
+    aux_bytes: int
+    #: Aux size in the seed's sense: PAYLOAD_DATA plus the alignment slack.
+    aux_data_size: int
+
+    def metainfo(self) -> list[int]:
+        """Offsets in metainfo-index order (the seed's int64 metainfo tensor)."""
+        return [
+            self.flag_val,
+            self.local_token_counter,
+            self.send_counters,
+            self.recv_counters,
+            self.dispatch_completion_flags,
+            self.combine_completion_flags,
+            self.topk_target_ranks,
+            self.topk_send_indices,
+            self.payload_data,
+            self.block_counters,
+        ]
+
+
+def aux_layout(ep_size: int, max_num_tokens: int) -> AuxLayout:
+    if not 1 <= ep_size <= MAX_EP_SIZE:
+        raise ValueError(f"ep_size must be in [1, {MAX_EP_SIZE}], got {ep_size}")
+    if max_num_tokens < 1:
+        raise ValueError(f"max_num_tokens must be >= 1, got {max_num_tokens}")
+    off = 0
+
+    def take(nbytes: int) -> int:
+        nonlocal off
+        start = off
+        off = pad_up(off + nbytes)
+        return start
+
+    flag_val = take(4)
+    local_token_counter = take(4)
+    send_counters = take(4 * ep_size)
+    recv_counters = take(4 * ep_size)
+    dispatch_flags = take(4 * ep_size)
+    combine_flags = take(4 * ep_size)
+    topk_target = take(4 * max_num_tokens * MAX_TOP_K)
+    topk_send = take(4 * max_num_tokens * MAX_TOP_K)
+    block_counters = take(4 * BLOCK_COUNTER_SLOTS)
+    payload_data = off
+    return AuxLayout(
+        ep_size=ep_size,
+        max_num_tokens=max_num_tokens,
+        flag_val=flag_val,
+        local_token_counter=local_token_counter,
+        send_counters=send_counters,
+        recv_counters=recv_counters,
+        dispatch_completion_flags=dispatch_flags,
+        combine_completion_flags=combine_flags,
+        topk_target_ranks=topk_target,
+        topk_send_indices=topk_send,
+        block_counters=block_counters,
+        payload_data=payload_data,
+        aux_bytes=payload_data,
+        aux_data_size=payload_data + ALIGN_SLACK,
+    )
+
+
+def aux_data_size(ep_size: int, max_num_tokens: int) -> int:
+    return aux_layout(ep_size, max_num_tokens).aux_data_size
+
+
+def workspace_size_per_rank(
+    ep_size: int,
+    max_num_tokens: int,
+    total_dispatch_payload_size_per_token: int,
+    combine_payload_size_per_token: int,
+) -> int:
+    """The seed's formula: pad128(aux) + pad128(dispatch area) + pad128(combine area)."""
+    if total_dispatch_payload_size_per_token < 0 or combine_payload_size_per_token < 0:
+        raise ValueError("payload sizes per token must be >= 0")
+    return (
+        pad_up(aux_data_size(ep_size, max_num_tokens))
+        + pad_up(ep_size * max_num_tokens * total_dispatch_payload_size_per_token)
+        + pad_up(ep_size * max_num_tokens * combine_payload_size_per_token)
+    )
+
+
+def moe_workspace_size_per_rank(
+    ep_size: int, top_k: int, max_num_tokens: int, hidden_size: int, extra_payload_bytes_per_token: int = 0
+) -> int:
+    """Size for bf16 hidden states + int32 expert ids + fp32 scales (+ extra), bf16 combine."""
+    dispatch = 2 * hidden_size + 4 * top_k + 4 * top_k + extra_payload_bytes_per_token
+    combine = 2 * hidden_size
+    return workspace_size_per_rank(ep_size, max_num_tokens, dispatch, combine)
+
+
+@dataclass(frozen=True)
+class PayloadLayout:
+    """Where one call's payloads live in every row (row-relative offsets)."""
+
+    runtime_max_tokens_per_rank: int
+    #: Start of each dispatch payload region ``[ep_size, runtime_max, bytes_i]``.
+    dispatch_offsets: tuple[int, ...]
+    dispatch_bytes_per_token: tuple[int, ...]
+    #: Start of the combine region ``[ep_size, runtime_max, combine_bytes]``.
+    combine_offset: int
+    #: First byte after the dispatch regions.
+    dispatch_end: int
+
+
+class LayoutError(ValueError):
+    """The requested payloads do not fit the workspace."""
+
+
+def payload_layout(
+    aux: AuxLayout,
+    size_per_rank: int,
+    runtime_max_tokens_per_rank: int,
+    dispatch_bytes_per_token: list[int] | tuple[int, ...],
+    combine_bytes_per_token: int = 0,
+) -> PayloadLayout:
+    """Offsets of one call's dispatch payload regions and combine region.
+
+    Raises :class:`LayoutError` naming what does not fit. ``combine_bytes_per_token``
+    of 0 checks only the dispatch regions (the combine width is known at combine time).
+    """
+    rt = runtime_max_tokens_per_rank
+    if not 1 <= rt <= aux.max_num_tokens:
+        raise LayoutError(
+            f"runtime_max_tokens_per_rank must be in [1, max_num_tokens={aux.max_num_tokens}], got {rt}"
+        )
+    if len(dispatch_bytes_per_token) > MAX_PAYLOADS:
+        raise LayoutError(f"at most {MAX_PAYLOADS} payloads, got {len(dispatch_bytes_per_token)}")
+    offsets = []
+    off = aux.payload_data
+    for i, nbytes in enumerate(dispatch_bytes_per_token):
+        if nbytes <= 0:
+            raise LayoutError(f"payload {i} has {nbytes} bytes per token; must be > 0")
+        offsets.append(off)
+        off = pad_up(off + aux.ep_size * rt * nbytes)
+    dispatch_end = off
+    if dispatch_end > size_per_rank:
+        raise LayoutError(
+            f"payloads of {sum(dispatch_bytes_per_token)} bytes per token need {dispatch_end} bytes "
+            f"per rank at runtime_max_tokens_per_rank={rt}, the workspace has {size_per_rank}"
+        )
+    combine_offset = dispatch_end
+    need = combine_offset + aux.ep_size * rt * combine_bytes_per_token
+    if need > size_per_rank:
+        raise LayoutError(
+            f"combine payload of {combine_bytes_per_token} bytes per token needs {need} bytes per rank "
+            f"at runtime_max_tokens_per_rank={rt}, the workspace has {size_per_rank}"
+        )
+    return PayloadLayout(
+        runtime_max_tokens_per_rank=rt,
+        dispatch_offsets=tuple(offsets),
+        dispatch_bytes_per_token=tuple(int(b) for b in dispatch_bytes_per_token),
+        combine_offset=combine_offset,
+        dispatch_end=dispatch_end,
+    )
+
+
+def expert_partition(num_experts: int, ep_size: int) -> tuple[int, int]:
+    """``(base, rem)``: ranks ``[0, rem)`` own ``base + 1`` experts, the others ``base``."""
+    if num_experts < ep_size:
+        raise ValueError(f"num_experts ({num_experts}) must be >= ep_size ({ep_size})")
+    return num_experts // ep_size, num_experts % ep_size
+
+
+def expert_owner(expert: int, num_experts: int, ep_size: int) -> int:
+    """The rank that owns ``expert`` under the contiguous partition."""
+    base, rem = expert_partition(num_experts, ep_size)
+    split = rem * (base + 1)
+    if expert < split:
+        return expert // (base + 1)
+    return rem + (expert - split) // base
+
+
+def experts_of_rank(rank: int, num_experts: int, ep_size: int) -> range:
+    base, rem = expert_partition(num_experts, ep_size)
+    start = rank * base + min(rank, rem)
+    return range(start, start + base + (1 if rank < rem else 0))
+
+
+# ---------------------------------------------------------------------------
+# Control block
+# ---------------------------------------------------------------------------
+CONTROL_BLOCK_SIZE = 4096
+CONTROL_MAGIC = 0xA2AD0C71
+CONTROL_VERSION = 1
+CB_MAGIC = 0
+CB_VERSION = 4
+CB_GENERATION = 8
+CB_ABORT = 16
+CB_ABORT_RANK = 20
+CB_EP_SIZE = 24
+CB_RANK_STATE = 64
+CB_STATUS = 512
+STATUS_RECORD_SIZE = 32
+STATUS_CODE = 0
+STATUS_PEER = 4
+STATUS_ROUND = 8
+STATUS_PHASE = 12
+STATUS_WAITED_NS = 16
+
+# Abort reasons (the abort word).
+ABORT_NONE = 0
+ABORT_PEER_LOST = 1
+ABORT_OPERATOR = 2
+ABORT_DESTROYED = 3
+
+# Rank states.
+RANK_EMPTY = 0
+RANK_JOINING = 1
+RANK_ATTACHED = 2
+RANK_LEFT = 3
+RANK_DEAD = 4
+RANK_STATE_NAMES = {
+    RANK_EMPTY: "empty",
+    RANK_JOINING: "joining",
+    RANK_ATTACHED: "attached",
+    RANK_LEFT: "left",
+    RANK_DEAD: "dead",
+}
+
+# Status codes of a rank's last failed wait.
+STATUS_OK = 0
+STATUS_TIMEOUT = 1
+STATUS_ABORTED = 2
+
+# Phases a wait can be in.
+PHASE_DISPATCH = 1
+PHASE_COMBINE = 2
+PHASE_NAMES = {PHASE_DISPATCH: "dispatch", PHASE_COMBINE: "combine"}
+
+assert CB_STATUS + MAX_EP_SIZE * STATUS_RECORD_SIZE <= CONTROL_BLOCK_SIZE
+assert CB_RANK_STATE + 4 * MAX_EP_SIZE <= CB_STATUS
+
+
+def status_offset(rank: int) -> int:
+    return CB_STATUS + rank * STATUS_RECORD_SIZE
