@@ -198,7 +198,6 @@ def unpack(data: bytes) -> Any:
             data,
             raw=False,
             strict_map_key=True,
-            max_buffer_size=MAX_FRAME,
             max_str_len=MAX_FRAME,
             max_bin_len=MAX_FRAME,
             max_array_len=4096,

@@ -1,0 +1,101 @@
+"""`a2ad`: serve (the daemon, in the foreground) and demo."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from . import __version__, errors, runtime
+
+
+def _parse_size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 64G)") from None
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--runtime-dir", help="folder for sockets, lock and state (default: $A2AD_RUNTIME_DIR, "
+                   "/run/a2ad where writable, $XDG_RUNTIME_DIR/a2ad, else a per-user temp folder)")
+    p.add_argument("--backend", choices=["auto", "host", "cuda"], default="auto",
+                   help="where workspaces live: cuda when a GPU is present with auto (default auto)")
+    p.add_argument("--group", help="let members of this group connect (folder 0750, sockets 0660)")
+    p.add_argument("--grace", type=float, default=30.0,
+                   help="seconds a job with no attached ranks is kept for re-attach (default 30)")
+    p.add_argument("--max-rendezvous-timeout", type=float, default=600.0,
+                   help="cap on a client's rendezvous timeout, seconds (default 600)")
+    p.add_argument("--max-job-bytes", type=_parse_size, default=1 << 40, help="per-job memory limit (default 1T)")
+    p.add_argument("--max-total-bytes", type=_parse_size, default=1 << 42, help="per-daemon memory limit (default 4T)")
+    p.add_argument("--allow-uid", type=int, action="append", default=[],
+                   help="also allow this uid (the daemon's uid and root always are); repeatable")
+    p.add_argument("--allow-gid", type=int, action="append", default=[], help="also allow this gid; repeatable")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def serve(args) -> int:
+    from .daemon import Config, Daemon
+
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s a2ad[%(process)d] %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    log = logging.getLogger("a2ad")
+    cfg = Config(
+        runtime_dir=runtime.resolve(args.runtime_dir),
+        backend=args.backend,
+        group=args.group,
+        grace=args.grace,
+        max_rendezvous_timeout=args.max_rendezvous_timeout,
+        max_job_bytes=args.max_job_bytes,
+        max_total_bytes=args.max_total_bytes,
+        allow_uids=set(args.allow_uid),
+        allow_gids=set(args.allow_gid),
+    )
+    try:
+        daemon = Daemon(cfg)
+        daemon.bind()
+    except (runtime.RuntimeDirError, errors.A2ADError, OSError) as exc:
+        log.error("cannot start: %s", getattr(exc, "message", None) or exc)
+        return 1
+    daemon.install_signal_handlers()
+    try:
+        daemon.serve_forever()
+    except Exception:
+        log.exception("fatal error in the daemon loop")
+        daemon.shutdown()
+        return 1
+    daemon.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="a2ad", description="MoE all-to-all workspace daemon")
+    parser.add_argument("--version", action="version", version=f"a2ad {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_serve = sub.add_parser("serve", help="run the daemon in the foreground")
+    add_serve_args(p_serve)
+    p_demo = sub.add_parser("demo", help="daemon + a group of client processes doing real dispatch/combine")
+    try:
+        from . import demo
+    except ImportError:
+        demo = None
+    if demo is not None:
+        demo.add_arguments(p_demo)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    if demo is None:
+        parser.error("the demo is not available in this build")
+    return demo.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
