@@ -1,0 +1,179 @@
+"""CUDA backend: one ``cuMemCreate`` allocation per rank row, exported as a POSIX fd.
+
+The daemon allocates each rank's row on the GPU that rank declared (by UUID),
+exports a POSIX file descriptor for it (what clients import over SCM_RIGHTS),
+and keeps both the fd and its own allocation handle until the job is freed.
+Where the driver permits it (an IMEX channel exists) the allocation is also
+made exportable as a fabric handle; the 64 handle bytes then sit in
+``Allocation.extra['fabric_handle']`` and ``Allocation.handle_type`` is
+``'fabric'``. The POSIX fd is exported either way: on one node it is what
+clients use.
+
+The daemon never launches kernels and never imports torch. It activates a
+device's primary context on first use (the first allocation on that GPU), and
+measures the memory that costs (see :meth:`CudaBackend.describe`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+
+from .. import cuda_driver as cd
+from .. import errors
+from .base import Allocation, Backend
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def __init__(self, try_fabric: bool = True):
+        self._lock = threading.RLock()
+        self._try_fabric = try_fabric and os.environ.get("A2AD_CUDA_FABRIC", "1") != "0"
+        self._handle_type: str | None = None
+        self._granularity: dict[int, int] = {}
+        self._workspace_bytes: dict[int, int] = {}
+        self._live = 0
+
+    # --- devices --------------------------------------------------------------
+    def _ordinal(self, device) -> int:
+        if not isinstance(device, str):
+            raise errors.InvalidField(f"device must be a GPU UUID string, got {type(device).__name__}", field="device")
+        if device == "host":
+            raise errors.InvalidField(
+                "this daemon runs the cuda backend; device must be the UUID of the rank's GPU "
+                "(GPU-xxxxxxxx-..., as `nvidia-smi -L` prints), got 'host'",
+                field="device",
+            )
+        try:
+            return cd.device_by_uuid(device)
+        except (ValueError, LookupError) as exc:
+            raise errors.InvalidField(str(exc), field="device") from None
+
+    def check_device(self, device: str) -> None:
+        ordinal = self._ordinal(device)
+        if not cd.device_attribute(cd.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, ordinal):
+            raise errors.BackendError(f"GPU {device} does not support CUDA virtual memory management (cuMemCreate)")
+        if not cd.device_attribute(cd.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, ordinal):
+            raise errors.BackendError(f"GPU {device} cannot export memory as a POSIX file descriptor")
+
+    def _gran(self, ordinal: int) -> int:
+        g = self._granularity.get(ordinal)
+        if g is None:
+            posix = cd.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            g = math.lcm(cd.granularity(ordinal, posix), cd.granularity(ordinal, posix, recommended=True))
+            if self._try_fabric:
+                both = posix | cd.CU_MEM_HANDLE_TYPE_FABRIC
+                try:
+                    g = math.lcm(g, cd.granularity(ordinal, both), cd.granularity(ordinal, both, recommended=True))
+                except cd.CudaError:
+                    pass  # fabric not supported here: creation will fall back anyway
+            self._granularity[ordinal] = g
+        return g
+
+    def row_stride(self, size_per_rank: int, device: str) -> int:
+        g = self._gran(self._ordinal(device))
+        return max(1, -(-int(size_per_rank) // g)) * g
+
+    # --- rows -----------------------------------------------------------------
+    def allocate(self, size_per_rank: int, device: str) -> Allocation:
+        ordinal = self._ordinal(device)
+        size = self.row_stride(size_per_rank, device)
+        with self._lock, cd.on_device(ordinal):
+            handle, types = cd.create(
+                size, ordinal, None if self._try_fabric else cd.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            )
+            try:
+                fd = cd.export_fd(handle)
+            except BaseException:
+                cd.release(handle)
+                raise
+            extra: dict = {"handle": handle, "ordinal": ordinal, "uuid": cd.uuid_of(ordinal), "handle_types": types}
+            handle_type = "posix_fd"
+            if types & cd.CU_MEM_HANDLE_TYPE_FABRIC:
+                try:
+                    extra["fabric_handle"] = cd.export_fabric(handle)
+                    handle_type = "fabric"
+                except cd.CudaError as exc:
+                    extra["fabric_error"] = exc.message
+            self._handle_type = handle_type
+            self._workspace_bytes[ordinal] = self._workspace_bytes.get(ordinal, 0) + size
+            self._live += 1
+        return Allocation(fd=fd, size=size, device=device, handle_type=handle_type, extra=extra)
+
+    def initialize(self, alloc: Allocation, aux_bytes: int, flag_offset: int, initial_round: int) -> None:
+        handle = alloc.extra.get("handle")
+        if handle is None:
+            raise errors.BackendError("initialize() of a released CUDA allocation")
+        if not 0 <= aux_bytes <= alloc.size:
+            raise errors.BackendError(f"aux region of {aux_bytes} bytes does not fit a row of {alloc.size}")
+        if not 0 <= flag_offset <= alloc.size - 4 or flag_offset % 4:
+            raise errors.BackendError(f"flag offset {flag_offset} is not an aligned int32 inside a row of {alloc.size}")
+        ordinal = alloc.extra["ordinal"]
+        flag = int(initial_round).to_bytes(4, "little", signed=True)
+        with self._lock, cd.on_device(ordinal):
+            ptr = cd.reserve(alloc.size, cd.granularity(ordinal))
+            try:
+                cd.map(ptr, alloc.size, handle)
+                try:
+                    cd.set_access(ptr, alloc.size, ordinal)
+                    if aux_bytes:
+                        cd.memset_d8(ptr, 0, aux_bytes)
+                    cd.memcpy_htod(ptr + flag_offset, flag)
+                    cd.synchronize()
+                finally:
+                    cd.unmap(ptr, alloc.size)
+            finally:
+                cd.address_free(ptr, alloc.size)
+
+    def release(self, alloc: Allocation) -> None:
+        if alloc.fd >= 0:
+            os.close(alloc.fd)
+            alloc.fd = -1
+        handle = alloc.extra.pop("handle", None)
+        if handle is None:
+            return
+        ordinal = alloc.extra["ordinal"]
+        with self._lock, cd.on_device(ordinal):
+            cd.release(handle)
+            self._workspace_bytes[ordinal] = self._workspace_bytes.get(ordinal, 0) - alloc.size
+            self._live -= 1
+
+    # --- status -----------------------------------------------------------------
+    def describe(self) -> dict:
+        out: dict = {"backend": self.name, "handle_type": self._handle_type or "posix_fd"}
+        try:
+            out["driver_version"] = cd.driver_version()
+            n = cd.device_count()
+        except cd.CudaError as exc:
+            out["error"] = exc.message
+            return out
+        devices = []
+        for i in range(n):
+            entry: dict = {"ordinal": i}
+            try:
+                entry["uuid"] = cd.uuid_of(i)
+                entry["name"] = cd.device_name(i)
+            except cd.CudaError as exc:
+                entry["error"] = exc.message
+            info = cd.context_overhead(i)
+            entry["context_active"] = info is not None
+            entry["context_overhead_bytes"] = info["bytes"] if info else None
+            if info and info["bytes"] is None:
+                entry["context_overhead_note"] = info["note"]
+            entry["workspace_bytes"] = self._workspace_bytes.get(i, 0)
+            refused = cd.fabric_refusal(i)
+            if refused is not None:
+                entry["fabric_refused"] = refused.result_name
+            devices.append(entry)
+        out["devices"] = devices
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            if self._live == 0:
+                try:
+                    cd.release_primary_contexts()
+                except cd.CudaError:
+                    pass
