@@ -1,0 +1,728 @@
+// a2ad MoE all-to-all kernels: dispatch, sanitize, combine, initialize.
+//
+// The protocol is docs/PROTOCOL.md; the synchronization scheme is described in
+// csrc/README.md. Every offset arrives in the launch parameters (computed by
+// a2ad/layout.py). No kernel traps: a wait that gives up records why in the
+// rank's status record (control block, host memory) and returns.
+#include "moe_a2a.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <mutex>
+#include <utility>
+#include <vector>
+
+namespace a2ad {
+namespace {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kDispatchThreads = 256;
+constexpr int kCombineThreads = 256;
+constexpr int kSanitizeThreads = 256;
+constexpr int kInitializeThreads = 256;
+// 16-byte vectors each lane keeps in flight per copy/pull step.
+constexpr int kCopyUnroll = 4;
+constexpr int kPullVecs = 4;
+// Scalar elements per lane per pull step (the unaligned fallback).
+constexpr int kPullScalars = 8;
+// BLOCK_COUNTERS slots used by the kernels (the last one is the status claim).
+constexpr int kSlotDispatch = 0;
+constexpr int kSlotCombine = 1;
+constexpr int kMinBlockCounterSlots = 3;
+// The abort word lives in host memory: read it once every this many polls.
+constexpr uint32_t kAbortPollEvery = 64;
+
+enum WaitResult : int { kWaitOk = 0, kWaitTimeout = 1, kWaitAborted = 2, kWaitStopped = 3 };
+
+// ---------------------------------------------------------------------------
+// Memory-model primitives
+// ---------------------------------------------------------------------------
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ int ld_acquire_sys(const int* p) {
+  int v;
+  asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint32_t ld_relaxed_sys_u32(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(int* p, int v) {
+  asm volatile("st.release.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+__device__ __forceinline__ int atomic_add_acq_rel_gpu(int* p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
+__device__ __forceinline__ int ld_volatile(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
+
+__device__ __forceinline__ uint8_t* row_of(const Workspace& ws, int q) { return ws.base + (int64_t)q * ws.row_stride; }
+
+template <typename T>
+__device__ __forceinline__ T* at(uint8_t* row, int64_t off) {
+  return reinterpret_cast<T*>(row + off);
+}
+
+// ---------------------------------------------------------------------------
+// Bounded waits and the status record
+// ---------------------------------------------------------------------------
+__device__ void write_status(const Control& c, uint32_t code, int peer, int round, uint32_t phase, uint64_t waited) {
+  uint8_t* b = c.block;
+  *reinterpret_cast<volatile int32_t*>(b + c.status_peer) = peer;
+  *reinterpret_cast<volatile uint32_t*>(b + c.status_round) = static_cast<uint32_t>(round);
+  *reinterpret_cast<volatile uint32_t*>(b + c.status_phase) = phase;
+  *reinterpret_cast<volatile uint64_t*>(b + c.status_waited_ns) = waited;
+  __threadfence_system();  // the host must never see the code before the fields
+  *reinterpret_cast<volatile uint32_t*>(b + c.status_code) = code;
+  __threadfence_system();
+}
+
+// Spin until *flag == want (acquire), the deadline passes, the job's abort
+// word is set, or another thread of the block gave up (*stop != 0).
+__device__ int spin_until_equal(const int* flag, int want, const Control& c, uint64_t t0, const volatile int* stop,
+                                uint64_t* waited) {
+  const uint32_t* abort_word = reinterpret_cast<const uint32_t*>(c.block + c.abort_word);
+  for (uint32_t it = 0;; ++it) {
+    if (ld_acquire_sys(flag) == want) return kWaitOk;
+    const uint64_t now = global_timer_ns();
+    if (it % kAbortPollEvery == 0 && ld_relaxed_sys_u32(abort_word) != 0) {
+      *waited = now - t0;
+      return kWaitAborted;
+    }
+    if (now - t0 >= c.timeout_ns) {
+      *waited = now - t0;
+      return kWaitTimeout;
+    }
+    if (*stop) return kWaitStopped;
+  }
+}
+
+// Threads [0, ep_size) of the block each wait until flags[q] == round. Returns
+// true when every flag arrived. On failure the first failing thread of the
+// whole rank (claimed through *claim, in device memory) writes the status
+// record; the others only stop.
+__device__ bool block_wait_flags(const int* flags, int ep_size, int round, const Control& c, uint32_t phase,
+                                 int* claim) {
+  __shared__ int s_stop;
+  volatile int* stop = &s_stop;
+  if (threadIdx.x == 0) *stop = 0;
+  __syncthreads();
+  const int q = threadIdx.x;
+  if (q < ep_size) {
+    uint64_t waited = 0;
+    const int r = spin_until_equal(flags + q, round, c, global_timer_ns(), stop, &waited);
+    if (r == kWaitTimeout || r == kWaitAborted) {
+      *stop = 1;
+      if (atomicCAS(claim, 0, 1) == 0) {
+        write_status(c, r == kWaitTimeout ? c.code_timeout : c.code_aborted, q, round, phase, waited);
+      }
+    }
+  }
+  __syncthreads();
+  return *stop == 0;
+}
+
+// Last-block pattern: every thread fences its own writes system-wide, then the
+// block arrives on *counter. Returns true (in every thread) in the block that
+// arrived last; that block resets the counter for the next launch.
+__device__ bool arrive_last(int* counter) {
+  __shared__ int s_last;
+  fence_acq_rel_sys();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int done = atomic_add_acq_rel_gpu(counter, 1);
+    const int last = done == static_cast<int>(gridDim.x) - 1;
+    if (last) {
+      *reinterpret_cast<volatile int*>(counter) = 0;
+      fence_acq_rel_sys();
+    }
+    s_last = last;
+  }
+  __syncthreads();
+  return s_last != 0;
+}
+
+// ---------------------------------------------------------------------------
+// Copies
+// ---------------------------------------------------------------------------
+template <typename V>
+__device__ __forceinline__ void copy_vectors(uint8_t* dst, const uint8_t* src, int64_t n, int64_t tid, int64_t nthreads) {
+  V* d = reinterpret_cast<V*>(dst);
+  const V* s = reinterpret_cast<const V*>(src);
+  int64_t i = tid;
+  for (; i + (kCopyUnroll - 1) * nthreads < n; i += kCopyUnroll * nthreads) {
+    V r[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) r[u] = s[i + u * nthreads];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) d[i + u * nthreads] = r[u];
+  }
+  for (; i < n; i += nthreads) d[i] = s[i];
+}
+
+// Copy n bytes with the widest access both pointers allow (16/8/4/2/1 bytes),
+// threads tid of nthreads cooperating. Any width, any alignment.
+__device__ void copy_bytes(uint8_t* dst, const uint8_t* src, int64_t n, int64_t tid, int64_t nthreads) {
+  if (n <= 0) return;
+  const uintptr_t mis = reinterpret_cast<uintptr_t>(dst) ^ reinterpret_cast<uintptr_t>(src);
+  const int w = (mis & 15) == 0 ? 16 : (mis & 7) == 0 ? 8 : (mis & 3) == 0 ? 4 : (mis & 1) == 0 ? 2 : 1;
+  int64_t head = (w - (reinterpret_cast<uintptr_t>(dst) & (w - 1))) & (w - 1);
+  if (head > n) head = n;
+  for (int64_t b = tid; b < head; b += nthreads) dst[b] = src[b];
+  dst += head;
+  src += head;
+  n -= head;
+  const int64_t nv = n / w;
+  switch (w) {
+    case 16: copy_vectors<uint4>(dst, src, nv, tid, nthreads); break;
+    case 8: copy_vectors<uint2>(dst, src, nv, tid, nthreads); break;
+    case 4: copy_vectors<uint32_t>(dst, src, nv, tid, nthreads); break;
+    case 2: copy_vectors<uint16_t>(dst, src, nv, tid, nthreads); break;
+    default: copy_vectors<uint8_t>(dst, src, nv, tid, nthreads); break;
+  }
+  for (int64_t b = nv * w + tid; b < n; b += nthreads) dst[b] = src[b];
+}
+
+// ---------------------------------------------------------------------------
+// Dispatch
+// ---------------------------------------------------------------------------
+__device__ __forceinline__ int expert_owner(int e, int num_experts, int ep_size) {
+  const int base = num_experts / ep_size, rem = num_experts % ep_size;
+  const int split = rem * (base + 1);
+  return e < split ? e / (base + 1) : rem + (e - split) / base;
+}
+
+// One warp copies payload i of token t to every target in `sends` (a lane
+// mask; lane k holds that send's target and slot). When widths and pointers
+// allow 16-byte vectors, each chunk of the source row is loaded once and stored
+// to every target.
+__device__ void dispatch_copy_payload(const DispatchParams& p, int i, int t, unsigned sends, int target, int slot,
+                                      int lane) {
+  const int64_t nb = p.payload_bytes[i];
+  const uint8_t* src = p.payload[i] + (int64_t)t * nb;
+  const int64_t region = p.payload_offset[i] + (int64_t)p.ws.ep_rank * p.rt * nb;
+  const bool vec16 = (nb % 16) == 0 && (reinterpret_cast<uintptr_t>(src) % 16) == 0 &&
+                     (reinterpret_cast<uintptr_t>(p.ws.base + region) % 16) == 0 && (p.ws.row_stride % 16) == 0;
+  if (vec16) {
+    const int64_t nvec = nb / 16;
+    const uint4* s4 = reinterpret_cast<const uint4*>(src);
+    for (int64_t v0 = 0; v0 < nvec; v0 += 32 * kCopyUnroll) {
+      uint4 r[kCopyUnroll];
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int64_t v = v0 + u * 32 + lane;
+        r[u] = v < nvec ? s4[v] : make_uint4(0, 0, 0, 0);
+      }
+      for (unsigned m = sends; m != 0; m &= m - 1) {
+        const int k = __ffs(m) - 1;
+        const int tgt = __shfl_sync(kFullMask, target, k);
+        const int sl = __shfl_sync(kFullMask, slot, k);
+        uint4* d4 = reinterpret_cast<uint4*>(row_of(p.ws, tgt) + region + (int64_t)sl * nb);
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+          const int64_t v = v0 + u * 32 + lane;
+          if (v < nvec) d4[v] = r[u];
+        }
+      }
+    }
+  } else {
+    for (unsigned m = sends; m != 0; m &= m - 1) {
+      const int k = __ffs(m) - 1;
+      const int tgt = __shfl_sync(kFullMask, target, k);
+      const int sl = __shfl_sync(kFullMask, slot, k);
+      copy_bytes(row_of(p.ws, tgt) + region + (int64_t)sl * nb, src, nb, lane, 32);
+    }
+  }
+}
+
+// Grid: any size >= 1; a warp per token (grid-stride). No block waits on
+// another: the last block to arrive publishes the counts and flags and is the
+// only one that waits for the peers.
+__global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(const DispatchParams p) {
+  const int me = p.ws.ep_rank, ep = p.ws.ep_size;
+  uint8_t* my_row = row_of(p.ws, me);
+  int* send_counters = at<int>(my_row, p.aux.send_counters);
+  int* block_counters = at<int>(my_row, p.aux.block_counters);
+  int* topk_target = at<int>(my_row, p.aux.topk_target_ranks);
+  int* topk_send = at<int>(my_row, p.aux.topk_send_indices);
+  const int round = ld_volatile(at<int>(my_row, p.aux.flag_val));
+  if (blockIdx.x == 0 && threadIdx.x == 0) *at<int>(my_row, p.aux.local_token_counter) = p.local_num_tokens;
+
+  const int lane = threadIdx.x % 32;
+  const int warps = blockDim.x / 32;
+  const int gw = blockIdx.x * warps + threadIdx.x / 32, nw = gridDim.x * warps;
+  for (int t = gw; t < p.local_num_tokens; t += nw) {
+    // Routing: lane k handles (t, k). A send is the smallest k with its target.
+    int target = -1;
+    if (lane < p.top_k) {
+      const int e = p.experts[(int64_t)t * p.top_k + lane];
+      if (e >= 0 && e < p.num_experts) target = expert_owner(e, p.num_experts, ep);
+    }
+    const unsigned same = __match_any_sync(kFullMask, target);
+    const bool is_send = target >= 0 && __ffs(same) - 1 == lane;
+    int slot = -1;
+    if (is_send) slot = atomicAdd(send_counters + target, 1);
+    if (lane < p.top_k) {
+      topk_target[(int64_t)t * p.aux.topk_stride + lane] = is_send ? target : -1;
+      topk_send[(int64_t)t * p.aux.topk_stride + lane] = is_send ? slot : -1;
+    }
+    // slot < T <= rt always holds (one send per token and target); never write
+    // outside the region even if it did not.
+    const unsigned sends = __ballot_sync(kFullMask, is_send && slot < p.rt);
+    for (int i = 0; i < p.num_payloads; ++i) dispatch_copy_payload(p, i, t, sends, target, slot, lane);
+  }
+
+  if (!arrive_last(block_counters + kSlotDispatch)) return;
+  // Last block: every token's counter increment and payload store is visible.
+  const int q = threadIdx.x;
+  if (q < ep) {
+    const int count = ld_volatile(send_counters + q);
+    uint8_t* peer = row_of(p.ws, q);
+    *reinterpret_cast<volatile int*>(peer + p.aux.recv_counters + 4 * (int64_t)me) = count;
+    st_release_sys(at<int>(peer, p.aux.dispatch_completion_flags + 4 * (int64_t)me), round);
+  }
+  block_wait_flags(at<int>(my_row, p.aux.dispatch_completion_flags), ep, round, p.ctl, p.ctl.phase_dispatch,
+                   block_counters + p.aux.block_counter_slots - 1);
+}
+
+// ---------------------------------------------------------------------------
+// Sanitize
+// ---------------------------------------------------------------------------
+__global__ void __launch_bounds__(kSanitizeThreads) sanitize_kernel(const SanitizeParams p) {
+  const int* recv = at<int>(row_of(p.ws, p.ws.ep_rank), p.aux.recv_counters);
+  const int64_t n = (int64_t)p.ws.ep_size * p.rt * p.top_k;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    const int k = static_cast<int>(i % p.top_k);
+    const int64_t sj = i / p.top_k;
+    const int j = static_cast<int>(sj % p.rt);
+    const int s = static_cast<int>(sj / p.rt);
+    if (j >= ld_volatile(recv + s)) {
+      p.ids[s * p.ids_stride_src + j * p.ids_stride_slot + k * p.ids_stride_k] = p.invalid_id;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Combine
+// ---------------------------------------------------------------------------
+template <typename T>
+struct Elem;
+
+template <>
+struct Elem<float> {
+  static constexpr int kPerVec = 4;
+  __device__ static __forceinline__ void add(const uint4& v, float* a) {
+    a[0] += __uint_as_float(v.x);
+    a[1] += __uint_as_float(v.y);
+    a[2] += __uint_as_float(v.z);
+    a[3] += __uint_as_float(v.w);
+  }
+  __device__ static __forceinline__ uint4 pack(const float* a) {
+    return make_uint4(__float_as_uint(a[0]), __float_as_uint(a[1]), __float_as_uint(a[2]), __float_as_uint(a[3]));
+  }
+  __device__ static __forceinline__ float load_one(const void* p) { return __ldcg(static_cast<const float*>(p)); }
+  __device__ static __forceinline__ void store_one(void* p, float f) { *static_cast<float*>(p) = f; }
+};
+
+template <>
+struct Elem<__nv_bfloat16> {
+  static constexpr int kPerVec = 8;
+  __device__ static __forceinline__ void add2(uint32_t w, float* a) {
+    a[0] += __uint_as_float(w << 16);
+    a[1] += __uint_as_float(w & 0xffff0000u);
+  }
+  __device__ static __forceinline__ void add(const uint4& v, float* a) {
+    add2(v.x, a);
+    add2(v.y, a + 2);
+    add2(v.z, a + 4);
+    add2(v.w, a + 6);
+  }
+  __device__ static __forceinline__ uint32_t pack2(float lo, float hi) {
+    return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
+           (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
+  }
+  __device__ static __forceinline__ uint4 pack(const float* a) {
+    return make_uint4(pack2(a[0], a[1]), pack2(a[2], a[3]), pack2(a[4], a[5]), pack2(a[6], a[7]));
+  }
+  __device__ static __forceinline__ float load_one(const void* p) {
+    return __uint_as_float(static_cast<uint32_t>(__ldcg(static_cast<const unsigned short*>(p))) << 16);
+  }
+  __device__ static __forceinline__ void store_one(void* p, float f) {
+    *static_cast<unsigned short*>(p) = __bfloat16_as_ushort(__float2bfloat16_rn(f));
+  }
+};
+
+template <>
+struct Elem<__half> {
+  static constexpr int kPerVec = 8;
+  __device__ static __forceinline__ void add2(uint32_t w, float* a) {
+    a[0] += __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu)));
+    a[1] += __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16)));
+  }
+  __device__ static __forceinline__ void add(const uint4& v, float* a) {
+    add2(v.x, a);
+    add2(v.y, a + 2);
+    add2(v.z, a + 4);
+    add2(v.w, a + 6);
+  }
+  __device__ static __forceinline__ uint32_t pack2(float lo, float hi) {
+    return static_cast<uint32_t>(__half_as_ushort(__float2half_rn(lo))) |
+           (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(hi))) << 16);
+  }
+  __device__ static __forceinline__ uint4 pack(const float* a) {
+    return make_uint4(pack2(a[0], a[1]), pack2(a[2], a[3]), pack2(a[4], a[5]), pack2(a[6], a[7]));
+  }
+  __device__ static __forceinline__ float load_one(const void* p) {
+    return __half2float(__ushort_as_half(__ldcg(static_cast<const unsigned short*>(p))));
+  }
+  __device__ static __forceinline__ void store_one(void* p, float f) {
+    *static_cast<unsigned short*>(p) = __half_as_ushort(__float2half_rn(f));
+  }
+};
+
+struct PullGeometry {
+  int64_t units;        // 16-byte vectors (kVec) or elements per token
+  int64_t per_chunk;    // units one warp handles per item
+  int64_t chunks;       // items per token
+};
+
+template <typename T, bool kVec>
+__host__ __device__ inline PullGeometry pull_geometry(int64_t hidden) {
+  PullGeometry g;
+  g.units = kVec ? hidden / Elem<T>::kPerVec : hidden;
+  g.per_chunk = kVec ? 32 * kPullVecs : 32 * kPullScalars;
+  g.chunks = (g.units + g.per_chunk - 1) / g.per_chunk;
+  return g;
+}
+
+// out[t, chunk c] = sum over the token's sends of the target's combine row, in
+// float32. One warp per (token, chunk) item; two sends' loads in flight at once.
+template <typename T, bool kVec>
+__device__ void pull_item(const CombineParams& p, int t, int64_t c, const PullGeometry& g, int lane) {
+  const int me = p.ws.ep_rank;
+  uint8_t* my_row = row_of(p.ws, me);
+  int target = -1, slot = -1;
+  if (lane < p.top_k) {
+    target = ld_volatile(at<int>(my_row, p.aux.topk_target_ranks) + (int64_t)t * p.aux.topk_stride + lane);
+    slot = ld_volatile(at<int>(my_row, p.aux.topk_send_indices) + (int64_t)t * p.aux.topk_stride + lane);
+  }
+  const bool valid = target >= 0 && target < p.ws.ep_size && slot >= 0 && slot < p.rt;
+  unsigned sends = __ballot_sync(kFullMask, valid);
+  const int64_t row_bytes = p.hidden * (int64_t)sizeof(T);
+  const int64_t unit_bytes = kVec ? 16 : (int64_t)sizeof(T);
+  const int64_t first = c * g.per_chunk;  // first unit of this chunk
+  const uint8_t* region = p.ws.base + p.combine_offset + (int64_t)me * p.rt * row_bytes + first * unit_bytes;
+
+  constexpr int kUnits = kVec ? kPullVecs : kPullScalars;
+  constexpr int kAcc = kVec ? kPullVecs * Elem<T>::kPerVec : kPullScalars;
+  float acc[kAcc];
+#pragma unroll
+  for (int a = 0; a < kAcc; ++a) acc[a] = 0.f;
+
+  while (sends != 0) {
+    const int k0 = __ffs(sends) - 1;
+    sends &= sends - 1;
+    const bool two = sends != 0;
+    const int k1 = two ? __ffs(sends) - 1 : k0;
+    if (two) sends &= sends - 1;
+    const int t0 = __shfl_sync(kFullMask, target, k0), s0 = __shfl_sync(kFullMask, slot, k0);
+    const int t1 = __shfl_sync(kFullMask, target, k1), s1 = __shfl_sync(kFullMask, slot, k1);
+    const uint8_t* src0 = region + (int64_t)t0 * p.ws.row_stride + (int64_t)s0 * row_bytes;
+    const uint8_t* src1 = region + (int64_t)t1 * p.ws.row_stride + (int64_t)s1 * row_bytes;
+    if constexpr (kVec) {
+      uint4 r0[kUnits], r1[kUnits];
+#pragma unroll
+      for (int u = 0; u < kUnits; ++u) {
+        const int64_t v = u * 32 + lane;
+        const bool in = first + v < g.units;
+        r0[u] = in ? __ldcg(reinterpret_cast<const uint4*>(src0) + v) : make_uint4(0, 0, 0, 0);
+        r1[u] = in && two ? __ldcg(reinterpret_cast<const uint4*>(src1) + v) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnits; ++u) {
+        Elem<T>::add(r0[u], acc + u * Elem<T>::kPerVec);
+        Elem<T>::add(r1[u], acc + u * Elem<T>::kPerVec);  // zeros when !two
+      }
+    } else {
+      float r0[kUnits], r1[kUnits];
+#pragma unroll
+      for (int u = 0; u < kUnits; ++u) {
+        const int64_t e = u * 32 + lane;
+        const bool in = first + e < g.units;
+        r0[u] = in ? Elem<T>::load_one(src0 + e * sizeof(T)) : 0.f;
+        r1[u] = in && two ? Elem<T>::load_one(src1 + e * sizeof(T)) : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < kUnits; ++u) acc[u] += r0[u] + r1[u];
+    }
+  }
+
+  uint8_t* out_row = static_cast<uint8_t*>(p.out) + (int64_t)t * row_bytes + first * unit_bytes;
+#pragma unroll
+  for (int u = 0; u < kUnits; ++u) {
+    const int64_t v = u * 32 + lane;
+    if (first + v < g.units) {
+      if constexpr (kVec) {
+        reinterpret_cast<uint4*>(out_row)[v] = Elem<T>::pack(acc + u * Elem<T>::kPerVec);
+      } else {
+        Elem<T>::store_one(out_row + v * sizeof(T), acc[u]);
+      }
+    }
+  }
+}
+
+// Grid: at most as many blocks as can be co-resident within lim.sm_budget SMs
+// (the launcher sizes it), because blocks wait for the flag that the last
+// block of the same grid writes. Phases: stage -> arrive (last block: flags,
+// reset SEND_COUNTERS, FLAG_VAL = R + 1) -> wait for every peer -> pull.
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kCombineThreads) combine_kernel(const CombineParams p) {
+  const int me = p.ws.ep_rank, ep = p.ws.ep_size;
+  uint8_t* my_row = row_of(p.ws, me);
+  int* block_counters = at<int>(my_row, p.aux.block_counters);
+  const int round = ld_volatile(at<int>(my_row, p.aux.flag_val));
+  const int64_t row_bytes = p.hidden * (int64_t)sizeof(T);
+
+  // 1. Stage the rows that were received (RECV_COUNTERS) into the own combine region.
+  if (!p.payload_in_workspace) {
+    const int64_t nthreads = (int64_t)gridDim.x * blockDim.x;
+    const int64_t tid = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    const int* recv = at<int>(my_row, p.aux.recv_counters);
+    for (int s = 0; s < ep; ++s) {
+      int rows = ld_volatile(recv + s);
+      rows = rows < 0 ? 0 : rows > p.rt ? p.rt : rows;
+      const int64_t off = (int64_t)s * p.rt * row_bytes;
+      // rotate the threads per source so that small copies spread over the grid
+      const int64_t my = (tid + (int64_t)s * (nthreads / ep)) % nthreads;
+      copy_bytes(my_row + p.combine_offset + off, p.payload + off, rows * row_bytes, my, nthreads);
+    }
+  }
+
+  // 2. Release; the last block tells every peer that its outputs are ready.
+  const bool last = arrive_last(block_counters + kSlotCombine);
+  if (last) {
+    const int q = threadIdx.x;
+    if (q < ep) {
+      st_release_sys(at<int>(row_of(p.ws, q), p.aux.combine_completion_flags + 4 * (int64_t)me), round);
+      // The next dispatch counts from zero (it cannot zero them itself before its atomics).
+      at<int>(my_row, p.aux.send_counters)[q] = 0;
+    }
+    if (threadIdx.x == 0) *at<int>(my_row, p.aux.flag_val) = round + 1;  // every block read R before arriving
+  }
+
+  // 3. Wait for every peer. Blocks with nothing to pull leave now; the last
+  //    block always waits, so the launch never completes before every peer's
+  //    outputs are ready (the next dispatch relies on that).
+  const PullGeometry g = pull_geometry<T, kVec>(p.hidden);
+  const int64_t items = (int64_t)p.local_num_tokens * g.chunks;
+  const int warps = blockDim.x / 32;
+  const int64_t first_item = (int64_t)blockIdx.x * warps;
+  if (!last && first_item >= items) return;
+  if (!block_wait_flags(at<int>(my_row, p.aux.combine_completion_flags), ep, round, p.ctl, p.ctl.phase_combine,
+                        block_counters + p.aux.block_counter_slots - 1)) {
+    return;
+  }
+
+  // 4. Pull and reduce.
+  const int lane = threadIdx.x % 32;
+  const int64_t nw = (int64_t)gridDim.x * warps;
+  for (int64_t item = first_item + threadIdx.x / 32; item < items; item += nw) {
+    const int t = static_cast<int>(item / g.chunks);
+    const int64_t c = item % g.chunks;
+    pull_item<T, kVec>(p, t, c, g, lane);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Initialize (tests; the daemon initializes rows itself)
+// ---------------------------------------------------------------------------
+__global__ void __launch_bounds__(kInitializeThreads) initialize_kernel(const InitializeParams p) {
+  const int64_t words = p.aux_bytes / 4;
+  int32_t* w = reinterpret_cast<int32_t*>(p.row);
+  const int64_t flag_word = p.flag_val / 4;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < words; i += (int64_t)gridDim.x * blockDim.x) {
+    w[i] = i == flag_word ? p.initial_round : 0;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Host side
+// ---------------------------------------------------------------------------
+struct DeviceInfo {
+  int device;
+  int sms;
+};
+
+std::mutex g_mutex;
+std::vector<DeviceInfo> g_devices;
+std::vector<std::pair<std::pair<int, const void*>, int>> g_occupancy;
+
+cudaError_t current_sms(int* device, int* sms) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return err;
+  return sm_count(*device, sms);
+}
+
+cudaError_t occupancy(int device, const void* fn, int threads, int* out) {
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    for (const auto& e : g_occupancy) {
+      if (e.first.first == device && e.first.second == fn) {
+        *out = e.second;
+        return cudaSuccess;
+      }
+    }
+  }
+  int n = 0;
+  cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, threads, 0);
+  if (err != cudaSuccess) return err;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_occupancy.push_back({{device, fn}, n});
+  *out = n;
+  return cudaSuccess;
+}
+
+// Blocks that fit at once on the SMs this launch may use.
+cudaError_t resident_blocks(const void* fn, int threads, const LaunchLimits& lim, int* out) {
+  int device = 0, sms = 0, occ = 0;
+  cudaError_t err = current_sms(&device, &sms);
+  if (err != cudaSuccess) return err;
+  err = occupancy(device, fn, threads, &occ);
+  if (err != cudaSuccess) return err;
+  if (occ < 1) return cudaErrorLaunchOutOfResources;
+  const int budget = lim.sm_budget > 0 && lim.sm_budget < sms ? lim.sm_budget : sms;
+  *out = budget * occ;
+  return cudaSuccess;
+}
+
+bool valid_workspace(const Workspace& ws) {
+  return ws.base != nullptr && ws.ep_size >= 1 && ws.ep_size <= kMaxEpSize && ws.ep_rank >= 0 &&
+         ws.ep_rank < ws.ep_size && ws.row_stride > 0;
+}
+
+bool valid_aux(const AuxOffsets& a) {
+  return a.topk_stride >= 1 && a.block_counter_slots >= kMinBlockCounterSlots;
+}
+
+bool valid_control(const Control& c) { return c.block != nullptr && c.status_waited_ns % 8 == 0; }
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+cudaError_t sm_count(int device, int* out) {
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    for (const auto& d : g_devices) {
+      if (d.device == device) {
+        *out = d.sms;
+        return cudaSuccess;
+      }
+    }
+  }
+  int n = 0;
+  cudaError_t err = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_devices.push_back({device, n});
+  *out = n;
+  return cudaSuccess;
+}
+
+cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
+  if (!valid_workspace(p.ws) || !valid_aux(p.aux) || !valid_control(p.ctl)) return cudaErrorInvalidValue;
+  if (p.top_k < 1 || p.top_k > kMaxTopK || p.top_k > p.aux.topk_stride || p.num_experts < p.ws.ep_size ||
+      p.local_num_tokens < 0 || p.local_num_tokens > p.rt || p.num_payloads < 0 || p.num_payloads > kMaxPayloads ||
+      (p.local_num_tokens > 0 && p.experts == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  for (int i = 0; i < p.num_payloads; ++i) {
+    if (p.payload_bytes[i] <= 0 || (p.local_num_tokens > 0 && p.payload[i] == nullptr)) return cudaErrorInvalidValue;
+  }
+  int resident = 0;
+  cudaError_t err = resident_blocks(reinterpret_cast<const void*>(&dispatch_kernel), kDispatchThreads, p.lim, &resident);
+  if (err != cudaSuccess) return err;
+  const int64_t want = ceil_div(p.local_num_tokens, kDispatchThreads / 32);
+  const int grid = static_cast<int>(want < 1 ? 1 : want < resident ? want : resident);
+  dispatch_kernel<<<grid, kDispatchThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_sanitize(const SanitizeParams& p, cudaStream_t stream) {
+  if (!valid_workspace(p.ws) || p.ids == nullptr || p.rt < 1 || p.top_k < 1) return cudaErrorInvalidValue;
+  const int64_t n = (int64_t)p.ws.ep_size * p.rt * p.top_k;
+  const int64_t want = ceil_div(n, kSanitizeThreads);
+  const int grid = static_cast<int>(want < 1 ? 1 : want > 1024 ? 1024 : want);
+  sanitize_kernel<<<grid, kSanitizeThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+namespace {
+template <typename T, bool kVec>
+cudaError_t launch_combine_typed(const CombineParams& p, cudaStream_t stream) {
+  const void* fn = reinterpret_cast<const void*>(&combine_kernel<T, kVec>);
+  int resident = 0;
+  cudaError_t err = resident_blocks(fn, kCombineThreads, p.lim, &resident);
+  if (err != cudaSuccess) return err;
+  const PullGeometry g = pull_geometry<T, kVec>(p.hidden);
+  const int64_t row_bytes = p.hidden * (int64_t)sizeof(T);
+  const int64_t pull_blocks = ceil_div((int64_t)p.local_num_tokens * g.chunks, kCombineThreads / 32);
+  const int64_t stage_blocks =
+      p.payload_in_workspace ? 0 : ceil_div((int64_t)p.ws.ep_size * p.rt * row_bytes, kCombineThreads * 16 * kCopyUnroll);
+  int64_t want = pull_blocks > stage_blocks ? pull_blocks : stage_blocks;
+  if (want < 1) want = 1;
+  const int grid = static_cast<int>(want < resident ? want : resident);
+  combine_kernel<T, kVec><<<grid, kCombineThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+}  // namespace
+
+cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream) {
+  if (!valid_workspace(p.ws) || !valid_aux(p.aux) || !valid_control(p.ctl)) return cudaErrorInvalidValue;
+  if (p.top_k < 1 || p.top_k > kMaxTopK || p.top_k > p.aux.topk_stride || p.hidden < 1 || p.rt < 1 ||
+      p.local_num_tokens < 0 || p.local_num_tokens > p.rt || (p.local_num_tokens > 0 && p.out == nullptr) ||
+      (!p.payload_in_workspace && p.payload == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  const int elem = p.dtype == DType::kFloat32 ? 4 : 2;
+  const int64_t row_bytes = p.hidden * elem;
+  const bool vec = row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(p.ws.base + p.combine_offset) % 16 == 0 && p.ws.row_stride % 16 == 0;
+  switch (p.dtype) {
+    case DType::kFloat32:
+      return vec ? launch_combine_typed<float, true>(p, stream) : launch_combine_typed<float, false>(p, stream);
+    case DType::kFloat16:
+      return vec ? launch_combine_typed<__half, true>(p, stream) : launch_combine_typed<__half, false>(p, stream);
+    case DType::kBFloat16:
+      return vec ? launch_combine_typed<__nv_bfloat16, true>(p, stream)
+                 : launch_combine_typed<__nv_bfloat16, false>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_initialize(const InitializeParams& p, cudaStream_t stream) {
+  if (p.row == nullptr || p.aux_bytes < 4 || p.aux_bytes % 4 != 0 || p.flag_val < 0 || p.flag_val % 4 != 0 ||
+      p.flag_val >= p.aux_bytes || reinterpret_cast<uintptr_t>(p.row) % 4 != 0) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t want = ceil_div(p.aux_bytes / 4, kInitializeThreads);
+  const int grid = static_cast<int>(want > 1024 ? 1024 : want);
+  initialize_kernel<<<grid, kInitializeThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace a2ad

@@ -1,0 +1,139 @@
+// a2ad MoE all-to-all kernels: launch interface.
+//
+// Raw pointers, sizes and a cudaStream_t only; no torch. Every offset below is
+// computed by a2ad/layout.py and passed in; nothing here recomputes the layout.
+// The protocol these kernels implement is docs/PROTOCOL.md; how they
+// synchronize is described in csrc/README.md.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace a2ad {
+
+constexpr int kMaxPayloads = 6;   // layout.MAX_PAYLOADS
+constexpr int kMaxTopK = 22;      // layout.MAX_TOP_K (checked against top_k, the stride is passed)
+constexpr int kMaxEpSize = 64;    // layout.MAX_EP_SIZE
+
+// The workspace as the kernels see it: row q (rank q's memory) starts at
+// base + q * row_stride; `me` is this rank.
+struct Workspace {
+  uint8_t* base;
+  int64_t row_stride;
+  int ep_rank;
+  int ep_size;
+};
+
+// Row-relative byte offsets of the aux fields (layout.AuxLayout), plus the
+// row stride (in int32 elements) of the [max_num_tokens, MAX_TOP_K] arrays.
+struct AuxOffsets {
+  int64_t flag_val;
+  int64_t local_token_counter;
+  int64_t send_counters;
+  int64_t recv_counters;
+  int64_t dispatch_completion_flags;
+  int64_t combine_completion_flags;
+  int64_t topk_target_ranks;
+  int64_t topk_send_indices;
+  int64_t block_counters;
+  int topk_stride;            // layout.MAX_TOP_K
+  int block_counter_slots;    // layout.BLOCK_COUNTER_SLOTS
+};
+
+// The job's control block as the kernels see it (host memory registered for
+// GPU access). All offsets are absolute byte offsets into the block, from
+// layout.py (CB_ABORT, status_offset(ep_rank) + STATUS_*); the codes and the
+// phase numbers come from layout.py too.
+struct Control {
+  uint8_t* block;             // device pointer of the registered control block
+  int64_t abort_word;         // u32
+  int64_t status_code;        // u32, written last
+  int64_t status_peer;        // i32
+  int64_t status_round;       // u32
+  int64_t status_phase;       // u32
+  int64_t status_waited_ns;   // u64, 8-byte aligned
+  uint32_t code_timeout;      // layout.STATUS_TIMEOUT
+  uint32_t code_aborted;      // layout.STATUS_ABORTED
+  uint32_t phase_dispatch;    // layout.PHASE_DISPATCH
+  uint32_t phase_combine;     // layout.PHASE_COMBINE
+  uint64_t timeout_ns;        // every spin wait gives up after this long
+};
+
+// How many SMs a launch may assume are its own (0: the whole device). Kernels
+// whose blocks wait on each other (combine) size their grid so that it is
+// co-resident within this many SMs. Several ranks sharing one GPU (tests) must
+// split the SMs between them.
+struct LaunchLimits {
+  int sm_budget;
+};
+
+struct DispatchParams {
+  Workspace ws;
+  AuxOffsets aux;
+  Control ctl;
+  LaunchLimits lim;
+  const int32_t* experts;     // [local_num_tokens, top_k] int32, contiguous, device
+  int local_num_tokens;       // T (<= rt)
+  int top_k;                  // <= kMaxTopK
+  int num_experts;            // >= ep_size
+  int rt;                     // runtime_max_tokens_per_rank
+  int num_payloads;           // <= kMaxPayloads
+  const uint8_t* payload[kMaxPayloads];        // [T, payload_bytes[i]] contiguous, device
+  int64_t payload_bytes[kMaxPayloads];         // bytes per token (> 0, any width)
+  int64_t payload_offset[kMaxPayloads];        // row-relative start of region [ep_size, rt, bytes]
+};
+
+struct SanitizeParams {
+  Workspace ws;
+  AuxOffsets aux;
+  int32_t* ids;               // the received expert-id payload of this rank (a view of its row)
+  int64_t ids_stride_src;     // element strides of ids as [ep_size, rt, top_k]
+  int64_t ids_stride_slot;
+  int64_t ids_stride_k;
+  int rt;
+  int top_k;
+  int32_t invalid_id;
+};
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+struct CombineParams {
+  Workspace ws;
+  AuxOffsets aux;
+  Control ctl;
+  LaunchLimits lim;
+  const uint8_t* payload;     // [ep_size, rt, hidden] contiguous, device; ignored if in workspace
+  bool payload_in_workspace;  // payload already is this rank's combine region
+  void* out;                  // [local_num_tokens, hidden] contiguous, device
+  DType dtype;
+  int64_t hidden;             // elements per token
+  int local_num_tokens;
+  int top_k;
+  int rt;
+  int64_t combine_offset;     // row-relative start of region [ep_size, rt, hidden]
+};
+
+struct InitializeParams {
+  uint8_t* row;               // this rank's row
+  int64_t aux_bytes;          // zero [0, aux_bytes)
+  int64_t flag_val;           // offset of FLAG_VAL
+  int32_t initial_round;      // layout.INITIAL_ROUND
+};
+
+// All launches return the launch error (cudaSuccess when queued); none of them
+// synchronizes the stream.
+cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream);
+cudaError_t launch_sanitize(const SanitizeParams& p, cudaStream_t stream);
+cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream);
+cudaError_t launch_initialize(const InitializeParams& p, cudaStream_t stream);
+
+// Number of SMs of `device` (cached after the first query).
+cudaError_t sm_count(int device, int* out);
+
+}  // namespace a2ad
+
+// The names the brief asks for, as plain aliases.
+inline cudaError_t a2ad_launch_dispatch(const a2ad::DispatchParams& p, cudaStream_t s) { return a2ad::launch_dispatch(p, s); }
+inline cudaError_t a2ad_launch_sanitize(const a2ad::SanitizeParams& p, cudaStream_t s) { return a2ad::launch_sanitize(p, s); }
+inline cudaError_t a2ad_launch_combine(const a2ad::CombineParams& p, cudaStream_t s) { return a2ad::launch_combine(p, s); }
+inline cudaError_t a2ad_launch_initialize(const a2ad::InitializeParams& p, cudaStream_t s) { return a2ad::launch_initialize(p, s); }
