@@ -1,0 +1,68 @@
+"""The layout module: aux offsets, the seed's size formula, payload placement, expert partition."""
+
+import pytest
+
+from a2ad import layout as L
+
+
+def test_aux_fields_are_aligned_and_disjoint():
+    aux = L.aux_layout(8, 1000)
+    offs = aux.metainfo()
+    assert all(o % L.ALIGN == 0 for o in offs)
+    assert offs[L.PAYLOAD_DATA_OFFSET_INDEX] == aux.payload_data
+    ordered = [aux.flag_val, aux.local_token_counter, aux.send_counters, aux.recv_counters,
+               aux.dispatch_completion_flags, aux.combine_completion_flags, aux.topk_target_ranks,
+               aux.topk_send_indices, aux.block_counters, aux.payload_data]
+    assert ordered == sorted(ordered) and len(set(ordered)) == len(ordered)
+    assert aux.topk_send_indices - aux.topk_target_ranks >= 4 * 1000 * L.MAX_TOP_K
+    assert aux.aux_data_size == aux.payload_data + L.ALIGN_SLACK
+
+
+@pytest.mark.parametrize("ep,tokens", [(1, 1), (2, 7), (8, 4096), (64, 33)])
+@pytest.mark.parametrize("widths", [[14400], [1, 3, 5, 7, 11, 13], [16] * 6, [4097, 2]])
+def test_any_payload_set_fits_the_size_formula(ep, tokens, widths):
+    comb = 2 * 7
+    size = L.workspace_size_per_rank(ep, tokens, sum(widths), comb)
+    aux = L.aux_layout(ep, tokens)
+    for rt in (1, max(1, tokens // 2), tokens):
+        pl = L.payload_layout(aux, size, rt, widths, comb)
+        assert all(o % L.ALIGN == 0 for o in pl.dispatch_offsets)
+        assert pl.combine_offset % L.ALIGN == 0
+        assert pl.combine_offset + ep * rt * comb <= size
+        ends = [o + ep * rt * w for o, w in zip(pl.dispatch_offsets, widths)]
+        assert all(e <= n for e, n in zip(ends, pl.dispatch_offsets[1:] + (pl.combine_offset,)))
+
+
+def test_payloads_that_do_not_fit_are_refused():
+    aux = L.aux_layout(2, 16)
+    size = L.workspace_size_per_rank(2, 16, 64, 64)
+    with pytest.raises(L.LayoutError, match="bytes per token"):
+        L.payload_layout(aux, size, 16, [4096])
+    with pytest.raises(L.LayoutError, match="combine"):
+        L.payload_layout(aux, size, 16, [64], 4096)
+    with pytest.raises(L.LayoutError, match="runtime_max_tokens_per_rank"):
+        L.payload_layout(aux, size, 17, [64])
+    with pytest.raises(L.LayoutError, match="at most 6"):
+        L.payload_layout(aux, size, 1, [1] * 7)
+
+
+def test_seed_helper_size():
+    # bf16 hidden + int32 ids + fp32 scales for dispatch, bf16 for combine
+    assert L.moe_workspace_size_per_rank(4, 8, 64, 1024) == L.workspace_size_per_rank(4, 64, 2048 + 64, 2048)
+
+
+@pytest.mark.parametrize(
+    "num_experts, ep, sizes",
+    [(32, 4, [8, 8, 8, 8]), (384, 5, [77, 77, 77, 77, 76]), (6, 4, [2, 2, 1, 1]), (8, 8, [1] * 8)],
+)
+def test_contiguous_partition(num_experts, ep, sizes):
+    owned = [list(L.experts_of_rank(r, num_experts, ep)) for r in range(ep)]
+    assert [len(o) for o in owned] == sizes
+    assert sum(owned, []) == list(range(num_experts))
+    for r, experts in enumerate(owned):
+        assert all(L.expert_owner(e, num_experts, ep) == r for e in experts)
+
+
+def test_partition_refuses_more_ranks_than_experts():
+    with pytest.raises(ValueError):
+        L.expert_partition(3, 4)
