@@ -1,0 +1,234 @@
+"""The CUDA data plane: dispatch / sanitize / combine as CUDA kernels over a mapped workspace.
+
+Same interface as the host data plane (``host_plane.HostPlane``); ``MoeAlltoAll``
+checks its inputs, computes the payload layout (``a2ad.layout.payload_layout``) and
+calls one of them. Everything here is asynchronous on the current CUDA stream:
+no call synchronizes, so dispatch and combine can be captured in CUDA graphs.
+The protocol is docs/PROTOCOL.md; the kernels are csrc/moe_a2a.cu.
+
+Failures: a kernel whose wait on a peer gives up (timeout, or the control
+block's abort word) writes this rank's status record in the control block
+(host memory) and returns. :meth:`CudaPlane.check` reads that record without
+synchronizing and raises the typed error; ``MoeAlltoAll`` calls it at the start
+of every call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from a2ad import errors, layout as L
+
+from . import _ext
+
+
+def aux_offsets(aux: L.AuxLayout) -> list[int]:
+    """The ``aux`` list of the ops, in the order csrc/bindings.cpp documents."""
+    return [
+        aux.flag_val,
+        aux.local_token_counter,
+        aux.send_counters,
+        aux.recv_counters,
+        aux.dispatch_completion_flags,
+        aux.combine_completion_flags,
+        aux.topk_target_ranks,
+        aux.topk_send_indices,
+        aux.block_counters,
+        L.MAX_TOP_K,
+        L.BLOCK_COUNTER_SLOTS,
+    ]
+
+
+def control_fields(ep_rank: int) -> list[int]:
+    """The ``control_fields`` list of the ops for ``ep_rank``'s status record."""
+    rec = L.status_offset(ep_rank)
+    return [
+        L.CB_ABORT,
+        rec + L.STATUS_CODE,
+        rec + L.STATUS_PEER,
+        rec + L.STATUS_ROUND,
+        rec + L.STATUS_PHASE,
+        rec + L.STATUS_WAITED_NS,
+        L.STATUS_TIMEOUT,
+        L.STATUS_ABORTED,
+        L.PHASE_DISPATCH,
+        L.PHASE_COMBINE,
+    ]
+
+
+#: BLOCK_COUNTERS slot the kernels use to elect the one writer of a status record.
+STATUS_CLAIM_SLOT = L.BLOCK_COUNTER_SLOTS - 1
+
+
+def initialize_row(workspace: torch.Tensor, rank: int, aux: L.AuxLayout, initial_round: int = L.INITIAL_ROUND) -> None:
+    """Zero ``rank``'s aux region and set its FLAG_VAL (on the current stream).
+
+    The daemon initializes rows itself; this is for tests that build a job in
+    one process. Every rank of a job must be initialized to the same round.
+    """
+    _ext.load().initialize(workspace, rank, aux.aux_bytes, aux.flag_val, initial_round)
+
+
+def sm_count(device: torch.device | int | None = None) -> int:
+    if device is None:
+        index = torch.cuda.current_device()
+    else:
+        index = device if isinstance(device, int) else (torch.device(device).index or 0)
+    return int(_ext.load().sm_count(index))
+
+
+class CudaPlane:
+    """Dispatch/combine kernels for one rank of an attached job.
+
+    ``att`` is an :class:`a2ad.client.Attachment` (or any object with its
+    attributes) whose ``workspace`` is a CUDA tensor. ``timeout`` (seconds)
+    bounds every wait on a peer inside a kernel. ``sm_budget`` caps the SMs one
+    launch assumes it may occupy (0: all of them); ranks that share one GPU
+    (in-process tests) must split the SMs between them, since combine's blocks
+    wait for each other and its grid is sized to be co-resident.
+    """
+
+    def __init__(self, att, timeout: float, *, sm_budget: int = 0):
+        if not isinstance(att.workspace, torch.Tensor) or att.workspace.device.type != "cuda":
+            raise errors.BackendError("CudaPlane needs a CUDA workspace (the job runs on the host backend?)")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self._ops = _ext.load()
+        self.att = att
+        self.ep_rank = int(att.ep_rank)
+        self.ep_size = int(att.ep_size)
+        self.top_k = int(att.spec["top_k"])
+        self.timeout = float(timeout)
+        self.timeout_ns = max(1, int(self.timeout * 1e9))
+        self.sm_budget = int(sm_budget)
+        self._aux = aux_offsets(att.aux)
+        self._fields = control_fields(self.ep_rank)
+        self._registered: int | None = None  # host address this plane registered itself
+        if att.control_device_ptr is not None:
+            self.control_ptr = int(att.control_device_ptr)
+        else:
+            host = att.control.address()
+            with torch.cuda.device(att.workspace.device):
+                self.control_ptr = int(self._ops.host_register(host, L.CONTROL_BLOCK_SIZE))
+            self._registered = host
+
+    # --- data plane ---------------------------------------------------------------
+    def dispatch(self, experts: torch.Tensor, payloads: list[torch.Tensor], rt: int, pl: L.PayloadLayout,
+                 num_experts: int) -> None:
+        """Route and send this rank's tokens; returns once every peer's tokens are here (on the stream).
+
+        experts: ``[T, top_k]`` int32, contiguous, on the workspace's device.
+        payloads: ``[T, bytes_i]`` uint8 contiguous byte views, one per payload.
+        The received payload i is ``workspace[ep_rank]`` at ``pl.dispatch_offsets[i]``,
+        ``[ep_size, rt, bytes_i]``.
+        """
+        self._ops.dispatch(
+            experts,
+            list(payloads),
+            self.att.workspace,
+            self.ep_rank,
+            self.ep_size,
+            self.top_k,
+            int(num_experts),
+            int(rt),
+            self._aux,
+            [int(o) for o in pl.dispatch_offsets],
+            self.control_ptr,
+            self._fields,
+            self.timeout_ns,
+            self.sm_budget,
+        )
+
+    def sanitize(self, recv_ids: torch.Tensor, rt: int, invalid_id: int) -> None:
+        """Set every id of every slot that received no token to ``invalid_id``.
+
+        recv_ids: ``[ep_size, rt, top_k]`` int32 view of this rank's received expert ids.
+        """
+        self._ops.sanitize(recv_ids, self.att.workspace, self.ep_rank, self.ep_size, self._aux, int(rt), int(invalid_id))
+
+    def combine(self, payload: torch.Tensor, local_num_tokens: int, rt: int, pl: L.PayloadLayout,
+                payload_in_workspace: bool) -> torch.Tensor:
+        """Sum every token's expert outputs from the ranks it was sent to.
+
+        payload: ``[ep_size, rt, hidden]`` bfloat16/float16/float32, the expert outputs
+        for the tokens this rank received (row (s, j): source s, slot j); when
+        ``payload_in_workspace`` it must be this rank's combine region.
+        Returns ``[local_num_tokens, hidden]`` of the payload's dtype.
+        """
+        return self._ops.combine(
+            payload,
+            self.att.workspace,
+            self.ep_rank,
+            self.ep_size,
+            self._aux,
+            int(local_num_tokens),
+            self.top_k,
+            int(rt),
+            int(pl.combine_offset),
+            bool(payload_in_workspace),
+            self.control_ptr,
+            self._fields,
+            self.timeout_ns,
+            self.sm_budget,
+        )
+
+    # --- failures -----------------------------------------------------------------
+    def check(self) -> None:
+        """Raise if a peer was lost or an earlier kernel's wait gave up. Never synchronizes.
+
+        Reads the abort word and this rank's status record from host memory. A
+        kernel still in flight may write its record later; the next call sees it.
+        """
+        cb = self.att.control
+        abort = cb.abort_word
+        rec = cb.status(self.ep_rank)
+        if abort != L.ABORT_NONE:
+            rank = cb.abort_rank
+            if rank < 0 and rec.code != L.STATUS_OK:
+                rank = rec.peer
+            raise errors.PeerLost(
+                f"job {getattr(self.att, 'job', '?')!s}: aborted (reason {abort}) after rank {rank} was lost",
+                rank=rank,
+                generation=cb.generation,
+                reason=abort,
+            )
+        if rec.code == L.STATUS_TIMEOUT:
+            raise errors.PeerTimeout(
+                f"rank {self.ep_rank}: waited {rec.waited_ns / 1e9:.3f} s for rank {rec.peer} in "
+                f"{rec.phase_name} of round {rec.round}",
+                peer=rec.peer,
+                phase=rec.phase_name,
+                round=rec.round,
+                waited_ns=rec.waited_ns,
+            )
+        if rec.code == L.STATUS_ABORTED:
+            raise errors.PeerLost(
+                f"rank {self.ep_rank}: {rec.phase_name} of round {rec.round} was aborted while waiting for "
+                f"rank {rec.peer}",
+                rank=rec.peer,
+                generation=cb.generation,
+            )
+        if rec.code != L.STATUS_OK:
+            raise errors.InternalError(f"rank {self.ep_rank}: unknown status code {rec.code} in the control block")
+
+    def reset_status(self) -> None:
+        """Clear this rank's status record and the kernels' record claim (call only when the job is re-armed).
+
+        The claim is cleared on the current stream, so kernels queued after this
+        call can record a new failure.
+        """
+        self.att.control.clear_status(self.ep_rank)
+        off = self.att.aux.block_counters + 4 * STATUS_CLAIM_SLOT
+        self.att.workspace[self.ep_rank, off : off + 4].zero_()
+
+    def close(self) -> None:
+        """Unregister the control block if this plane registered it. Idempotent."""
+        if self._registered is not None:
+            host, self._registered = self._registered, None
+            self._ops.host_unregister(host)
+
+    def __repr__(self) -> str:
+        return (
+            f"CudaPlane(rank={self.ep_rank}/{self.ep_size}, top_k={self.top_k}, timeout={self.timeout}s, "
+            f"sm_budget={self.sm_budget or 'all'})"
+        )

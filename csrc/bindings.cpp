@@ -1,0 +1,380 @@
+// Torch binding of the a2ad kernels: the only file that includes torch.
+//
+// Registers the ops of namespace `a2ad` (torch.ops.a2ad.*). Tensors are checked
+// here, with messages naming the argument; the kernels get raw pointers and
+// the offsets that a2ad/layout.py computed (passed down as int lists, in the
+// orders documented at `aux_offsets` and `control_fields` below).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+
+#include "moe_a2a.cuh"
+
+namespace {
+
+using at::IntArrayRef;
+using at::Tensor;
+using at::TensorList;
+
+#define A2AD_CHECK_CUDA(expr, what)                                                              \
+  do {                                                                                           \
+    cudaError_t err_ = (expr);                                                                   \
+    TORCH_CHECK(err_ == cudaSuccess, "a2ad: ", what, " failed: ", cudaGetErrorString(err_));     \
+  } while (0)
+
+// aux: [flag_val, local_token_counter, send_counters, recv_counters,
+//       dispatch_completion_flags, combine_completion_flags, topk_target_ranks,
+//       topk_send_indices, block_counters, topk_stride (MAX_TOP_K),
+//       block_counter_slots (BLOCK_COUNTER_SLOTS)]
+constexpr size_t kAuxFields = 11;
+// control_fields: [abort, status_code, status_peer, status_round, status_phase,
+//                  status_waited_ns (absolute offsets in the control block, for
+//                  this rank's record), STATUS_TIMEOUT, STATUS_ABORTED,
+//                  PHASE_DISPATCH, PHASE_COMBINE]
+constexpr size_t kControlFields = 10;
+
+void check_workspace(const Tensor& ws, int64_t ep_rank, int64_t ep_size) {
+  TORCH_CHECK(ws.is_cuda(), "a2ad: workspace must be a CUDA tensor, got device ", ws.device());
+  TORCH_CHECK(ws.scalar_type() == at::kByte, "a2ad: workspace must be uint8, got ", ws.scalar_type());
+  TORCH_CHECK(ws.dim() == 2, "a2ad: workspace must be [ep_size, size_per_rank], got ", ws.dim(), " dims");
+  TORCH_CHECK(ws.stride(1) == 1 && ws.stride(0) >= ws.size(1),
+              "a2ad: workspace rows must be dense and disjoint (stride(1) == 1, stride(0) >= size(1)), got strides ",
+              ws.strides());
+  TORCH_CHECK(ep_size >= 1 && ep_size <= a2ad::kMaxEpSize, "a2ad: ep_size must be in [1, ", a2ad::kMaxEpSize,
+              "], got ", ep_size);
+  TORCH_CHECK(ws.size(0) == ep_size, "a2ad: workspace has ", ws.size(0), " rows, ep_size is ", ep_size);
+  TORCH_CHECK(ep_rank >= 0 && ep_rank < ep_size, "a2ad: ep_rank must be in [0, ", ep_size, "), got ", ep_rank);
+}
+
+void check_same_device(const Tensor& t, const Tensor& ws, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.device() == ws.device(), "a2ad: ", name, " must be on the workspace's device ",
+              ws.device(), ", got ", t.device());
+}
+
+a2ad::Workspace make_workspace(const Tensor& ws, int64_t ep_rank, int64_t ep_size) {
+  a2ad::Workspace w;
+  w.base = static_cast<uint8_t*>(ws.data_ptr());
+  w.row_stride = ws.stride(0);
+  w.ep_rank = static_cast<int>(ep_rank);
+  w.ep_size = static_cast<int>(ep_size);
+  return w;
+}
+
+a2ad::AuxOffsets make_aux(IntArrayRef aux, const Tensor& ws, int64_t ep_size) {
+  TORCH_CHECK(aux.size() == kAuxFields, "a2ad: aux must hold ", kAuxFields, " values, got ", aux.size());
+  const int64_t row = ws.size(1);
+  for (size_t i = 0; i < 9; ++i) {
+    TORCH_CHECK(aux[i] >= 0 && aux[i] % 4 == 0 && aux[i] + 4 <= row, "a2ad: aux offset ", i, " (", aux[i],
+                ") is not an aligned offset inside a row of ", row, " bytes");
+  }
+  for (size_t i : {2, 3, 4, 5}) {
+    TORCH_CHECK(aux[i] + 4 * ep_size <= row, "a2ad: aux field ", i, " of ", ep_size, " counters overruns the row");
+  }
+  TORCH_CHECK(aux[9] >= 1 && aux[9] <= 1024, "a2ad: aux topk_stride must be in [1, 1024], got ", aux[9]);
+  TORCH_CHECK(aux[10] >= 3, "a2ad: aux block_counter_slots must be >= 3, got ", aux[10]);
+  TORCH_CHECK(aux[8] + 4 * aux[10] <= row, "a2ad: aux block counters overrun the row");
+  a2ad::AuxOffsets a;
+  a.flag_val = aux[0];
+  a.local_token_counter = aux[1];
+  a.send_counters = aux[2];
+  a.recv_counters = aux[3];
+  a.dispatch_completion_flags = aux[4];
+  a.combine_completion_flags = aux[5];
+  a.topk_target_ranks = aux[6];
+  a.topk_send_indices = aux[7];
+  a.block_counters = aux[8];
+  a.topk_stride = static_cast<int>(aux[9]);
+  a.block_counter_slots = static_cast<int>(aux[10]);
+  return a;
+}
+
+void check_topk_rows(const a2ad::AuxOffsets& a, const Tensor& ws, int64_t tokens) {
+  const int64_t need = 4 * tokens * a.topk_stride;
+  TORCH_CHECK(a.topk_target_ranks + need <= ws.size(1) && a.topk_send_indices + need <= ws.size(1),
+              "a2ad: the routing arrays for ", tokens, " tokens overrun the row");
+}
+
+a2ad::Control make_control(int64_t control, IntArrayRef f, int64_t timeout_ns) {
+  TORCH_CHECK(control != 0, "a2ad: control (the control block's device pointer) must be set");
+  TORCH_CHECK(f.size() == kControlFields, "a2ad: control_fields must hold ", kControlFields, " values, got ",
+              f.size());
+  for (size_t i = 0; i < 6; ++i) {
+    TORCH_CHECK(f[i] >= 0 && f[i] % 4 == 0, "a2ad: control field offset ", i, " (", f[i], ") must be 4-aligned");
+  }
+  TORCH_CHECK(f[5] % 8 == 0, "a2ad: status_waited_ns offset (", f[5], ") must be 8-aligned");
+  TORCH_CHECK(timeout_ns > 0, "a2ad: timeout_ns must be > 0, got ", timeout_ns);
+  a2ad::Control c;
+  c.block = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(control));
+  c.abort_word = f[0];
+  c.status_code = f[1];
+  c.status_peer = f[2];
+  c.status_round = f[3];
+  c.status_phase = f[4];
+  c.status_waited_ns = f[5];
+  c.code_timeout = static_cast<uint32_t>(f[6]);
+  c.code_aborted = static_cast<uint32_t>(f[7]);
+  c.phase_dispatch = static_cast<uint32_t>(f[8]);
+  c.phase_combine = static_cast<uint32_t>(f[9]);
+  c.timeout_ns = static_cast<uint64_t>(timeout_ns);
+  return c;
+}
+
+cudaStream_t current_stream(const Tensor& ws) { return c10::cuda::getCurrentCUDAStream(ws.device().index()).stream(); }
+
+// --- ops -------------------------------------------------------------------------
+
+void dispatch_cuda(const Tensor& experts, TensorList payloads, Tensor& workspace, int64_t ep_rank, int64_t ep_size,
+                   int64_t top_k, int64_t num_experts, int64_t rt, IntArrayRef aux, IntArrayRef payload_offsets,
+                   int64_t control, IntArrayRef control_fields, int64_t timeout_ns, int64_t sm_budget) {
+  check_workspace(workspace, ep_rank, ep_size);
+  c10::cuda::CUDAGuard guard(workspace.device());
+  check_same_device(experts, workspace, "token_selected_experts");
+  TORCH_CHECK(experts.scalar_type() == at::kInt, "a2ad: token_selected_experts must be int32, got ",
+              experts.scalar_type());
+  TORCH_CHECK(experts.dim() == 2, "a2ad: token_selected_experts must be [num_tokens, top_k], got ", experts.sizes());
+  TORCH_CHECK(experts.is_contiguous(), "a2ad: token_selected_experts must be contiguous");
+  TORCH_CHECK(top_k >= 1 && top_k <= a2ad::kMaxTopK, "a2ad: top_k must be in [1, ", a2ad::kMaxTopK, "], got ", top_k);
+  TORCH_CHECK(experts.size(1) == top_k, "a2ad: token_selected_experts has ", experts.size(1), " columns, top_k is ",
+              top_k);
+  TORCH_CHECK(num_experts >= ep_size, "a2ad: num_experts (", num_experts, ") must be >= ep_size (", ep_size, ")");
+  TORCH_CHECK(num_experts <= INT32_MAX, "a2ad: num_experts too large: ", num_experts);
+  const int64_t tokens = experts.size(0);
+  TORCH_CHECK(rt >= 1 && rt <= INT32_MAX, "a2ad: runtime_max_tokens_per_rank must be >= 1, got ", rt);
+  TORCH_CHECK(tokens <= rt, "a2ad: token_selected_experts has ", tokens,
+              " tokens, more than runtime_max_tokens_per_rank=", rt);
+  const a2ad::AuxOffsets a = make_aux(aux, workspace, ep_size);
+  TORCH_CHECK(top_k <= a.topk_stride, "a2ad: top_k (", top_k, ") exceeds the routing arrays' width ", a.topk_stride);
+  check_topk_rows(a, workspace, tokens);
+  TORCH_CHECK(payloads.size() <= static_cast<size_t>(a2ad::kMaxPayloads), "a2ad: at most ", a2ad::kMaxPayloads,
+              " payloads, got ", payloads.size());
+  TORCH_CHECK(payload_offsets.size() == payloads.size(), "a2ad: ", payloads.size(), " payloads but ",
+              payload_offsets.size(), " payload offsets");
+
+  a2ad::DispatchParams p{};
+  p.ws = make_workspace(workspace, ep_rank, ep_size);
+  p.aux = a;
+  p.ctl = make_control(control, control_fields, timeout_ns);
+  p.lim.sm_budget = static_cast<int>(sm_budget);
+  p.experts = experts.data_ptr<int32_t>();
+  p.local_num_tokens = static_cast<int>(tokens);
+  p.top_k = static_cast<int>(top_k);
+  p.num_experts = static_cast<int>(num_experts);
+  p.rt = static_cast<int>(rt);
+  p.num_payloads = static_cast<int>(payloads.size());
+  for (size_t i = 0; i < payloads.size(); ++i) {
+    const Tensor& t = payloads[i];
+    check_same_device(t, workspace, "input_payloads[i]");
+    TORCH_CHECK(t.scalar_type() == at::kByte, "a2ad: input_payloads[", i, "] must be a uint8 byte view, got ",
+                t.scalar_type());
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == tokens, "a2ad: input_payloads[", i, "] must be [", tokens,
+                ", bytes_per_token], got ", t.sizes());
+    TORCH_CHECK(t.is_contiguous(), "a2ad: input_payloads[", i, "] must be contiguous");
+    const int64_t nb = t.size(1);
+    TORCH_CHECK(nb > 0, "a2ad: input_payloads[", i, "] has 0 bytes per token");
+    const int64_t off = payload_offsets[i];
+    TORCH_CHECK(off >= 0 && off + ep_size * rt * nb <= workspace.size(1), "a2ad: input_payloads[", i, "] region [",
+                off, ", +", ep_size * rt * nb, ") does not fit a row of ", workspace.size(1), " bytes");
+    p.payload[i] = static_cast<const uint8_t*>(t.data_ptr());
+    p.payload_bytes[i] = nb;
+    p.payload_offset[i] = off;
+  }
+  A2AD_CHECK_CUDA(a2ad::launch_dispatch(p, current_stream(workspace)), "dispatch launch");
+}
+
+void sanitize_cuda(Tensor& recv_ids, const Tensor& workspace, int64_t ep_rank, int64_t ep_size, IntArrayRef aux,
+                   int64_t rt, int64_t invalid_id) {
+  check_workspace(workspace, ep_rank, ep_size);
+  c10::cuda::CUDAGuard guard(workspace.device());
+  check_same_device(recv_ids, workspace, "recv_ids");
+  TORCH_CHECK(recv_ids.scalar_type() == at::kInt, "a2ad: recv_ids must be int32, got ", recv_ids.scalar_type());
+  TORCH_CHECK(recv_ids.dim() == 3 && recv_ids.size(0) == ep_size && recv_ids.size(1) == rt,
+              "a2ad: recv_ids must be [ep_size=", ep_size, ", runtime_max_tokens_per_rank=", rt, ", top_k], got ",
+              recv_ids.sizes());
+  TORCH_CHECK(recv_ids.size(2) >= 1, "a2ad: recv_ids has no expert columns");
+  TORCH_CHECK(invalid_id >= INT32_MIN && invalid_id <= INT32_MAX, "a2ad: invalid_token_expert_id does not fit int32");
+  a2ad::SanitizeParams p{};
+  p.ws = make_workspace(workspace, ep_rank, ep_size);
+  p.aux = make_aux(aux, workspace, ep_size);
+  p.ids = recv_ids.data_ptr<int32_t>();
+  p.ids_stride_src = recv_ids.stride(0);
+  p.ids_stride_slot = recv_ids.stride(1);
+  p.ids_stride_k = recv_ids.stride(2);
+  p.rt = static_cast<int>(rt);
+  p.top_k = static_cast<int>(recv_ids.size(2));
+  p.invalid_id = static_cast<int32_t>(invalid_id);
+  A2AD_CHECK_CUDA(a2ad::launch_sanitize(p, current_stream(workspace)), "sanitize launch");
+}
+
+Tensor combine_cuda(const Tensor& payload, Tensor& workspace, int64_t ep_rank, int64_t ep_size, IntArrayRef aux,
+                    int64_t local_num_tokens, int64_t top_k, int64_t rt, int64_t combine_offset,
+                    bool payload_in_workspace, int64_t control, IntArrayRef control_fields, int64_t timeout_ns,
+                    int64_t sm_budget) {
+  check_workspace(workspace, ep_rank, ep_size);
+  c10::cuda::CUDAGuard guard(workspace.device());
+  check_same_device(payload, workspace, "payload");
+  a2ad::DType dtype;
+  switch (payload.scalar_type()) {
+    case at::kFloat: dtype = a2ad::DType::kFloat32; break;
+    case at::kHalf: dtype = a2ad::DType::kFloat16; break;
+    case at::kBFloat16: dtype = a2ad::DType::kBFloat16; break;
+    default: TORCH_CHECK(false, "a2ad: payload must be bfloat16, float16 or float32, got ", payload.scalar_type());
+  }
+  TORCH_CHECK(rt >= 1 && rt <= INT32_MAX, "a2ad: runtime_max_tokens_per_rank must be >= 1, got ", rt);
+  TORCH_CHECK(payload.dim() == 3 && payload.size(0) == ep_size && payload.size(1) == rt,
+              "a2ad: payload must be [ep_size=", ep_size, ", runtime_max_tokens_per_rank=", rt, ", hidden], got ",
+              payload.sizes());
+  const int64_t hidden = payload.size(2);
+  TORCH_CHECK(hidden >= 1, "a2ad: payload has hidden size 0");
+  TORCH_CHECK(local_num_tokens >= 0 && local_num_tokens <= rt, "a2ad: local_num_tokens must be in [0, ", rt,
+              "], got ", local_num_tokens);
+  TORCH_CHECK(top_k >= 1 && top_k <= a2ad::kMaxTopK, "a2ad: top_k must be in [1, ", a2ad::kMaxTopK, "], got ", top_k);
+  const a2ad::AuxOffsets a = make_aux(aux, workspace, ep_size);
+  TORCH_CHECK(top_k <= a.topk_stride, "a2ad: top_k (", top_k, ") exceeds the routing arrays' width ", a.topk_stride);
+  check_topk_rows(a, workspace, local_num_tokens);
+  const int64_t region = ep_size * rt * hidden * payload.element_size();
+  TORCH_CHECK(combine_offset >= 0 && combine_offset + region <= workspace.size(1), "a2ad: combine region [",
+              combine_offset, ", +", region, ") does not fit a row of ", workspace.size(1), " bytes");
+  TORCH_CHECK(payload.is_contiguous(), "a2ad: payload must be contiguous [ep_size, rt, hidden]");
+  if (payload_in_workspace) {
+    const auto* expect = static_cast<const uint8_t*>(workspace.data_ptr()) + ep_rank * workspace.stride(0) +
+                         combine_offset;
+    TORCH_CHECK(static_cast<const uint8_t*>(payload.data_ptr()) == expect,
+                "a2ad: payload_in_workspace=True but payload is not this rank's combine region "
+                "(use get_combine_payload_tensor_in_workspace)");
+  }
+  Tensor out = at::empty({local_num_tokens, hidden}, payload.options().memory_format(at::MemoryFormat::Contiguous));
+  a2ad::CombineParams p{};
+  p.ws = make_workspace(workspace, ep_rank, ep_size);
+  p.aux = a;
+  p.ctl = make_control(control, control_fields, timeout_ns);
+  p.lim.sm_budget = static_cast<int>(sm_budget);
+  p.payload = static_cast<const uint8_t*>(payload.data_ptr());
+  p.payload_in_workspace = payload_in_workspace;
+  p.out = out.data_ptr();
+  p.dtype = dtype;
+  p.hidden = hidden;
+  p.local_num_tokens = static_cast<int>(local_num_tokens);
+  p.top_k = static_cast<int>(top_k);
+  p.rt = static_cast<int>(rt);
+  p.combine_offset = combine_offset;
+  A2AD_CHECK_CUDA(a2ad::launch_combine(p, current_stream(workspace)), "combine launch");
+  return out;
+}
+
+void initialize_cuda(Tensor& workspace, int64_t rank, int64_t aux_bytes, int64_t flag_offset, int64_t initial_round) {
+  check_workspace(workspace, rank, workspace.size(0));
+  c10::cuda::CUDAGuard guard(workspace.device());
+  TORCH_CHECK(aux_bytes >= 4 && aux_bytes % 4 == 0 && aux_bytes <= workspace.size(1),
+              "a2ad: aux_bytes must be a multiple of 4 within the row, got ", aux_bytes);
+  TORCH_CHECK(flag_offset >= 0 && flag_offset % 4 == 0 && flag_offset < aux_bytes,
+              "a2ad: flag_offset must be an aligned offset inside the aux region, got ", flag_offset);
+  a2ad::InitializeParams p{};
+  p.row = static_cast<uint8_t*>(workspace.data_ptr()) + rank * workspace.stride(0);
+  p.aux_bytes = aux_bytes;
+  p.flag_val = flag_offset;
+  p.initial_round = static_cast<int32_t>(initial_round);
+  A2AD_CHECK_CUDA(a2ad::launch_initialize(p, current_stream(workspace)), "initialize launch");
+}
+
+// --- fake (meta) implementations: shapes only, for torch.compile and graph capture ---
+
+void dispatch_meta(const Tensor&, TensorList, Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, IntArrayRef,
+                   IntArrayRef, int64_t, IntArrayRef, int64_t, int64_t) {}
+
+void sanitize_meta(Tensor&, const Tensor&, int64_t, int64_t, IntArrayRef, int64_t, int64_t) {}
+
+Tensor combine_meta(const Tensor& payload, Tensor&, int64_t, int64_t, IntArrayRef, int64_t local_num_tokens, int64_t,
+                    int64_t, int64_t, bool, int64_t, IntArrayRef, int64_t, int64_t) {
+  TORCH_CHECK(payload.dim() == 3, "a2ad: payload must be [ep_size, rt, hidden], got ", payload.sizes());
+  return at::empty({local_num_tokens, payload.size(2)}, payload.options());
+}
+
+void initialize_meta(Tensor&, int64_t, int64_t, int64_t, int64_t) {}
+
+// --- host helpers (no tensors) ---------------------------------------------------
+
+std::mutex g_registered_mutex;
+std::map<uintptr_t, std::pair<int64_t, int>> g_registered;  // host ptr -> (device ptr, refcount)
+
+// Register host memory (the control block) for GPU access; returns its device
+// pointer. Registering the same address again returns the same pointer
+// (reference counted).
+int64_t host_register(int64_t ptr, int64_t size) {
+  TORCH_CHECK(ptr != 0, "a2ad: host_register: ptr is null");
+  TORCH_CHECK(size > 0, "a2ad: host_register: size must be > 0, got ", size);
+  std::lock_guard<std::mutex> lock(g_registered_mutex);
+  auto it = g_registered.find(static_cast<uintptr_t>(ptr));
+  if (it != g_registered.end()) {
+    it->second.second += 1;
+    return it->second.first;
+  }
+  void* host = reinterpret_cast<void*>(static_cast<uintptr_t>(ptr));
+  A2AD_CHECK_CUDA(cudaHostRegister(host, static_cast<size_t>(size), cudaHostRegisterMapped | cudaHostRegisterPortable),
+                  "cudaHostRegister of the control block");
+  void* dev = nullptr;
+  cudaError_t err = cudaHostGetDevicePointer(&dev, host, 0);
+  if (err != cudaSuccess) {
+    cudaHostUnregister(host);
+    TORCH_CHECK(false, "a2ad: cudaHostGetDevicePointer of the control block failed: ", cudaGetErrorString(err));
+  }
+  const auto d = static_cast<int64_t>(reinterpret_cast<uintptr_t>(dev));
+  g_registered[static_cast<uintptr_t>(ptr)] = {d, 1};
+  return d;
+}
+
+void host_unregister(int64_t ptr) {
+  std::lock_guard<std::mutex> lock(g_registered_mutex);
+  auto it = g_registered.find(static_cast<uintptr_t>(ptr));
+  TORCH_CHECK(it != g_registered.end(), "a2ad: host_unregister: ", ptr, " was not registered by host_register");
+  if (--it->second.second > 0) return;
+  g_registered.erase(it);
+  A2AD_CHECK_CUDA(cudaHostUnregister(reinterpret_cast<void*>(static_cast<uintptr_t>(ptr))),
+                  "cudaHostUnregister of the control block");
+}
+
+int64_t sm_count(int64_t device) {
+  int n = 0;
+  A2AD_CHECK_CUDA(a2ad::sm_count(static_cast<int>(device), &n), "SM count query");
+  return n;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(a2ad, m) {
+  m.def(
+      "dispatch(Tensor experts, Tensor[] payloads, Tensor(a!) workspace, int ep_rank, int ep_size, int top_k, "
+      "int num_experts, int rt, int[] aux, int[] payload_offsets, int control, int[] control_fields, "
+      "int timeout_ns, int sm_budget) -> ()");
+  m.def(
+      "sanitize(Tensor(a!) recv_ids, Tensor workspace, int ep_rank, int ep_size, int[] aux, int rt, "
+      "int invalid_id) -> ()");
+  m.def(
+      "combine(Tensor payload, Tensor(a!) workspace, int ep_rank, int ep_size, int[] aux, int local_num_tokens, "
+      "int top_k, int rt, int combine_offset, bool payload_in_workspace, int control, int[] control_fields, "
+      "int timeout_ns, int sm_budget) -> Tensor");
+  m.def("initialize(Tensor(a!) workspace, int rank, int aux_bytes, int flag_offset, int initial_round) -> ()");
+  m.def("host_register(int ptr, int size) -> int", &host_register);
+  m.def("host_unregister(int ptr) -> ()", &host_unregister);
+  m.def("sm_count(int device) -> int", &sm_count);
+}
+
+TORCH_LIBRARY_IMPL(a2ad, CUDA, m) {
+  m.impl("dispatch", &dispatch_cuda);
+  m.impl("sanitize", &sanitize_cuda);
+  m.impl("combine", &combine_cuda);
+  m.impl("initialize", &initialize_cuda);
+}
+
+TORCH_LIBRARY_IMPL(a2ad, Meta, m) {
+  m.impl("dispatch", &dispatch_meta);
+  m.impl("sanitize", &sanitize_meta);
+  m.impl("combine", &combine_meta);
+  m.impl("initialize", &initialize_meta);
+}

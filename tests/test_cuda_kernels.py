@@ -1,0 +1,616 @@
+"""GPU tests of the CUDA data plane (csrc/moe_a2a.cu through client/cuda_plane.py), no daemon.
+
+Every test builds a whole job inside this process on one GPU: one contiguous
+``[ep_size, row_stride]`` workspace (row q plays rank q's memory), a control
+block in page-aligned host memory registered with the extension's helper, and
+one CudaPlane and one CUDA stream per rank. Ranks run concurrently on their own
+streams, exactly as separate processes would, so waits between ranks are real.
+The SMs are split between the ranks (``sm_budget``) because combine sizes its
+grid to be co-resident.
+"""
+
+from __future__ import annotations
+
+import mmap
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from a2ad import errors, layout as L
+from a2ad.control import ControlBlock
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _ops():
+    from a2ad.client import _ext
+
+    return _ext.load()
+
+
+# ---------------------------------------------------------------------------
+# An in-process job
+# ---------------------------------------------------------------------------
+class Job:
+    """``ep_size`` ranks of one job on one GPU, each with its stream and CudaPlane."""
+
+    def __init__(self, ep_size, max_tokens, top_k, num_experts, dispatch_bytes, combine_bytes, timeout=20.0):
+        from a2ad.client.cuda_plane import CudaPlane, initialize_row, sm_count
+
+        self.ep_size, self.max_tokens, self.top_k, self.num_experts = ep_size, max_tokens, top_k, num_experts
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.aux = L.aux_layout(ep_size, max_tokens)
+        self.size = L.workspace_size_per_rank(ep_size, max_tokens, dispatch_bytes, combine_bytes)
+        self.row_stride = L.pad_up(self.size, 1 << 16)
+        self._buf = torch.empty(ep_size * self.row_stride, dtype=torch.uint8, device=self.device)
+        self._buf.fill_(0xA5)  # payload areas start as garbage, never as zeros
+        self.ws = self._buf.as_strided((ep_size, self.size), (self.row_stride, 1))
+        self._mm = mmap.mmap(-1, L.CONTROL_BLOCK_SIZE)
+        self.control = ControlBlock(self._mm, owner=self._mm)
+        self.control.initialize(ep_size)
+        self._host = self.control.address()
+        self.control_ptr = _ops().host_register(self._host, L.CONTROL_BLOCK_SIZE)
+        self.streams = [torch.cuda.Stream() for _ in range(ep_size)]
+        self.budget = max(1, sm_count() // (ep_size + 1))
+        self.planes = [CudaPlane(self.att(r), timeout, sm_budget=self.budget) for r in range(ep_size)]
+        for r in range(ep_size):
+            initialize_row(self.ws, r, self.aux)
+        torch.cuda.synchronize()
+
+    def att(self, rank):
+        return SimpleNamespace(
+            job="test",
+            ep_rank=rank,
+            ep_size=self.ep_size,
+            spec={"max_num_tokens": self.max_tokens, "top_k": self.top_k, "num_experts": self.num_experts},
+            backend="cuda",
+            device=self.device,
+            workspace=self.ws,
+            size_per_rank=self.size,
+            row_stride=self.row_stride,
+            aux=self.aux,
+            control=self.control,
+            control_device_ptr=self.control_ptr,
+            generation=0,
+        )
+
+    def close(self):
+        torch.cuda.synchronize()
+        for p in self.planes:
+            p.close()
+        _ops().host_unregister(self._host)
+        self.control.close()
+
+    def rearm(self):
+        """What the daemon does job-wide after a failure: every row re-initialized, records cleared."""
+        from a2ad.client.cuda_plane import initialize_row
+
+        torch.cuda.synchronize()
+        self.control.clear_abort()
+        for r in range(self.ep_size):
+            initialize_row(self.ws, r, self.aux)
+            self.planes[r].reset_status()
+        torch.cuda.synchronize()
+
+    # --- views ------------------------------------------------------------------
+    def i32(self, rank, offset, n):
+        return self.ws[rank, offset : offset + 4 * n].view(torch.int32)
+
+    def recv_counts(self, rank):
+        return self.i32(rank, self.aux.recv_counters, self.ep_size).cpu()
+
+    def flag_val(self, rank):
+        return int(self.i32(rank, self.aux.flag_val, 1).item())
+
+    def region(self, rank, offset, nbytes):
+        """``[ep_size, rt, nbytes]`` uint8 view of a payload region of ``rank``'s row."""
+        rt = self.rt
+        return self.ws[rank, offset : offset + self.ep_size * rt * nbytes].view(self.ep_size, rt, nbytes)
+
+    def layout(self, rt, widths, combine_bytes=0):
+        self.rt = rt
+        return L.payload_layout(self.aux, self.size, rt, widths, combine_bytes)
+
+    # --- running ranks on their streams ------------------------------------------
+    def on_ranks(self, fn, ranks=None):
+        """Run fn(rank) for each rank with that rank's stream current; returns the results."""
+        main = torch.cuda.current_stream()
+        out = {}
+        for r in ranks if ranks is not None else range(self.ep_size):
+            s = self.streams[r]
+            s.wait_stream(main)
+            with torch.cuda.stream(s):
+                out[r] = fn(r)
+        return out
+
+    def join(self, ranks=None):
+        main = torch.cuda.current_stream()
+        for r in ranks if ranks is not None else range(self.ep_size):
+            main.wait_stream(self.streams[r])
+
+
+@pytest.fixture
+def make_job():
+    jobs = []
+
+    def make(*args, **kwargs):
+        j = Job(*args, **kwargs)
+        jobs.append(j)
+        return j
+
+    yield make
+    for j in jobs:
+        j.close()
+
+
+# ---------------------------------------------------------------------------
+# CPU references
+# ---------------------------------------------------------------------------
+def owners(num_experts, ep_size):
+    return [L.expert_owner(e, num_experts, ep_size) for e in range(num_experts)]
+
+
+def routes(experts_cpu, num_experts, ep_size):
+    """Per token, its distinct target ranks in first-appearance order (invalid ids skipped)."""
+    own = owners(num_experts, ep_size)
+    out = []
+    for row in experts_cpu.tolist():
+        seen = []
+        for e in row:
+            if 0 <= e < num_experts and own[e] not in seen:
+                seen.append(own[e])
+        out.append(seen)
+    return out
+
+
+def rand_experts(T, top_k, num_experts, gen=None, device="cuda"):
+    return torch.randint(0, num_experts, (T, top_k), dtype=torch.int32, device=device, generator=gen)
+
+
+def rand_bytes(T, nbytes, device="cuda"):
+    return torch.randint(0, 256, (T, nbytes), dtype=torch.uint8, device=device)
+
+
+def check_dispatch(job, experts, payloads, pl):
+    """Byte-exact check of every received region, the counters and the routing arrays."""
+    ep, rt = job.ep_size, pl.runtime_max_tokens_per_rank
+    torch.cuda.synchronize()
+    own = owners(job.num_experts, ep)
+    route = {s: routes(experts[s].cpu(), job.num_experts, ep) for s in range(ep)}
+    regions = {
+        (r, i): job.region(r, off, pl.dispatch_bytes_per_token[i]).cpu()
+        for r in range(ep)
+        for i, off in enumerate(pl.dispatch_offsets)
+    }
+    sent = {(s, i): payloads[s][i].cpu() for s in range(ep) for i in range(len(pl.dispatch_offsets))}
+    for r in range(ep):
+        counts = job.recv_counts(r)
+        for s in range(ep):
+            tokens = [t for t, tg in enumerate(route[s]) if r in tg]
+            assert counts[s].item() == len(tokens), f"rank {r}: RECV_COUNTERS[{s}]"
+            for i in range(len(pl.dispatch_offsets)):
+                got = regions[r, i][s, : len(tokens)]
+                want = sent[s, i][tokens] if tokens else got[:0]
+                assert sorted(map(bytes, got.numpy())) == sorted(map(bytes, want.numpy())), (
+                    f"rank {r} payload {i}: rows from source {s} differ (as sets)"
+                )
+    # routing arrays: each send names a slot at its target holding exactly that token's row;
+    # repeats and out-of-range expert ids are -1
+    for s in range(ep):
+        T = experts[s].shape[0]
+        tgt = job.i32(s, job.aux.topk_target_ranks, T * L.MAX_TOP_K).view(T, L.MAX_TOP_K)[:, : job.top_k].cpu()
+        slot = job.i32(s, job.aux.topk_send_indices, T * L.MAX_TOP_K).view(T, L.MAX_TOP_K)[:, : job.top_k].cpu()
+        ex = experts[s].cpu().tolist()
+        for t in range(T):
+            seen = set()
+            for k in range(job.top_k):
+                e = ex[t][k]
+                q = own[e] if 0 <= e < job.num_experts else None
+                if q is None or q in seen:
+                    assert tgt[t, k] == -1 and slot[t, k] == -1, f"source {s} token {t} k {k}: not marked -1"
+                    continue
+                seen.add(q)
+                assert tgt[t, k] == q, f"source {s} token {t} k {k}: target"
+                j = slot[t, k].item()
+                assert 0 <= j < rt
+                for i in range(len(pl.dispatch_offsets)):
+                    assert torch.equal(regions[q, i][s, j], sent[s, i][t]), f"source {s} token {t} payload {i}"
+
+
+def expert_weight(q):
+    """The test's expert computation on rank q multiplies every received row by this."""
+    return float(q + 1)
+
+
+def run_round(job, experts, payloads, pl, hidden_index, dtype, in_workspace=False):
+    """dispatch -> expert computation (row * expert_weight(rank)) -> combine; returns outputs per rank."""
+    ep, rt = job.ep_size, pl.runtime_max_tokens_per_rank
+    nb = pl.dispatch_bytes_per_token[hidden_index]
+    hidden = nb // torch.tensor([], dtype=dtype).element_size()
+    hb = hidden * torch.tensor([], dtype=dtype).element_size()
+
+    def dispatch(r):
+        job.planes[r].dispatch(experts[r], payloads[r], rt, pl, job.num_experts)
+
+    def expert_and_combine(r):
+        recv = job.region(r, pl.dispatch_offsets[hidden_index], nb).view(dtype)
+        if in_workspace:
+            comb = job.region(r, pl.combine_offset, hb).view(dtype)
+            torch.mul(recv, expert_weight(r), out=comb)
+        else:
+            comb = (recv.float() * expert_weight(r)).to(dtype)
+        return job.planes[r].combine(comb, experts[r].shape[0], rt, pl, in_workspace)
+
+    job.on_ranks(dispatch)
+    outs = job.on_ranks(expert_and_combine)
+    job.join()
+    return outs
+
+
+def combine_reference(job, experts, x):
+    """float64: out[t] = x[t] * sum over the token's distinct targets q of expert_weight(q)."""
+    route = routes(experts.cpu(), job.num_experts, job.ep_size)
+    w = torch.tensor([sum(expert_weight(q) for q in tg) for tg in route], dtype=torch.float64)
+    return x.cpu().double() * w[:, None]
+
+
+def tol(dtype):
+    return {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dtype]
+
+
+# ---------------------------------------------------------------------------
+# Tests
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("ep_size,top_k,num_experts", [(2, 2, 8), (4, 8, 32), (8, 8, 256), (5, 6, 384)])
+def test_dispatch_byte_exact_and_combine(make_job, ep_size, top_k, num_experts):
+    T, hidden, dtype = 48, 256, torch.bfloat16
+    widths = [2 * hidden, 4 * top_k, 4 * top_k]
+    job = make_job(ep_size, 64, top_k, num_experts, sum(widths), 2 * hidden)
+    pl = job.layout(56, widths, 2 * hidden)
+    experts = [rand_experts(T, top_k, num_experts) for _ in range(ep_size)]
+    xs = [torch.randn(T, hidden, device="cuda").to(dtype) for _ in range(ep_size)]
+    payloads = [
+        [xs[r].view(torch.uint8), experts[r].view(torch.uint8), torch.rand(T, top_k, device="cuda").view(torch.uint8)]
+        for r in range(ep_size)
+    ]
+    outs = run_round(job, experts, payloads, pl, 0, dtype)
+    check_dispatch(job, experts, payloads, pl)
+    for r in range(ep_size):
+        ref = combine_reference(job, experts[r], xs[r])
+        assert outs[r].dtype == dtype and outs[r].shape == (T, hidden)
+        torch.testing.assert_close(outs[r].double().cpu(), ref, rtol=tol(dtype), atol=tol(dtype))
+        assert job.flag_val(r) == L.INITIAL_ROUND + 1
+        job.planes[r].check()  # no failure recorded
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("in_workspace", [False, True])
+def test_combine_dtypes(make_job, dtype, in_workspace):
+    dtype = DTYPES[dtype]
+    ep_size, top_k, num_experts, T, hidden = 4, 4, 16, 40, 1024
+    es = torch.tensor([], dtype=dtype).element_size()
+    job = make_job(ep_size, 40, top_k, num_experts, es * hidden, es * hidden)
+    pl = job.layout(40, [es * hidden], es * hidden)
+    experts = [rand_experts(T, top_k, num_experts) for _ in range(ep_size)]
+    xs = [torch.randn(T, hidden, device="cuda").to(dtype) for _ in range(ep_size)]
+    payloads = [[xs[r].view(torch.uint8)] for r in range(ep_size)]
+    outs = run_round(job, experts, payloads, pl, 0, dtype, in_workspace=in_workspace)
+    for r in range(ep_size):
+        torch.testing.assert_close(
+            outs[r].double().cpu(), combine_reference(job, experts[r], xs[r]), rtol=tol(dtype), atol=tol(dtype)
+        )
+
+
+def test_sanitize(make_job):
+    ep_size, top_k, num_experts, rt = 4, 8, 32, 24
+    widths = [4 * top_k, 64]
+    job = make_job(ep_size, 32, top_k, num_experts, sum(widths), 0)
+    pl = job.layout(rt, widths)
+    Ts = [20, 0, 24, 7]
+    experts = [rand_experts(T, top_k, num_experts) for T in Ts]
+    payloads = [[experts[r].view(torch.uint8), rand_bytes(Ts[r], 64)] for r in range(ep_size)]
+    invalid = -7
+    job.on_ranks(lambda r: job.planes[r].dispatch(experts[r], payloads[r], rt, pl, num_experts))
+    job.on_ranks(
+        lambda r: job.planes[r].sanitize(job.region(r, pl.dispatch_offsets[0], 4 * top_k).view(torch.int32), rt, invalid)
+    )
+    job.join()
+    check_dispatch(job, experts, payloads, pl)
+    for r in range(ep_size):
+        ids = job.region(r, pl.dispatch_offsets[0], 4 * top_k).view(torch.int32).cpu()
+        counts = job.recv_counts(r)
+        for s in range(ep_size):
+            n = counts[s].item()
+            assert (ids[s, n:] == invalid).all(), f"rank {r}: slots >= {n} of source {s} not sanitized"
+            assert not (ids[s, :n] == invalid).any()
+
+
+def test_odd_widths_and_misaligned_sources(make_job):
+    ep_size, top_k, num_experts, T, rt = 4, 3, 12, 33, 40
+    widths = [7, 13, 4 * top_k, 3, 74, 40]
+    job = make_job(ep_size, rt, top_k, num_experts, sum(widths), 4 * 37)
+    pl = job.layout(rt, widths, 2 * 37)
+    experts = [rand_experts(T, top_k, num_experts) for _ in range(ep_size)]
+    payloads = []
+    for r in range(ep_size):
+        ps = [rand_bytes(T, w) for w in widths]
+        # a source that starts 1 byte past an aligned address (contiguous, misaligned)
+        flat = torch.empty(T * 40 + 1, dtype=torch.uint8, device="cuda")
+        ps[5] = flat[1:].view(T, 40)
+        ps[5].copy_(rand_bytes(T, 40))
+        payloads.append(ps)
+    job.on_ranks(lambda r: job.planes[r].dispatch(experts[r], payloads[r], rt, pl, num_experts))
+    job.join()
+    check_dispatch(job, experts, payloads, pl)
+
+    # combine with odd hidden sizes (the unvectorized path), then fp32 hidden 5
+    for dtype, hidden in ((torch.float16, 37), (torch.float32, 5), (torch.bfloat16, 36)):
+        es = torch.tensor([], dtype=dtype).element_size()
+        job.rearm()
+        pl2 = job.layout(rt, [es * hidden], es * hidden)
+        xs = [torch.randn(T, hidden, device="cuda").to(dtype) for _ in range(ep_size)]
+        outs = run_round(job, experts, [[x.view(torch.uint8)] for x in xs], pl2, 0, dtype)
+        for r in range(ep_size):
+            torch.testing.assert_close(
+                outs[r].double().cpu(), combine_reference(job, experts[r], xs[r]), rtol=tol(dtype), atol=tol(dtype)
+            )
+
+
+def test_top_k_22_with_repeats(make_job):
+    ep_size, top_k, num_experts, T, hidden = 4, 22, 64, 64, 512
+    widths = [2 * hidden, 4 * top_k]
+    job = make_job(ep_size, T, top_k, num_experts, sum(widths), 2 * hidden)
+    pl = job.layout(T, widths, 2 * hidden)
+    experts = [rand_experts(T, top_k, num_experts) for _ in range(ep_size)]
+    experts[0][:, :] = 5  # every k the same expert: one send per token
+    experts[1][:, 1::2] = -1  # out-of-range ids are not routed (and marked -1)
+    experts[2][:, 3] = num_experts
+    xs = [torch.randn(T, hidden, device="cuda").bfloat16() for _ in range(ep_size)]
+    payloads = [[xs[r].view(torch.uint8), experts[r].view(torch.uint8)] for r in range(ep_size)]
+    outs = run_round(job, experts, payloads, pl, 0, torch.bfloat16)
+    check_dispatch(job, experts, payloads, pl)
+    for r in range(ep_size):
+        ref = combine_reference(job, experts[r], xs[r])
+        torch.testing.assert_close(outs[r].double().cpu(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_ranks_with_no_tokens(make_job):
+    ep_size, top_k, num_experts, hidden = 4, 4, 16, 256
+    job = make_job(ep_size, 32, top_k, num_experts, 2 * hidden, 2 * hidden)
+    pl = job.layout(32, [2 * hidden], 2 * hidden)
+    Ts = [0, 17, 0, 32]
+    experts = [rand_experts(T, top_k, num_experts) for T in Ts]
+    xs = [torch.randn(T, hidden, device="cuda").bfloat16() for T in Ts]
+    outs = run_round(job, experts, [[x.view(torch.uint8)] for x in xs], pl, 0, torch.bfloat16)
+    check_dispatch(job, experts, [[x.view(torch.uint8)] for x in xs], pl)
+    for r in range(ep_size):
+        assert outs[r].shape == (Ts[r], hidden)
+        torch.testing.assert_close(outs[r].double().cpu(), combine_reference(job, experts[r], xs[r]), rtol=2e-2, atol=2e-2)
+    # every rank with no tokens at all
+    zero = [torch.empty(0, top_k, dtype=torch.int32, device="cuda") for _ in range(ep_size)]
+    xz = [torch.empty(0, hidden, device="cuda").bfloat16() for _ in range(ep_size)]
+    outs = run_round(job, zero, [[x.view(torch.uint8)] for x in xz], pl, 0, torch.bfloat16)
+    assert all(o.shape == (0, hidden) for o in outs.values())
+    assert all(job.flag_val(r) == L.INITIAL_ROUND + 2 for r in range(ep_size))
+
+
+def _exact_inputs(job, T, hidden, gen):
+    """Small-integer hidden states: every sum the test makes is exact in bfloat16."""
+    experts = torch.randint(0, job.num_experts, (T, job.top_k), dtype=torch.int32, device="cuda", generator=gen)
+    x = torch.randint(-4, 5, (T, hidden), device="cuda", generator=gen).bfloat16()
+    return experts, x
+
+
+def _exact_reference(job, experts, x, owner_table, weights):
+    """On the GPU: x * sum of expert_weight over the token's distinct targets."""
+    own = owner_table[experts.long()]  # [T, top_k]
+    hit = torch.zeros(experts.shape[0], job.ep_size, device="cuda")
+    hit.scatter_(1, own, 1.0)
+    return x.float() * (hit @ weights)[:, None]
+
+
+@pytest.mark.slow
+def test_1000_consecutive_rounds(make_job):
+    ep_size, top_k, num_experts, hidden, rt = 4, 6, 32, 128, 32
+    job = make_job(ep_size, rt, top_k, num_experts, 2 * hidden + 4 * top_k, 2 * hidden)
+    pl = job.layout(rt, [2 * hidden, 4 * top_k], 2 * hidden)
+    owner_table = torch.tensor(owners(num_experts, ep_size), device="cuda")
+    weights = torch.tensor([expert_weight(q) for q in range(ep_size)], device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    bad = torch.zeros((), dtype=torch.int64, device="cuda")
+    for rnd in range(1000):
+        Ts = [int(t) for t in torch.randint(0, rt + 1, (ep_size,)).tolist()]
+        inputs = [_exact_inputs(job, T, hidden, gen) for T in Ts]
+        experts = [e for e, _ in inputs]
+        payloads = [[x.view(torch.uint8), e.view(torch.uint8)] for e, x in inputs]
+        outs = run_round(job, experts, payloads, pl, 0, torch.bfloat16, in_workspace=bool(rnd % 2))
+        for r in range(ep_size):
+            ref = _exact_reference(job, experts[r], inputs[r][1], owner_table, weights)
+            bad += (outs[r].float() != ref).sum()
+        if rnd % 100 == 99:
+            assert bad.item() == 0, f"mismatches by round {rnd + 1}"
+            for p in job.planes:
+                p.check()
+    torch.cuda.synchronize()
+    assert all(job.flag_val(r) == L.INITIAL_ROUND + 1000 for r in range(ep_size))
+
+
+def test_cuda_graph_replay_with_fresh_inputs(make_job):
+    ep_size, top_k, num_experts, hidden, T = 4, 4, 16, 512, 24
+    job = make_job(ep_size, T, top_k, num_experts, 2 * hidden + 4 * top_k, 2 * hidden)
+    pl = job.layout(T, [2 * hidden, 4 * top_k], 2 * hidden)
+    owner_table = torch.tensor(owners(num_experts, ep_size), device="cuda")
+    weights = torch.tensor([expert_weight(q) for q in range(ep_size)], device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    static = [_exact_inputs(job, T, hidden, gen) for _ in range(ep_size)]
+
+    def step(r):
+        e, x = static[r]
+        job.planes[r].dispatch(e, [x.view(torch.uint8), e.view(torch.uint8)], T, pl, num_experts)
+        recv = job.region(r, pl.dispatch_offsets[0], 2 * hidden).view(torch.bfloat16)
+        comb = job.region(r, pl.combine_offset, 2 * hidden).view(torch.bfloat16)
+        torch.mul(recv, expert_weight(r), out=comb)
+        return job.planes[r].combine(comb, T, T, pl, True)
+
+    for _ in range(3):  # warm up outside capture (builds, occupancy queries, allocator)
+        job.on_ranks(step)
+        job.join()
+    torch.cuda.synchronize()
+    graphs, outs = [], []
+    for r in range(ep_size):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=job.streams[r]):
+            outs.append(step(r))
+        graphs.append(g)
+    torch.cuda.synchronize()
+    start_round = job.flag_val(0)
+    bad = torch.zeros((), dtype=torch.int64, device="cuda")
+    for it in range(100):
+        fresh = [_exact_inputs(job, T, hidden, gen) for _ in range(ep_size)]
+
+        def replay(r):
+            static[r][0].copy_(fresh[r][0])
+            static[r][1].copy_(fresh[r][1])
+            graphs[r].replay()
+
+        job.on_ranks(replay)
+        job.join()
+        for r in range(ep_size):
+            ref = _exact_reference(job, fresh[r][0], fresh[r][1], owner_table, weights)
+            bad += (outs[r].float() != ref).sum()
+    torch.cuda.synchronize()
+    assert bad.item() == 0
+    assert all(job.flag_val(r) == start_round + 100 for r in range(ep_size))
+    for p in job.planes:
+        p.check()
+
+
+def _one_round(job, T=8, hidden=64):
+    pl = job.layout(T, [2 * hidden], 2 * hidden)
+    experts = [rand_experts(T, job.top_k, job.num_experts) for _ in range(job.ep_size)]
+    xs = [torch.randn(T, hidden, device="cuda").bfloat16() for _ in range(job.ep_size)]
+    outs = run_round(job, experts, [[x.view(torch.uint8)] for x in xs], pl, 0, torch.bfloat16)
+    for r in range(job.ep_size):
+        torch.testing.assert_close(outs[r].double().cpu(), combine_reference(job, experts[r], xs[r]), rtol=2e-2, atol=2e-2)
+    return pl
+
+
+def _context_usable():
+    torch.cuda.synchronize()
+    assert (torch.arange(10, device="cuda") * 2).sum().item() == 90
+
+
+def test_peer_never_arrives_dispatch_times_out(make_job):
+    job = make_job(2, 16, 2, 8, 128, 128, timeout=0.5)
+    pl = _one_round(job)  # round 1 completes on both ranks
+    experts = rand_experts(8, 2, 8)
+    x = torch.randn(8, 64, device="cuda").bfloat16()
+    torch.cuda.synchronize()
+    t0 = time.monotonic()
+    job.on_ranks(lambda r: job.planes[r].dispatch(experts, [x.view(torch.uint8)], 8, pl, 8), ranks=[0])
+    job.streams[0].synchronize()
+    elapsed = time.monotonic() - t0
+    assert 0.4 < elapsed < 10.0, elapsed
+    rec = job.control.status(0)
+    assert rec.code == L.STATUS_TIMEOUT
+    assert rec.peer == 1 and rec.round == L.INITIAL_ROUND + 1 and rec.phase == L.PHASE_DISPATCH
+    assert rec.waited_ns >= 0.45e9
+    with pytest.raises(errors.PeerTimeout) as info:
+        job.planes[0].check()
+    assert info.value.peer == 1 and info.value.phase == "dispatch" and info.value.round == L.INITIAL_ROUND + 1
+    job.planes[1].check()  # rank 1 never waited
+    _context_usable()
+    job.rearm()
+    job.planes[0].check()
+    _one_round(job)
+
+
+def test_peer_never_arrives_combine_times_out(make_job):
+    job = make_job(2, 256, 4, 8, 2048, 2048, timeout=0.5)
+    T, hidden = 256, 1024
+    pl = job.layout(T, [2 * hidden], 2 * hidden)
+    experts = [rand_experts(T, 4, 8) for _ in range(2)]
+    xs = [torch.randn(T, hidden, device="cuda").bfloat16() for _ in range(2)]
+    job.on_ranks(lambda r: job.planes[r].dispatch(experts[r], [xs[r].view(torch.uint8)], T, pl, 8))
+    job.join()
+    torch.cuda.synchronize()
+    comb = torch.randn(2, T, hidden, device="cuda").bfloat16()
+    job.on_ranks(lambda r: job.planes[r].combine(comb, T, T, pl, False), ranks=[0])  # many blocks wait
+    job.streams[0].synchronize()
+    rec = job.control.status(0)
+    assert rec.code == L.STATUS_TIMEOUT and rec.peer == 1 and rec.phase == L.PHASE_COMBINE
+    assert rec.round == L.INITIAL_ROUND
+    with pytest.raises(errors.PeerTimeout) as info:
+        job.planes[0].check()
+    assert info.value.phase == "combine"
+    _context_usable()
+    job.rearm()
+    _one_round(job)
+
+
+def test_abort_word_ends_a_wait_early(make_job):
+    job = make_job(2, 16, 2, 8, 128, 128, timeout=60.0)
+    pl = _one_round(job)
+    experts = rand_experts(8, 2, 8)
+    x = torch.randn(8, 64, device="cuda").bfloat16()
+    torch.cuda.synchronize()
+    t0 = time.monotonic()
+    job.on_ranks(lambda r: job.planes[r].dispatch(experts, [x.view(torch.uint8)], 8, pl, 8), ranks=[0])
+    time.sleep(0.2)
+    job.control.set_abort(L.ABORT_PEER_LOST, rank=1)
+    job.streams[0].synchronize()
+    assert time.monotonic() - t0 < 10.0
+    rec = job.control.status(0)
+    assert rec.code == L.STATUS_ABORTED and rec.peer == 1 and rec.phase == L.PHASE_DISPATCH
+    with pytest.raises(errors.PeerLost) as info:
+        job.planes[0].check()
+    assert info.value.rank == 1
+    _context_usable()
+    job.rearm()
+    job.planes[0].check()
+    _one_round(job)
+
+
+def test_bad_inputs_are_refused_before_launch(make_job):
+    job = make_job(2, 16, 2, 8, 128, 128)
+    pl = job.layout(8, [128], 128)
+    p = job.planes[0]
+    good = rand_experts(8, 2, 8)
+    with pytest.raises(RuntimeError, match="runtime_max_tokens_per_rank"):
+        p.dispatch(rand_experts(9, 2, 8), [rand_bytes(9, 128)], 8, pl, 8)
+    with pytest.raises(RuntimeError, match="int32"):
+        p.dispatch(good.long(), [rand_bytes(8, 128)], 8, pl, 8)
+    with pytest.raises(RuntimeError, match="input_payloads"):
+        p.dispatch(good, [rand_bytes(7, 128)], 8, pl, 8)
+    with pytest.raises(RuntimeError, match="payload"):
+        p.combine(torch.zeros(2, 8, 64, dtype=torch.int32, device="cuda"), 8, 8, pl, False)
+    with pytest.raises(RuntimeError, match="payload_in_workspace"):
+        p.combine(torch.zeros(2, 8, 64, dtype=torch.bfloat16, device="cuda"), 8, 8, pl, True)
+    torch.cuda.synchronize()
+    assert all(job.flag_val(r) == L.INITIAL_ROUND for r in range(2))  # nothing ran
+
+
+def test_ops_trace_under_torch_compile(make_job):
+    """Single-rank job (it needs no peers): dispatch + combine compiled with fullgraph."""
+    job = make_job(1, 16, 2, 4, 2 * 64, 2 * 64)
+    pl = job.layout(16, [2 * 64], 2 * 64)
+    plane = job.planes[0]
+
+    def step(experts, x):
+        plane.dispatch(experts, [x.view(torch.uint8)], 16, pl, 4)
+        recv = job.region(0, pl.dispatch_offsets[0], 2 * 64).view(torch.bfloat16)
+        return plane.combine(recv * 2.0, experts.shape[0], 16, pl, False)
+
+    compiled = torch.compile(step, fullgraph=True)
+    for _ in range(3):
+        experts = rand_experts(16, 2, 4)
+        x = torch.randn(16, 64, device="cuda").bfloat16()
+        out = compiled(experts, x)
+        torch.testing.assert_close(out.float(), x.float() * 2.0)
