@@ -503,7 +503,11 @@ class Daemon:
         if slot.lease is None or f["lease"] != slot.lease or not slot.live:
             raise errors.PermissionDenied(f"job {job.name!r} rank {slot.rank}: the lease does not match its holder")
         slot.leaving = True
-        if slot.lease_conn is None:  # left before redeeming its ticket
+        if slot.lease_conn is not None:
+            # the leave is complete when its reply goes out: the rank is free for a successor
+            # at once, whether or not the client's socket close has arrived yet
+            self._detach(slot.lease_conn)
+        else:  # left before redeeming its ticket
             if slot.ticket is not None:
                 self.tickets.pop(slot.ticket, None)
                 slot.ticket = None
