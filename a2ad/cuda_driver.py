@@ -32,6 +32,7 @@ import fcntl
 import os
 import re
 import threading
+import time
 
 from . import errors
 
@@ -47,6 +48,7 @@ CUDA_ERROR_STUB_LIBRARY = 34
 CUDA_ERROR_INSUFFICIENT_DRIVER = 35
 CUDA_ERROR_NO_DEVICE = 100
 CUDA_ERROR_INVALID_DEVICE = 101
+CUDA_ERROR_INVALID_CONTEXT = 201
 CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713
 CUDA_ERROR_NOT_PERMITTED = 800
@@ -533,11 +535,12 @@ def visible_uuids() -> list[str]:
 # ---------------------------------------------------------------------------
 # Contexts
 # ---------------------------------------------------------------------------
-_primary: dict[int, int] = {}  # ordinal -> retained primary CUcontext
-_ctx_info: dict[int, dict] = {}  # ordinal -> overhead measurement at first retain
+_primary: dict[int, int] = {}  # ordinal -> primary CUcontext retained by this module
+_ctx_info: dict[int, dict] = {}  # ordinal -> measurement of the latest creation by this module
 
 
 def primary_context_active(ordinal: int) -> bool:
+    """Whether the device's primary context exists in this process (creates nothing)."""
     flags = ctypes.c_uint(0)
     active = ctypes.c_int(0)
     _call("cuDevicePrimaryCtxGetState", _device(ordinal), ctypes.byref(flags), ctypes.byref(active))
@@ -545,12 +548,13 @@ def primary_context_active(ordinal: int) -> bool:
 
 
 def primary_context(ordinal: int) -> int:
-    """Retain (once per process) and return the primary context of a device.
+    """Retain (once, until :func:`release_primary_context`) and return a device's primary context.
 
     The primary context is the one the CUDA runtime, and so torch, uses: a
-    client's mappings made through it are usable by torch kernels. On the
-    first retain the drop in the device's free memory is measured (through
-    NVML, which needs no context) and kept for :func:`context_overhead`.
+    client's mappings made through it are usable by torch kernels. When this
+    retain creates the context, the drop in the device's free memory is
+    measured (through NVML, which needs no context) together with the time it
+    took, and kept for :func:`context_overhead`.
     """
     ctx = _primary.get(ordinal)
     if ctx is not None:
@@ -564,30 +568,53 @@ def primary_context(ordinal: int) -> int:
         uuid = uuid_of(ordinal)
         before = None if was_active else nvml_free_bytes(uuid)
         c = ctypes.c_void_p()
+        t0 = time.perf_counter()
         _call("cuDevicePrimaryCtxRetain", ctypes.byref(c), dev, detail=f"device {ordinal} ({uuid})")
+        seconds = time.perf_counter() - t0
         after = None if was_active else nvml_free_bytes(uuid)
+        prev = _ctx_info.get(ordinal, {})
         if was_active:
-            info = {"bytes": None, "method": "none", "note": "primary context already active in this process"}
+            info = dict(prev) if prev else {"bytes": None, "note": "primary context already active in this process"}
         elif before is None or after is None:
-            info = {"bytes": None, "method": "none", "note": "NVML unavailable"}
+            info = {"bytes": None, "note": "NVML unavailable", "seconds": seconds}
         else:
-            info = {"bytes": max(0, before - after), "method": "nvml", "note": "free-memory drop at primary context creation"}
+            info = {
+                "bytes": max(0, before - after),
+                "note": "free-memory drop (NVML) at primary context creation",
+                "seconds": seconds,
+            }
+        info["creations"] = prev.get("creations", 0) + (0 if was_active else 1)
         _ctx_info[ordinal] = info
         _primary[ordinal] = c.value
         return c.value
 
 
 def context_overhead(ordinal: int) -> dict | None:
-    """The measurement taken when this process first retained the device's primary context, or None."""
-    return _ctx_info.get(ordinal)
+    """``{bytes, seconds, note, creations}`` of the latest primary-context creation by this module, or None."""
+    info = _ctx_info.get(ordinal)
+    return dict(info) if info is not None else None
+
+
+def release_primary_context(ordinal: int) -> bool:
+    """Drop this module's retain of one device's primary context; True if one was held.
+
+    When nothing else in the process retains it (the daemon: nothing does), the
+    driver destroys the context and returns its memory. VMM allocations
+    (cuMemCreate) and exported fds are not tied to a context and survive this;
+    mappings made in the context must be gone first.
+    """
+    with _lock:
+        if _primary.pop(ordinal, None) is None:
+            return False
+        _call("cuDevicePrimaryCtxRelease", _device(ordinal))
+        return True
 
 
 def release_primary_contexts() -> None:
-    """Drop this module's retains (daemon shutdown). Mappings made through them must be gone."""
+    """Drop every retain this module holds (daemon shutdown)."""
     with _lock:
         for ordinal in list(_primary):
-            _raw("cuDevicePrimaryCtxRelease", _device(ordinal))
-            del _primary[ordinal]
+            release_primary_context(ordinal)
 
 
 def current_context() -> int | None:
@@ -670,7 +697,8 @@ def create(size: int, ordinal: int, handle_types: int | None = None) -> tuple[in
     refuses (NOT_PERMITTED without an IMEX channel, NOT_SUPPORTED, INVALID_VALUE),
     fall back to POSIX_FD alone; a device that refused once is not asked again.
     The returned ``handle_types`` says which were granted. ``size`` must be a
-    multiple of :func:`granularity`. A context must be current (any device's).
+    multiple of :func:`granularity`. No context is needed (driver 580 / CUDA 13
+    on H200: create, export, import and release all work with none current).
     """
     init()
     if handle_types is None:

@@ -80,39 +80,52 @@ def _run_child(args: list[str], env_extra: dict | None = None, pass_fds=(), time
 # Children
 # ---------------------------------------------------------------------------
 def child_overhead(ordinal: int) -> None:
-    """As the daemon: no torch. Measure the primary context's cost, then one allocate+initialize."""
+    """As the daemon (no torch): what the CUDA context costs, and what the daemon holds
+    between setups with the default (transient) and the kept context policy."""
     assert "torch" not in sys.modules
     from a2ad.backends.cuda import CudaBackend
 
     uuid = cd.uuid_of(ordinal)
     out = {"ok": True, "ordinal": ordinal, "uuid": uuid}
-    out["nvml_free_before"] = cd.nvml_free_bytes(uuid)
-    cd.primary_context(ordinal)
-    out["context"] = cd.context_overhead(ordinal)
-    with cd.on_device(ordinal):
-        free, total = cd.mem_info()
-    out["cuMemGetInfo_after_context"] = {"free": free, "total": total}
-    be = CudaBackend()
+    free0 = out["nvml_free_before"] = cd.nvml_free_bytes(uuid)
     size = 64 * MiB
-    before_alloc = cd.nvml_free_bytes(uuid)
+
+    def nv():
+        return cd.nvml_free_bytes(uuid)
+
+    be = CudaBackend()
+    t0 = time.perf_counter()
     a = be.allocate(size, uuid)
-    after_alloc = cd.nvml_free_bytes(uuid)
+    out["allocate_seconds"] = time.perf_counter() - t0
+    free_alloc = nv()
+    t0 = time.perf_counter()
     be.initialize(a, 1 * MiB, 0, 1)
-    after_init = cd.nvml_free_bytes(uuid)
-    with cd.on_device(ordinal):
-        free2, _ = cd.mem_info()
+    out["initialize_seconds_transient"] = time.perf_counter() - t0
+    free_init = nv()
+    out["context"] = cd.context_overhead(ordinal)
     out["row_bytes"] = a.size
     out["handle_type"] = a.handle_type
     if a.extra.get("fabric_error"):
         out["fabric_error"] = a.extra["fabric_error"]
-    if before_alloc is not None and after_alloc is not None and after_init is not None:
-        out["nvml_alloc_drop"] = before_alloc - after_alloc
-        out["nvml_initialize_extra_drop"] = after_alloc - after_init  # memset/memcpy machinery, lazily loaded
-    out["cuMemGetInfo_after_init"] = free2
-    if out["nvml_free_before"] is not None and after_init is not None:
-        out["daemon_total_overhead_bytes"] = out["nvml_free_before"] - after_init - a.size
-    out["describe"] = be.describe()
+    out["describe_transient"] = be.describe()
+    kept = CudaBackend(keep_context=True)
+    b = kept.allocate(size, uuid)
+    t0 = time.perf_counter()
+    kept.initialize(b, 1 * MiB, 0, 1)
+    kept.initialize(b, 1 * MiB, 0, 1)
+    out["initialize_seconds_kept_x2"] = time.perf_counter() - t0
+    free_kept = nv()
+    with cd.on_device(ordinal):
+        free_cu, total_cu = cd.mem_info()
+    out["cuMemGetInfo_with_kept_context"] = {"free": free_cu, "total": total_cu}
+    out["describe_kept"] = kept.describe()
     out["nvidia_smi_process_mib"] = _nvidia_smi_usage(os.getpid())
+    if None not in (free0, free_alloc, free_init, free_kept):
+        out["allocate_without_context_extra_bytes"] = free0 - free_alloc - a.size
+        out["daemon_steady_bytes_transient"] = free0 - free_init - a.size
+        out["daemon_steady_bytes_kept"] = free0 - free_kept - a.size - b.size
+    kept.release(b)
+    kept.close()
     be.release(a)
     be.close()
     _emit(out)
@@ -383,14 +396,17 @@ def check_overhead(c: Checks, ordinal: int) -> str:
         raise RuntimeError(r.get("error") or r.get("stderr_tail"))
     t = _run_child(["torch_overhead", ordinal])
     c.data.setdefault("torch_overhead", {})[ordinal] = t
-    ctx = r["context"]["bytes"]
-    tot = r.get("daemon_total_overhead_bytes")
+    ctx = (r.get("context") or {}).get("bytes")
     tb = t.get("torch_context_bytes")
 
     def mib(x):
         return "n/a" if x is None else f"{x / MiB:.0f} MiB"
 
-    return f"daemon context {mib(ctx)}, daemon total after first init {mib(tot)}, torch context {mib(tb)}"
+    return (
+        f"daemon context {mib(ctx)} (created in {(r.get('context') or {}).get('seconds') or 0:.3f} s); "
+        f"held between setups: transient {mib(r.get('daemon_steady_bytes_transient'))}, "
+        f"kept {mib(r.get('daemon_steady_bytes_kept'))}; torch context {mib(tb)}"
+    )
 
 
 def check_exporter_exits(c: Checks, exp_ordinal: int, imp_ordinal: int) -> str:
