@@ -78,7 +78,7 @@ a2ad::AuxOffsets make_aux(IntArrayRef aux, const Tensor& ws, int64_t ep_size) {
     TORCH_CHECK(aux[i] + 4 * ep_size <= row, "a2ad: aux field ", i, " of ", ep_size, " counters overruns the row");
   }
   TORCH_CHECK(aux[9] >= 1 && aux[9] <= 1024, "a2ad: aux topk_stride must be in [1, 1024], got ", aux[9]);
-  TORCH_CHECK(aux[10] >= 3, "a2ad: aux block_counter_slots must be >= 3, got ", aux[10]);
+  TORCH_CHECK(aux[10] >= 5, "a2ad: aux block_counter_slots must be >= 5, got ", aux[10]);
   TORCH_CHECK(aux[8] + 4 * aux[10] <= row, "a2ad: aux block counters overrun the row");
   a2ad::AuxOffsets a;
   a.flag_val = aux[0];

@@ -27,9 +27,11 @@ constexpr int kPullVecs = 4;
 // Scalar elements per lane per pull step (the unaligned fallback).
 constexpr int kPullScalars = 8;
 // BLOCK_COUNTERS slots used by the kernels (the last one is the status claim).
-constexpr int kSlotDispatch = 0;
-constexpr int kSlotCombine = 1;
-constexpr int kMinBlockCounterSlots = 3;
+constexpr int kSlotDispatch = 0;        // arrival counter of dispatch
+constexpr int kSlotCombine = 1;         // arrival counter of combine
+constexpr int kSlotDispatchGiveUp = 2;  // round whose dispatch wait the poller gave up on
+constexpr int kSlotCombineGiveUp = 3;   // round whose combine wait the poller gave up on
+constexpr int kMinBlockCounterSlots = 5;  // ... and the last slot: the status-record claim
 // The abort word lives in host memory: read it once every this many polls.
 constexpr uint32_t kAbortPollEvery = 64;
 
@@ -91,32 +93,37 @@ __device__ void write_status(const Control& c, uint32_t code, int peer, int roun
   __threadfence_system();
 }
 
-// Spin until *flag == want (acquire), the deadline passes, the job's abort
-// word is set, or another thread of the block gave up (*stop != 0).
-__device__ int spin_until_equal(const int* flag, int want, const Control& c, uint64_t t0, const volatile int* stop,
-                                uint64_t* waited) {
+// Spin until *flag == want (acquire), the deadline passes, or the wait is
+// called off. The block's *poller* reads the job's abort word (host memory,
+// so only every kAbortPollEvery polls); the other blocks instead watch
+// `give_up` (device memory), where the poller posts the round it gave up on.
+// Any thread also stops once another thread of its block gave up (*stop).
+__device__ int spin_until_equal(const int* flag, int want, const Control& c, bool poller, const int* give_up,
+                                const volatile int* stop, uint64_t* waited) {
   const uint32_t* abort_word = reinterpret_cast<const uint32_t*>(c.block + c.abort_word);
+  const uint64_t t0 = global_timer_ns();
   for (uint32_t it = 0;; ++it) {
     if (ld_acquire_sys(flag) == want) return kWaitOk;
     const uint64_t now = global_timer_ns();
-    if (it % kAbortPollEvery == 0 && ld_relaxed_sys_u32(abort_word) != 0) {
-      *waited = now - t0;
-      return kWaitAborted;
+    *waited = now - t0;
+    if (poller) {
+      if (it % kAbortPollEvery == 0 && ld_relaxed_sys_u32(abort_word) != 0) return kWaitAborted;
+    } else {
+      if (ld_volatile(give_up) == want) return kWaitStopped;
+      __nanosleep(64);  // many blocks may wait: keep their polls off the flags' L2 lines
     }
-    if (now - t0 >= c.timeout_ns) {
-      *waited = now - t0;
-      return kWaitTimeout;
-    }
+    if (now - t0 >= c.timeout_ns) return poller ? kWaitTimeout : kWaitStopped;
     if (*stop) return kWaitStopped;
   }
 }
 
 // Threads [0, ep_size) of the block each wait until flags[q] == round. Returns
-// true when every flag arrived. On failure the first failing thread of the
-// whole rank (claimed through *claim, in device memory) writes the status
-// record; the others only stop.
+// true when every flag arrived. Exactly one block of a launch is the poller:
+// it alone reads the abort word, and on failure it alone writes the status
+// record (once per rank: claimed through *claim, in device memory) and posts
+// the round to *give_up so that the launch's other waiting blocks stop too.
 __device__ bool block_wait_flags(const int* flags, int ep_size, int round, const Control& c, uint32_t phase,
-                                 int* claim) {
+                                 bool poller, int* claim, int* give_up) {
   __shared__ int s_stop;
   volatile int* stop = &s_stop;
   if (threadIdx.x == 0) *stop = 0;
@@ -124,11 +131,14 @@ __device__ bool block_wait_flags(const int* flags, int ep_size, int round, const
   const int q = threadIdx.x;
   if (q < ep_size) {
     uint64_t waited = 0;
-    const int r = spin_until_equal(flags + q, round, c, global_timer_ns(), stop, &waited);
-    if (r == kWaitTimeout || r == kWaitAborted) {
+    const int r = spin_until_equal(flags + q, round, c, poller, give_up, stop, &waited);
+    if (r != kWaitOk) {
       *stop = 1;
-      if (atomicCAS(claim, 0, 1) == 0) {
-        write_status(c, r == kWaitTimeout ? c.code_timeout : c.code_aborted, q, round, phase, waited);
+      if (r != kWaitStopped) {  // the poller's own failure
+        *reinterpret_cast<volatile int*>(give_up) = round;
+        if (atomicCAS(claim, 0, 1) == 0) {
+          write_status(c, r == kWaitTimeout ? c.code_timeout : c.code_aborted, q, round, phase, waited);
+        }
       }
     }
   }
@@ -295,8 +305,9 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(const Dispat
     *reinterpret_cast<volatile int*>(peer + p.aux.recv_counters + 4 * (int64_t)me) = count;
     st_release_sys(at<int>(peer, p.aux.dispatch_completion_flags + 4 * (int64_t)me), round);
   }
+  // Only this block waits, so it is the poller (no other block needs telling).
   block_wait_flags(at<int>(my_row, p.aux.dispatch_completion_flags), ep, round, p.ctl, p.ctl.phase_dispatch,
-                   block_counters + p.aux.block_counter_slots - 1);
+                   /*poller=*/true, block_counters + p.aux.block_counter_slots - 1, block_counters + kSlotDispatchGiveUp);
 }
 
 // ---------------------------------------------------------------------------
@@ -533,7 +544,8 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const CombineP
   const int64_t first_item = (int64_t)blockIdx.x * warps;
   if (!last && first_item >= items) return;
   if (!block_wait_flags(at<int>(my_row, p.aux.combine_completion_flags), ep, round, p.ctl, p.ctl.phase_combine,
-                        block_counters + p.aux.block_counter_slots - 1)) {
+                        /*poller=*/last, block_counters + p.aux.block_counter_slots - 1,
+                        block_counters + kSlotCombineGiveUp)) {
     return;
   }
 

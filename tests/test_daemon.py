@@ -185,7 +185,7 @@ def test_kill9_during_rendezvous_marks_dead_and_frees(daemon_factory):
     assert out.returncode == 0 and "dead" in out.stdout, out.stdout + out.stderr
     # after the grace period the job goes away and the daemon's fds come back
     wait_for(lambda: _rank_state(daemon, "rdv", 0) is None, 15, "job freed after grace")
-    wait_for(lambda: fd_count(daemon.pid) == base_fds, 5, f"daemon fds back to {base_fds}")
+    wait_for(lambda: fd_count(daemon.pid) <= base_fds, 5, f"daemon fds back to {base_fds}")
 
 
 def test_kill9_after_attach_marks_dead_and_frees(daemon_factory):
@@ -211,7 +211,7 @@ def test_kill9_after_attach_marks_dead_and_frees(daemon_factory):
         for p in procs:
             _stop(p)
     wait_for(lambda: _rank_state(daemon, "att", 0) is None, 15, "job freed after grace")
-    wait_for(lambda: fd_count(daemon.pid) == base_fds, 5, f"daemon fds back to {base_fds}")
+    wait_for(lambda: fd_count(daemon.pid) <= base_fds, 5, f"daemon fds back to {base_fds}")
 
 
 def test_dead_rank_can_be_taken_by_a_new_client(daemon):

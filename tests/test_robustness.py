@@ -118,7 +118,9 @@ def test_fuzz_ten_thousand_messages_then_a_normal_join(daemon):
     print(f"\nfuzz: sent {sent} frames, {answered} replies (all {expected} expected), {elapsed:.1f} s; "
           f"daemon fds {fds_before} -> {fd_count(daemon.pid)}")
     assert sent == 10_000 and answered == expected and expected > 8_000
-    # the daemon still serves: a normal 2-rank job attaches
+    # fuzzed frames include valid commands, a drain among them: switch it off again
+    daemon.request("drain", enable=False)
+    # the daemon still serves: a normal job attaches
     with attach("after-fuzz", 0, 1, runtime_dir=daemon.runtime_dir, timeout=10, **SPEC) as att:
         assert att.workspace.shape[0] == 1
     st = daemon.request("status")
