@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up, then run the demo: a daemon plus a group of client processes doing real
+# dispatch/combine (CUDA where GPUs are visible, the host backend elsewhere).
+# Extra arguments go to `a2ad demo` (see `a2ad demo --help`).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/setup.sh
+exec "${A2AD_PYTHON:-python3}" -m a2ad.cli demo "$@"
