@@ -94,13 +94,18 @@ __device__ void write_status(const Control& c, uint32_t code, int peer, int roun
 }
 
 // Spin until *flag == want (acquire), the deadline passes, or the wait is
-// called off. The block's *poller* reads the job's abort word (host memory,
-// so only every kAbortPollEvery polls); the other blocks instead watch
-// `give_up` (device memory), where the poller posts the round it gave up on.
-// Any thread also stops once another thread of its block gave up (*stop).
+// called off. The launch's *poller* block reads the job's abort word (host
+// memory, so only every kAbortPollEvery polls) and gives up after
+// c.timeout_ns. The other blocks watch `give_up` (device memory) instead, where
+// the poller posts the round it gave up on; their own deadline is twice as
+// long, a backstop only: they started waiting before the poller did (it is the
+// last block to arrive), and a flag the poller saw can no longer change before
+// this launch ends, so they cannot miss what the poller saw. Any thread also
+// stops once another thread of its block gave up (*stop).
 __device__ int spin_until_equal(const int* flag, int want, const Control& c, bool poller, const int* give_up,
                                 const volatile int* stop, uint64_t* waited) {
   const uint32_t* abort_word = reinterpret_cast<const uint32_t*>(c.block + c.abort_word);
+  const uint64_t limit = poller ? c.timeout_ns : 2 * c.timeout_ns;
   const uint64_t t0 = global_timer_ns();
   for (uint32_t it = 0;; ++it) {
     if (ld_acquire_sys(flag) == want) return kWaitOk;
@@ -112,16 +117,16 @@ __device__ int spin_until_equal(const int* flag, int want, const Control& c, boo
       if (ld_volatile(give_up) == want) return kWaitStopped;
       __nanosleep(64);  // many blocks may wait: keep their polls off the flags' L2 lines
     }
-    if (now - t0 >= c.timeout_ns) return poller ? kWaitTimeout : kWaitStopped;
+    if (now - t0 >= limit) return kWaitTimeout;
     if (*stop) return kWaitStopped;
   }
 }
 
 // Threads [0, ep_size) of the block each wait until flags[q] == round. Returns
-// true when every flag arrived. Exactly one block of a launch is the poller:
-// it alone reads the abort word, and on failure it alone writes the status
-// record (once per rank: claimed through *claim, in device memory) and posts
-// the round to *give_up so that the launch's other waiting blocks stop too.
+// true when every flag arrived. A thread that gives up on its own (timeout or
+// abort) posts the round to *give_up, so that the launch's other waiting
+// blocks stop too, and writes the status record unless another thread of this
+// rank already did (claimed through *claim, in device memory).
 __device__ bool block_wait_flags(const int* flags, int ep_size, int round, const Control& c, uint32_t phase,
                                  bool poller, int* claim, int* give_up) {
   __shared__ int s_stop;
@@ -134,7 +139,7 @@ __device__ bool block_wait_flags(const int* flags, int ep_size, int round, const
     const int r = spin_until_equal(flags + q, round, c, poller, give_up, stop, &waited);
     if (r != kWaitOk) {
       *stop = 1;
-      if (r != kWaitStopped) {  // the poller's own failure
+      if (r != kWaitStopped) {
         *reinterpret_cast<volatile int*>(give_up) = round;
         if (atomicCAS(claim, 0, 1) == 0) {
           write_status(c, r == kWaitTimeout ? c.code_timeout : c.code_aborted, q, round, phase, waited);
@@ -174,6 +179,9 @@ __device__ __forceinline__ void copy_vectors(uint8_t* dst, const uint8_t* src, i
   V* d = reinterpret_cast<V*>(dst);
   const V* s = reinterpret_cast<const V*>(src);
   int64_t i = tid;
+  // (unroll 1: the unrolled body already keeps kCopyUnroll loads in flight, and
+  //  it spares a 64-bit trip-count division)
+#pragma unroll 1
   for (; i + (kCopyUnroll - 1) * nthreads < n; i += kCopyUnroll * nthreads) {
     V r[kCopyUnroll];
 #pragma unroll
@@ -181,6 +189,7 @@ __device__ __forceinline__ void copy_vectors(uint8_t* dst, const uint8_t* src, i
 #pragma unroll
     for (int u = 0; u < kCopyUnroll; ++u) d[i + u * nthreads] = r[u];
   }
+#pragma unroll 1
   for (; i < n; i += nthreads) d[i] = s[i];
 }
 
@@ -189,22 +198,23 @@ __device__ __forceinline__ void copy_vectors(uint8_t* dst, const uint8_t* src, i
 __device__ void copy_bytes(uint8_t* dst, const uint8_t* src, int64_t n, int64_t tid, int64_t nthreads) {
   if (n <= 0) return;
   const uintptr_t mis = reinterpret_cast<uintptr_t>(dst) ^ reinterpret_cast<uintptr_t>(src);
-  const int w = (mis & 15) == 0 ? 16 : (mis & 7) == 0 ? 8 : (mis & 3) == 0 ? 4 : (mis & 1) == 0 ? 2 : 1;
+  const int shift = (mis & 15) == 0 ? 4 : (mis & 7) == 0 ? 3 : (mis & 3) == 0 ? 2 : (mis & 1) == 0 ? 1 : 0;
+  const int64_t w = int64_t{1} << shift;
   int64_t head = (w - (reinterpret_cast<uintptr_t>(dst) & (w - 1))) & (w - 1);
   if (head > n) head = n;
   for (int64_t b = tid; b < head; b += nthreads) dst[b] = src[b];
   dst += head;
   src += head;
   n -= head;
-  const int64_t nv = n / w;
-  switch (w) {
-    case 16: copy_vectors<uint4>(dst, src, nv, tid, nthreads); break;
-    case 8: copy_vectors<uint2>(dst, src, nv, tid, nthreads); break;
-    case 4: copy_vectors<uint32_t>(dst, src, nv, tid, nthreads); break;
-    case 2: copy_vectors<uint16_t>(dst, src, nv, tid, nthreads); break;
+  const int64_t nv = n >> shift;
+  switch (shift) {
+    case 4: copy_vectors<uint4>(dst, src, nv, tid, nthreads); break;
+    case 3: copy_vectors<uint2>(dst, src, nv, tid, nthreads); break;
+    case 2: copy_vectors<uint32_t>(dst, src, nv, tid, nthreads); break;
+    case 1: copy_vectors<uint16_t>(dst, src, nv, tid, nthreads); break;
     default: copy_vectors<uint8_t>(dst, src, nv, tid, nthreads); break;
   }
-  for (int64_t b = nv * w + tid; b < n; b += nthreads) dst[b] = src[b];
+  for (int64_t b = (nv << shift) + tid; b < n; b += nthreads) dst[b] = src[b];
 }
 
 // ---------------------------------------------------------------------------
@@ -269,11 +279,10 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(const Dispat
   int* block_counters = at<int>(my_row, p.aux.block_counters);
   int* topk_target = at<int>(my_row, p.aux.topk_target_ranks);
   int* topk_send = at<int>(my_row, p.aux.topk_send_indices);
-  const int round = ld_volatile(at<int>(my_row, p.aux.flag_val));
   if (blockIdx.x == 0 && threadIdx.x == 0) *at<int>(my_row, p.aux.local_token_counter) = p.local_num_tokens;
 
   const int lane = threadIdx.x % 32;
-  const int warps = blockDim.x / 32;
+  constexpr int warps = kDispatchThreads / 32;
   const int gw = blockIdx.x * warps + threadIdx.x / 32, nw = gridDim.x * warps;
   for (int t = gw; t < p.local_num_tokens; t += nw) {
     // Routing: lane k handles (t, k). A send is the smallest k with its target.
@@ -298,6 +307,7 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(const Dispat
 
   if (!arrive_last(block_counters + kSlotDispatch)) return;
   // Last block: every token's counter increment and payload store is visible.
+  const int round = ld_volatile(at<int>(my_row, p.aux.flag_val));  // R; only combine changes it
   const int q = threadIdx.x;
   if (q < ep) {
     const int count = ld_volatile(send_counters + q);
@@ -315,13 +325,12 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(const Dispat
 // ---------------------------------------------------------------------------
 __global__ void __launch_bounds__(kSanitizeThreads) sanitize_kernel(const SanitizeParams p) {
   const int* recv = at<int>(row_of(p.ws, p.ws.ep_rank), p.aux.recv_counters);
-  const int64_t n = (int64_t)p.ws.ep_size * p.rt * p.top_k;
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    const int k = static_cast<int>(i % p.top_k);
-    const int64_t sj = i / p.top_k;
-    const int j = static_cast<int>(sj % p.rt);
-    const int s = static_cast<int>(sj / p.rt);
-    if (j >= ld_volatile(recv + s)) {
+  const uint32_t top_k = static_cast<uint32_t>(p.top_k), rt = static_cast<uint32_t>(p.rt);
+  const uint32_t n = static_cast<uint32_t>(p.ws.ep_size) * rt * top_k;  // the launcher checks n < 2^31
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const uint32_t sj = i / top_k, k = i - sj * top_k;
+    const uint32_t s = sj / rt, j = sj - s * rt;
+    if (static_cast<int>(j) >= ld_volatile(recv + s)) {
       p.ids[s * p.ids_stride_src + j * p.ids_stride_slot + k * p.ids_stride_k] = p.invalid_id;
     }
   }
@@ -423,7 +432,7 @@ __host__ __device__ inline PullGeometry pull_geometry(int64_t hidden) {
 // out[t, chunk c] = sum over the token's sends of the target's combine row, in
 // float32. One warp per (token, chunk) item; two sends' loads in flight at once.
 template <typename T, bool kVec>
-__device__ void pull_item(const CombineParams& p, int t, int64_t c, const PullGeometry& g, int lane) {
+__device__ void pull_item(const CombineParams& p, int t, uint32_t c, const PullGeometry& g, int lane) {
   const int me = p.ws.ep_rank;
   uint8_t* my_row = row_of(p.ws, me);
   int target = -1, slot = -1;
@@ -435,7 +444,7 @@ __device__ void pull_item(const CombineParams& p, int t, int64_t c, const PullGe
   unsigned sends = __ballot_sync(kFullMask, valid);
   const int64_t row_bytes = p.hidden * (int64_t)sizeof(T);
   const int64_t unit_bytes = kVec ? 16 : (int64_t)sizeof(T);
-  const int64_t first = c * g.per_chunk;  // first unit of this chunk
+  const int64_t first = c * static_cast<uint32_t>(g.per_chunk);  // first unit of this chunk (fits 32 bits)
   const uint8_t* region = p.ws.base + p.combine_offset + (int64_t)me * p.rt * row_bytes + first * unit_bytes;
 
   constexpr int kUnits = kVec ? kPullVecs : kPullScalars;
@@ -510,15 +519,16 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const CombineP
 
   // 1. Stage the rows that were received (RECV_COUNTERS) into the own combine region.
   if (!p.payload_in_workspace) {
-    const int64_t nthreads = (int64_t)gridDim.x * blockDim.x;
-    const int64_t tid = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    const uint32_t nthreads = gridDim.x * blockDim.x;  // the launcher keeps grids small
+    const uint32_t tid = blockIdx.x * blockDim.x + threadIdx.x;
+    const uint32_t stride = nthreads / static_cast<uint32_t>(ep);
     const int* recv = at<int>(my_row, p.aux.recv_counters);
     for (int s = 0; s < ep; ++s) {
       int rows = ld_volatile(recv + s);
       rows = rows < 0 ? 0 : rows > p.rt ? p.rt : rows;
       const int64_t off = (int64_t)s * p.rt * row_bytes;
       // rotate the threads per source so that small copies spread over the grid
-      const int64_t my = (tid + (int64_t)s * (nthreads / ep)) % nthreads;
+      const uint32_t my = (tid + static_cast<uint32_t>(s) * stride) % nthreads;
       copy_bytes(my_row + p.combine_offset + off, p.payload + off, rows * row_bytes, my, nthreads);
     }
   }
@@ -539,9 +549,10 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const CombineP
   //    block always waits, so the launch never completes before every peer's
   //    outputs are ready (the next dispatch relies on that).
   const PullGeometry g = pull_geometry<T, kVec>(p.hidden);
-  const int64_t items = (int64_t)p.local_num_tokens * g.chunks;
-  const int warps = blockDim.x / 32;
-  const int64_t first_item = (int64_t)blockIdx.x * warps;
+  const uint32_t chunks = static_cast<uint32_t>(g.chunks);  // the launcher checks T * chunks < 2^31
+  const uint32_t items = static_cast<uint32_t>(p.local_num_tokens) * chunks;
+  constexpr uint32_t warps = kCombineThreads / 32;
+  const uint32_t first_item = blockIdx.x * warps;
   if (!last && first_item >= items) return;
   if (!block_wait_flags(at<int>(my_row, p.aux.combine_completion_flags), ep, round, p.ctl, p.ctl.phase_combine,
                         /*poller=*/last, block_counters + p.aux.block_counter_slots - 1,
@@ -551,11 +562,10 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const CombineP
 
   // 4. Pull and reduce.
   const int lane = threadIdx.x % 32;
-  const int64_t nw = (int64_t)gridDim.x * warps;
-  for (int64_t item = first_item + threadIdx.x / 32; item < items; item += nw) {
-    const int t = static_cast<int>(item / g.chunks);
-    const int64_t c = item % g.chunks;
-    pull_item<T, kVec>(p, t, c, g, lane);
+  const uint32_t nw = gridDim.x * warps;
+#pragma unroll 1
+  for (uint32_t item = first_item + threadIdx.x / 32; item < items; item += nw) {
+    pull_item<T, kVec>(p, static_cast<int>(item / chunks), item % chunks, g, lane);
   }
 }
 
@@ -566,6 +576,7 @@ __global__ void __launch_bounds__(kInitializeThreads) initialize_kernel(const In
   const int64_t words = p.aux_bytes / 4;
   int32_t* w = reinterpret_cast<int32_t*>(p.row);
   const int64_t flag_word = p.flag_val / 4;
+#pragma unroll 1
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < words; i += (int64_t)gridDim.x * blockDim.x) {
     w[i] = i == flag_word ? p.initial_round : 0;
   }
@@ -677,6 +688,7 @@ cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
 cudaError_t launch_sanitize(const SanitizeParams& p, cudaStream_t stream) {
   if (!valid_workspace(p.ws) || p.ids == nullptr || p.rt < 1 || p.top_k < 1) return cudaErrorInvalidValue;
   const int64_t n = (int64_t)p.ws.ep_size * p.rt * p.top_k;
+  if (n >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
   const int64_t want = ceil_div(n, kSanitizeThreads);
   const int grid = static_cast<int>(want < 1 ? 1 : want > 1024 ? 1024 : want);
   sanitize_kernel<<<grid, kSanitizeThreads, 0, stream>>>(p);
@@ -691,6 +703,7 @@ cudaError_t launch_combine_typed(const CombineParams& p, cudaStream_t stream) {
   cudaError_t err = resident_blocks(fn, kCombineThreads, p.lim, &resident);
   if (err != cudaSuccess) return err;
   const PullGeometry g = pull_geometry<T, kVec>(p.hidden);
+  if ((int64_t)p.local_num_tokens * g.chunks >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
   const int64_t row_bytes = p.hidden * (int64_t)sizeof(T);
   const int64_t pull_blocks = ceil_div((int64_t)p.local_num_tokens * g.chunks, kCombineThreads / 32);
   const int64_t stage_blocks =
