@@ -232,6 +232,7 @@ __device__ __forceinline__ int expert_owner(int e, int num_experts, int ep_size)
 // to every target.
 __device__ void dispatch_copy_payload(const DispatchParams& p, int i, int t, unsigned sends, int target, int slot,
                                       int lane) {
+  if (sends == 0) return;  // warp-uniform
   const int64_t nb = p.payload_bytes[i];
   const uint8_t* src = p.payload[i] + (int64_t)t * nb;
   const int64_t region = p.payload_offset[i] + (int64_t)p.ws.ep_rank * p.rt * nb;
