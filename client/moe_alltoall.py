@@ -1,0 +1,498 @@
+"""``MoeAlltoAll``: MoE expert-parallel dispatch and combine over a daemon-owned workspace.
+
+The API mirrors FlashInfer's ``MoeAlltoAll`` throughput backend (see
+``reference/SEED_API.md`` in the design folder): construct it on every rank of an
+expert-parallel group, then per round ``dispatch`` the tokens to the ranks that own
+their experts, run the local experts on what arrived, and ``combine`` the outputs
+back. Unlike the seed, the workspace is allocated by the a2ad daemon and mapped
+through :func:`a2ad.client.attach`, every input is checked before anything is
+written to a peer (:class:`~a2ad.errors.InputError`), calls out of order raise
+:class:`~a2ad.errors.StateError`, and every wait on a peer is bounded
+(:class:`~a2ad.errors.PeerTimeout`, :class:`~a2ad.errors.PeerLost`).
+
+The data movement itself is a *plane* chosen by the job's backend:
+``host_plane.HostPlane`` (shared host memory) or ``cuda_plane.CudaPlane`` (CUDA
+kernels). The protocol both follow is docs/PROTOCOL.md.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import warnings
+
+import torch
+
+from a2ad import errors, layout as L
+from a2ad.layout import (  # noqa: F401  (metainfo index names, re-exported)
+    BLOCK_COUNTERS_OFFSET_INDEX,
+    COMBINE_COMPLETION_FLAGS_OFFSET_INDEX,
+    DISPATCH_COMPLETION_FLAGS_OFFSET_INDEX,
+    FLAG_VAL_OFFSET_INDEX,
+    LOCAL_TOKEN_COUNTER_OFFSET_INDEX,
+    METAINFO_INDEX,
+    NUM_METAINFO_FIELDS,
+    PAYLOAD_DATA_OFFSET_INDEX,
+    RECV_COUNTERS_OFFSET_INDEX,
+    SEND_COUNTERS_OFFSET_INDEX,
+    TOPK_SEND_INDICES_OFFSET_INDEX,
+    TOPK_TARGET_RANKS_OFFSET_INDEX,
+)
+
+__all__ = [
+    "MoeAlltoAll",
+    "moe_a2a_get_workspace_size_per_rank",
+    "moe_a2a_wrap_payload_tensor_in_workspace",
+    *METAINFO_INDEX,
+]
+
+COMBINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def moe_a2a_get_workspace_size_per_rank(
+    ep_size: int,
+    max_num_tokens: int,
+    total_dispatch_payload_size_per_token: int,
+    combine_payload_size_per_token: int,
+) -> int:
+    """Bytes per rank for payloads of the given per-token sizes (aux region included)."""
+    return L.workspace_size_per_rank(
+        ep_size, max_num_tokens, total_dispatch_payload_size_per_token, combine_payload_size_per_token
+    )
+
+
+def moe_a2a_wrap_payload_tensor_in_workspace(
+    workspace: torch.Tensor,
+    leading_shape: list[int] | tuple[int, ...],
+    slice_start: int,
+    slice_end: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """A typed view ``[*leading_shape, -1]`` of the bytes ``[slice_start, slice_end)`` of one row.
+
+    ``workspace``: ``[ep_size, size_per_rank]`` uint8 (then ``slice_start`` counts from
+    the start of row 0 in units of ``stride(0)``, so it picks the row too) or one row
+    ``[size_per_rank]``. The slice must lie inside one row and be aligned to ``dtype``.
+    """
+    if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.uint8 or workspace.dim() not in (1, 2):
+        raise errors.InputError("workspace must be a [ep_size, size_per_rank] or [size_per_rank] uint8 tensor")
+    rows = workspace.unsqueeze(0) if workspace.dim() == 1 else workspace
+    if not 0 <= slice_start <= slice_end:
+        raise errors.InputError(f"slice [{slice_start}, {slice_end}) is not a valid byte range")
+    row, start = divmod(slice_start, rows.stride(0)) if rows.shape[0] > 1 else (0, slice_start)
+    end = start + (slice_end - slice_start)
+    if row >= rows.shape[0] or end > rows.shape[1]:
+        raise errors.InputError(
+            f"slice [{slice_start}, {slice_end}) does not lie inside one row of {rows.shape[1]} bytes"
+        )
+    try:
+        return rows[row, start:end].view(dtype).view(*leading_shape, -1)
+    except RuntimeError as exc:
+        raise errors.InputError(
+            f"bytes [{start}, {end}) of row {row} do not make a [{', '.join(map(str, leading_shape))}, -1] "
+            f"tensor of {dtype}: {exc}"
+        ) from None
+
+
+# ---------------------------------------------------------------------------
+# Argument checks (every one raises InputError naming the argument)
+# ---------------------------------------------------------------------------
+def _int_arg(name: str, value, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, bool):
+        raise errors.InputError(f"{name} must be an integer, got bool", argument=name)
+    try:
+        value = operator.index(value)  # int, numpy integers, 0-d integer tensors
+    except TypeError:
+        raise errors.InputError(f"{name} must be an integer, got {type(value).__name__}", argument=name) from None
+    if value < lo or (hi is not None and value > hi):
+        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise errors.InputError(f"{name} must be {bound}, got {value}", argument=name)
+    return value
+
+
+def _tensor_arg(name: str, value, device: torch.device) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise errors.InputError(f"{name} must be a torch.Tensor, got {type(value).__name__}", argument=name)
+    if value.device != device:
+        raise errors.InputError(f"{name} is on {value.device}; this rank's workspace is on {device}", argument=name)
+    return value
+
+
+class _Round:
+    """What a dispatch leaves for its combine."""
+
+    __slots__ = ("rt", "local_num_tokens", "layout")
+
+    def __init__(self, rt: int, local_num_tokens: int, layout: L.PayloadLayout):
+        self.rt = rt
+        self.local_num_tokens = local_num_tokens
+        self.layout = layout
+
+
+class MoeAlltoAll:
+    """One rank's MoE all-to-all over a workspace owned by the a2ad daemon.
+
+    ``mapping``: any object with ``moe_ep_rank`` and ``moe_ep_size``.
+    ``max_num_tokens``: the most tokens any rank passes to one dispatch.
+    ``top_k``: experts per token (at most 22). ``num_experts``: experts in the model,
+    partitioned contiguously over the ranks (at least ``ep_size``).
+    ``workspace_size_per_rank``: bytes per rank; when None it is
+    :meth:`get_moe_workspace_size_per_rank` for ``hidden_size`` (bf16 hidden states,
+    int32 expert ids and float32 scales per token, bf16 combine).
+    ``job``: the job name every rank of the group uses. ``runtime_dir``: the daemon's
+    runtime folder (default: the daemon's default). ``device``: this rank's device
+    (cuda backend: a CUDA device; default the current one). ``timeout``: seconds for
+    the rendezvous and for every wait on a peer.
+
+    The constructor joins the job and returns once every rank has joined. Call
+    :meth:`close` (or use it as a context manager) to leave.
+    """
+
+    def __init__(
+        self,
+        mapping,
+        max_num_tokens: int,
+        top_k: int,
+        num_experts: int,
+        workspace_size_per_rank: int | None = None,
+        hidden_size: int | None = None,
+        *,
+        job: str,
+        runtime_dir=None,
+        device=None,
+        timeout: float = 60.0,
+    ):
+        self._att = None
+        self._plane = None
+        self._closed = True  # until attached: nothing to close or warn about
+        try:
+            ep_rank, ep_size = int(mapping.moe_ep_rank), int(mapping.moe_ep_size)
+        except AttributeError:
+            raise errors.InputError("mapping must have moe_ep_rank and moe_ep_size") from None
+        ep_size = _int_arg("moe_ep_size", ep_size, 1, L.MAX_EP_SIZE)
+        ep_rank = _int_arg("moe_ep_rank", ep_rank, 0, ep_size - 1)
+        max_num_tokens = _int_arg("max_num_tokens", max_num_tokens, 1)
+        top_k = _int_arg("top_k", top_k, 1, L.MAX_TOP_K)
+        num_experts = _int_arg("num_experts", num_experts, ep_size)
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise errors.InputError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if workspace_size_per_rank is None:
+            if hidden_size is None:
+                raise errors.InputError("give workspace_size_per_rank or hidden_size")
+            hidden_size = _int_arg("hidden_size", hidden_size, 1)
+            workspace_size_per_rank = self.get_moe_workspace_size_per_rank(ep_size, top_k, max_num_tokens, hidden_size)
+        workspace_size_per_rank = _int_arg("workspace_size_per_rank", workspace_size_per_rank, 1)
+
+        from .attach import attach
+
+        self.max_num_tokens = max_num_tokens
+        self.top_k = top_k
+        self.num_experts = num_experts
+        self.timeout = float(timeout)
+        self._att = attach(
+            job,
+            ep_rank,
+            ep_size,
+            max_num_tokens=max_num_tokens,
+            top_k=top_k,
+            num_experts=num_experts,
+            workspace_size_per_rank=workspace_size_per_rank,
+            runtime_dir=runtime_dir,
+            device=device,
+            timeout=float(timeout),
+        )
+        try:
+            if self._att.backend == "cuda":
+                from .cuda_plane import CudaPlane as plane_cls
+            else:
+                from .host_plane import HostPlane as plane_cls
+            self._plane = plane_cls(self._att, self.timeout)
+        except BaseException:
+            self._att.close()
+            raise
+        self._closed = False
+        self._round: _Round | None = None
+        self._metainfo = torch.tensor(self._att.aux.metainfo(), dtype=torch.int64)
+
+    @staticmethod
+    def get_moe_workspace_size_per_rank(
+        ep_size: int, top_k: int, max_num_tokens: int, hidden_size: int, extra_payload_bytes_per_token: int = 0
+    ) -> int:
+        """Bytes per rank for bf16 hidden states, int32 expert ids and float32 scales per token
+        (plus ``extra_payload_bytes_per_token``) and a bf16 combine."""
+        return L.moe_workspace_size_per_rank(ep_size, top_k, max_num_tokens, hidden_size, extra_payload_bytes_per_token)
+
+    # --- properties -----------------------------------------------------------------
+    @property
+    def workspace(self) -> torch.Tensor:
+        """``[ep_size, size_per_rank]`` uint8, row q is rank q's memory (stride(0) is the row stride)."""
+        return self._live().workspace
+
+    @property
+    def ep_rank(self) -> int:
+        return self._att.ep_rank
+
+    @property
+    def ep_size(self) -> int:
+        return self._att.ep_size
+
+    @property
+    def metainfo(self) -> torch.Tensor:
+        """``[NUM_METAINFO_FIELDS]`` int64 (CPU): byte offsets of the aux fields in every row,
+        indexed by the ``*_OFFSET_INDEX`` names."""
+        return self._metainfo
+
+    @property
+    def attachment(self):
+        """The :class:`a2ad.client.Attachment` this object runs on."""
+        return self._att
+
+    @property
+    def phase(self) -> str:
+        """``"idle"``, ``"dispatched"`` or ``"closed"``."""
+        if self._closed:
+            return "closed"
+        return "idle" if self._round is None else "dispatched"
+
+    def _live(self):
+        if self._closed:
+            raise errors.StateError("this MoeAlltoAll is closed")
+        return self._att
+
+    # --- dispatch -------------------------------------------------------------------
+    def dispatch(
+        self,
+        token_selected_experts: torch.Tensor,
+        input_payloads: list[torch.Tensor],
+        runtime_max_tokens_per_rank: int,
+        invalid_token_expert_id: int | None = None,
+        expert_id_payload_index: int | None = None,
+    ) -> list[torch.Tensor]:
+        """Send every local token to the ranks owning its experts; return what this rank received.
+
+        token_selected_experts: ``[local_num_tokens, top_k]`` int32 (int64 is converted),
+        ids in ``[0, num_experts)``.
+        input_payloads: 1 to 6 tensors ``[local_num_tokens, ...]`` of any dtype, on this
+        rank's device.
+        runtime_max_tokens_per_rank: the most tokens any rank passes in this round
+        (``local_num_tokens <= it <= max_num_tokens``); every rank must pass the same value.
+        invalid_token_expert_id, expert_id_payload_index: give both to overwrite, in the
+        received int32 payload ``expert_id_payload_index``, every id of every slot that
+        received no token with ``invalid_token_expert_id``.
+
+        Returns one workspace-backed tensor per payload, ``[ep_size, runtime_max_tokens_per_rank,
+        elements_per_token]`` of the payload's dtype: row (s, j) is the token source rank s
+        put in slot j; slots ``j >= `` (tokens s sent here) hold no token. They stay valid
+        until the next dispatch. Afterwards the state is "dispatched": call :meth:`combine`.
+        """
+        att = self._live()
+        if self._round is not None:
+            raise errors.StateError("dispatch called twice: combine the previous dispatch first")
+        self._plane.check()
+        rt, experts, payloads, layout, ids_index, invalid_id = self._check_dispatch(
+            att,
+            token_selected_experts,
+            input_payloads,
+            runtime_max_tokens_per_rank,
+            invalid_token_expert_id,
+            expert_id_payload_index,
+        )
+        num_tokens = experts.shape[0]
+        self._plane.dispatch(experts, [p[1] for p in payloads], rt, layout, self.num_experts)
+        self._round = _Round(rt, num_tokens, layout)
+        ep, me = att.ep_size, att.ep_rank
+        received = []
+        for (src, _), off, nbytes in zip(payloads, layout.dispatch_offsets, layout.dispatch_bytes_per_token):
+            view = att.workspace[me, off : off + ep * rt * nbytes].view(src.dtype)
+            received.append(view.view(ep, rt, -1))
+        if ids_index is not None:
+            self._plane.sanitize(received[ids_index], rt, invalid_id)
+        return received
+
+    def _check_dispatch(self, att, experts, payloads, rt, invalid_id, ids_index):
+        rt = _int_arg("runtime_max_tokens_per_rank", rt, 1, self.max_num_tokens)
+        experts = _tensor_arg("token_selected_experts", experts, att.device)
+        if experts.dtype not in (torch.int32, torch.int64):
+            raise errors.InputError(
+                f"token_selected_experts must be int32 (or int64), got {experts.dtype}", argument="token_selected_experts"
+            )
+        if experts.dim() != 2 or experts.shape[1] != self.top_k:
+            raise errors.InputError(
+                f"token_selected_experts must be [local_num_tokens, top_k={self.top_k}], got {list(experts.shape)}",
+                argument="token_selected_experts",
+            )
+        num_tokens = experts.shape[0]
+        if num_tokens > rt:
+            raise errors.InputError(
+                f"local_num_tokens ({num_tokens}) exceeds runtime_max_tokens_per_rank ({rt})", argument="token_selected_experts"
+            )
+        outside = (experts < 0) | (experts >= self.num_experts)  # before any int64 -> int32 narrowing
+        if num_tokens and bool(outside.any()):
+            raise errors.InputError(
+                f"token_selected_experts holds expert id {experts[outside][0].item()}, "
+                f"outside [0, num_experts={self.num_experts})",
+                argument="token_selected_experts",
+            )
+        experts = experts.to(torch.int32).contiguous()
+        if not isinstance(payloads, (list, tuple)):
+            raise errors.InputError("input_payloads must be a list of tensors", argument="input_payloads")
+        if not 1 <= len(payloads) <= L.MAX_PAYLOADS:
+            raise errors.InputError(
+                f"input_payloads must hold 1 to {L.MAX_PAYLOADS} tensors, got {len(payloads)}", argument="input_payloads"
+            )
+        checked = []
+        for i, p in enumerate(payloads):
+            name = f"input_payloads[{i}]"
+            p = _tensor_arg(name, p, att.device)
+            if p.dim() < 1 or p.shape[0] != num_tokens:
+                raise errors.InputError(
+                    f"{name} must be [local_num_tokens={num_tokens}, ...], got {list(p.shape)}", argument=name
+                )
+            elements = math.prod(p.shape[1:])
+            nbytes = elements * p.element_size()
+            if nbytes == 0:
+                raise errors.InputError(f"{name} has no bytes per token (shape {list(p.shape)})", argument=name)
+            checked.append((p, p.contiguous().reshape(num_tokens, elements).view(torch.uint8)))
+        try:
+            layout = L.payload_layout(att.aux, att.size_per_rank, rt, [nb.shape[1] for _, nb in checked])
+        except L.LayoutError as exc:
+            raise errors.InputError(str(exc), argument="input_payloads") from None
+        if (invalid_id is None) != (ids_index is None):
+            raise errors.InputError(
+                "give both invalid_token_expert_id and expert_id_payload_index, or neither", argument="invalid_token_expert_id"
+            )
+        if ids_index is not None:
+            ids_index = _int_arg("expert_id_payload_index", ids_index, 0, len(checked) - 1)
+            invalid_id = _int_arg("invalid_token_expert_id", invalid_id, -(1 << 31), (1 << 31) - 1)
+            if checked[ids_index][0].dtype != torch.int32:
+                raise errors.InputError(
+                    f"the expert-id payload (input_payloads[{ids_index}]) must be int32 to be sanitized, "
+                    f"got {checked[ids_index][0].dtype}",
+                    argument="expert_id_payload_index",
+                )
+        return rt, experts, checked, layout, ids_index, invalid_id
+
+    # --- combine --------------------------------------------------------------------
+    def get_combine_payload_tensor_in_workspace(
+        self, runtime_max_tokens_per_rank: int, hidden_size: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """This rank's combine region as ``[ep_size, runtime_max_tokens_per_rank, hidden_size]`` of ``dtype``.
+
+        Write the expert outputs there, then ``combine(..., payload_in_workspace=True)``
+        skips the staging copy. Only between dispatch and combine; it does not overlap
+        the dispatch results.
+        """
+        att = self._live()
+        rnd = self._require_dispatched("get_combine_payload_tensor_in_workspace")
+        rt = self._check_rt(runtime_max_tokens_per_rank, rnd)
+        hidden = _int_arg("hidden_size", hidden_size, 1)
+        if dtype not in COMBINE_DTYPES:
+            raise errors.InputError(f"dtype must be bfloat16, float16 or float32, got {dtype}", argument="dtype")
+        bytes_per_token = hidden * torch.empty((), dtype=dtype).element_size()
+        self._check_combine_fits(att, rnd, bytes_per_token)
+        off = rnd.layout.combine_offset
+        region = att.workspace[att.ep_rank, off : off + att.ep_size * rt * bytes_per_token]
+        return region.view(dtype).view(att.ep_size, rt, hidden)
+
+    def combine(
+        self, payload: torch.Tensor, runtime_max_tokens_per_rank: int, payload_in_workspace: bool = False
+    ) -> torch.Tensor:
+        """Return every local token's expert outputs, summed over the ranks it was sent to.
+
+        payload: ``[ep_size, runtime_max_tokens_per_rank, hidden]`` bfloat16, float16 or
+        float32: row (s, j) is the output for the token source s put in slot j (rows of
+        empty slots are ignored). With ``payload_in_workspace`` it must be the tensor
+        :meth:`get_combine_payload_tensor_in_workspace` returned.
+        runtime_max_tokens_per_rank: the value the dispatch of this round used.
+
+        Returns ``[local_num_tokens, hidden]`` of the payload's dtype, summed in float32.
+        Afterwards the state is "idle" (also when a wait on a peer failed).
+        """
+        att = self._live()
+        rnd = self._require_dispatched("combine")
+        self._plane.check()
+        rt = self._check_rt(runtime_max_tokens_per_rank, rnd)
+        payload = _tensor_arg("payload", payload, att.device)
+        if payload.dtype not in COMBINE_DTYPES:
+            raise errors.InputError(f"payload must be bfloat16, float16 or float32, got {payload.dtype}", argument="payload")
+        if payload.dim() != 3 or payload.shape[0] != att.ep_size or payload.shape[1] != rt or payload.shape[2] < 1:
+            raise errors.InputError(
+                f"payload must be [ep_size={att.ep_size}, runtime_max_tokens_per_rank={rt}, hidden], "
+                f"got {list(payload.shape)}",
+                argument="payload",
+            )
+        hidden = payload.shape[2]
+        self._check_combine_fits(att, rnd, hidden * payload.element_size())
+        if not isinstance(payload_in_workspace, bool):
+            raise errors.InputError("payload_in_workspace must be a bool", argument="payload_in_workspace")
+        if payload_in_workspace:
+            expected = att.workspace[att.ep_rank, rnd.layout.combine_offset :]
+            if not payload.is_contiguous() or payload.data_ptr() != expected.data_ptr():
+                raise errors.InputError(
+                    "payload_in_workspace=True but payload is not this rank's combine region "
+                    "(use get_combine_payload_tensor_in_workspace)",
+                    argument="payload",
+                )
+        else:
+            payload = payload.contiguous()
+        try:
+            out = self._plane.combine(payload, rnd.local_num_tokens, rt, rnd.layout, payload_in_workspace)
+        finally:
+            self._round = None
+        return out
+
+    def _require_dispatched(self, what: str) -> _Round:
+        if self._round is None:
+            raise errors.StateError(f"{what} called before dispatch: the state is idle")
+        return self._round
+
+    def _check_rt(self, rt, rnd: _Round) -> int:
+        rt = _int_arg("runtime_max_tokens_per_rank", rt, 1, self.max_num_tokens)
+        if rt != rnd.rt:
+            raise errors.InputError(
+                f"runtime_max_tokens_per_rank ({rt}) differs from this round's dispatch ({rnd.rt})",
+                argument="runtime_max_tokens_per_rank",
+            )
+        return rt
+
+    def _check_combine_fits(self, att, rnd: _Round, bytes_per_token: int) -> None:
+        try:
+            L.payload_layout(att.aux, att.size_per_rank, rnd.rt, rnd.layout.dispatch_bytes_per_token, bytes_per_token)
+        except L.LayoutError as exc:
+            raise errors.InputError(str(exc), argument="payload") from None
+
+    # --- lifecycle ------------------------------------------------------------------
+    def close(self) -> None:
+        """Leave the job and unmap the workspace. Idempotent; later calls raise StateError."""
+        if self._closed:
+            return
+        self._closed = True
+        self._round = None
+        try:
+            if self._plane is not None and hasattr(self._plane, "close"):
+                self._plane.close()
+        finally:
+            self._att.close()
+
+    def __enter__(self) -> "MoeAlltoAll":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            att = self._att
+            warnings.warn(
+                f"MoeAlltoAll for job {att.job!r} rank {att.ep_rank} was never closed",
+                ResourceWarning,
+                stacklevel=2,
+            )
+
+    def __repr__(self) -> str:
+        if self._att is None:
+            return "MoeAlltoAll(unattached)"
+        return (
+            f"MoeAlltoAll(job={self._att.job!r}, rank={self._att.ep_rank}/{self._att.ep_size}, "
+            f"backend={self._att.backend}, top_k={self.top_k}, num_experts={self.num_experts}, {self.phase})"
+        )
