@@ -1,35 +1,381 @@
-"""The daemon's metrics in Prometheus text exposition format."""
+"""The daemon's metrics, through prometheus-client.
+
+``render(daemon)`` returns the Prometheus text exposition (what ``a2ad-ctl metrics``
+prints). ``registry(daemon)`` builds a CollectorRegistry whose collector reads the
+daemon's state at scrape time; nothing is updated on the daemon's hot paths except the
+rendezvous-latency histogram (``LatencyHistogram.observe``, a few integer additions).
+
+``MetricsHTTP`` serves ``GET /metrics`` on 127.0.0.1 from inside the daemon's own poll
+loop. Why not a thread: the collector walks the daemon's job table, which the loop
+mutates without locks; reading it from another thread would need a lock around every
+loop iteration. Instead the HTTP sockets live in a private epoll set whose single fd sits
+in the daemon's poller; ``service()`` does non-blocking accept/recv/send only, with a
+deadline and a size cap per connection, so a slow or hostile scraper cannot stall the
+loop, and the render happens in the thread that owns the state.
+"""
 
 from __future__ import annotations
 
+import bisect
+import logging
+import selectors
+import socket
 import time
 
-from . import layout as L
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import choose_encoder
+
+from . import __version__, layout as L, protocol
+
+log = logging.getLogger("a2ad")
+
+#: Upper bounds (seconds) of the rendezvous-latency histogram: from the last join of a job
+#: to the release of all its ranks (allocation of the last rank's workspace included).
+RENDEZVOUS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+_COUNTER_HELP = {
+    "joins": "Join requests accepted (a rank entered a rendezvous).",
+    "attaches": "Ranks that redeemed their ticket and received the workspace handles.",
+    "detaches": "Ranks that left cleanly.",
+    "deaths": "Ranks that died (lease closed without a leave, or gone before attaching).",
+    "rendezvous": "Rendezvous completed (all ranks of a job released together).",
+    "bad_requests": "Malformed or invalid requests answered with an error.",
+}
+
+_JOB_STATES = ("rendezvous", "ready", "degraded", "grace")
 
 
-def _line(out: list[str], name: str, value, labels: dict | None = None) -> None:
-    lab = ""
-    if labels:
-        lab = "{" + ",".join(f'{k}="{str(v)}"' for k, v in labels.items()) + "}"
-    out.append(f"{name}{lab} {value}")
+class LatencyHistogram:
+    """Cumulative bucket counts, sum and count: what a Prometheus histogram needs, kept by
+    the daemon from its start (unlike the bounded list of recent latencies in status)."""
+
+    def __init__(self, buckets=RENDEZVOUS_BUCKETS):
+        self.bounds = tuple(sorted(buckets))
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.sum += seconds
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, acc = [], 0
+        for bound, n in zip(self.bounds + (float("inf"),), self.counts):
+            acc += n
+            out.append(("+Inf" if bound == float("inf") else repr(bound), acc))
+        return out
 
 
-def render(d) -> str:
-    out: list[str] = []
-    now = time.monotonic()
-    out.append("# HELP a2ad_up 1 while the daemon serves.\n# TYPE a2ad_up gauge")
-    _line(out, "a2ad_up", 1)
-    out.append("# HELP a2ad_uptime_seconds Seconds since the daemon started.\n# TYPE a2ad_uptime_seconds gauge")
-    _line(out, "a2ad_uptime_seconds", round(now - d.started, 3))
-    out.append("# HELP a2ad_jobs Jobs the daemon holds.\n# TYPE a2ad_jobs gauge")
-    _line(out, "a2ad_jobs", len(d.jobs))
-    out.append("# HELP a2ad_ranks Ranks by state.\n# TYPE a2ad_ranks gauge")
-    for state, name in L.RANK_STATE_NAMES.items():
-        n = sum(1 for j in d.jobs.values() for s in j.slots if s.state == state)
-        _line(out, "a2ad_ranks", n, {"state": name})
-    out.append("# HELP a2ad_job_bytes Workspace bytes the daemon holds.\n# TYPE a2ad_job_bytes gauge")
-    _line(out, "a2ad_job_bytes", sum(j.job_bytes for j in d.jobs.values()))
-    for key, value in d.counters.items():
-        out.append(f"# HELP a2ad_{key}_total Count of {key} since start.\n# TYPE a2ad_{key}_total counter")
-        _line(out, f"a2ad_{key}_total", value)
-    return "\n".join(out) + "\n"
+class DaemonCollector:
+    """Reads a Daemon's state at collect() time."""
+
+    def __init__(self, daemon):
+        self.d = daemon
+
+    def collect(self):
+        d = self.d
+        now = time.monotonic()
+        jobs = list(d.jobs.values())
+
+        up = GaugeMetricFamily("a2ad_up", "1 while the daemon serves.")
+        up.add_metric([], 1)
+        yield up
+        info = GaugeMetricFamily("a2ad_build_info", "Version, wire protocol and backend of the daemon (value 1).",
+                                 labels=["version", "protocol", "backend"])
+        info.add_metric([__version__, str(protocol.PROTOCOL_VERSION), d.backend.name], 1)
+        yield info
+        up_s = GaugeMetricFamily("a2ad_uptime_seconds", "Seconds since the daemon started.")
+        up_s.add_metric([], now - d.started)
+        yield up_s
+        drain = GaugeMetricFamily("a2ad_draining", "1 while the daemon refuses new jobs (a2ad-ctl drain).")
+        drain.add_metric([], 1 if d.draining else 0)
+        yield drain
+
+        n_jobs = GaugeMetricFamily("a2ad_jobs", "Jobs the daemon holds.")
+        n_jobs.add_metric([], len(jobs))
+        yield n_jobs
+        by_state = GaugeMetricFamily("a2ad_jobs_by_state", "Jobs by state (rendezvous, ready, degraded, grace).",
+                                     labels=["state"])
+        counts = dict.fromkeys(_JOB_STATES, 0)
+        for j in jobs:
+            s = j.state_name()
+            counts[s] = counts.get(s, 0) + 1
+        for s, n in counts.items():
+            by_state.add_metric([s], n)
+        yield by_state
+
+        ranks = GaugeMetricFamily("a2ad_ranks", "Rank slots of all jobs by state.", labels=["state"])
+        rcounts = dict.fromkeys(L.RANK_STATE_NAMES, 0)
+        for j in jobs:
+            for s in j.slots:
+                rcounts[s.state] = rcounts.get(s.state, 0) + 1
+        for state, n in rcounts.items():
+            ranks.add_metric([L.RANK_STATE_NAMES.get(state, str(state))], n)
+        yield ranks
+
+        for key, value in dict(d.counters).items():
+            c = CounterMetricFamily(f"a2ad_{key}", _COUNTER_HELP.get(key, f"Count of {key.replace('_', ' ')} since start."))
+            c.add_metric([], value)
+            yield c
+
+        yield self._rendezvous_histogram()
+
+        # failures as the ranks and the daemon see them right now
+        aborted = GaugeMetricFamily("a2ad_jobs_aborted", "Jobs whose control-block abort word is set, by reason.",
+                                    labels=["reason"])
+        acounts = {name: 0 for code, name in L.ABORT_NAMES.items() if code != L.ABORT_NONE}
+        failing = GaugeMetricFamily(
+            "a2ad_rank_wait_failures",
+            "Ranks whose status record reports a failed wait (timeout: a peer never arrived; aborted: left on the abort word).",
+            labels=["kind"],
+        )
+        fcounts = {"timeout": 0, "aborted": 0}
+        for j in jobs:
+            word = j.control.abort_word
+            if word != L.ABORT_NONE:
+                name = L.ABORT_NAMES.get(word, f"reason{word}")
+                acounts[name] = acounts.get(name, 0) + 1
+            for s in j.slots:
+                code = j.control.status(s.rank).code
+                if code == L.STATUS_TIMEOUT:
+                    fcounts["timeout"] += 1
+                elif code == L.STATUS_ABORTED:
+                    fcounts["aborted"] += 1
+        for name, n in acounts.items():
+            aborted.add_metric([name], n)
+        for kind, n in fcounts.items():
+            failing.add_metric([kind], n)
+        yield aborted
+        yield failing
+
+        yield from self._memory(jobs)
+
+        conns = GaugeMetricFamily("a2ad_lease_connections", "Open fd-socket connections (leases and handshakes).")
+        conns.add_metric([], len(d.conns))
+        yield conns
+
+    def _rendezvous_histogram(self):
+        h = getattr(self.d, "rendezvous_hist", None)
+        if h is None:  # a daemon without the histogram: build one from its recent latencies
+            h = LatencyHistogram()
+            for v in getattr(self.d, "rendezvous_latencies", []):
+                h.observe(v)
+        fam = HistogramMetricFamily(
+            "a2ad_rendezvous_latency_seconds",
+            "Time from the last rank's join to the release of all ranks of a job.",
+        )
+        fam.add_metric([], h.cumulative(), h.sum)
+        return fam
+
+    def _memory(self, jobs):
+        d = self.d
+        ws = GaugeMetricFamily("a2ad_workspace_bytes", "Workspace bytes the daemon holds, per device "
+                               "(device: 'host' or the GPU's UUID; gpu: CUDA ordinal, empty for host).",
+                               labels=["device", "gpu"])
+        ctx = GaugeMetricFamily("a2ad_daemon_context_bytes",
+                                "GPU memory taken by the daemon's own CUDA context at its latest creation.",
+                                labels=["device", "gpu"])
+        try:
+            desc = d.backend.describe()
+        except Exception as exc:  # a scrape must not fail because the driver hiccupped
+            log.debug("metrics: backend.describe failed: %s", exc)
+            desc = {}
+        devices = desc.get("devices")
+        if devices:
+            for dev in devices:
+                labels = [str(dev.get("uuid") or ""), str(dev.get("ordinal", ""))]
+                ws.add_metric(labels, dev.get("workspace_bytes") or 0)
+                if dev.get("context_overhead_bytes") is not None:
+                    ctx.add_metric(labels, dev["context_overhead_bytes"])
+        else:
+            held = sum(s.alloc.size for j in jobs for s in j.slots if s.alloc is not None)
+            ws.add_metric(["host", ""], held)
+        yield ws
+        if ctx.samples:
+            yield ctx
+        total = GaugeMetricFamily("a2ad_job_bytes", "Bytes reserved by all jobs (ep_size x row stride each).")
+        total.add_metric([], sum(j.job_bytes for j in jobs))
+        yield total
+        limits = GaugeMetricFamily("a2ad_memory_limit_bytes", "Configured memory limits.", labels=["scope"])
+        limits.add_metric(["job"], d.cfg.max_job_bytes)
+        limits.add_metric(["daemon"], d.cfg.max_total_bytes)
+        yield limits
+
+
+def registry(daemon) -> CollectorRegistry:
+    """A registry with the daemon's collector and the process collector
+    (a2ad_process_*: CPU seconds, resident memory, open fds, start time)."""
+    from prometheus_client import ProcessCollector
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(DaemonCollector(daemon))
+    ProcessCollector(namespace="a2ad", registry=reg)
+    return reg
+
+
+def render(daemon) -> str:
+    """The daemon's metrics in Prometheus text format."""
+    return generate_latest(registry(daemon)).decode()
+
+
+# ---------------------------------------------------------------- HTTP /metrics
+MAX_REQUEST = 16 << 10
+MAX_CONNECTIONS = 32
+CONN_TIMEOUT = 5.0
+
+
+class _HttpConn:
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.inbuf = bytearray()
+        self.out: memoryview | None = None
+        self.deadline = time.monotonic() + CONN_TIMEOUT
+
+
+class MetricsHTTP:
+    """GET /metrics on 127.0.0.1:port, serviced from the daemon's poll loop.
+
+    Register ``fileno()`` (an epoll fd) for reading in the daemon's poller and call
+    ``service()`` once per loop iteration; it never blocks."""
+
+    def __init__(self, daemon, port: int, host: str = "127.0.0.1"):
+        self.d = daemon
+        self.sel = selectors.EpollSelector()
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.listener.bind((host, port))
+            self.listener.listen(16)
+            self.listener.setblocking(False)
+            self.sel.register(self.listener, selectors.EVENT_READ, None)
+        except BaseException:
+            self.listener.close()
+            self.sel.close()
+            raise
+        self.address = self.listener.getsockname()
+        self.conns: dict[int, _HttpConn] = {}
+
+    def fileno(self) -> int:
+        return self.sel.fileno()
+
+    def service(self) -> None:
+        for key, mask in self.sel.select(0):
+            if key.data is None:
+                self._accept()
+            elif mask & selectors.EVENT_READ and key.data.out is None:
+                self._read(key.data)
+            elif mask & selectors.EVENT_WRITE:
+                self._write(key.data)
+        now = time.monotonic()
+        for conn in list(self.conns.values()):
+            if now >= conn.deadline:
+                self._close(conn)
+
+    def close(self) -> None:
+        for conn in list(self.conns.values()):
+            self._close(conn)
+        self.sel.close()
+        self.listener.close()
+
+    # ------------------------------------------------------------ internals
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # e.g. EMFILE: leave the rest in the backlog
+                log.warning("metrics http: accept failed: %s", exc)
+                return
+            if len(self.conns) >= MAX_CONNECTIONS:
+                sock.close()
+                continue
+            sock.setblocking(False)
+            conn = _HttpConn(sock)
+            self.conns[sock.fileno()] = conn
+            self.sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _close(self, conn: _HttpConn) -> None:
+        self.conns.pop(conn.sock.fileno(), None)
+        try:
+            self.sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+
+    def _read(self, conn: _HttpConn) -> None:
+        try:
+            data = conn.sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close(conn)
+            return
+        conn.inbuf += data
+        end = conn.inbuf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(conn.inbuf) > MAX_REQUEST:
+                self._respond(conn, 431, b"request header too large\n")
+            return
+        self._respond(conn, *self._answer(bytes(conn.inbuf[:end])))
+
+    def _answer(self, head: bytes) -> tuple:
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            return 400, b"bad request\n"
+        method, target = parts[0], parts[1].split("?", 1)[0]
+        if method not in ("GET", "HEAD"):
+            return 405, b"only GET\n", "text/plain; charset=utf-8", method == "HEAD"
+        if target == "/":
+            return 200, b"a2ad: metrics at /metrics\n", "text/plain; charset=utf-8", method == "HEAD"
+        if target != "/metrics":
+            return 404, b"not found; metrics are at /metrics\n", "text/plain; charset=utf-8", method == "HEAD"
+        accept = ""
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            if name.strip().lower() == "accept":
+                accept = value.strip()
+        try:
+            encoder, ctype = choose_encoder(accept)
+            body = encoder(registry(self.d))
+        except Exception:
+            log.exception("metrics http: render failed")
+            return 500, b"internal error rendering metrics\n"
+        return 200, body, ctype, method == "HEAD"
+
+    def _respond(self, conn: _HttpConn, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8",
+                 head_only: bool = False) -> None:
+        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+                  431: "Request Header Fields Too Large", 500: "Internal Server Error"}[code]
+        header = (
+            f"HTTP/1.1 {code} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+            f"Connection: close\r\n"
+            + ("Allow: GET, HEAD\r\n" if code == 405 else "")
+            + "\r\n"
+        ).encode()
+        conn.out = memoryview(header + (b"" if head_only else body))
+        conn.deadline = time.monotonic() + CONN_TIMEOUT
+        self.sel.modify(conn.sock, selectors.EVENT_WRITE, conn)
+        self._write(conn)
+
+    def _write(self, conn: _HttpConn) -> None:
+        try:
+            n = conn.sock.send(conn.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(conn)
+            return
+        conn.out = conn.out[n:]
+        if not len(conn.out):
+            try:
+                conn.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            self._close(conn)
