@@ -21,6 +21,7 @@ import zmq
 from . import __version__, errors, layout as L, protocol, runtime
 from .backends import make_backend
 from .backends.base import Backend
+from . import metrics, sdnotify
 from .fdpass import peer_credentials, send_frame
 from .jobs import TICKET_TTL, Job, PendingJoin, RankSlot, free_job, new_control_block, new_secret, spec_mismatch
 
@@ -42,6 +43,8 @@ class Config:
     max_total_bytes: int = 1 << 42
     allow_uids: set[int] = field(default_factory=set)
     allow_gids: set[int] = field(default_factory=set)
+    #: serve GET /metrics on 127.0.0.1:PORT from the poll loop (None: off)
+    metrics_port: int | None = None
 
 
 class FdConn:
@@ -73,6 +76,10 @@ class Daemon:
         self.stopping = False
         self.counters = {"joins": 0, "attaches": 0, "detaches": 0, "deaths": 0, "rendezvous": 0, "bad_requests": 0}
         self.rendezvous_latencies: list[float] = []
+        self.rendezvous_hist = metrics.LatencyHistogram()
+        #: READY/STATUS/WATCHDOG/STOPPING to systemd; a no-op outside it
+        self.notifier = sdnotify.Notifier()
+        self.metrics_http: metrics.MetricsHTTP | None = None
         self.allowed_uids = {os.getuid(), 0} | set(config.allow_uids)
         self.allowed_gids = set(config.allow_gids)
         self._ctx: zmq.Context | None = None
@@ -113,9 +120,13 @@ class Daemon:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
+        if self.cfg.metrics_port is not None:
+            self.metrics_http = metrics.MetricsHTTP(self, self.cfg.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", *self.metrics_http.address)
         log.info(
             "a2ad %s serving %s (backend %s, pid %d)", __version__, rd, self.backend.name, os.getpid()
         )
+        self.notifier.ready(self)
 
     def install_signal_handlers(self) -> None:
         def stop(signum, frame):
@@ -131,6 +142,8 @@ class Daemon:
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.fd_listener.fileno(), zmq.POLLIN)
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        if self.metrics_http is not None:
+            poller.register(self.metrics_http.fileno(), zmq.POLLIN)
         registered: set[int] = set()
         while not self.stopping:
             # keep the poller in step with the live connections and pidfds
@@ -141,7 +154,7 @@ class Daemon:
                 poller.register(fd, zmq.POLLIN)
             registered = want
             timeout_ms = max(0, int(self._next_timer() * 1000)) if self._next_timer() is not None else 1000
-            events = dict(poller.poll(min(timeout_ms, 1000)))
+            events = dict(poller.poll(self.notifier.poll_timeout_ms(min(timeout_ms, 1000))))
             if self._wake_r.fileno() in events:
                 try:
                     while self._wake_r.recv(64):
@@ -157,7 +170,10 @@ class Daemon:
                     self._on_conn_readable(self.conns[fd])
                 elif fd in self.pidfds:
                     self._on_pid_exit(fd)
+            if self.metrics_http is not None:
+                self.metrics_http.service()
             self._run_timers()
+            self.notifier.tick(self)
 
     def _next_timer(self) -> float | None:
         now = time.monotonic()
@@ -357,6 +373,7 @@ class Daemon:
         job.rendezvous_count += 1
         self.counters["rendezvous"] += 1
         self.rendezvous_latencies.append(latency)
+        self.rendezvous_hist.observe(latency)
         del self.rendezvous_latencies[:-1000]
         log.info("job %s: rendezvous done (%d ranks, %.3f ms after the last join)", job.name, job.ep_size, latency * 1e3)
 
@@ -578,11 +595,15 @@ class Daemon:
         log.info("job %s freed (%s)", job.name, why)
 
     def shutdown(self) -> None:
+        self.notifier.stopping(self)
         log.info("shutting down: freeing %d job(s)", len(self.jobs))
         for job in list(self.jobs.values()):
             self.free(job, "daemon shutdown")
         for conn in list(self.conns.values()):
             self._close_conn(conn)
+        if self.metrics_http is not None:
+            self.metrics_http.close()
+            self.metrics_http = None
         if self.router is not None:
             self.router.close(0)
         if self._ctx is not None:
