@@ -21,6 +21,16 @@ def _parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 64G)") from None
 
 
+def _port(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {text!r} (0-65535; 0 picks a free one)")
+    return n
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runtime-dir", help="folder for sockets, lock and state (default: $A2AD_RUNTIME_DIR, "
                    "/run/a2ad where writable, $XDG_RUNTIME_DIR/a2ad, else a per-user temp folder)")
@@ -36,17 +46,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-uid", type=int, action="append", default=[],
                    help="also allow this uid (the daemon's uid and root always are); repeatable")
     p.add_argument("--allow-gid", type=int, action="append", default=[], help="also allow this gid; repeatable")
+    p.add_argument("--metrics-port", type=_port, metavar="PORT",
+                   help="also serve Prometheus metrics at http://127.0.0.1:PORT/metrics (loopback only; default off)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def serve(args) -> int:
     from .daemon import Config, Daemon
 
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
-        format="%(asctime)s a2ad[%(process)d] %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
+    from .sdnotify import log_handler
+
+    # timestamped lines on a terminal; under systemd (JOURNAL_STREAM names our stderr)
+    # '<priority>message' lines, since journald adds the time, unit and pid itself
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), handlers=[log_handler(sys.stderr)])
     log = logging.getLogger("a2ad")
     cfg = Config(
         runtime_dir=runtime.resolve(args.runtime_dir),
@@ -58,6 +70,7 @@ def serve(args) -> int:
         max_total_bytes=args.max_total_bytes,
         allow_uids=set(args.allow_uid),
         allow_gids=set(args.allow_gid),
+        metrics_port=args.metrics_port,
     )
     try:
         daemon = Daemon(cfg)
