@@ -226,54 +226,62 @@ __device__ __forceinline__ int expert_owner(int e, int num_experts, int ep_size)
   return e < split ? e / (base + 1) : rem + (e - split) / base;
 }
 
-// One warp copies payload i of token t to every target in `sends` (a lane
-// mask; lane k holds that send's target and slot). When widths and pointers
-// allow 16-byte vectors, each chunk of the source row is loaded once and stored
-// to every target.
-__device__ void dispatch_copy_payload(const DispatchParams& p, int i, int t, unsigned sends, int target, int slot,
-                                      int lane) {
-  if (sends == 0) return;  // warp-uniform
+// Tokens routed per block step (one routing warp each).
+constexpr int kTileMax = kDispatchThreads / 32;
+
+// Per-block routing results of the current tile: for token w of the tile,
+// lane k of s_target/s_slot holds send (w, k); s_sends[w] is the mask of sends.
+struct TileRouting {
+  int target[kTileMax][32];
+  int slot[kTileMax][32];
+  unsigned sends[kTileMax];
+};
+
+// Copy chunk `c` of payload i of token t to every send of the token. With
+// 16-byte vectors, a chunk is 32 lanes x kCopyUnroll vectors, loaded once and
+// stored to every target; otherwise the chunk is the whole row, copied with
+// the widest access the alignment allows, target by target.
+__device__ void dispatch_copy_chunk(const DispatchParams& p, const TileRouting& tr, int w, int t, int i, int c,
+                                    bool vec16, int lane) {
+  const unsigned sends = tr.sends[w];
   const int64_t nb = p.payload_bytes[i];
   const uint8_t* src = p.payload[i] + (int64_t)t * nb;
   const int64_t region = p.payload_offset[i] + (int64_t)p.ws.ep_rank * p.rt * nb;
-  const bool vec16 = (nb % 16) == 0 && (reinterpret_cast<uintptr_t>(src) % 16) == 0 &&
-                     (reinterpret_cast<uintptr_t>(p.ws.base + region) % 16) == 0 && (p.ws.row_stride % 16) == 0;
   if (vec16) {
     const int64_t nvec = nb / 16;
+    const int64_t v0 = (int64_t)c * 32 * kCopyUnroll;
     const uint4* s4 = reinterpret_cast<const uint4*>(src);
-    for (int64_t v0 = 0; v0 < nvec; v0 += 32 * kCopyUnroll) {
-      uint4 r[kCopyUnroll];
+    uint4 r[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t v = v0 + u * 32 + lane;
+      r[u] = v < nvec ? s4[v] : make_uint4(0, 0, 0, 0);
+    }
+    for (unsigned m = sends; m != 0; m &= m - 1) {
+      const int k = __ffs(m) - 1;
+      uint4* d4 = reinterpret_cast<uint4*>(row_of(p.ws, tr.target[w][k]) + region + (int64_t)tr.slot[w][k] * nb);
 #pragma unroll
       for (int u = 0; u < kCopyUnroll; ++u) {
         const int64_t v = v0 + u * 32 + lane;
-        r[u] = v < nvec ? s4[v] : make_uint4(0, 0, 0, 0);
-      }
-      for (unsigned m = sends; m != 0; m &= m - 1) {
-        const int k = __ffs(m) - 1;
-        const int tgt = __shfl_sync(kFullMask, target, k);
-        const int sl = __shfl_sync(kFullMask, slot, k);
-        uint4* d4 = reinterpret_cast<uint4*>(row_of(p.ws, tgt) + region + (int64_t)sl * nb);
-#pragma unroll
-        for (int u = 0; u < kCopyUnroll; ++u) {
-          const int64_t v = v0 + u * 32 + lane;
-          if (v < nvec) d4[v] = r[u];
-        }
+        if (v < nvec) d4[v] = r[u];
       }
     }
   } else {
     for (unsigned m = sends; m != 0; m &= m - 1) {
       const int k = __ffs(m) - 1;
-      const int tgt = __shfl_sync(kFullMask, target, k);
-      const int sl = __shfl_sync(kFullMask, slot, k);
-      copy_bytes(row_of(p.ws, tgt) + region + (int64_t)sl * nb, src, nb, lane, 32);
+      copy_bytes(row_of(p.ws, tr.target[w][k]) + region + (int64_t)tr.slot[w][k] * nb, src, nb, lane, 32);
     }
   }
 }
 
-// Grid: any size >= 1; a warp per token (grid-stride). No block waits on
-// another: the last block to arrive publishes the counts and flags and is the
-// only one that waits for the peers.
+// Grid: any size >= 1. A block takes tiles of p.tile_tokens consecutive
+// tokens (grid-stride): warp w routes token w of the tile, then every warp of
+// the block copies (token, payload, chunk) items, so that a few tokens still
+// spread their bytes over the whole block. No block waits on another: the
+// last block to arrive publishes the counts and flags and is the only one that
+// waits for the peers.
 __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(const DispatchParams p) {
+  __shared__ TileRouting tr;
   const int me = p.ws.ep_rank, ep = p.ws.ep_size;
   uint8_t* my_row = row_of(p.ws, me);
   int* send_counters = at<int>(my_row, p.aux.send_counters);
@@ -282,28 +290,77 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(const Dispat
   int* topk_send = at<int>(my_row, p.aux.topk_send_indices);
   if (blockIdx.x == 0 && threadIdx.x == 0) *at<int>(my_row, p.aux.local_token_counter) = p.local_num_tokens;
 
-  const int lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   constexpr int warps = kDispatchThreads / 32;
-  const int gw = blockIdx.x * warps + threadIdx.x / 32, nw = gridDim.x * warps;
-  for (int t = gw; t < p.local_num_tokens; t += nw) {
-    // Routing: lane k handles (t, k). A send is the smallest k with its target.
-    int target = -1;
-    if (lane < p.top_k) {
-      const int e = p.experts[(int64_t)t * p.top_k + lane];
-      if (e >= 0 && e < p.num_experts) target = expert_owner(e, p.num_experts, ep);
+  const int tile = p.tile_tokens;
+  // Chunks per token of each payload (uniform: with 16-byte rows the source
+  // alignment is the same for every token).
+  int chunks[kMaxPayloads];
+  bool vec16[kMaxPayloads];
+  int per_token = 0;
+#pragma unroll
+  for (int i = 0; i < kMaxPayloads; ++i) {
+    chunks[i] = 0;
+    vec16[i] = false;
+    if (i < p.num_payloads) {
+      const int64_t nb = p.payload_bytes[i];
+      vec16[i] = (nb % 16) == 0 && (reinterpret_cast<uintptr_t>(p.payload[i]) % 16) == 0 &&
+                 ((reinterpret_cast<uintptr_t>(p.ws.base) + p.payload_offset[i]) % 16) == 0 &&
+                 (p.ws.row_stride % 16) == 0;
+      chunks[i] = vec16[i] ? static_cast<int>((nb / 16 + 32 * kCopyUnroll - 1) / (32 * kCopyUnroll)) : 1;
+      per_token += chunks[i];
     }
-    const unsigned same = __match_any_sync(kFullMask, target);
-    const bool is_send = target >= 0 && __ffs(same) - 1 == lane;
-    int slot = -1;
-    if (is_send) slot = atomicAdd(send_counters + target, 1);
-    if (lane < p.top_k) {
-      topk_target[(int64_t)t * p.aux.topk_stride + lane] = is_send ? target : -1;
-      topk_send[(int64_t)t * p.aux.topk_stride + lane] = is_send ? slot : -1;
+  }
+
+#pragma unroll 1
+  for (int t0 = blockIdx.x * tile; t0 < p.local_num_tokens; t0 += gridDim.x * tile) {
+    const int ntok = min(tile, p.local_num_tokens - t0);
+    // Routing: lane k of warp w handles (t0 + w, k). A send is the smallest k with its target.
+    if (warp < ntok) {
+      const int t = t0 + warp;
+      int target = -1;
+      if (lane < p.top_k) {
+        const int e = p.experts[(int64_t)t * p.top_k + lane];
+        if (e >= 0 && e < p.num_experts) target = expert_owner(e, p.num_experts, ep);
+      }
+      const unsigned same = __match_any_sync(kFullMask, target);
+      const bool is_send = target >= 0 && __ffs(same) - 1 == lane;
+      int slot = -1;
+      if (is_send) slot = atomicAdd(send_counters + target, 1);
+      if (lane < p.top_k) {
+        topk_target[(int64_t)t * p.aux.topk_stride + lane] = is_send ? target : -1;
+        topk_send[(int64_t)t * p.aux.topk_stride + lane] = is_send ? slot : -1;
+      }
+      tr.target[warp][lane] = target;
+      tr.slot[warp][lane] = slot;
+      // slot < T <= rt always holds (one send per token and target); never
+      // write outside the region even if it did not.
+      const unsigned sends = __ballot_sync(kFullMask, is_send && slot < p.rt);
+      if (lane == 0) tr.sends[warp] = sends;
     }
-    // slot < T <= rt always holds (one send per token and target); never write
-    // outside the region even if it did not.
-    const unsigned sends = __ballot_sync(kFullMask, is_send && slot < p.rt);
-    for (int i = 0; i < p.num_payloads; ++i) dispatch_copy_payload(p, i, t, sends, target, slot, lane);
+    __syncthreads();
+    // Copy: items (token w, payload i, chunk c), spread over the block's warps.
+    const int items = ntok * per_token;
+#pragma unroll 1
+    for (int item = warp; item < items; item += warps) {
+      const int w = item / per_token;
+      int c = item - w * per_token;
+      int i = 0;
+#pragma unroll
+      for (int j = 0; j < kMaxPayloads - 1; ++j) {
+        if (i == j && c >= chunks[j]) {
+          c -= chunks[j];
+          i = j + 1;
+        }
+      }
+      if (tr.sends[w] != 0) {
+#pragma unroll
+        for (int j = 0; j < kMaxPayloads; ++j) {  // constant indices keep chunks/vec16 in registers
+          if (j == i) dispatch_copy_chunk(p, tr, w, t0 + w, j, c, vec16[j], lane);
+        }
+      }
+    }
+    __syncthreads();  // tr is rewritten by the next tile
   }
 
   if (!arrive_last(block_counters + kSlotDispatch)) return;
@@ -680,9 +737,14 @@ cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
   int resident = 0;
   cudaError_t err = resident_blocks(reinterpret_cast<const void*>(&dispatch_kernel), kDispatchThreads, p.lim, &resident);
   if (err != cudaSuccess) return err;
-  const int64_t want = ceil_div(p.local_num_tokens, kDispatchThreads / 32);
+  // Tokens per block step: as few as fill the SMs (small T spreads each token
+  // over a whole block), at most one routing warp per token.
+  DispatchParams q = p;
+  const int64_t tile = ceil_div(p.local_num_tokens, resident);
+  q.tile_tokens = static_cast<int>(tile < 1 ? 1 : tile > kTileMax ? kTileMax : tile);
+  const int64_t want = ceil_div(p.local_num_tokens, q.tile_tokens);
   const int grid = static_cast<int>(want < 1 ? 1 : want < resident ? want : resident);
-  dispatch_kernel<<<grid, kDispatchThreads, 0, stream>>>(p);
+  dispatch_kernel<<<grid, kDispatchThreads, 0, stream>>>(q);
   return cudaGetLastError();
 }
 

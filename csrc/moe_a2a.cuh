@@ -81,6 +81,7 @@ struct DispatchParams {
   const uint8_t* payload[kMaxPayloads];        // [T, payload_bytes[i]] contiguous, device
   int64_t payload_bytes[kMaxPayloads];         // bytes per token (> 0, any width)
   int64_t payload_offset[kMaxPayloads];        // row-relative start of region [ep_size, rt, bytes]
+  int tile_tokens;            // set by launch_dispatch (tokens a block routes per step)
 };
 
 struct SanitizeParams {
