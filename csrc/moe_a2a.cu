@@ -23,9 +23,12 @@ constexpr int kSanitizeThreads = 256;
 constexpr int kInitializeThreads = 256;
 // 16-byte vectors each lane keeps in flight per copy/pull step.
 constexpr int kCopyUnroll = 4;
-constexpr int kPullVecs = 4;
-// Scalar elements per lane per pull step (the unaligned fallback).
-constexpr int kPullScalars = 8;
+// Pull (combine): 16-byte vectors per lane per item, and sends whose loads are
+// in flight together (kPullSends x kPullVecs loads per lane before any use).
+constexpr int kPullVecs = 2;
+constexpr int kPullSends = 4;
+// Scalar elements per lane per pull item (the unaligned fallback).
+constexpr int kPullScalars = 4;
 // BLOCK_COUNTERS slots used by the kernels (the last one is the status claim).
 constexpr int kSlotDispatch = 0;        // arrival counter of dispatch
 constexpr int kSlotCombine = 1;         // arrival counter of combine
@@ -488,7 +491,8 @@ __host__ __device__ inline PullGeometry pull_geometry(int64_t hidden) {
 }
 
 // out[t, chunk c] = sum over the token's sends of the target's combine row, in
-// float32. One warp per (token, chunk) item; two sends' loads in flight at once.
+// float32. One warp per (token, chunk) item; the loads of kPullSends sends are
+// issued together.
 template <typename T, bool kVec>
 __device__ void pull_item(const CombineParams& p, int t, uint32_t c, const PullGeometry& g, int lane) {
   const int me = p.ws.ep_rank;
@@ -506,56 +510,77 @@ __device__ void pull_item(const CombineParams& p, int t, uint32_t c, const PullG
   const uint8_t* region = p.ws.base + p.combine_offset + (int64_t)me * p.rt * row_bytes + first * unit_bytes;
 
   constexpr int kUnits = kVec ? kPullVecs : kPullScalars;
-  constexpr int kAcc = kVec ? kPullVecs * Elem<T>::kPerVec : kPullScalars;
-  float acc[kAcc];
+  constexpr int kPer = kVec ? Elem<T>::kPerVec : 1;
+  float acc[kUnits * kPer];
 #pragma unroll
-  for (int a = 0; a < kAcc; ++a) acc[a] = 0.f;
+  for (int a = 0; a < kUnits * kPer; ++a) acc[a] = 0.f;
+  bool in[kUnits];
+#pragma unroll
+  for (int u = 0; u < kUnits; ++u) in[u] = first + u * 32 + lane < g.units;
+  // Load buffers (only the one of this path is used).
+  uint4 vbuf[kPullSends][kVec ? kUnits : 1];
+  float sbuf[kPullSends][kVec ? 1 : kUnits];
+#pragma unroll
+  for (int b = 0; b < kPullSends; ++b) {
+#pragma unroll
+    for (int u = 0; u < (kVec ? kUnits : 1); ++u) vbuf[b][u] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int u = 0; u < (kVec ? 1 : kUnits); ++u) sbuf[b][u] = 0.f;
+  }
 
   while (sends != 0) {
-    const int k0 = __ffs(sends) - 1;
-    sends &= sends - 1;
-    const bool two = sends != 0;
-    const int k1 = two ? __ffs(sends) - 1 : k0;
-    if (two) sends &= sends - 1;
-    const int t0 = __shfl_sync(kFullMask, target, k0), s0 = __shfl_sync(kFullMask, slot, k0);
-    const int t1 = __shfl_sync(kFullMask, target, k1), s1 = __shfl_sync(kFullMask, slot, k1);
-    const uint8_t* src0 = region + (int64_t)t0 * p.ws.row_stride + (int64_t)s0 * row_bytes;
-    const uint8_t* src1 = region + (int64_t)t1 * p.ws.row_stride + (int64_t)s1 * row_bytes;
-    if constexpr (kVec) {
-      uint4 r0[kUnits], r1[kUnits];
+    const uint8_t* src[kPullSends];
+    bool has[kPullSends];
 #pragma unroll
-      for (int u = 0; u < kUnits; ++u) {
-        const int64_t v = u * 32 + lane;
-        const bool in = first + v < g.units;
-        r0[u] = in ? __ldcg(reinterpret_cast<const uint4*>(src0) + v) : make_uint4(0, 0, 0, 0);
-        r1[u] = in && two ? __ldcg(reinterpret_cast<const uint4*>(src1) + v) : make_uint4(0, 0, 0, 0);
+    for (int b = 0; b < kPullSends; ++b) {
+      has[b] = sends != 0;  // warp-uniform
+      const int k = has[b] ? __ffs(sends) - 1 : 0;
+      if (has[b]) sends &= sends - 1;
+      const int tq = __shfl_sync(kFullMask, target, k), sq = __shfl_sync(kFullMask, slot, k);
+      src[b] = region + (int64_t)tq * p.ws.row_stride + (int64_t)sq * row_bytes;
+    }
+    // Every load of the batch is issued before the first use; an absent send
+    // loads nothing and is skipped when accumulating (warp-uniform).
+    if constexpr (kVec) {
+#pragma unroll
+      for (int b = 0; b < kPullSends; ++b) {
+#pragma unroll
+        for (int u = 0; u < kUnits; ++u) {
+          if (has[b] && in[u]) vbuf[b][u] = __ldcg(reinterpret_cast<const uint4*>(src[b]) + u * 32 + lane);
+        }
       }
 #pragma unroll
-      for (int u = 0; u < kUnits; ++u) {
-        Elem<T>::add(r0[u], acc + u * Elem<T>::kPerVec);
-        Elem<T>::add(r1[u], acc + u * Elem<T>::kPerVec);  // zeros when !two
+      for (int b = 0; b < kPullSends; ++b) {
+        if (has[b]) {
+#pragma unroll
+          for (int u = 0; u < kUnits; ++u) Elem<T>::add(vbuf[b][u], acc + u * kPer);  // !in[u]: never stored
+        }
       }
     } else {
-      float r0[kUnits], r1[kUnits];
 #pragma unroll
-      for (int u = 0; u < kUnits; ++u) {
-        const int64_t e = u * 32 + lane;
-        const bool in = first + e < g.units;
-        r0[u] = in ? Elem<T>::load_one(src0 + e * sizeof(T)) : 0.f;
-        r1[u] = in && two ? Elem<T>::load_one(src1 + e * sizeof(T)) : 0.f;
+      for (int b = 0; b < kPullSends; ++b) {
+#pragma unroll
+        for (int u = 0; u < kUnits; ++u) {
+          if (has[b] && in[u]) sbuf[b][u] = Elem<T>::load_one(src[b] + (u * 32 + lane) * sizeof(T));
+        }
       }
 #pragma unroll
-      for (int u = 0; u < kUnits; ++u) acc[u] += r0[u] + r1[u];
+      for (int b = 0; b < kPullSends; ++b) {
+        if (has[b]) {
+#pragma unroll
+          for (int u = 0; u < kUnits; ++u) acc[u] += sbuf[b][u];
+        }
+      }
     }
   }
 
   uint8_t* out_row = static_cast<uint8_t*>(p.out) + (int64_t)t * row_bytes + first * unit_bytes;
 #pragma unroll
   for (int u = 0; u < kUnits; ++u) {
-    const int64_t v = u * 32 + lane;
-    if (first + v < g.units) {
+    if (in[u]) {
+      const int v = u * 32 + lane;
       if constexpr (kVec) {
-        reinterpret_cast<uint4*>(out_row)[v] = Elem<T>::pack(acc + u * Elem<T>::kPerVec);
+        reinterpret_cast<uint4*>(out_row)[v] = Elem<T>::pack(acc + u * kPer);
       } else {
         Elem<T>::store_one(out_row + v * sizeof(T), acc[u]);
       }
