@@ -222,7 +222,11 @@ class CudaPlane:
         self.att.workspace[self.ep_rank, off : off + 4].zero_()
 
     def close(self) -> None:
-        """Unregister the control block if this plane registered it. Idempotent."""
+        """Unregister the control block if this plane registered it. Idempotent.
+
+        Call it before the attachment closes (the control block must still be
+        mapped), and only once no kernel of this plane is in flight.
+        """
         if self._registered is not None:
             host, self._registered = self._registered, None
             self._ops.host_unregister(host)
