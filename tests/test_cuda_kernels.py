@@ -261,8 +261,13 @@ def combine_reference(job, experts, x):
     return x.cpu().double() * w[:, None]
 
 
-def tol(dtype):
-    return {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dtype]
+def close(out, ref, dtype):
+    """Every term (row * integer weight) and the result are rounded once to ``dtype``; with no
+    cancellation (all terms are multiples of the same row) the relative error stays under 2
+    unit roundoffs (bf16 2 * 2^-8, fp16 2 * 2^-11)."""
+    rtol = {torch.bfloat16: 8e-3, torch.float16: 1.2e-3, torch.float32: 1e-5}[dtype]
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=rtol, atol=rtol * 1e-2)
 
 
 # ---------------------------------------------------------------------------
@@ -284,8 +289,8 @@ def test_dispatch_byte_exact_and_combine(make_job, ep_size, top_k, num_experts):
     check_dispatch(job, experts, payloads, pl)
     for r in range(ep_size):
         ref = combine_reference(job, experts[r], xs[r])
-        assert outs[r].dtype == dtype and outs[r].shape == (T, hidden)
-        torch.testing.assert_close(outs[r].double().cpu(), ref, rtol=tol(dtype), atol=tol(dtype))
+        assert outs[r].shape == (T, hidden)
+        close(outs[r], ref, dtype)
         assert job.flag_val(r) == L.INITIAL_ROUND + 1
         job.planes[r].check()  # no failure recorded
 
@@ -303,9 +308,7 @@ def test_combine_dtypes(make_job, dtype, in_workspace):
     payloads = [[xs[r].view(torch.uint8)] for r in range(ep_size)]
     outs = run_round(job, experts, payloads, pl, 0, dtype, in_workspace=in_workspace)
     for r in range(ep_size):
-        torch.testing.assert_close(
-            outs[r].double().cpu(), combine_reference(job, experts[r], xs[r]), rtol=tol(dtype), atol=tol(dtype)
-        )
+        close(outs[r], combine_reference(job, experts[r], xs[r]), dtype)
 
 
 def test_sanitize(make_job):
@@ -358,9 +361,7 @@ def test_odd_widths_and_misaligned_sources(make_job):
         xs = [torch.randn(T, hidden, device="cuda").to(dtype) for _ in range(ep_size)]
         outs = run_round(job, experts, [[x.view(torch.uint8)] for x in xs], pl2, 0, dtype)
         for r in range(ep_size):
-            torch.testing.assert_close(
-                outs[r].double().cpu(), combine_reference(job, experts[r], xs[r]), rtol=tol(dtype), atol=tol(dtype)
-            )
+            close(outs[r], combine_reference(job, experts[r], xs[r]), dtype)
 
 
 def test_top_k_22_with_repeats(make_job):
@@ -377,8 +378,7 @@ def test_top_k_22_with_repeats(make_job):
     outs = run_round(job, experts, payloads, pl, 0, torch.bfloat16)
     check_dispatch(job, experts, payloads, pl)
     for r in range(ep_size):
-        ref = combine_reference(job, experts[r], xs[r])
-        torch.testing.assert_close(outs[r].double().cpu(), ref, rtol=2e-2, atol=2e-2)
+        close(outs[r], combine_reference(job, experts[r], xs[r]), torch.bfloat16)
 
 
 def test_ranks_with_no_tokens(make_job):
@@ -392,7 +392,7 @@ def test_ranks_with_no_tokens(make_job):
     check_dispatch(job, experts, [[x.view(torch.uint8)] for x in xs], pl)
     for r in range(ep_size):
         assert outs[r].shape == (Ts[r], hidden)
-        torch.testing.assert_close(outs[r].double().cpu(), combine_reference(job, experts[r], xs[r]), rtol=2e-2, atol=2e-2)
+        close(outs[r], combine_reference(job, experts[r], xs[r]), torch.bfloat16)
     # every rank with no tokens at all
     zero = [torch.empty(0, top_k, dtype=torch.int32, device="cuda") for _ in range(ep_size)]
     xz = [torch.empty(0, hidden, device="cuda").bfloat16() for _ in range(ep_size)]
@@ -498,7 +498,7 @@ def _one_round(job, T=8, hidden=64):
     xs = [torch.randn(T, hidden, device="cuda").bfloat16() for _ in range(job.ep_size)]
     outs = run_round(job, experts, [[x.view(torch.uint8)] for x in xs], pl, 0, torch.bfloat16)
     for r in range(job.ep_size):
-        torch.testing.assert_close(outs[r].double().cpu(), combine_reference(job, experts[r], xs[r]), rtol=2e-2, atol=2e-2)
+        close(outs[r], combine_reference(job, experts[r], xs[r]), torch.bfloat16)
     return pl
 
 
