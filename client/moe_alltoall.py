@@ -13,10 +13,26 @@ written to a peer (:class:`~a2ad.errors.InputError`), calls out of order raise
 The data movement itself is a *plane* chosen by the job's backend:
 ``host_plane.HostPlane`` (shared host memory) or ``cuda_plane.CudaPlane`` (CUDA
 kernels). The protocol both follow is docs/PROTOCOL.md.
+
+Where the combine region lives
+------------------------------
+Dispatch regions start at PAYLOAD_DATA and their extent depends on the round's
+``runtime_max_tokens_per_rank`` and payload widths. In combine every rank *reads*
+its peers' combine regions, and a fast rank that finished combine R starts
+dispatch R+1 and writes into the rows that slower ranks are still reading. Were
+the combine region placed right after the dispatch regions (``PayloadLayout.
+combine_offset``), a round with a larger ``runtime_max_tokens_per_rank`` would
+overwrite the previous round's combine data while it is being read. So the combine
+region sits at the end of the row (128-byte aligned), the plane receives that
+offset in the ``PayloadLayout`` it is given, and a dispatch whose regions would
+reach into the previous round's combine region is refused (InputError on every
+rank alike); a workspace sized for the dispatch and combine payloads together
+(``get_moe_workspace_size_per_rank``) never hits that.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 import warnings
@@ -212,6 +228,8 @@ class MoeAlltoAll:
             raise
         self._closed = False
         self._round: _Round | None = None
+        #: Start of the last round's combine region: no dispatch may write past it (module doc).
+        self._combine_floor = self._att.size_per_rank
         self._metainfo = torch.tensor(self._att.aux.metainfo(), dtype=torch.int64)
 
     @staticmethod
@@ -286,9 +304,9 @@ class MoeAlltoAll:
         until the next dispatch. Afterwards the state is "dispatched": call :meth:`combine`.
         """
         att = self._live()
+        self._check_peers()
         if self._round is not None:
             raise errors.StateError("dispatch called twice: combine the previous dispatch first")
-        self._plane.check()
         rt, experts, payloads, layout, ids_index, invalid_id = self._check_dispatch(
             att,
             token_selected_experts,
@@ -357,6 +375,14 @@ class MoeAlltoAll:
             layout = L.payload_layout(att.aux, att.size_per_rank, rt, [nb.shape[1] for _, nb in checked])
         except L.LayoutError as exc:
             raise errors.InputError(str(exc), argument="input_payloads") from None
+        if layout.dispatch_end > self._combine_floor:
+            raise errors.InputError(
+                f"these payloads need bytes [{att.aux.payload_data}, {layout.dispatch_end}) of every row at "
+                f"runtime_max_tokens_per_rank={rt}, which overlap the previous round's combine region (from "
+                f"{self._combine_floor}) that peers may still be reading; size the workspace for the dispatch "
+                f"and combine payloads together (get_moe_workspace_size_per_rank)",
+                argument="input_payloads",
+            )
         if (invalid_id is None) != (ids_index is None):
             raise errors.InputError(
                 "give both invalid_token_expert_id and expert_id_payload_index, or neither", argument="invalid_token_expert_id"
@@ -379,8 +405,8 @@ class MoeAlltoAll:
         """This rank's combine region as ``[ep_size, runtime_max_tokens_per_rank, hidden_size]`` of ``dtype``.
 
         Write the expert outputs there, then ``combine(..., payload_in_workspace=True)``
-        skips the staging copy. Only between dispatch and combine; it does not overlap
-        the dispatch results.
+        skips the staging copy. Only between dispatch and combine; it lies at the end of
+        the row and does not overlap the dispatch results.
         """
         att = self._live()
         rnd = self._require_dispatched("get_combine_payload_tensor_in_workspace")
@@ -389,8 +415,7 @@ class MoeAlltoAll:
         if dtype not in COMBINE_DTYPES:
             raise errors.InputError(f"dtype must be bfloat16, float16 or float32, got {dtype}", argument="dtype")
         bytes_per_token = hidden * torch.empty((), dtype=dtype).element_size()
-        self._check_combine_fits(att, rnd, bytes_per_token)
-        off = rnd.layout.combine_offset
+        off = self._combine_layout(att, rnd, bytes_per_token).combine_offset
         region = att.workspace[att.ep_rank, off : off + att.ep_size * rt * bytes_per_token]
         return region.view(dtype).view(att.ep_size, rt, hidden)
 
@@ -409,8 +434,8 @@ class MoeAlltoAll:
         Afterwards the state is "idle" (also when a wait on a peer failed).
         """
         att = self._live()
+        self._check_peers()
         rnd = self._require_dispatched("combine")
-        self._plane.check()
         rt = self._check_rt(runtime_max_tokens_per_rank, rnd)
         payload = _tensor_arg("payload", payload, att.device)
         if payload.dtype not in COMBINE_DTYPES:
@@ -421,12 +446,11 @@ class MoeAlltoAll:
                 f"got {list(payload.shape)}",
                 argument="payload",
             )
-        hidden = payload.shape[2]
-        self._check_combine_fits(att, rnd, hidden * payload.element_size())
+        layout = self._combine_layout(att, rnd, payload.shape[2] * payload.element_size())
         if not isinstance(payload_in_workspace, bool):
             raise errors.InputError("payload_in_workspace must be a bool", argument="payload_in_workspace")
         if payload_in_workspace:
-            expected = att.workspace[att.ep_rank, rnd.layout.combine_offset :]
+            expected = att.workspace[att.ep_rank, layout.combine_offset :]
             if not payload.is_contiguous() or payload.data_ptr() != expected.data_ptr():
                 raise errors.InputError(
                     "payload_in_workspace=True but payload is not this rank's combine region "
@@ -435,11 +459,20 @@ class MoeAlltoAll:
                 )
         else:
             payload = payload.contiguous()
+        self._combine_floor = layout.combine_offset
         try:
-            out = self._plane.combine(payload, rnd.local_num_tokens, rt, rnd.layout, payload_in_workspace)
+            out = self._plane.combine(payload, rnd.local_num_tokens, rt, layout, payload_in_workspace)
         finally:
             self._round = None
         return out
+
+    def _check_peers(self) -> None:
+        """Raise what the plane knows about a lost or silent peer; the round is then over."""
+        try:
+            self._plane.check()
+        except (errors.PeerTimeout, errors.PeerLost):
+            self._round = None
+            raise
 
     def _require_dispatched(self, what: str) -> _Round:
         if self._round is None:
@@ -455,11 +488,15 @@ class MoeAlltoAll:
             )
         return rt
 
-    def _check_combine_fits(self, att, rnd: _Round, bytes_per_token: int) -> None:
+    def _combine_layout(self, att, rnd: _Round, bytes_per_token: int) -> L.PayloadLayout:
+        """The round's layout with its combine region at the end of the row (see the module doc)."""
         try:
             L.payload_layout(att.aux, att.size_per_rank, rnd.rt, rnd.layout.dispatch_bytes_per_token, bytes_per_token)
         except L.LayoutError as exc:
             raise errors.InputError(str(exc), argument="payload") from None
+        region = att.ep_size * rnd.rt * bytes_per_token
+        offset = (att.size_per_rank - region) // L.ALIGN * L.ALIGN  # >= dispatch_end, which is aligned
+        return dataclasses.replace(rnd.layout, combine_offset=offset)
 
     # --- lifecycle ------------------------------------------------------------------
     def close(self) -> None:

@@ -17,6 +17,7 @@ only what a rank received (so the end-to-end result is checkable).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -101,36 +102,34 @@ def dispatch(
     """
     ep_size = len(experts_per_rank)
     routings = [route(e, num_experts, ep_size) for e in experts_per_rank]
-    num_payloads = len(payloads_per_rank[0])
+    shapes = [(p.dtype, math.prod(p.shape[1:])) for p in payloads_per_rank[0]]
     received = []
-    for q in range(ep_size):
-        outs = []
-        for i in range(num_payloads):
-            sample = payloads_per_rank[0][i]
-            elements = 1
-            for d in sample.shape[1:]:
-                elements *= d
-            outs.append(torch.zeros(ep_size, rt, elements, dtype=sample.dtype))
-        counts = torch.zeros(ep_size, dtype=torch.int32)
-        source_token = torch.full((ep_size, rt), -1, dtype=torch.int64)
-        for s in range(ep_size):
-            routing = routings[s]
-            for t in range(routing.target.shape[0]):
-                for k in range(routing.target.shape[1]):
-                    if int(routing.target[t, k]) != q:
-                        continue
-                    j = int(routing.slot[t, k])
-                    if j >= rt:
-                        raise ValueError(f"rank {s} sends more than rt={rt} tokens to rank {q}")
-                    for i in range(num_payloads):
-                        outs[i][s, j] = payloads_per_rank[s][i][t].reshape(-1)
-                    source_token[s, j] = t
-            counts[s] = int(routing.send_counts[q])
-        if invalid_token_expert_id is not None:
-            ids = outs[expert_id_payload_index]
-            for s in range(ep_size):
-                ids[s, int(counts[s]) :] = invalid_token_expert_id
-        received.append(Received(payloads=outs, recv_counts=counts, source_token=source_token))
+    for _ in range(ep_size):
+        received.append(
+            Received(
+                payloads=[torch.zeros(ep_size, rt, n, dtype=dt) for dt, n in shapes],
+                recv_counts=torch.zeros(ep_size, dtype=torch.int32),
+                source_token=torch.full((ep_size, rt), -1, dtype=torch.int64),
+            )
+        )
+    for s, routing in enumerate(routings):
+        for t, (targets, slots) in enumerate(zip(routing.target.tolist(), routing.slot.tolist())):
+            for q, j in zip(targets, slots):
+                if q < 0:
+                    continue
+                if j >= rt:
+                    raise ValueError(f"rank {s} sends more than rt={rt} tokens to rank {q}")
+                dest = received[q]
+                for i, payload in enumerate(payloads_per_rank[s]):
+                    dest.payloads[i][s, j] = payload[t].reshape(-1)
+                dest.source_token[s, j] = t
+        for q in range(ep_size):
+            received[q].recv_counts[s] = routing.send_counts[q]
+    if invalid_token_expert_id is not None:
+        for rcv in received:
+            ids = rcv.payloads[expert_id_payload_index]
+            for s, n in enumerate(rcv.recv_counts.tolist()):
+                ids[s, n:] = invalid_token_expert_id
     return routings, received
 
 
@@ -146,13 +145,11 @@ def combine(routings: list[Routing], outputs_per_rank: list[torch.Tensor]) -> li
     hidden = outputs_per_rank[0].shape[2]
     results = []
     for r, routing in enumerate(routings):
-        num_tokens, top_k = routing.target.shape
-        out = torch.zeros(num_tokens, hidden, dtype=torch.float32)
-        for t in range(num_tokens):
-            for k in range(top_k):
-                q = int(routing.target[t, k])
+        out = torch.zeros(routing.target.shape[0], hidden, dtype=torch.float32)
+        for t, (targets, slots) in enumerate(zip(routing.target.tolist(), routing.slot.tolist())):
+            for q, j in zip(targets, slots):  # ascending k
                 if q >= 0:
-                    out[t] += outputs_per_rank[q][r, int(routing.slot[t, k])].float()
+                    out[t] += outputs_per_rank[q][r, j].float()
         results.append(out.to(dtype))
     return results
 
