@@ -46,6 +46,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-uid", type=int, action="append", default=[],
                    help="also allow this uid (the daemon's uid and root always are); repeatable")
     p.add_argument("--allow-gid", type=int, action="append", default=[], help="also allow this gid; repeatable")
+    p.add_argument("--fd-store", choices=["auto", "systemd", "keeper", "none"], default="auto",
+                   help="where workspace fds survive a daemon restart: systemd's fd store under systemd, "
+                        "else a small keeper process (auto, the default); none loses jobs on restart")
+    p.add_argument("--takeover", action="store_true",
+                   help="wait for the previous daemon to hand over the runtime folder (used by upgrade)")
     p.add_argument("--metrics-port", type=_port, metavar="PORT",
                    help="also serve Prometheus metrics at http://127.0.0.1:PORT/metrics (loopback only; default off)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -71,6 +76,9 @@ def serve(args) -> int:
         allow_uids=set(args.allow_uid),
         allow_gids=set(args.allow_gid),
         metrics_port=args.metrics_port,
+        fd_store=args.fd_store,
+        takeover=args.takeover,
+        argv=list(getattr(args, "serve_argv", [])),
     )
     try:
         daemon = Daemon(cfg)
@@ -103,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     if demo is not None:
         demo.add_arguments(p_demo)
     args = parser.parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args.serve_argv = raw[raw.index("serve") + 1 :] if "serve" in raw else []
     if args.command == "serve":
         return serve(args)
     if demo is None:

@@ -66,6 +66,29 @@ def cmd_leave(d, f, ctx) -> dict:
     return d.leave(f)
 
 
+def cmd_recover(d, f, ctx):
+    """Request: job, ep_rank, lease[, timeout]. This rank is quiesced (nothing in flight) and
+    waits for a job-wide re-arm: the reply, {generation}, is held until every rank is present
+    (a dead rank replaced by a new join) and every attached rank has asked to recover; then
+    the daemon resets all rows' flags and counters, bumps the generation, clears the abort
+    word and releases everyone together. Errors: rendezvous_timeout (missing_ranks),
+    permission_denied (bad lease, rank not attached), job_destroyed."""
+    return d.recover(ctx.identity, ctx.request_id, f)
+
+
+def cmd_renew(d, f, ctx) -> dict:
+    """Request: job, ep_rank, lease, pid. Reply: {ticket, generation}; redeeming the ticket on
+    fd.sock (no fds come back) makes that connection this rank's lease again, after a daemon
+    restart or upgrade dropped the old one."""
+    return d.renew(f, ctx.cred)
+
+
+def cmd_upgrade(d, f, ctx) -> dict:
+    """Start a successor daemon (same arguments) and hand it every job: the successor re-adopts
+    them from the state file and the fd store; clients keep running. Reply: {successor_pid, jobs}."""
+    return d.upgrade()
+
+
 def cmd_destroy(d, f, ctx) -> dict:
     """Request: job. Frees the job now; its ranks see the abort word ABORT_DESTROYED."""
     job = d.jobs.get(f["job"])
@@ -82,6 +105,8 @@ def cmd_abort(d, f, ctx) -> dict:
     if job is None:
         raise errors.NoSuchJob(f"no job named {f['job']!r}")
     job.control.set_abort(L.ABORT_OPERATOR, -1)
+    job.needs_rearm = True
+    d._dirty = True
     log.warning("job %s: aborted by operator", job.name)
     return {"aborted": job.name, "generation": job.generation}
 
@@ -107,6 +132,9 @@ COMMANDS: dict[str, Callable] = {
     "job_info": cmd_job_info,
     "join": cmd_join,
     "leave": cmd_leave,
+    "recover": cmd_recover,
+    "renew": cmd_renew,
+    "upgrade": cmd_upgrade,
     "destroy": cmd_destroy,
     "abort": cmd_abort,
     "drain": cmd_drain,

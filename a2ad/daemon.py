@@ -19,10 +19,13 @@ from pathlib import Path
 import zmq
 
 from . import __version__, errors, layout as L, protocol, runtime
+from . import state as statefile
 from .backends import make_backend
 from .backends.base import Backend
+from .control import ControlBlock
 from . import metrics, sdnotify
 from .fdpass import peer_credentials, send_frame
+from .fdstore import FdStore, NullStore, cb_name, make_store, ws_name
 from .jobs import TICKET_TTL, Job, PendingJoin, RankSlot, free_job, new_control_block, new_secret, spec_mismatch
 
 log = logging.getLogger("a2ad")
@@ -45,6 +48,12 @@ class Config:
     allow_gids: set[int] = field(default_factory=set)
     #: serve GET /metrics on 127.0.0.1:PORT from the poll loop (None: off)
     metrics_port: int | None = None
+    #: auto | systemd | keeper | none: where workspace fds survive a daemon restart
+    fd_store: str = "auto"
+    #: Wait for the previous daemon to hand over the runtime folder (upgrade successor).
+    takeover: bool = False
+    #: The `a2ad serve` arguments, so that an upgrade can start a successor just like us.
+    argv: list[str] = field(default_factory=list)
 
 
 class FdConn:
@@ -87,6 +96,12 @@ class Daemon:
         self.fd_listener: socket.socket | None = None
         self.lock: runtime.Lock | None = None
         self._wake_r = self._wake_w = None
+        self.store: FdStore = NullStore()
+        #: set by `upgrade`: leave jobs alive for the successor instead of freeing them
+        self.handover = False
+        #: memory of freed jobs still mapped by processes: [{job, bytes, pids}]
+        self.released: list[dict] = []
+        self._dirty = False
 
     # ------------------------------------------------------------------ setup
     def bind(self) -> None:
@@ -94,7 +109,8 @@ class Daemon:
         gid = runtime.prepare(rd, self.cfg.group)
         if gid is not None:
             self.allowed_gids.add(gid)
-        self.lock = runtime.Lock(rd)
+        self.lock = self._take_lock(rd)
+        self.store = make_store(self.cfg.fd_store, rd)
         for name in (runtime.CTL_SOCK, runtime.FD_SOCK):
             try:
                 (rd / name).unlink()
@@ -123,10 +139,22 @@ class Daemon:
         if self.cfg.metrics_port is not None:
             self.metrics_http = metrics.MetricsHTTP(self, self.cfg.metrics_port)
             log.info("metrics on http://%s:%d/metrics", *self.metrics_http.address)
+        self._adopt()
         log.info(
-            "a2ad %s serving %s (backend %s, pid %d)", __version__, rd, self.backend.name, os.getpid()
+            "a2ad %s serving %s (backend %s, fd store %s, pid %d)",
+            __version__, rd, self.backend.name, self.store.kind, os.getpid(),
         )
         self.notifier.ready(self)
+
+    def _take_lock(self, rd: Path) -> runtime.Lock:
+        end = time.monotonic() + (30.0 if self.cfg.takeover else 0.0)
+        while True:
+            try:
+                return runtime.Lock(rd)
+            except runtime.RuntimeDirError:
+                if time.monotonic() >= end:
+                    raise
+                time.sleep(0.02)
 
     def install_signal_handlers(self) -> None:
         def stop(signum, frame):
@@ -174,6 +202,107 @@ class Daemon:
                 self.metrics_http.service()
             self._run_timers()
             self.notifier.tick(self)
+            if self._dirty:
+                self._save_state()
+
+    def _save_state(self) -> None:
+        self._dirty = False
+        try:
+            statefile.save(self.cfg.runtime_dir, self.jobs, self.backend.name)
+        except OSError as exc:
+            log.error("could not write the state file: %s", exc)
+
+    def _adopt(self) -> None:
+        """Re-adopt the jobs of a previous daemon: its state file plus the fds its store kept."""
+        try:
+            fds = self.store.load()
+        except errors.A2ADError as exc:
+            log.error("fd store: %s", exc.message)
+            fds = {}
+        try:
+            state = statefile.load(self.cfg.runtime_dir)
+        except (ValueError, OSError, Exception) as exc:  # a corrupt file must not stop the daemon
+            log.error("ignoring the state file: %s", exc)
+            state = None
+        used: set[str] = set()
+        for rec in (state or {}).get("jobs", []):
+            if state.get("backend") != self.backend.name:
+                log.error("state file is from a %s daemon; this one runs %s: not adopting", state.get("backend"), self.backend.name)
+                break
+            try:
+                job = self._adopt_job(rec, fds, used)
+            except Exception as exc:
+                log.error("could not re-adopt job %s: %s", rec.get("name"), exc)
+                continue
+            self.jobs[job.name] = job
+        for name, fd in fds.items():
+            if name not in used:
+                os.close(fd)
+                self.store.drop(name)
+        if self.jobs:
+            log.info("re-adopted %d job(s): %s", len(self.jobs), ", ".join(self.jobs))
+        self._dirty = True
+
+    def _adopt_job(self, rec: dict, fds: dict[str, int], used: set[str]) -> Job:
+        name, ep_size = rec["name"], rec["ep_size"]
+        cfd = fds.get(cb_name(name))
+        if cfd is None:
+            raise errors.BackendError("its control block was not kept")
+        aux = L.aux_layout(ep_size, rec["spec"]["max_num_tokens"])
+        control = ControlBlock.map_fd(cfd)
+        job = Job(
+            name=name, ep_size=ep_size, spec=rec["spec"], size_per_rank=rec["size_per_rank"],
+            row_stride=rec["row_stride"], aux=aux, control_fd=cfd, control=control,
+            slots=[RankSlot(rank=r) for r in range(ep_size)],
+        )
+        job.generation = rec["generation"]
+        job.rearms = rec.get("rearms", 0)
+        job.rendezvous_count = rec.get("rendezvous_count", 0)
+        job.needs_rearm = rec.get("needs_rearm", False)
+        used.add(cb_name(name))
+        for srec, slot in zip(rec["slots"], job.slots):
+            slot.pid, slot.uid, slot.device = srec["pid"], srec["uid"], srec["device"]
+            slot.lease, slot.deaths, slot.attaches = srec["lease"], srec["deaths"], srec["attaches"]
+            if srec["alloc"] is not None:
+                fd = fds.get(ws_name(name, slot.rank))
+                if fd is None:
+                    raise errors.BackendError(f"rank {slot.rank}'s workspace was not kept")
+                slot.alloc = self.backend.adopt(fd, srec["alloc"]["size"], srec["device"], srec["alloc"]["handle_type"])
+                used.add(ws_name(name, slot.rank))
+            state = srec["state"]
+            if state == L.RANK_ATTACHED:
+                state = L.RANK_ATTACHED if self._watch_pid(job, slot) else L.RANK_DEAD
+                if state == L.RANK_DEAD:
+                    slot.deaths += 1
+                    job.needs_rearm = True
+                    control.set_abort(L.ABORT_PEER_LOST, slot.rank)
+            elif state == L.RANK_JOINING:
+                state = L.RANK_EMPTY  # its join request died with the old daemon
+            slot.state = state
+            control.set_rank_state(slot.rank, state)
+        if not job.live_ranks():
+            job.grace_deadline = time.monotonic() + self.cfg.grace
+        return job
+
+    def upgrade(self) -> dict:
+        """Start a successor daemon with our arguments and hand it the runtime folder."""
+        import subprocess
+        import sys
+
+        self._save_state()
+        if self.store.kind == "none":
+            raise errors.BackendError("this daemon runs with --fd-store none: an upgrade would lose every job")
+        argv = [a for a in self.cfg.argv if a != "--takeover"]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "a2ad.cli", "serve", *argv, "--takeover"],
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            close_fds=True,
+        )
+        log.info("upgrade: successor daemon started (pid %d); handing over", proc.pid)
+        self.handover = True
+        self.stopping = True
+        return {"successor_pid": proc.pid, "jobs": sorted(self.jobs)}
 
     def _next_timer(self) -> float | None:
         now = time.monotonic()
@@ -184,6 +313,8 @@ class Daemon:
             for s in job.slots:
                 if s.pending is not None:
                     times.append(s.pending.deadline)
+                if s.recovering is not None:
+                    times.append(s.recovering.deadline)
         for c in self.conns.values():
             if c.slot is None:
                 times.append(c.deadline)
@@ -322,6 +453,8 @@ class Daemon:
             slots=[RankSlot(rank=r) for r in range(ep_size)],
         )
         self.jobs[name] = job
+        self.store.put(cb_name(name), cfd)
+        self._dirty = True
         log.info("job %s created: ep_size %d, %d bytes per rank, spec %s", name, ep_size, size, spec)
         return job
 
@@ -338,18 +471,31 @@ class Daemon:
             self.backend.release(alloc)
             raise
         slot.alloc = alloc
+        self.store.put(ws_name(job.name, slot.rank), alloc.fd)
 
     def _maybe_release(self, job: Job) -> None:
-        """Release every held join once all ranks are present."""
-        if job.missing_ranks() or not job.pending():
+        """Release every held join and recover once all ranks are present (and, when the
+        job needs a re-arm, every attached rank is quiesced in `recover`)."""
+        if job.missing_ranks() or not (job.pending() or job.recovering()):
             return
+        if job.needs_rearm or job.control.abort_word:
+            if any(s.state == L.RANK_ATTACHED and s.recovering is None for s in job.slots):
+                return  # a survivor has not quiesced yet
+            self._rearm(job)
         now = time.monotonic()
-        latency = now - max(s.joined_at for s in job.pending())
+        latency = now - max(s.joined_at for s in job.pending()) if job.pending() else 0.0
+        for slot in job.recovering():
+            self._send(slot.recovering.identity, protocol.encode_reply(slot.recovering.request_id, {"generation": job.generation}))
+            slot.recovering = None
+        if not job.pending():
+            log.info("job %s: all %d ranks resumed at generation %d", job.name, job.ep_size, job.generation)
+            self._dirty = True
+            return
         handles = [{"kind": "workspace", "rank": s.rank, "size": s.alloc.size, "device": s.device} for s in job.slots]
         handles.append({"kind": "control", "size": L.CONTROL_BLOCK_SIZE})
         for slot in job.pending():
             ticket = new_secret()
-            self.tickets[ticket] = (job.name, slot.rank)
+            self.tickets[ticket] = (job.name, slot.rank, "join")
             slot.ticket = ticket
             slot.ticket_expiry = now + TICKET_TTL
             payload = {
@@ -371,11 +517,68 @@ class Daemon:
             slot.pending = None
         job.rendezvous_started = None
         job.rendezvous_count += 1
+        self._dirty = True
         self.counters["rendezvous"] += 1
         self.rendezvous_latencies.append(latency)
         self.rendezvous_hist.observe(latency)
         del self.rendezvous_latencies[:-1000]
         log.info("job %s: rendezvous done (%d ranks, %.3f ms after the last join)", job.name, job.ep_size, latency * 1e3)
+
+    def _rearm(self, job: Job) -> None:
+        """Reset every rank's flags and counters to one agreed state and bump the generation.
+        Only called while no rank can be inside dispatch or combine (all quiesced or joining)."""
+        t0 = time.monotonic()
+        for slot in job.slots:
+            self.backend.initialize(slot.alloc, job.aux.aux_bytes, job.aux.flag_val, L.INITIAL_ROUND)
+        for r in range(job.ep_size):
+            job.control.clear_status(r)
+        job.generation += 1
+        job.control.generation = job.generation
+        job.control.clear_abort()
+        job.needs_rearm = False
+        job.rearms += 1
+        self.counters["rearms"] = self.counters.get("rearms", 0) + 1
+        self._dirty = True
+        log.info("job %s: re-armed at generation %d in %.1f ms", job.name, job.generation, (time.monotonic() - t0) * 1e3)
+
+    def _slot_for_lease(self, f: dict) -> tuple[Job, RankSlot]:
+        job = self.jobs.get(f["job"])
+        if job is None:
+            raise errors.NoSuchJob(f"no job named {f['job']!r}")
+        slot = job.slots[f["ep_rank"]] if f["ep_rank"] < job.ep_size else None
+        if slot is None or slot.lease is None or f["lease"] != slot.lease:
+            raise errors.PermissionDenied(f"job {job.name!r} rank {f['ep_rank']}: the lease does not match its holder")
+        return job, slot
+
+    def recover(self, identity: bytes, rid: int, f: dict) -> None:
+        """Hold this (attached, quiesced) rank until the job is re-armed with all ranks present."""
+        job, slot = self._slot_for_lease(f)
+        if slot.state != L.RANK_ATTACHED:
+            raise errors.PermissionDenied(
+                f"job {job.name!r} rank {slot.rank} is {L.RANK_STATE_NAMES[slot.state]}, not attached: join again instead"
+            )
+        if not job.needs_rearm:
+            job.needs_rearm = True
+            if not job.control.abort_word:
+                # tell the other ranks, inside or outside a wait, that they must recover too
+                job.control.set_abort(L.ABORT_REARM, slot.rank)
+            log.info("job %s: rank %d asks for a re-arm", job.name, slot.rank)
+        timeout = min(f.get("timeout", 60.0), self.cfg.max_rendezvous_timeout)
+        slot.recovering = PendingJoin(identity=identity, request_id=rid, deadline=time.monotonic() + timeout)
+        self._maybe_release(job)
+
+    def renew(self, f: dict, cred) -> dict:
+        """A ticket for a new lease connection (after a daemon restart dropped the old one)."""
+        job, slot = self._slot_for_lease(f)
+        if cred is not None and cred[2] and cred[2] != f["pid"]:
+            raise errors.PermissionDenied(f"renew claims pid {f['pid']} but comes from pid {cred[2]}")
+        if slot.state != L.RANK_ATTACHED or slot.pid != f["pid"]:
+            raise errors.PermissionDenied(f"job {job.name!r} rank {slot.rank} is not attached to pid {f['pid']}")
+        ticket = new_secret()
+        self.tickets[ticket] = (job.name, slot.rank, "renew")
+        slot.ticket = ticket
+        slot.ticket_expiry = time.monotonic() + TICKET_TTL
+        return {"ticket": ticket, "generation": job.generation}
 
     # ----------------------------------------------------------- fd socket
     def _accept(self) -> None:
@@ -442,18 +645,26 @@ class Daemon:
         ticket = obj.get("ticket")
         if not isinstance(ticket, bytes) or ticket not in self.tickets:
             raise errors.BadTicket("unknown, expired or already used ticket")
-        name, rank = self.tickets[ticket]
+        name, rank, kind = self.tickets[ticket]
         job = self.jobs.get(name)
         slot = job.slots[rank] if job else None
-        if slot is None or slot.ticket != ticket or slot.state != L.RANK_JOINING:
+        want = L.RANK_JOINING if kind == "join" else L.RANK_ATTACHED
+        if slot is None or slot.ticket != ticket or slot.state != want:
             self.tickets.pop(ticket, None)
-            raise errors.BadTicket("the ticket's rank is no longer waiting for its handles")
+            raise errors.BadTicket("the ticket's rank is no longer waiting for it")
         if conn.pid != slot.pid:
             # leave the ticket valid for its rightful owner
             raise errors.PermissionDenied(f"ticket belongs to pid {slot.pid}, not to pid {conn.pid}")
         self.check_uid(conn.uid, conn.gid)
         del self.tickets[ticket]
         slot.ticket = None
+        if kind == "renew":
+            send_frame(conn.sock, {"v": protocol.PROTOCOL_VERSION, "ok": True, "code": "ok", "message": "", "nfds": 0})
+            self._drop_pidfd(slot)
+            conn.slot, conn.job = slot, name
+            slot.lease_conn = conn
+            log.info("job %s: rank %d renewed its lease (pid %d)", name, rank, conn.pid)
+            return
         fds = [s.alloc.fd for s in job.slots] + [job.control_fd]
         send_frame(conn.sock, {"v": protocol.PROTOCOL_VERSION, "ok": True, "code": "ok", "message": "", "nfds": len(fds)}, fds)
         conn.slot, conn.job = slot, name
@@ -461,13 +672,26 @@ class Daemon:
         slot.state = L.RANK_ATTACHED
         slot.attached_at = time.monotonic()
         slot.attaches += 1
+        self._drop_pidfd(slot)
+        job.control.set_rank_state(rank, L.RANK_ATTACHED)
+        self._dirty = True
+        self.counters["attaches"] += 1
+        log.info("job %s: rank %d attached (pid %d)", name, rank, conn.pid)
+
+    def _drop_pidfd(self, slot: RankSlot) -> None:
         if slot.pidfd is not None:
             self.pidfds.pop(slot.pidfd, None)
             os.close(slot.pidfd)
             slot.pidfd = None
-        job.control.set_rank_state(rank, L.RANK_ATTACHED)
-        self.counters["attaches"] += 1
-        log.info("job %s: rank %d attached (pid %d)", name, rank, conn.pid)
+
+    def _watch_pid(self, job: Job, slot: RankSlot) -> bool:
+        """Watch a rank's process with a pidfd; False when it is already gone."""
+        try:
+            slot.pidfd = os.pidfd_open(slot.pid)
+        except (ProcessLookupError, OSError):
+            return False
+        self.pidfds[slot.pidfd] = (job.name, slot.rank)
+        return True
 
     def _detach(self, conn: FdConn) -> None:
         slot, name = conn.slot, conn.job
@@ -494,16 +718,33 @@ class Daemon:
                         self.tickets.pop(slot.ticket, None)
                         slot.ticket = None
                     self._mark(job, slot, L.RANK_DEAD, "died before attaching")
+                elif slot.state == L.RANK_ATTACHED and slot.lease_conn is None:
+                    # adopted after a daemon restart, lease not renewed yet: the pidfd is the lease
+                    slot.recovering = None
+                    self._mark(job, slot, L.RANK_DEAD, "died (seen by its pidfd)")
         os.close(pidfd)
 
     def _mark(self, job: Job, slot: RankSlot, state: int, why: str) -> None:
+        was_live = slot.state == L.RANK_ATTACHED
         slot.state = state
         job.control.set_rank_state(slot.rank, state)
+        self._dirty = True
+        if slot.recovering is not None:
+            self._send(slot.recovering.identity, protocol.encode_error(
+                slot.recovering.request_id, errors.PermissionDenied(f"rank {slot.rank} is {L.RANK_STATE_NAMES[state]}")))
+            slot.recovering = None
+        others_live = any(s.live for s in job.slots if s is not slot)
+        if was_live and others_live:
+            # the job's rounds can no longer agree: survivors must recover with a replacement
+            job.needs_rearm = True
+            if not job.control.abort_word:
+                job.control.set_abort(L.ABORT_PEER_LOST, slot.rank)
         if state == L.RANK_DEAD:
             slot.deaths += 1
             self.counters["deaths"] += 1
             # peers spinning on this rank leave their waits at once
             job.control.set_abort(L.ABORT_PEER_LOST, slot.rank)
+            job.needs_rearm = job.needs_rearm or job.rendezvous_count > 0
             log.warning("job %s: rank %d (pid %s) %s", job.name, slot.rank, slot.pid, why)
         else:
             self.counters["detaches"] += 1
@@ -524,15 +765,12 @@ class Daemon:
             # the leave is complete when its reply goes out: the rank is free for a successor
             # at once, whether or not the client's socket close has arrived yet
             self._detach(slot.lease_conn)
-        else:  # left before redeeming its ticket
+        else:  # left before redeeming its ticket, or adopted after a restart without a lease
             if slot.ticket is not None:
                 self.tickets.pop(slot.ticket, None)
                 slot.ticket = None
             slot.pending = None
-            if slot.pidfd is not None:
-                self.pidfds.pop(slot.pidfd, None)
-                os.close(slot.pidfd)
-                slot.pidfd = None
+            self._drop_pidfd(slot)
             self._mark(job, slot, L.RANK_LEFT, "left")
         return {}
 
@@ -542,16 +780,26 @@ class Daemon:
         for conn in list(self.conns.values()):
             if conn.slot is None and now >= conn.deadline:
                 self._refuse_conn(conn, errors.BadTicket("no ticket was presented in time"))
-        for ticket, (name, rank) in list(self.tickets.items()):
+        for ticket, (name, rank, kind) in list(self.tickets.items()):
             job = self.jobs.get(name)
             slot = job.slots[rank] if job else None
             if slot is None or now >= slot.ticket_expiry:
                 self.tickets.pop(ticket, None)
-                if slot is not None and slot.state == L.RANK_JOINING:
+                if slot is not None and slot.ticket == ticket:
+                    slot.ticket = None
+                if slot is not None and kind == "join" and slot.state == L.RANK_JOINING:
                     slot.ticket = None
                     self._mark(job, slot, L.RANK_DEAD, "never redeemed its ticket")
         for job in list(self.jobs.values()):
             for slot in job.slots:
+                if slot.recovering is not None and now >= slot.recovering.deadline:
+                    missing = [s.rank for s in job.slots if not s.live or (s.state == L.RANK_ATTACHED and s.recovering is None)]
+                    err = errors.RendezvousTimeout(
+                        f"job {job.name!r}: recovery timed out waiting for rank(s) {missing}", missing_ranks=missing
+                    )
+                    self._send(slot.recovering.identity, protocol.encode_error(slot.recovering.request_id, err))
+                    log.warning("job %s: rank %d's recovery timed out; waiting for %s", job.name, slot.rank, missing)
+                    slot.recovering = None
                 if slot.pending is not None and now >= slot.pending.deadline:
                     missing = job.missing_ranks()
                     err = errors.RendezvousTimeout(
@@ -576,14 +824,21 @@ class Daemon:
     # --------------------------------------------------------------- teardown
     def free(self, job: Job, why: str) -> None:
         self.jobs.pop(job.name, None)
+        self._dirty = True
         job.control.set_abort(L.ABORT_DESTROYED, -1)
+        holders = [s.pid for s in job.slots if s.state == L.RANK_ATTACHED and s.pid]
+        if holders:
+            self.released.append({"job": job.name, "bytes": job.job_bytes, "pids": holders})
         for slot in job.slots:
-            if slot.pending is not None:
-                self._send(
-                    slot.pending.identity,
-                    protocol.encode_error(slot.pending.request_id, errors.JobDestroyed(f"job {job.name!r} was destroyed")),
-                )
-                slot.pending = None
+            for held in (slot.pending, slot.recovering):
+                if held is not None:
+                    self._send(
+                        held.identity,
+                        protocol.encode_error(held.request_id, errors.JobDestroyed(f"job {job.name!r} was destroyed")),
+                    )
+            slot.pending = slot.recovering = None
+            if slot.alloc is not None:
+                self.store.drop(ws_name(job.name, slot.rank))
             if slot.ticket is not None:
                 self.tickets.pop(slot.ticket, None)
             if slot.lease_conn is not None:
@@ -591,14 +846,24 @@ class Daemon:
                 slot.lease_conn = None
             if slot.pidfd is not None:
                 self.pidfds.pop(slot.pidfd, None)
+        self.store.drop(cb_name(job.name))
         free_job(job, self.backend)
         log.info("job %s freed (%s)", job.name, why)
 
     def shutdown(self) -> None:
         self.notifier.stopping(self)
-        log.info("shutting down: freeing %d job(s)", len(self.jobs))
-        for job in list(self.jobs.values()):
-            self.free(job, "daemon shutdown")
+        if self.handover:
+            log.info("handing %d job(s) over to the successor", len(self.jobs))
+            self._save_state()
+        else:
+            log.info("shutting down: freeing %d job(s)", len(self.jobs))
+            for job in list(self.jobs.values()):
+                self.free(job, "daemon shutdown")
+            self._dirty = False
+            try:  # nothing is left to re-adopt
+                (self.cfg.runtime_dir / runtime.STATE_FILE).unlink()
+            except FileNotFoundError:
+                pass
         for conn in list(self.conns.values()):
             self._close_conn(conn)
         if self.metrics_http is not None:
@@ -620,12 +885,38 @@ class Daemon:
             signal.set_wakeup_fd(-1)
             self._wake_r.close()
             self._wake_w.close()
-        self.backend.close()
+        if self.handover:
+            for job in self.jobs.values():  # close our copies only; the store keeps theirs
+                for slot in job.slots:
+                    if slot.alloc is not None and slot.alloc.fd >= 0:
+                        os.close(slot.alloc.fd)
+                        slot.alloc.fd = -1
+                    self._drop_pidfd(slot)
+                job.control.close()
+                os.close(job.control_fd)
+        else:
+            self.backend.close()
+        self.store.close(clean=not self.handover)
         if self.lock is not None:
             self.lock.release()
         log.info("stopped")
 
     # ----------------------------------------------------------------- status
+    def _released_mapped(self) -> dict:
+        """Memory of freed jobs that live processes may still map (the driver returns it only
+        when the last importer unmaps; a process that held a rank at free time counts)."""
+        keep = []
+        for rec in self.released:
+            rec["pids"] = [p for p in rec["pids"] if _alive(p)]
+            if rec["pids"]:
+                keep.append(rec)
+        self.released = keep
+        return {
+            "released_mapped_bytes": sum(r["bytes"] for r in keep),
+            "released_mapped_processes": len({p for r in keep for p in r["pids"]}),
+            "released_mapped_jobs": [{"job": r["job"], "bytes": r["bytes"], "pids": r["pids"]} for r in keep],
+        }
+
     def status(self) -> dict:
         now = time.monotonic()
         lat = sorted(self.rendezvous_latencies)
@@ -640,10 +931,12 @@ class Daemon:
             "jobs": [j.summary(now) for j in self.jobs.values()],
             "memory": {
                 "job_bytes": sum(j.job_bytes for j in self.jobs.values()),
+                **self._released_mapped(),
                 "max_job_bytes": self.cfg.max_job_bytes,
                 "max_total_bytes": self.cfg.max_total_bytes,
             },
             "counters": dict(self.counters),
+            "fd_store": self.store.kind,
             "rendezvous_latency_ms": {
                 "count": len(lat),
                 "p50": round(lat[len(lat) // 2] * 1e3, 3) if lat else None,
@@ -666,6 +959,20 @@ def _zmq_peer(frame: zmq.Frame) -> tuple[int, int, int] | None:
         return int(parts[1]), int(parts[2]), int(parts[3])
     except ValueError:
         return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped) maps nothing
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 def _count_fds() -> int:

@@ -31,6 +31,8 @@ class RankSlot:
     device: str | None = None
     alloc: Allocation | None = None
     pending: PendingJoin | None = None
+    #: A held `recover` reply: this rank is quiesced and waits for the job's re-arm.
+    recovering: PendingJoin | None = None
     #: Secret that proves a later request (leave) comes from this rank's holder.
     lease: bytes | None = None
     ticket: bytes | None = None
@@ -53,6 +55,7 @@ class RankSlot:
         return {
             "rank": self.rank,
             "state": L.RANK_STATE_NAMES[self.state],
+            "recovering": self.recovering is not None,
             "pid": self.pid,
             "device": self.device,
             "deaths": self.deaths,
@@ -78,6 +81,11 @@ class Job:
     grace_deadline: float | None = None
     rendezvous_started: float | None = None
     rendezvous_count: int = 0
+    #: Set when the job's rounds can no longer agree (a rank died or left while the job
+    #: was live, a rank asked for recovery, an operator aborted): the next release of the
+    #: ranks re-arms every row first.
+    needs_rearm: bool = False
+    rearms: int = 0
 
     @property
     def job_bytes(self) -> int:
@@ -92,11 +100,16 @@ class Job:
     def pending(self) -> list[RankSlot]:
         return [s for s in self.slots if s.pending is not None]
 
+    def recovering(self) -> list[RankSlot]:
+        return [s for s in self.slots if s.recovering is not None]
+
     def state_name(self) -> str:
         if self.grace_deadline is not None:
             return "grace"
-        if self.pending():
+        if self.pending() or self.recovering():
             return "rendezvous"
+        if self.needs_rearm:
+            return "needs-rearm"
         if all(s.state == L.RANK_ATTACHED for s in self.slots):
             return "ready"
         return "degraded"
@@ -111,6 +124,8 @@ class Job:
             "row_stride": self.row_stride,
             "bytes": self.job_bytes,
             "generation": self.generation,
+            "rearms": self.rearms,
+            "abort": L.ABORT_NAMES.get(self.control.abort_word, str(self.control.abort_word)),
             "age_s": round(now - self.created_at, 3),
             "grace_remaining_s": None if self.grace_deadline is None else round(max(0.0, self.grace_deadline - now), 3),
             "ranks": [s.summary() for s in self.slots],

@@ -329,6 +329,15 @@ ABORT_NONE = 0
 ABORT_PEER_LOST = 1
 ABORT_OPERATOR = 2
 ABORT_DESTROYED = 3
+#: A rank asked for a job-wide re-arm (after a timeout): every rank must call recover.
+ABORT_REARM = 4
+ABORT_NAMES = {
+    ABORT_NONE: "none",
+    ABORT_PEER_LOST: "peer lost",
+    ABORT_OPERATOR: "aborted by operator",
+    ABORT_DESTROYED: "job destroyed",
+    ABORT_REARM: "re-arm requested",
+}
 
 # Rank states.
 RANK_EMPTY = 0

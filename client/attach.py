@@ -65,6 +65,7 @@ class Attachment:
     _lease: bytes | None = None
     _client: DaemonClient | None = None
     _closed: bool = False
+    _next_lease_check: float = 0.0
 
     @property
     def runtime_dir(self):
@@ -73,6 +74,74 @@ class Attachment:
     def request(self, rtype: str, **fields) -> dict:
         """Send a request to the daemon this rank is attached through."""
         return self._client.request(rtype, **fields)
+
+    # ------------------------------------------------------------ failures
+    def recover(self, timeout: float = 60.0) -> int:
+        """Wait for the job-wide re-arm after a PeerLost or PeerTimeout and return the new
+        generation. The caller must have nothing in flight (a CUDA caller synchronizes its
+        stream first; MoeAlltoAll.recover does). Blocks until every rank is present (a dead
+        rank replaced by a new process) and has called recover, at most ``timeout`` seconds:
+        then RendezvousTimeout naming the missing ranks."""
+        self.maintain(force=True)
+        reply = self._client.request(
+            "recover", wait=timeout + REPLY_MARGIN, job=self.job, ep_rank=self.ep_rank, lease=self._lease, timeout=float(timeout)
+        )
+        self.generation = reply["generation"]
+        return self.generation
+
+    def lease_alive(self) -> bool:
+        """False once the daemon end of the lease connection closed (daemon restarted or gone)."""
+        import select
+
+        if self._lease_sock is None:
+            return False
+        readable, _, _ = select.select([self._lease_sock], [], [], 0)
+        if not readable:
+            return True
+        try:
+            data = self._lease_sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True
+        except OSError:
+            data = b""
+        return bool(data)
+
+    def renew(self, timeout: float = 2.0) -> None:
+        """Open a new lease connection to the (restarted) daemon."""
+        reply = self._client.request(
+            "renew", wait=timeout, job=self.job, ep_rank=self.ep_rank, lease=self._lease, pid=os.getpid()
+        )
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(str(self._client.fd_path))
+            fdpass.send_frame(sock, {"v": protocol.PROTOCOL_VERSION, "ticket": reply["ticket"]})
+            answer, fds = fdpass.recv_frame(sock, timeout=timeout)
+            for fd in fds:
+                os.close(fd)
+            if not isinstance(answer, dict) or not answer.get("ok"):
+                raise errors.from_reply(answer.get("code", "protocol_error"), answer.get("message", "renew refused"))
+            sock.settimeout(None)
+        except BaseException:
+            sock.close()
+            raise
+        if self._lease_sock is not None:
+            self._lease_sock.close()
+        self._lease_sock = sock
+
+    def maintain(self, force: bool = False) -> None:
+        """Cheap, rate-limited: if the daemon restarted, reconnect the lease. Never raises
+        for an absent daemon (the data path does not need it); tries again later."""
+        now = time.monotonic()
+        if not force and now < self._next_lease_check:
+            return
+        self._next_lease_check = now + 0.5
+        if self.lease_alive():
+            return
+        try:
+            self.renew()
+        except errors.A2ADError:
+            pass
 
     def close(self) -> None:
         """Leave the job (best effort when the daemon is gone) and unmap everything."""

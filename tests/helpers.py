@@ -66,6 +66,7 @@ class DaemonProcess:
             return c.request(rtype, **fields)
 
     def kill9(self) -> None:
+        """SIGKILL the daemon (its fd keeper, if any, lives on, as in production)."""
         if self.proc and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
@@ -82,7 +83,28 @@ class DaemonProcess:
                 self.proc.wait(5)
                 raise AssertionError(f"daemon did not stop on SIGTERM within {timeout} s:\n{self.log()}")
         self._log.close()
+        reap_keeper(self.runtime_dir)
         return self.proc.returncode
+
+
+def reap_keeper(runtime_dir: Path) -> None:
+    """Ask a keeper left by a killed daemon to exit (tests must not leave processes behind)."""
+    import socket
+
+    from a2ad import fdpass
+
+    path = Path(runtime_dir) / "keeper.sock"
+    if not path.exists():
+        return
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(str(path))
+        fdpass.send_frame(s, {"op": "exit"})
+        fdpass.recv_frame(s, timeout=5)
+    except OSError:
+        pass
+    finally:
+        s.close()
 
 
 def fd_count(pid: int) -> int:

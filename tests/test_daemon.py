@@ -214,20 +214,53 @@ def test_kill9_after_attach_marks_dead_and_frees(daemon_factory):
     wait_for(lambda: fd_count(daemon.pid) <= base_fds, 5, f"daemon fds back to {base_fds}")
 
 
-def test_dead_rank_can_be_taken_by_a_new_client(daemon):
-    procs = [_background_join(daemon, "repl", r, 2, SPEC, hold=120) for r in range(2)]
+RECOVERER = r"""
+import sys, json
+from a2ad.client import attach
+rt, job, rank, n, spec = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])
+a = attach(job, rank, n, runtime_dir=rt, timeout=60, **spec)
+print("ATTACHED", a.generation, flush=True)
+for line in sys.stdin:
+    if line.strip() == "recover":
+        try:
+            print("RECOVERED", a.recover(timeout=30), a.control.abort_word, flush=True)
+        except Exception as e:
+            print("ERROR", type(e).__name__, e, flush=True)
+    else:
+        break
+a.close()
+"""
+
+
+def test_dead_rank_is_replaced_and_the_job_rearmed(daemon):
+    procs = [
+        subprocess.Popen([sys.executable, "-c", RECOVERER, str(daemon.runtime_dir), "repl", str(r), "2", json.dumps(SPEC)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
     try:
         for p in procs:
-            assert p.stdout.readline().strip() == "ATTACHED"
+            assert p.stdout.readline().split() == ["ATTACHED", "0"]
         procs[1].kill()
         procs[1].wait()
         wait_for(lambda: _rank_state(daemon, "repl", 1) == "dead", 5, "rank 1 dead")
+        info = daemon.request("job_info", job="repl")
+        assert info["state"] == "needs-rearm" and info["abort"] == "peer lost"
+        # the survivor quiesces and waits; the replacement's join completes the re-arm
+        procs[0].stdin.write("recover\n")
+        procs[0].stdin.flush()
+        wait_for(lambda: daemon.request("job_info", job="repl")["ranks"][0]["recovering"], 10, "survivor recovering")
         with attach("repl", 1, 2, runtime_dir=daemon.runtime_dir, timeout=10, **SPEC) as att:
-            assert att.ep_rank == 1
+            assert att.ep_rank == 1 and att.generation == 1
+            assert att.control.abort_word == 0 and att.control.generation == 1
+            assert int(att.workspace[1, att.aux.flag_val]) == 1  # re-armed rows
+            assert procs[0].stdout.readline().split() == ["RECOVERED", "1", "0"]
             info = daemon.request("job_info", job="repl")
             assert info["ranks"][1]["state"] == "attached" and info["ranks"][1]["attaches"] == 2
+            assert info["ranks"][1]["deaths"] == 1 and info["generation"] == 1 and info["state"] == "ready"
     finally:
         for p in procs:
+            p.stdin.close()
             _stop(p)
 
 

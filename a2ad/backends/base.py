@@ -43,6 +43,10 @@ class Backend(abc.ABC):
         """Zero ``[0, aux_bytes)`` of the row and write ``initial_round`` (int32) at ``flag_offset``."""
 
     @abc.abstractmethod
+    def adopt(self, fd: int, size: int, device: str, handle_type: str) -> Allocation:
+        """Take over a row a previous daemon allocated, from its exported fd (restart)."""
+
+    @abc.abstractmethod
     def release(self, alloc: Allocation) -> None:
         """Drop the daemon's reference (close the fd / release the handle)."""
 

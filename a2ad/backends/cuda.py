@@ -136,6 +136,17 @@ class CudaBackend(Backend):
             self._live += 1
         return Allocation(fd=fd, size=size, device=device, handle_type=handle_type, extra=extra)
 
+    def adopt(self, fd: int, size: int, device: str, handle_type: str) -> Allocation:
+        """Re-import a row from the fd a previous daemon exported (the memory lives on in
+        its importers and in this fd; importing gives this daemon a handle to map and release)."""
+        ordinal = self._ordinal(device)
+        with self._lock:
+            handle = self._contextless(ordinal, lambda: cd.import_fd(fd))
+            self._workspace_bytes[ordinal] = self._workspace_bytes.get(ordinal, 0) + size
+            self._live += 1
+        extra = {"handle": handle, "ordinal": ordinal, "uuid": cd.uuid_of(ordinal), "adopted": True}
+        return Allocation(fd=fd, size=size, device=device, handle_type=handle_type, extra=extra)
+
     def initialize(self, alloc: Allocation, aux_bytes: int, flag_offset: int, initial_round: int) -> None:
         handle = alloc.extra.get("handle")
         if handle is None:

@@ -39,6 +39,11 @@ class HostBackend(Backend):
             mm[:aux_bytes] = bytes(aux_bytes)
             mm[flag_offset : flag_offset + 4] = int(initial_round).to_bytes(4, "little", signed=True)
 
+    def adopt(self, fd: int, size: int, device: str, handle_type: str) -> Allocation:
+        if os.fstat(fd).st_size < size:
+            raise errors.BackendError(f"adopted memfd is {os.fstat(fd).st_size} bytes, expected {size}")
+        return Allocation(fd=fd, size=size, device="host", handle_type="memfd")
+
     def release(self, alloc: Allocation) -> None:
         if alloc.fd >= 0:
             os.close(alloc.fd)
