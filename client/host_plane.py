@@ -52,7 +52,9 @@ def raise_for_status(att) -> None:
         if rank < 0 and rec.code != L.STATUS_OK:
             rank = rec.peer
         raise errors.PeerLost(
-            f"job {getattr(att, 'job', '?')}: aborted (reason {abort}) after rank {rank} was lost",
+            f"job {getattr(att, 'job', '?')}: {L.ABORT_NAMES.get(abort, f'aborted ({abort})')}"
+            + (f" (rank {rank})" if rank >= 0 else "")
+            + "; call recover() to resume once every rank is back",
             rank=rank,
             generation=cb.generation,
             reason=abort,

@@ -468,6 +468,7 @@ class MoeAlltoAll:
 
     def _check_peers(self) -> None:
         """Raise what the plane knows about a lost or silent peer; the round is then over."""
+        self._att.maintain()  # reconnect the lease if the daemon restarted (rate-limited, never raises)
         try:
             self._plane.check()
         except (errors.PeerTimeout, errors.PeerLost):
@@ -497,6 +498,32 @@ class MoeAlltoAll:
         region = att.ep_size * rnd.rt * bytes_per_token
         offset = (att.size_per_rank - region) // L.ALIGN * L.ALIGN  # >= dispatch_end, which is aligned
         return dataclasses.replace(rnd.layout, combine_offset=offset)
+
+    # --- failures -------------------------------------------------------------------
+    def recover(self, timeout: float | None = None) -> int:
+        """After PeerLost or PeerTimeout: quiesce, then wait for the job-wide re-arm.
+
+        Waits for this rank's queued GPU work (the kernels leave their waits at once
+        when the job is aborted), then blocks until every rank is present (a dead rank
+        replaced by a new process) and has called recover; the daemon then resets every
+        rank's flags and counters and bumps the generation. Returns the new generation;
+        the state is idle and traffic can resume. ``timeout`` (default: the constructor's)
+        bounds the wait: RendezvousTimeout names the ranks still missing.
+        """
+        att = self._live()
+        if att.backend == "cuda":
+            torch.cuda.synchronize(att.device)
+        self._round = None
+        generation = att.recover(self.timeout if timeout is None else timeout)
+        self._combine_floor = att.size_per_rank
+        if hasattr(self._plane, "reset_status"):
+            self._plane.reset_status()
+        return generation
+
+    @property
+    def generation(self) -> int:
+        """The job's generation this rank runs at (bumped by every re-arm)."""
+        return self._live().generation
 
     # --- lifecycle ------------------------------------------------------------------
     def close(self) -> None:
