@@ -22,7 +22,8 @@ import time
 
 log = logging.getLogger("a2ad")
 
-#: Seconds a notification may block on a full notify socket before it is given up.
+#: Seconds a notification may block on a full notify socket before it is given up. The
+#: daemon's periodic messages (WATCHDOG=1, STATUS=) use 0: never block the poll loop.
 SEND_TIMEOUT = 2.0
 
 
@@ -34,11 +35,13 @@ def _address(value: str) -> str | bytes | None:
     return None  # vsock: and other families are not supported here
 
 
-def notify(state: str, fds: list[int] | None = None) -> bool:
-    """Send ``state`` (newline-separated ``KEY=VALUE`` assignments) to the service manager.
+def notify(state: str, fds: list[int] | None = None, timeout: float = SEND_TIMEOUT) -> bool:
+    """Send ``state`` (newline-separated ``KEY=VALUE`` assignments) to the service manager,
+    with ``fds`` attached (SCM_RIGHTS) when given.
 
     Returns True when the datagram was sent, False when there is no notify socket or the
-    send failed (logged at debug level; never raises)."""
+    send failed, including when the socket's queue stayed full for ``timeout`` seconds
+    (0: do not wait at all). Failures are logged at debug level; it never raises."""
     value = os.environ.get("NOTIFY_SOCKET")
     if not value:
         return False
@@ -51,7 +54,10 @@ def notify(state: str, fds: list[int] | None = None) -> bool:
         ancillary.append((socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes()))
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-            sock.settimeout(SEND_TIMEOUT)
+            if timeout > 0:
+                sock.settimeout(timeout)
+            else:
+                sock.setblocking(False)
             sock.sendmsg([state.encode()], ancillary, 0, addr)
         return True
     except OSError as exc:
@@ -150,9 +156,8 @@ class Notifier:
         if self.watchdog_every is not None and now >= self._next_watchdog:
             self._pet(now)
         text = summary(daemon)
-        if text != self._status:
-            self._status = text
-            status(text)
+        if text != self._status and notify(f"STATUS={text}", timeout=0):
+            self._status = text  # not sent (queue full): tried again next iteration
 
     def stopping(self, daemon=None) -> None:
         if self.enabled:
@@ -160,7 +165,9 @@ class Notifier:
 
     def _pet(self, now: float) -> None:
         if self.watchdog_every is not None:
-            watchdog()
+            # never blocks; a ping lost to a full queue is followed by the next one, half
+            # a timeout later, so one loss alone does not trip the watchdog
+            notify("WATCHDOG=1", timeout=0)
             self._next_watchdog = now + self.watchdog_every
 
 
