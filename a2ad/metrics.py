@@ -41,6 +41,7 @@ _COUNTER_HELP = {
     "deaths": "Ranks that died (lease closed without a leave, or gone before attaching).",
     "rendezvous": "Rendezvous completed (all ranks of a job released together).",
     "bad_requests": "Malformed or invalid requests answered with an error.",
+    "rearms": "Job-wide re-arms: flags reset and generation bumped after a rank was lost or replaced.",
 }
 
 _JOB_STATES = ("rendezvous", "ready", "degraded", "grace")
@@ -116,7 +117,9 @@ class DaemonCollector:
             ranks.add_metric([L.RANK_STATE_NAMES.get(state, str(state))], n)
         yield ranks
 
-        for key, value in dict(d.counters).items():
+        # the known counters from the start (at 0), then any the daemon added since
+        counters = dict.fromkeys(_COUNTER_HELP, 0) | dict(d.counters)
+        for key, value in counters.items():
             c = CounterMetricFamily(f"a2ad_{key}", _COUNTER_HELP.get(key, f"Count of {key.replace('_', ' ')} since start."))
             c.add_metric([], value)
             yield c
@@ -199,6 +202,18 @@ class DaemonCollector:
         total = GaugeMetricFamily("a2ad_job_bytes", "Bytes reserved by all jobs (ep_size x row stride each).")
         total.add_metric([], sum(j.job_bytes for j in jobs))
         yield total
+        released = getattr(d, "_released_mapped", None)
+        if released is not None:
+            rm = released()
+            rb = GaugeMetricFamily("a2ad_released_mapped_bytes",
+                                   "Bytes of freed jobs that live processes may still map: the driver returns "
+                                   "them only when the last importer unmaps.")
+            rb.add_metric([], rm.get("released_mapped_bytes", 0))
+            yield rb
+            rp = GaugeMetricFamily("a2ad_released_mapped_processes",
+                                   "Live processes that held a rank of a job when it was freed.")
+            rp.add_metric([], rm.get("released_mapped_processes", 0))
+            yield rp
         limits = GaugeMetricFamily("a2ad_memory_limit_bytes", "Configured memory limits.", labels=["scope"])
         limits.add_metric(["job"], d.cfg.max_job_bytes)
         limits.add_metric(["daemon"], d.cfg.max_total_bytes)
