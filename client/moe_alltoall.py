@@ -300,8 +300,14 @@ class MoeAlltoAll:
 
         Returns one workspace-backed tensor per payload, ``[ep_size, runtime_max_tokens_per_rank,
         elements_per_token]`` of the payload's dtype: row (s, j) is the token source rank s
-        put in slot j; slots ``j >= `` (tokens s sent here) hold no token. They stay valid
-        until the next dispatch. Afterwards the state is "dispatched": call :meth:`combine`.
+        put in slot j; slots from RECV_COUNTERS[s] on hold no token. They are valid until
+        this rank calls :meth:`combine` (from then on peers may write the next round's tokens
+        there), so copy what must outlive combine. Afterwards the state is "dispatched":
+        call :meth:`combine`.
+
+        Raises InputError (bad input; nothing was written anywhere, the state is unchanged),
+        StateError (not idle, or closed), PeerTimeout / PeerLost (a peer did not arrive or
+        was lost; every later call raises it again until the job is re-armed).
         """
         att = self._live()
         self._check_peers()
