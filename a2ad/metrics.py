@@ -44,7 +44,7 @@ _COUNTER_HELP = {
     "rearms": "Job-wide re-arms: flags reset and generation bumped after a rank was lost or replaced.",
 }
 
-_JOB_STATES = ("rendezvous", "ready", "degraded", "grace")
+_JOB_STATES = ("rendezvous", "ready", "degraded", "needs-rearm", "grace")
 
 
 class LatencyHistogram:
@@ -98,7 +98,7 @@ class DaemonCollector:
         n_jobs = GaugeMetricFamily("a2ad_jobs", "Jobs the daemon holds.")
         n_jobs.add_metric([], len(jobs))
         yield n_jobs
-        by_state = GaugeMetricFamily("a2ad_jobs_by_state", "Jobs by state (rendezvous, ready, degraded, grace).",
+        by_state = GaugeMetricFamily("a2ad_jobs_by_state", "Jobs by state (rendezvous, ready, degraded, needs-rearm, grace).",
                                      labels=["state"])
         counts = dict.fromkeys(_JOB_STATES, 0)
         for j in jobs:
