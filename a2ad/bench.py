@@ -931,6 +931,9 @@ class A2adJob:
         if forced != "auto":
             self.capture, self.capture_why = forced, "forced by --capture"
             return forced
+        if not ctx.cuda:
+            self.capture, self.capture_why = "plane", "CPU run: stand-in graphs through the plane"
+            return self.capture
         a2a = self.a2a
         ok, why, recv = True, "", None
         try:
@@ -1015,10 +1018,50 @@ def _plane_calls(ctx: Ctx, a2a, static: Inputs, T: int):
     return d, c
 
 
-def impl_a2ad(ctx: Ctx, job: A2adJob | None, pt: dict) -> tuple[dict, torch.Tensor]:
-    """a2ad from CUDA graphs: dispatch, combine and the pair, each captured in its own graph."""
+class _CpuGraph:
+    """CPU stand-in for a CUDA graph (CPU runs only, to exercise this code path): capture runs
+    the function once, replay runs it again and copies its results into the captured tensors."""
+
+    def capture(self, fn):
+        self.fn = fn
+        self.out = fn()
+        return self.out
+
+    def replay(self) -> None:
+        _copy_into(self.out, self.fn())
+
+
+def _copy_into(dst, src) -> None:
+    if isinstance(dst, torch.Tensor):
+        if dst.data_ptr() != src.data_ptr():
+            dst.copy_(src)
+    elif isinstance(dst, (list, tuple)):
+        for a, b in zip(dst, src):
+            _copy_into(a, b)
+
+
+def _capture(ctx: Ctx, fn):
+    """``(graph, outputs)``: ``fn`` captured in a CUDA graph (a _CpuGraph on CPU)."""
     if not ctx.cuda:
-        raise Skip("CUDA graphs need a GPU (the a2ad-eager rows time the API)")
+        g = _CpuGraph()
+        return g, g.capture(fn)
+    g = torch.cuda.CUDAGraph()
+    # thread_local: the NCCL watchdog thread queries CUDA events; under the default "global"
+    # mode such a call from another thread during capture would invalidate the capture.
+    with torch.cuda.graph(g, capture_error_mode="thread_local"):
+        out = fn()
+    return g, out
+
+
+def _pair(d, c):
+    recv = d()
+    return recv, c(recv)
+
+
+def impl_a2ad(ctx: Ctx, job: A2adJob | None, pt: dict) -> tuple[dict, torch.Tensor]:
+    """a2ad from CUDA graphs: dispatch, combine and the pair, each captured in its own graph.
+
+    On CPU (dry runs) the graphs are _CpuGraph stand-ins: the rows check the code path only."""
     if job is None:
         raise Skip("a2ad is not available")
     cfg = ctx.cfg
@@ -1040,14 +1083,9 @@ def impl_a2ad(ctx: Ctx, job: A2adJob | None, pt: dict) -> tuple[dict, torch.Tens
     else:
         d, c = _plane_calls(ctx, a2a, static, T)
     ctx.barrier()
-    g_d, g_c, g_p = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g_d):
-        recv_d = d()
-    with torch.cuda.graph(g_c):
-        out_c = c(recv_d)
-    with torch.cuda.graph(g_p):
-        recv_p = d()
-        out_p = c(recv_p)
+    g_d, recv_d = _capture(ctx, d)
+    g_c, out_c = _capture(ctx, lambda: c(recv_d))
+    g_p, (recv_p, out_p) = _capture(ctx, lambda: _pair(d, c))
     ctx.sync()
     mark = ctx.clock.mark
 
@@ -1083,10 +1121,10 @@ def impl_a2ad(ctx: Ctx, job: A2adJob | None, pt: dict) -> tuple[dict, torch.Tens
             both.replay()
             ctx.sync()
         checks.append((ok, why, check_combine(out, own, E, ep)))
-    ok = all(c[0] and c[2]["ok"] for c in checks)
-    why = "; ".join(x for c in checks for x in (c[1], c[2].get("why", "")) if x)
+    ok = all(ck[0] and ck[2]["ok"] for ck in checks)
+    why = "; ".join(x for ck in checks for x in (ck[1], ck[2].get("why", "")) if x)
     result = {
-        "timing": f"cuda-graph ({mode} capture)",
+        "timing": f"cuda-graph ({mode} capture)" if ctx.cuda else f"cpu stand-in graph ({mode})",
         "dispatch": [s[0] for s in split],
         "combine": [s[1] for s in split],
         "total": [s[0] for s in pair],
@@ -1094,9 +1132,7 @@ def impl_a2ad(ctx: Ctx, job: A2adJob | None, pt: dict) -> tuple[dict, torch.Tens
                   "pair_combine": checks[1][2]},
         "notes": n1 + n2 + [f"a2ad graphs: {job.capture_why}"],
     }
-    ref = out_c.clone()
-    del g_d, g_c, g_p
-    return result, ref
+    return result, out_c.clone()
 
 
 def impl_a2ad_eager(ctx: Ctx, job: A2adJob | None, pt: dict) -> tuple[dict, torch.Tensor]:
@@ -1566,9 +1602,6 @@ def _run_point(ctx: Ctx, job_box: dict, T: int, H: int, weights) -> dict:
         log(f"T={T} hidden={H} {impl:<10} dispatch {row['dispatch_us']['median']:9.2f} us  combine "
             f"{row['combine_us']['median']:9.2f} us  total {t['median']:9.2f} us  "
             f"check {'ok' if row['check']['ok'] else 'FAIL: ' + row['check']['why']}  ({dt:.1f} s)")
-    del sets, sources, pt, static
-    if ctx.cuda:
-        torch.cuda.empty_cache()
     return out
 
 
@@ -1626,6 +1659,8 @@ def _run_rank(ctx: Ctx) -> None:
                     continue
                 t0 = time.monotonic()
                 res = _run_point(ctx, job_box, T, H, weights)
+                if ctx.cuda:
+                    torch.cuda.empty_cache()  # the point's inputs and graph pools are gone now
                 last = durations[T] = time.monotonic() - t0
                 if ctx.rank == 0:
                     _append_jsonl(points, res)
@@ -1907,7 +1942,7 @@ def _spawn_and_wait(cfg: dict, hard_deadline: float) -> list[str]:
                 problems.append("ranks still running 20 s after another rank failed were stopped")
                 break
             if time.time() > hard_deadline:
-                problems.append(f"the time budget ran out with ranks still running: stopped them (raise --budget)")
+                problems.append("the time budget ran out with ranks still running: stopped them (raise --budget)")
                 break
             time.sleep(0.2)
     finally:
