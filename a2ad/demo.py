@@ -93,14 +93,17 @@ def _round_plan(cfg: _Config, rnd: int) -> tuple[int, list[int], int]:
     return seed, tokens, max(1, max(tokens))
 
 
-def _rank_main(rank: int, cfg: _Config, results) -> None:
+def _rank_main(rank: int, cfg: _Config, results, barrier) -> None:
     try:
-        _rank_rounds(rank, cfg, results)
+        _rank_rounds(rank, cfg, results, barrier)
     except BaseException as exc:
         results.put(("error", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-def _rank_rounds(rank: int, cfg: _Config, results) -> None:
+def _rank_rounds(rank: int, cfg: _Config, results, barrier) -> None:
+    """Every round: the reference (untimed), a barrier, then timed dispatch / expert / combine,
+    with a copy of what arrived taken between dispatch and combine (afterwards peers may
+    already write the next round there), checked once the round is over."""
     import torch
 
     from .client import reference as ref
@@ -143,15 +146,15 @@ def _rank_rounds(rank: int, cfg: _Config, results) -> None:
             ]
             want = ref.combine(routings, outputs)[rank]
 
+            barrier.wait(cfg.timeout)  # so that the times below are not one rank waiting for a slower one's checks
             t0 = time.perf_counter()
             got = a2a.dispatch(mine[1], mine, rt, INVALID_ID, 1)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t1 = time.perf_counter()
             # what arrived, and RECV_COUNTERS, are only stable until this rank's combine
-            # (then peers may start the next round's dispatch into this row)
-            counts = a2a.workspace[rank, recv_off : recv_off + 4 * cfg.ranks].cpu().view(torch.int32)
-            problems = ref.dispatch_mismatches(got, counts, received[rank])
+            arrived = [g.clone() for g in got]
+            counts = a2a.workspace[rank, recv_off : recv_off + 4 * cfg.ranks].clone()
             t2 = time.perf_counter()
             expert_out = ref.toy_expert(got[0], got[1], got[2], rank, cfg.experts, cfg.ranks)
             if device.type == "cuda":
@@ -162,6 +165,7 @@ def _rank_rounds(rank: int, cfg: _Config, results) -> None:
                 torch.cuda.synchronize(device)
             t4 = time.perf_counter()
 
+            problems = ref.dispatch_mismatches(arrived, counts.cpu().view(torch.int32), received[rank])
             out = out.cpu()
             if tol == 0.0:
                 ok = torch.equal(out, want)
@@ -308,7 +312,8 @@ def run(args) -> int:
 def _run_ranks(cfg: _Config) -> int:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, cfg, results), daemon=True) for r in range(cfg.ranks)]
+    barrier = ctx.Barrier(cfg.ranks)
+    procs = [ctx.Process(target=_rank_main, args=(r, cfg, results, barrier), daemon=True) for r in range(cfg.ranks)]
     for p in procs:
         p.start()
     rounds: dict[int, dict[int, tuple]] = {}
