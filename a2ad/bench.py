@@ -541,6 +541,10 @@ def format_targets(targets: list[dict]) -> str:
     return "\n".join(lines) if lines else "  (no a2ad rows: targets not evaluated)"
 
 
+def _skip_what(s: dict) -> str:
+    return f"T={s.get('tokens')} hidden={s.get('hidden')}" + (f" {s['impl']}" if s.get("impl") else "")
+
+
 def make_report(result: dict) -> str:
     parts = [f"a2ad-bench: {result['config'].get('mode', '?')} run, ep={result['config'].get('ep')}, "
              f"routing={result['config'].get('routing')}, top_k={result['config'].get('top_k')}, "
@@ -552,7 +556,7 @@ def make_report(result: dict) -> str:
     parts += ["", "ceilings:", format_ceilings(result.get("ceilings") or {}), "", format_table(result["rows"]), ""]
     parts += ["targets (a2ad CUDA-graph rows):", format_targets(result.get("targets") or [])]
     for s in result.get("skipped") or []:
-        parts.append(f"skipped: T={s.get('tokens')} hidden={s.get('hidden')} {s.get('impl', '')}: {s['reason']}")
+        parts.append(f"skipped: {_skip_what(s)}: {s['reason']}")
     for n in result.get("notes") or []:
         parts.append(f"note: {n}")
     for e in result.get("errors") or []:
@@ -692,8 +696,7 @@ def perf_doc(result: dict, plot_rel: str | None) -> str:
     ]
     if plot_rel:
         lines += [f"![latency and bandwidth vs tokens]({plot_rel})", ""]
-    extra = [f"- skipped: T={s.get('tokens')} hidden={s.get('hidden')} {s.get('impl', '')}: {s['reason']}"
-             for s in result.get("skipped") or []]
+    extra = [f"- skipped: {_skip_what(s)}: {s['reason']}" for s in result.get("skipped") or []]
     extra += [f"- note: {n}" for n in result.get("notes") or []]
     extra += [f"- ERROR: {e}" for e in result.get("errors") or []]
     if extra:
