@@ -74,6 +74,41 @@ def log(msg: str) -> None:
     print(f"[a2ad-bench] {msg}", file=sys.stderr, flush=True)
 
 
+def ensure_client_package() -> str | None:
+    """Make ``a2ad.client`` importable in a checkout that was not pip-installed (the mapping of
+    ``client/`` to ``a2ad.client`` lives in pyproject.toml); returns what is missing, or None."""
+    missing = [m for m in ("zmq", "msgpack") if __import__("importlib").util.find_spec(m) is None]
+    if missing:
+        names = {"zmq": "pyzmq", "msgpack": "msgpack"}
+        return (f"the a2ad client needs {' and '.join(names[m] for m in missing)}: install "
+                f"{' '.join(names[m] for m in missing)} (on a machine without a registry, carry the wheels)")
+    try:
+        import a2ad.client  # noqa: F401
+
+        return None
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("a2ad.client",):
+            return f"cannot import a2ad.client: {exc}"
+    import importlib.util
+
+    import a2ad
+
+    root = Path(a2ad.__file__).resolve().parent.parent / "client"
+    if not (root / "__init__.py").is_file():
+        return "a2ad.client is not importable: run `pip install -e .` in the repository (scripts/setup.sh)"
+    spec = importlib.util.spec_from_file_location("a2ad.client", root / "__init__.py",
+                                                  submodule_search_locations=[str(root)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["a2ad.client"] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules["a2ad.client"]
+        raise
+    a2ad.client = mod
+    return None
+
+
 # =====================================================================================
 # Accounting (pure; unit-tested on CPU)
 # =====================================================================================
@@ -1684,6 +1719,9 @@ def _worker(rank: int, cfg: dict) -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
     code = 0
     try:
+        why = ensure_client_package()
+        if why:
+            raise RuntimeError(why)
         ctx = Ctx(cfg, rank)
         _init_dist(ctx)
         _run_rank(ctx)
@@ -1855,8 +1893,12 @@ class Daemon:
         self._log = open(self.log_path, "ab")
         cmd = [sys.executable, "-m", "a2ad.cli", "serve", "--runtime-dir", str(self.runtime_dir),
                "--backend", self.backend, "--grace", "1", "--log-level", "info"]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        import a2ad
+
+        root = str(Path(a2ad.__file__).resolve().parent.parent)  # works in a checkout that is not installed
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=root)
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
@@ -1981,6 +2023,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = resolve_config(args, visible)
     except ValueError as exc:
         parser.error(str(exc))
+    why = ensure_client_package()
+    if why:
+        log(why)
+        return 2
     cfg["deadline"] = started + args.budget
     command = _command_line(argv)
     run_dir = Path(tempfile.mkdtemp(prefix="a2ad-bench-"))
