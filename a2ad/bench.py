@@ -573,7 +573,7 @@ def format_targets(targets: list[dict]) -> str:
             ms = f"{m:.2f}"
         detail = f"  ({t['detail']})" if t.get("detail") else ""
         lines.append(f"  [{t['status']:>4}] hidden={t['hidden']}: {t['name']}: {ms} (target {t['target']}){detail}")
-    return "\n".join(lines) if lines else "  (no a2ad rows: targets not evaluated)"
+    return "\n".join(lines) if lines else "  (not evaluated: no GPU rows of a2ad in this run)"
 
 
 def _skip_what(s: dict) -> str:
@@ -581,7 +581,8 @@ def _skip_what(s: dict) -> str:
 
 
 def make_report(result: dict) -> str:
-    parts = [f"a2ad-bench: {result['config'].get('mode', '?')} run, ep={result['config'].get('ep')}, "
+    parts = [f"a2ad-bench: {result['config'].get('mode', '?')} run ({result.get('wall_s', '?')} s), "
+             f"ep={result['config'].get('ep')}, "
              f"routing={result['config'].get('routing')}, top_k={result['config'].get('top_k')}, "
              f"experts={result['config'].get('num_experts')}"]
     hw = result.get("hardware") or {}
@@ -2091,11 +2092,12 @@ def main(argv: list[str] | None = None) -> int:
         "errors": errors_ + got["errors"],
         "notes": notes + got["notes"],
         "complete": got["complete"],
+        "wall_s": round(time.time() - started, 1),
     }
     if cpu:
         result["notes"].insert(0, "CPU run: gloo stands in for NCCL and the host backend for CUDA; the figures "
                                   "check the pipeline, they are not performance")
-    result["targets"] = evaluate_targets(result["rows"], result["ceilings"])
+    result["targets"] = [] if cpu else evaluate_targets(result["rows"], result["ceilings"])
     result = _finite(result)
     print(make_report(result), flush=True)
     plot_path = args.plot
