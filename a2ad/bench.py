@@ -782,6 +782,7 @@ class Ctx:
         self.cycles_per_us = 1000.0
         self.enqueue_us = 60.0  # CPU time to enqueue one graph-mode iteration (measured as we go)
         self.sleep_base_us = 500.0
+        self.capture_override: str | None = None
         self.notes: list[str] = []
 
     # --- collectives on the gloo group (CPU; never NCCL) ---------------------------
@@ -967,6 +968,9 @@ class A2adJob:
         if self.capture is not None:
             return self.capture
         forced = ctx.cfg["capture"]
+        if forced == "auto" and ctx.capture_override:
+            self.capture, self.capture_why = ctx.capture_override, "capturing MoeAlltoAll itself failed earlier"
+            return self.capture
         if forced != "auto":
             self.capture, self.capture_why = forced, "forced by --capture"
             return forced
@@ -1122,9 +1126,14 @@ def impl_a2ad(ctx: Ctx, job: A2adJob | None, pt: dict) -> tuple[dict, torch.Tens
     else:
         d, c = _plane_calls(ctx, a2a, static, T)
     ctx.barrier()
-    g_d, recv_d = _capture(ctx, d)
-    g_c, out_c = _capture(ctx, lambda: c(recv_d))
-    g_p, (recv_p, out_p) = _capture(ctx, lambda: _pair(d, c))
+    try:
+        g_d, recv_d = _capture(ctx, d)
+        g_c, out_c = _capture(ctx, lambda: c(recv_d))
+        g_p, (recv_p, out_p) = _capture(ctx, lambda: _pair(d, c))
+    except Exception:
+        if mode == "api":  # the probe missed something: later points capture through the plane
+            ctx.capture_override = "plane"
+        raise
     ctx.sync()
     mark = ctx.clock.mark
 
