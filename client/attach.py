@@ -66,6 +66,7 @@ class Attachment:
     _client: DaemonClient | None = None
     _closed: bool = False
     _next_lease_check: float = 0.0
+    _lease_backoff: float = 0.5
 
     @property
     def runtime_dir(self):
@@ -130,18 +131,39 @@ class Attachment:
         self._lease_sock = sock
 
     def maintain(self, force: bool = False) -> None:
-        """Cheap, rate-limited: if the daemon restarted, reconnect the lease. Never raises
-        for an absent daemon (the data path does not need it); tries again later."""
+        """Cheap and rate-limited, called on the data path: if the daemon restarted, reconnect
+        the lease. It never waits on an absent daemon (a socket left by a dead one refuses the
+        connection at once) and backs off exponentially (up to 8 s) while there is none."""
         now = time.monotonic()
         if not force and now < self._next_lease_check:
             return
-        self._next_lease_check = now + 0.5
+        self._next_lease_check = now + self._lease_backoff
         if self.lease_alive():
+            self._lease_backoff = 0.5
+            return
+        if not self._daemon_listening():
+            self._lease_backoff = min(8.0, self._lease_backoff * 2)
             return
         try:
-            self.renew()
-        except errors.A2ADError:
-            pass
+            self.renew(timeout=1.0)
+            self._lease_backoff = 0.5
+        except (errors.A2ADError, OSError, TimeoutError):
+            self._lease_backoff = min(8.0, self._lease_backoff * 2)
+
+    def _daemon_listening(self) -> bool:
+        """Whether a daemon accepts connections on fd.sock (no waiting: a stale socket file
+        refuses at once)."""
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            probe.setblocking(False)
+            probe.connect(str(self._client.fd_path))
+            return True
+        except (BlockingIOError, InterruptedError):
+            return True  # the listener's backlog is full: it is there
+        except OSError:
+            return False
+        finally:
+            probe.close()
 
     def close(self) -> None:
         """Leave the job (best effort when the daemon is gone) and unmap everything."""

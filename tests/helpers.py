@@ -70,6 +70,8 @@ class DaemonProcess:
         if self.proc and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+        if not self._log.closed:
+            self._log.close()
 
     def stop(self, timeout: float = 10.0) -> int | None:
         if self.proc is None:
@@ -82,7 +84,8 @@ class DaemonProcess:
                 self.proc.kill()
                 self.proc.wait(5)
                 raise AssertionError(f"daemon did not stop on SIGTERM within {timeout} s:\n{self.log()}")
-        self._log.close()
+        if not self._log.closed:
+            self._log.close()
         reap_keeper(self.runtime_dir)
         return self.proc.returncode
 

@@ -1,0 +1,334 @@
+"""Failure handling with real processes on the host backend: a dead rank never hangs its
+peers, a replacement re-attaches and the job resumes, a killed daemon loses nothing."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from a2ad import errors, layout as L
+from helpers import DaemonProcess, reap_keeper, wait_for
+
+HIDDEN, TOP_K, EXPERTS, MAX_T, T = 64, 2, 8, 16, 6
+
+
+def _moe(rank, ep, runtime_dir, job, timeout=20.0):
+    from a2ad.client import MoeAlltoAll
+
+    class M:
+        moe_ep_rank, moe_ep_size = rank, ep
+
+    size = L.workspace_size_per_rank(ep, MAX_T, HIDDEN * 4, HIDDEN * 4)  # float32 payloads both ways
+    return MoeAlltoAll(M(), MAX_T, TOP_K, EXPERTS, size, job=job, runtime_dir=runtime_dir, timeout=timeout)
+
+
+def verified_round(a2a, rank: int, ep: int, seed: int) -> None:
+    """One dispatch/expert/combine round, checked exactly: rank q's expert multiplies by
+    (q + 1), so token t must come back as hidden[t] * sum of (q + 1) over its target ranks."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 131 + rank)
+    experts = torch.rand(T, EXPERTS, generator=g).argsort(dim=1)[:, :TOP_K].to(torch.int32)
+    hidden = torch.randint(-8, 9, (T, HIDDEN), generator=g).to(torch.float32)
+    (recv,) = a2a.dispatch(experts, [hidden], MAX_T)
+    out = a2a.combine(recv * float(rank + 1), MAX_T)
+    owners = torch.tensor([[L.expert_owner(int(e), EXPERTS, ep) for e in row] for row in experts])
+    weight = torch.zeros(T)
+    for q in range(ep):
+        weight += (owners == q).any(dim=1).float() * (q + 1)
+    expected = hidden * weight[:, None]
+    if not torch.equal(out, expected):
+        raise AssertionError(f"rank {rank} seed {seed}: combine differs by {(out - expected).abs().max().item()}")
+
+
+def marker_offset(a2a) -> int:
+    """A byte of this job's dispatch area that traffic never writes (slot MAX_T-1 of the last
+    source; every round sends fewer than MAX_T tokens to a rank)."""
+    att = a2a.attachment
+    return att.aux.payload_data + (att.ep_size * MAX_T - 1) * (HIDDEN * 4)
+
+
+# ----------------------------------------------------------------------- rank bodies
+def rank_body(rank, ep, runtime_dir, job, script, cmds, results):
+    """Run a list of steps; report (rank, step, value) for each; errors are reported too."""
+    try:
+        import torch
+
+        import a2ad.client  # noqa: F401  (imports stay out of the timed steps)
+
+        torch.set_num_threads(1)  # several ranks share this machine's cores
+        a2a = None
+        for step in script:
+            op = step[0]
+            t0 = time.clock_gettime(time.CLOCK_MONOTONIC)
+            if op == "attach":
+                a2a = _moe(rank, ep, runtime_dir, job, *step[1:])
+                results.put((rank, "attached", t0, a2a.generation))
+            elif op == "rounds":
+                first, count = step[1], step[2]
+                for i in range(count):
+                    verified_round(a2a, rank, ep, first + i)
+                    if i == 9:
+                        results.put((rank, "rounds10", time.clock_gettime(time.CLOCK_MONOTONIC), first))
+                results.put((rank, "rounds", time.clock_gettime(time.CLOCK_MONOTONIC), count))
+            elif op == "expect_lost":  # a round that must end in PeerLost
+                try:
+                    verified_round(a2a, rank, ep, step[1])
+                except errors.PeerLost as exc:
+                    results.put((rank, "lost", time.clock_gettime(time.CLOCK_MONOTONIC), (exc.rank, exc.details.get("reason"))))
+                else:
+                    results.put((rank, "error", t0, "no PeerLost"))
+                    return
+            elif op == "expect_timeout":
+                try:
+                    verified_round(a2a, rank, ep, step[1])
+                except errors.PeerTimeout as exc:
+                    results.put((rank, "timeout", time.clock_gettime(time.CLOCK_MONOTONIC) - t0, exc.peer))
+                else:
+                    results.put((rank, "error", t0, "no PeerTimeout"))
+                    return
+            elif op == "hang":  # stand in the middle of a round forever (until killed)
+                results.put((rank, "hanging", t0, None))
+                time.sleep(3600)
+            elif op == "wait":  # wait for the parent's go
+                cmds.get(timeout=120)
+            elif op == "recover":
+                gen = a2a.recover(timeout=60)
+                results.put((rank, "recovered", time.clock_gettime(time.CLOCK_MONOTONIC), gen))
+            elif op == "mark":
+                a2a.attachment.workspace[rank, marker_offset(a2a)] = 0xA0 + rank
+                results.put((rank, "marked", t0, None))
+            elif op == "read_marks":
+                ws = a2a.attachment.workspace
+                results.put((rank, "marks", t0, [int(ws[q, marker_offset(a2a)]) for q in range(ep)]))
+            elif op == "close":
+                a2a.close()
+                results.put((rank, "closed", t0, None))
+        if a2a is not None:
+            a2a.close()
+        results.put((rank, "done", time.clock_gettime(time.CLOCK_MONOTONIC), None))
+    except BaseException as exc:  # noqa: BLE001 - everything goes to the parent
+        import traceback
+
+        results.put((rank, "error", 0.0, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+class Ranks:
+    """Rank processes driven by scripts; every wait for them is bounded."""
+
+    def __init__(self, ep, runtime_dir, job):
+        self.ctx = mp.get_context("spawn")
+        self.ep, self.runtime_dir, self.job = ep, str(runtime_dir), job
+        self.results = self.ctx.Queue()
+        self.procs: dict = {}
+        self.cmds: dict = {}
+        self.backlog: list = []  # reports that arrived before they were asked for
+
+    def start(self, rank, script):
+        cmds = self.ctx.Queue()
+        p = self.ctx.Process(target=rank_body, args=(rank, self.ep, self.runtime_dir, self.job, script, cmds, self.results), daemon=True)
+        p.start()
+        self.procs[rank], self.cmds[rank] = p, cmds
+        return p
+
+    def go(self, rank):
+        self.cmds[rank].put("go")
+
+    def expect(self, what, ranks, timeout=90.0):
+        """Collect one (rank, what, t, value) per rank in ``ranks``; fail on an error report."""
+        got = {}
+        for item in list(self.backlog):
+            rank, kind, t, value = item
+            if kind == what and rank in ranks and rank not in got:
+                got[rank] = (t, value)
+                self.backlog.remove(item)
+        end = time.monotonic() + timeout
+        while set(got) != set(ranks):
+            try:
+                item = self.results.get(timeout=max(0.1, min(1.0, end - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() > end:
+                    raise AssertionError(f"waited {timeout} s for {what!r} from ranks {sorted(set(ranks) - set(got))}")
+                continue
+            rank, kind, t, value = item
+            if kind == "error":
+                raise AssertionError(f"rank {rank} failed: {value}")
+            if kind == what and rank in ranks and rank not in got:
+                got[rank] = (t, value)
+            else:
+                self.backlog.append(item)
+        return got
+
+    def kill(self, rank):
+        self.procs[rank].kill()
+        self.procs[rank].join(10)
+
+    def close(self):
+        for p in self.procs.values():
+            if p.is_alive():
+                p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+@pytest.fixture
+def ranks_for(daemon):
+    made = []
+
+    def make(ep, job, runtime_dir=None):
+        r = Ranks(ep, runtime_dir or daemon.runtime_dir, job)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+# ----------------------------------------------------------------------------- tests
+def test_kill9_mid_dispatch_peerlost_fast_then_replacement_resumes(daemon, ranks_for):
+    ep, victim = 4, 3
+    rk = ranks_for(ep, "kill9")
+    survivors = [r for r in range(ep) if r != victim]
+    for r in survivors:
+        rk.start(r, [("attach",), ("rounds", 0, 5), ("expect_lost", 5), ("recover",), ("rounds", 1000, 100)])
+    rk.start(victim, [("attach",), ("rounds", 0, 5), ("hang",)])
+    rk.expect("attached", range(ep))
+    rk.expect("rounds", range(ep))
+    rk.expect("hanging", [victim])
+    time.sleep(0.5)  # the survivors are now inside dispatch 5, waiting for the victim's flag
+    t_kill = time.clock_gettime(time.CLOCK_MONOTONIC)
+    os.kill(rk.procs[victim].pid, signal.SIGKILL)
+    lost = rk.expect("lost", survivors, timeout=10)
+    delays = {r: (t - t_kill) * 1e3 for r, (t, _) in lost.items()}
+    print(f"\nhost: PeerLost after kill -9 of rank {victim} mid-dispatch: "
+          + ", ".join(f"rank {r} {d:.1f} ms" for r, d in sorted(delays.items())))
+    assert all(v == (victim, L.ABORT_PEER_LOST) for _, v in lost.values())
+    assert max(delays.values()) < 100.0
+    rk.procs[victim].join(10)
+    info = daemon.request("job_info", job="kill9")
+    assert info["ranks"][victim]["state"] == "dead" and info["state"] in ("needs-rearm", "rendezvous")
+    # a replacement process takes the dead rank; the survivors were not restarted
+    wait_for(lambda: all(r["recovering"] for r in daemon.request("job_info", job="kill9")["ranks"] if r["rank"] != victim),
+             30, "survivors recovering")
+    rk.start(victim, [("attach",), ("rounds", 1000, 100)])
+    (t_join, gen), = rk.expect("attached", [victim]).values()
+    recovered = rk.expect("recovered", survivors)
+    assert gen == 1 and all(g == 1 for _, g in recovered.values())
+    (first10, _), = rk.expect("rounds10", [victim], timeout=120).values()
+    got = rk.expect("rounds", range(ep), timeout=120)
+    assert all(v == 100 for _, v in got.values())
+    resumed = max(t for t, _ in recovered.values())
+    print(f"host: replacement join -> all ranks released {1e3 * (resumed - t_join):.1f} ms; "
+          f"-> 10 verified rounds done {1e3 * (first10 - t_join):.1f} ms; 100 verified rounds after recovery passed")
+    rk.expect("done", range(ep))
+    info = daemon.request("job_info", job="kill9")
+    assert info["generation"] == 1 and info["rearms"] == 1
+
+
+def test_silent_peer_times_out_and_the_job_rearms(daemon):
+    from a2ad.client import MoeAlltoAll  # noqa: F401  (import cost outside the timed part)
+
+    rk = Ranks(2, daemon.runtime_dir, "silent")
+    try:
+        # rank 1 never calls dispatch in round 3; rank 0's dispatch times out after the
+        # job's timeout (8 s here; also the rendezvous bound, so not shorter on a busy CI box)
+        rk.start(0, [("attach", 8.0), ("rounds", 0, 3), ("expect_timeout", 3), ("recover",), ("rounds", 50, 20)])
+        rk.start(1, [("attach", 8.0), ("rounds", 0, 3), ("wait",), ("recover",), ("rounds", 50, 20)])
+        rk.expect("attached", [0, 1])
+        rk.expect("rounds", [0, 1])
+        (waited, peer), = rk.expect("timeout", [0], timeout=60).values()
+        print(f"\nhost: dispatch with a silent peer raised PeerTimeout(peer={peer}) after {waited:.2f} s")
+        assert peer == 1 and 7.5 < waited < 15.0
+        info = daemon.request("job_info", job="silent")
+        assert info["state"] in ("needs-rearm", "rendezvous") and info["abort"] == "re-arm requested"
+        rk.go(1)
+        rec = rk.expect("recovered", [0, 1])
+        assert {g for _, g in rec.values()} == {1}
+        rk.expect("rounds", [0, 1])
+        rk.expect("done", [0, 1])
+    finally:
+        rk.close()
+
+
+def test_daemon_kill9_during_traffic_then_restart_readopts(runtime_dir):
+    d1 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "5").start()
+    rk = Ranks(2, runtime_dir, "survive")
+    try:
+        for r in range(2):
+            rk.start(r, [("attach",), ("mark",), ("rounds", 0, 1000), ("wait",), ("read_marks",), ("wait",), ("close",)])
+        rk.expect("attached", [0, 1])
+        rk.expect("marked", [0, 1])
+        # kill the daemon while the ranks are in their 1000 rounds (after round 10)
+        rk.expect("rounds10", [0, 1])
+        d1.kill9()
+        t_killed = time.monotonic()
+        done = rk.expect("rounds", [0, 1], timeout=300)
+        print(f"\nhost: 1000 verified rounds completed on every rank with the daemon dead "
+              f"({time.monotonic() - t_killed:.1f} s after kill -9)")
+        assert all(v == 1000 for _, v in done.values())
+        # restart: the new daemon re-adopts the job from the state file and the fd keeper
+        d2 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "60").start()
+        info = d2.request("job_info", job="survive")
+        assert [r["state"] for r in info["ranks"]] == ["attached", "attached"]
+        assert "re-adopted 1 job(s): survive" in d2.log()
+        # a new attach works, on a new job
+        from a2ad.client import attach
+
+        with attach("fresh", 0, 1, runtime_dir=runtime_dir, timeout=10, max_num_tokens=4, top_k=1, num_experts=2,
+                    workspace_size_per_rank=1 << 16) as att:
+            assert att.generation == 0
+        # both ranks check the marks they wrote before the daemon died, then leave
+        rk.go(0)
+        rk.go(1)
+        marks = rk.expect("marks", [0, 1])
+        assert all(v == [0xA0, 0xA1] for _, v in marks.values())
+        rk.go(0)
+        rk.go(1)
+        rk.expect("closed", [0, 1])
+        rk.expect("done", [0, 1])
+        # new processes joining the job after the restart get the same memory: the marks
+        rk2 = Ranks(2, runtime_dir, "survive")
+        try:
+            for r in range(2):
+                rk2.start(r, [("attach",), ("read_marks",), ("rounds", 7000, 10)])
+            marks = rk2.expect("marks", [0, 1], timeout=60)
+            assert all(v == [0xA0, 0xA1] for _, v in marks.values()), marks
+            rk2.expect("rounds", [0, 1])
+            rk2.expect("done", [0, 1])
+        finally:
+            rk2.close()
+        assert d2.stop() == 0
+    finally:
+        rk.close()
+        d1.kill9()
+        reap_keeper(runtime_dir)
+
+
+def test_operator_abort_interrupts_a_wait(daemon):
+    rk = Ranks(2, daemon.runtime_dir, "opabort")
+    try:
+        rk.start(0, [("attach",), ("rounds", 0, 2), ("expect_lost", 2), ("recover",), ("rounds", 10, 5)])
+        rk.start(1, [("attach",), ("rounds", 0, 2), ("wait",), ("recover",), ("rounds", 10, 5)])
+        rk.expect("attached", [0, 1])
+        rk.expect("rounds", [0, 1])
+        time.sleep(0.3)  # rank 0 waits in dispatch 2 for rank 1
+        out = subprocess.run([sys.executable, "-m", "a2ad.ctl", "--runtime-dir", str(daemon.runtime_dir), "abort", "opabort"],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        (_, (rank, reason)), = rk.expect("lost", [0], timeout=10).values()
+        assert reason == L.ABORT_OPERATOR and rank == 1  # no rank was lost: the wait on rank 1 was aborted
+        rk.go(1)
+        rk.expect("recovered", [0, 1])
+        rk.expect("rounds", [0, 1])
+        rk.expect("done", [0, 1])
+    finally:
+        rk.close()
