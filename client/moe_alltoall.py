@@ -350,8 +350,13 @@ class MoeAlltoAll:
             raise errors.InputError(
                 f"local_num_tokens ({num_tokens}) exceeds runtime_max_tokens_per_rank ({rt})", argument="token_selected_experts"
             )
-        outside = (experts < 0) | (experts >= self.num_experts)  # before any int64 -> int32 narrowing
-        if num_tokens and bool(outside.any()):
+        # The range check reads the ids back to the host. Inside CUDA-graph capture it cannot
+        # (and must not: a replay checks nothing on the host): there the kernels themselves
+        # treat an id outside [0, num_experts) as routed nowhere, so nothing is written out of
+        # bounds either way.
+        capturing = experts.is_cuda and torch.cuda.is_current_stream_capturing()
+        outside = None if capturing else (experts < 0) | (experts >= self.num_experts)  # before int64 -> int32
+        if num_tokens and outside is not None and bool(outside.any()):
             raise errors.InputError(
                 f"token_selected_experts holds expert id {experts[outside][0].item()}, "
                 f"outside [0, num_experts={self.num_experts})",

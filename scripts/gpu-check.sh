@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# On a GPU machine: build the CUDA extension, run the GPU tests, the demo on CUDA and a quick
+# benchmark, then print a summary (last, so it is what a truncated log still shows).
+#
+#   bash scripts/gpu-check.sh [OUTDIR]      # logs and figures go to OUTDIR (default ./gpu-check-out)
+#
+# Environment: A2AD_EXT_DIR (extension cache, default ./build/ext), GPU_CHECK_STEPS (a
+# space-separated subset of: build tests demo bench; default all), GPU_CHECK_PYTEST (extra
+# pytest arguments). Python packages missing on the machine may be given as wheels in ./.whl.
+# NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUTDIR=${1:-${OUT:-$PWD/gpu-check-out}}
+mkdir -p "$OUTDIR"
+LOG="$OUTDIR/gpu-check.log"
+SUMMARY="$OUTDIR/summary.txt"
+: > "$LOG"
+: > "$SUMMARY"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export A2AD_EXT_DIR=${A2AD_EXT_DIR:-$PWD/build/ext}
+STEPS=${GPU_CHECK_STEPS:-build tests demo bench}
+PY=${A2AD_PYTHON:-python3}
+
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/a2ad-site .whl/*.whl \
+        && export PYTHONPATH=/tmp/a2ad-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if ! "$PY" -c "import a2ad.client" >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 || echo "install: pip install -e . failed" >>"$SUMMARY"
+fi
+
+step() {  # step NAME LIMIT_SECONDS COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    echo "===== $name: $*" >>"$LOG"
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
+    local rc=$?
+    printf '%-10s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$*" >>"$SUMMARY"
+    return $rc
+}
+
+{
+    echo "host: $(hostname) $(date -u +%FT%TZ)"
+    nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader 2>/dev/null
+    "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
+} >>"$SUMMARY" 2>&1
+
+for s in $STEPS; do
+    case $s in
+        build) step build 300 "$PY" -c "import a2ad.client._ext as e; e.load(); print('extension ok')" ;;
+        tests) step tests 420 "$PY" -m pytest -q -m "gpu or gpu2" -p no:cacheprovider ${GPU_CHECK_PYTEST:-} tests/ ;;
+        demo)
+            step demo-2 180 "$PY" -m a2ad.cli demo --backend cuda --ranks 2 --rounds 30 --tokens 256 --hidden 7168 --top-k 8 --experts 256
+            step demo-8 180 "$PY" -m a2ad.cli demo --backend cuda --ranks 8 --rounds 10 --tokens 64 --hidden 2880 --top-k 4 --experts 128
+            ;;
+        bench) step bench 420 "$PY" -m a2ad.bench --quick --budget 360 --json "$OUTDIR/bench-quick.json" --plot "$OUTDIR/perf-quick.png" ;;
+        *) echo "unknown step $s" >>"$SUMMARY" ;;
+    esac
+done
+
+echo "----- failures (pytest short summary and errors)" >>"$SUMMARY"
+grep -E "^(FAILED|ERROR)|passed|failed|Error:|error:" "$LOG" | tail -n 40 >>"$SUMMARY"
+cat "$SUMMARY"
+! grep -qE "rc=[1-9]" "$SUMMARY"
