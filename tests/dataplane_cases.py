@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -107,7 +107,7 @@ class Plan:
     experts_from: tuple[int, int] | None = None
     in_workspace: str = "alternate"
     sanitize: bool = True
-    extra_payloads: tuple[tuple[str, int], ...] = field(default_factory=tuple)
+    extra_payloads: tuple[tuple[str, int], ...] = ()
     noncontiguous: bool = False
 
 
