@@ -378,3 +378,13 @@ TORCH_LIBRARY_IMPL(a2ad, Meta, m) {
   m.impl("combine", &combine_meta);
   m.impl("initialize", &initialize_meta);
 }
+
+// No op here has a gradient. Without an Autograd kernel the dispatcher routes calls through
+// torch's autograd-not-implemented fallback, which crashed the process (seen on torch 2.11)
+// when a kernel's input check threw; a fallthrough skips the Autograd key altogether.
+TORCH_LIBRARY_IMPL(a2ad, Autograd, m) {
+  m.impl("dispatch", torch::CppFunction::makeFallthrough());
+  m.impl("sanitize", torch::CppFunction::makeFallthrough());
+  m.impl("combine", torch::CppFunction::makeFallthrough());
+  m.impl("initialize", torch::CppFunction::makeFallthrough());
+}
