@@ -14,6 +14,9 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
 
 #include "moe_a2a.cuh"
 
@@ -23,10 +26,47 @@ using at::IntArrayRef;
 using at::Tensor;
 using at::TensorList;
 
+// Input checks. Messages are built with std::string and std::to_string, never iostreams,
+// and thrown as std::runtime_error (Python sees RuntimeError). TORCH_CHECK formats through
+// std::ostringstream; with an extension built by the system g++ 13 against torch 2.11 wheels
+// that formatting of a number crashed the process (seen on the H200 image, also with a
+// three-line load_inline extension), so an input check must not depend on it.
+inline void append(std::string& s, const char* v) { s += v; }
+inline void append(std::string& s, const std::string& v) { s += v; }
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+inline void append(std::string& s, T v) {
+  s += std::to_string(v);
+}
+inline void append(std::string& s, IntArrayRef v) {
+  s += "[";
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  s += "]";
+}
+inline void append(std::string& s, c10::ScalarType v) { s += c10::toString(v); }
+inline void append(std::string& s, const c10::Device& v) {
+  s += c10::DeviceTypeName(v.type(), /*lower_case=*/true);
+  if (v.has_index()) s += ":" + std::to_string(v.index());
+}
+
+template <typename... A>
+[[noreturn]] void fail(const A&... parts) {
+  std::string msg;
+  (append(msg, parts), ...);
+  throw std::runtime_error(msg);
+}
+
+#define A2AD_CHECK(cond, ...)      \
+  do {                             \
+    if (!(cond)) fail(__VA_ARGS__); \
+  } while (0)
+
 #define A2AD_CHECK_CUDA(expr, what)                                                              \
   do {                                                                                           \
     cudaError_t err_ = (expr);                                                                   \
-    TORCH_CHECK(err_ == cudaSuccess, "a2ad: ", what, " failed: ", cudaGetErrorString(err_));     \
+    A2AD_CHECK(err_ == cudaSuccess, "a2ad: ", what, " failed: ", cudaGetErrorString(err_));     \
   } while (0)
 
 // aux: [flag_val, local_token_counter, send_counters, recv_counters,
@@ -41,20 +81,20 @@ constexpr size_t kAuxFields = 11;
 constexpr size_t kControlFields = 10;
 
 void check_workspace(const Tensor& ws, int64_t ep_rank, int64_t ep_size) {
-  TORCH_CHECK(ws.is_cuda(), "a2ad: workspace must be a CUDA tensor, got device ", ws.device());
-  TORCH_CHECK(ws.scalar_type() == at::kByte, "a2ad: workspace must be uint8, got ", ws.scalar_type());
-  TORCH_CHECK(ws.dim() == 2, "a2ad: workspace must be [ep_size, size_per_rank], got ", ws.dim(), " dims");
-  TORCH_CHECK(ws.stride(1) == 1 && ws.stride(0) >= ws.size(1),
+  A2AD_CHECK(ws.is_cuda(), "a2ad: workspace must be a CUDA tensor, got device ", ws.device());
+  A2AD_CHECK(ws.scalar_type() == at::kByte, "a2ad: workspace must be uint8, got ", ws.scalar_type());
+  A2AD_CHECK(ws.dim() == 2, "a2ad: workspace must be [ep_size, size_per_rank], got ", ws.dim(), " dims");
+  A2AD_CHECK(ws.stride(1) == 1 && ws.stride(0) >= ws.size(1),
               "a2ad: workspace rows must be dense and disjoint (stride(1) == 1, stride(0) >= size(1)), got strides ",
               ws.strides());
-  TORCH_CHECK(ep_size >= 1 && ep_size <= a2ad::kMaxEpSize, "a2ad: ep_size must be in [1, ", a2ad::kMaxEpSize,
+  A2AD_CHECK(ep_size >= 1 && ep_size <= a2ad::kMaxEpSize, "a2ad: ep_size must be in [1, ", a2ad::kMaxEpSize,
               "], got ", ep_size);
-  TORCH_CHECK(ws.size(0) == ep_size, "a2ad: workspace has ", ws.size(0), " rows, ep_size is ", ep_size);
-  TORCH_CHECK(ep_rank >= 0 && ep_rank < ep_size, "a2ad: ep_rank must be in [0, ", ep_size, "), got ", ep_rank);
+  A2AD_CHECK(ws.size(0) == ep_size, "a2ad: workspace has ", ws.size(0), " rows, ep_size is ", ep_size);
+  A2AD_CHECK(ep_rank >= 0 && ep_rank < ep_size, "a2ad: ep_rank must be in [0, ", ep_size, "), got ", ep_rank);
 }
 
 void check_same_device(const Tensor& t, const Tensor& ws, const char* name) {
-  TORCH_CHECK(t.is_cuda() && t.device() == ws.device(), "a2ad: ", name, " must be on the workspace's device ",
+  A2AD_CHECK(t.is_cuda() && t.device() == ws.device(), "a2ad: ", name, " must be on the workspace's device ",
               ws.device(), ", got ", t.device());
 }
 
@@ -68,18 +108,18 @@ a2ad::Workspace make_workspace(const Tensor& ws, int64_t ep_rank, int64_t ep_siz
 }
 
 a2ad::AuxOffsets make_aux(IntArrayRef aux, const Tensor& ws, int64_t ep_size) {
-  TORCH_CHECK(aux.size() == kAuxFields, "a2ad: aux must hold ", kAuxFields, " values, got ", aux.size());
+  A2AD_CHECK(aux.size() == kAuxFields, "a2ad: aux must hold ", kAuxFields, " values, got ", aux.size());
   const int64_t row = ws.size(1);
   for (size_t i = 0; i < 9; ++i) {
-    TORCH_CHECK(aux[i] >= 0 && aux[i] % 4 == 0 && aux[i] + 4 <= row, "a2ad: aux offset ", i, " (", aux[i],
+    A2AD_CHECK(aux[i] >= 0 && aux[i] % 4 == 0 && aux[i] + 4 <= row, "a2ad: aux offset ", i, " (", aux[i],
                 ") is not an aligned offset inside a row of ", row, " bytes");
   }
   for (size_t i : {2, 3, 4, 5}) {
-    TORCH_CHECK(aux[i] + 4 * ep_size <= row, "a2ad: aux field ", i, " of ", ep_size, " counters overruns the row");
+    A2AD_CHECK(aux[i] + 4 * ep_size <= row, "a2ad: aux field ", i, " of ", ep_size, " counters overruns the row");
   }
-  TORCH_CHECK(aux[9] >= 1 && aux[9] <= 1024, "a2ad: aux topk_stride must be in [1, 1024], got ", aux[9]);
-  TORCH_CHECK(aux[10] >= 5, "a2ad: aux block_counter_slots must be >= 5, got ", aux[10]);
-  TORCH_CHECK(aux[8] + 4 * aux[10] <= row, "a2ad: aux block counters overrun the row");
+  A2AD_CHECK(aux[9] >= 1 && aux[9] <= 1024, "a2ad: aux topk_stride must be in [1, 1024], got ", aux[9]);
+  A2AD_CHECK(aux[10] >= 5, "a2ad: aux block_counter_slots must be >= 5, got ", aux[10]);
+  A2AD_CHECK(aux[8] + 4 * aux[10] <= row, "a2ad: aux block counters overrun the row");
   a2ad::AuxOffsets a;
   a.flag_val = aux[0];
   a.local_token_counter = aux[1];
@@ -97,19 +137,19 @@ a2ad::AuxOffsets make_aux(IntArrayRef aux, const Tensor& ws, int64_t ep_size) {
 
 void check_topk_rows(const a2ad::AuxOffsets& a, const Tensor& ws, int64_t tokens) {
   const int64_t need = 4 * tokens * a.topk_stride;
-  TORCH_CHECK(a.topk_target_ranks + need <= ws.size(1) && a.topk_send_indices + need <= ws.size(1),
+  A2AD_CHECK(a.topk_target_ranks + need <= ws.size(1) && a.topk_send_indices + need <= ws.size(1),
               "a2ad: the routing arrays for ", tokens, " tokens overrun the row");
 }
 
 a2ad::Control make_control(int64_t control, IntArrayRef f, int64_t timeout_ns) {
-  TORCH_CHECK(control != 0, "a2ad: control (the control block's device pointer) must be set");
-  TORCH_CHECK(f.size() == kControlFields, "a2ad: control_fields must hold ", kControlFields, " values, got ",
+  A2AD_CHECK(control != 0, "a2ad: control (the control block's device pointer) must be set");
+  A2AD_CHECK(f.size() == kControlFields, "a2ad: control_fields must hold ", kControlFields, " values, got ",
               f.size());
   for (size_t i = 0; i < 6; ++i) {
-    TORCH_CHECK(f[i] >= 0 && f[i] % 4 == 0, "a2ad: control field offset ", i, " (", f[i], ") must be 4-aligned");
+    A2AD_CHECK(f[i] >= 0 && f[i] % 4 == 0, "a2ad: control field offset ", i, " (", f[i], ") must be 4-aligned");
   }
-  TORCH_CHECK(f[5] % 8 == 0, "a2ad: status_waited_ns offset (", f[5], ") must be 8-aligned");
-  TORCH_CHECK(timeout_ns > 0, "a2ad: timeout_ns must be > 0, got ", timeout_ns);
+  A2AD_CHECK(f[5] % 8 == 0, "a2ad: status_waited_ns offset (", f[5], ") must be 8-aligned");
+  A2AD_CHECK(timeout_ns > 0, "a2ad: timeout_ns must be > 0, got ", timeout_ns);
   a2ad::Control c;
   c.block = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(control));
   c.abort_word = f[0];
@@ -136,25 +176,25 @@ void dispatch_cuda(const Tensor& experts, TensorList payloads, Tensor& workspace
   check_workspace(workspace, ep_rank, ep_size);
   c10::cuda::CUDAGuard guard(workspace.device());
   check_same_device(experts, workspace, "token_selected_experts");
-  TORCH_CHECK(experts.scalar_type() == at::kInt, "a2ad: token_selected_experts must be int32, got ",
+  A2AD_CHECK(experts.scalar_type() == at::kInt, "a2ad: token_selected_experts must be int32, got ",
               experts.scalar_type());
-  TORCH_CHECK(experts.dim() == 2, "a2ad: token_selected_experts must be [num_tokens, top_k], got ", experts.sizes());
-  TORCH_CHECK(experts.is_contiguous(), "a2ad: token_selected_experts must be contiguous");
-  TORCH_CHECK(top_k >= 1 && top_k <= a2ad::kMaxTopK, "a2ad: top_k must be in [1, ", a2ad::kMaxTopK, "], got ", top_k);
-  TORCH_CHECK(experts.size(1) == top_k, "a2ad: token_selected_experts has ", experts.size(1), " columns, top_k is ",
+  A2AD_CHECK(experts.dim() == 2, "a2ad: token_selected_experts must be [num_tokens, top_k], got ", experts.sizes());
+  A2AD_CHECK(experts.is_contiguous(), "a2ad: token_selected_experts must be contiguous");
+  A2AD_CHECK(top_k >= 1 && top_k <= a2ad::kMaxTopK, "a2ad: top_k must be in [1, ", a2ad::kMaxTopK, "], got ", top_k);
+  A2AD_CHECK(experts.size(1) == top_k, "a2ad: token_selected_experts has ", experts.size(1), " columns, top_k is ",
               top_k);
-  TORCH_CHECK(num_experts >= ep_size, "a2ad: num_experts (", num_experts, ") must be >= ep_size (", ep_size, ")");
-  TORCH_CHECK(num_experts <= INT32_MAX, "a2ad: num_experts too large: ", num_experts);
+  A2AD_CHECK(num_experts >= ep_size, "a2ad: num_experts (", num_experts, ") must be >= ep_size (", ep_size, ")");
+  A2AD_CHECK(num_experts <= INT32_MAX, "a2ad: num_experts too large: ", num_experts);
   const int64_t tokens = experts.size(0);
-  TORCH_CHECK(rt >= 1 && rt <= INT32_MAX, "a2ad: runtime_max_tokens_per_rank must be >= 1, got ", rt);
-  TORCH_CHECK(tokens <= rt, "a2ad: token_selected_experts has ", tokens,
+  A2AD_CHECK(rt >= 1 && rt <= INT32_MAX, "a2ad: runtime_max_tokens_per_rank must be >= 1, got ", rt);
+  A2AD_CHECK(tokens <= rt, "a2ad: token_selected_experts has ", tokens,
               " tokens, more than runtime_max_tokens_per_rank=", rt);
   const a2ad::AuxOffsets a = make_aux(aux, workspace, ep_size);
-  TORCH_CHECK(top_k <= a.topk_stride, "a2ad: top_k (", top_k, ") exceeds the routing arrays' width ", a.topk_stride);
+  A2AD_CHECK(top_k <= a.topk_stride, "a2ad: top_k (", top_k, ") exceeds the routing arrays' width ", a.topk_stride);
   check_topk_rows(a, workspace, tokens);
-  TORCH_CHECK(payloads.size() <= static_cast<size_t>(a2ad::kMaxPayloads), "a2ad: at most ", a2ad::kMaxPayloads,
+  A2AD_CHECK(payloads.size() <= static_cast<size_t>(a2ad::kMaxPayloads), "a2ad: at most ", a2ad::kMaxPayloads,
               " payloads, got ", payloads.size());
-  TORCH_CHECK(payload_offsets.size() == payloads.size(), "a2ad: ", payloads.size(), " payloads but ",
+  A2AD_CHECK(payload_offsets.size() == payloads.size(), "a2ad: ", payloads.size(), " payloads but ",
               payload_offsets.size(), " payload offsets");
 
   a2ad::DispatchParams p{};
@@ -171,15 +211,15 @@ void dispatch_cuda(const Tensor& experts, TensorList payloads, Tensor& workspace
   for (size_t i = 0; i < payloads.size(); ++i) {
     const Tensor& t = payloads[i];
     check_same_device(t, workspace, "input_payloads[i]");
-    TORCH_CHECK(t.scalar_type() == at::kByte, "a2ad: input_payloads[", i, "] must be a uint8 byte view, got ",
+    A2AD_CHECK(t.scalar_type() == at::kByte, "a2ad: input_payloads[", i, "] must be a uint8 byte view, got ",
                 t.scalar_type());
-    TORCH_CHECK(t.dim() == 2 && t.size(0) == tokens, "a2ad: input_payloads[", i, "] must be [", tokens,
+    A2AD_CHECK(t.dim() == 2 && t.size(0) == tokens, "a2ad: input_payloads[", i, "] must be [", tokens,
                 ", bytes_per_token], got ", t.sizes());
-    TORCH_CHECK(t.is_contiguous(), "a2ad: input_payloads[", i, "] must be contiguous");
+    A2AD_CHECK(t.is_contiguous(), "a2ad: input_payloads[", i, "] must be contiguous");
     const int64_t nb = t.size(1);
-    TORCH_CHECK(nb > 0, "a2ad: input_payloads[", i, "] has 0 bytes per token");
+    A2AD_CHECK(nb > 0, "a2ad: input_payloads[", i, "] has 0 bytes per token");
     const int64_t off = payload_offsets[i];
-    TORCH_CHECK(off >= 0 && off + ep_size * rt * nb <= workspace.size(1), "a2ad: input_payloads[", i, "] region [",
+    A2AD_CHECK(off >= 0 && off + ep_size * rt * nb <= workspace.size(1), "a2ad: input_payloads[", i, "] region [",
                 off, ", +", ep_size * rt * nb, ") does not fit a row of ", workspace.size(1), " bytes");
     p.payload[i] = static_cast<const uint8_t*>(t.data_ptr());
     p.payload_bytes[i] = nb;
@@ -193,12 +233,12 @@ void sanitize_cuda(Tensor& recv_ids, const Tensor& workspace, int64_t ep_rank, i
   check_workspace(workspace, ep_rank, ep_size);
   c10::cuda::CUDAGuard guard(workspace.device());
   check_same_device(recv_ids, workspace, "recv_ids");
-  TORCH_CHECK(recv_ids.scalar_type() == at::kInt, "a2ad: recv_ids must be int32, got ", recv_ids.scalar_type());
-  TORCH_CHECK(recv_ids.dim() == 3 && recv_ids.size(0) == ep_size && recv_ids.size(1) == rt,
+  A2AD_CHECK(recv_ids.scalar_type() == at::kInt, "a2ad: recv_ids must be int32, got ", recv_ids.scalar_type());
+  A2AD_CHECK(recv_ids.dim() == 3 && recv_ids.size(0) == ep_size && recv_ids.size(1) == rt,
               "a2ad: recv_ids must be [ep_size=", ep_size, ", runtime_max_tokens_per_rank=", rt, ", top_k], got ",
               recv_ids.sizes());
-  TORCH_CHECK(recv_ids.size(2) >= 1, "a2ad: recv_ids has no expert columns");
-  TORCH_CHECK(invalid_id >= INT32_MIN && invalid_id <= INT32_MAX, "a2ad: invalid_token_expert_id does not fit int32");
+  A2AD_CHECK(recv_ids.size(2) >= 1, "a2ad: recv_ids has no expert columns");
+  A2AD_CHECK(invalid_id >= INT32_MIN && invalid_id <= INT32_MAX, "a2ad: invalid_token_expert_id does not fit int32");
   a2ad::SanitizeParams p{};
   p.ws = make_workspace(workspace, ep_rank, ep_size);
   p.aux = make_aux(aux, workspace, ep_size);
@@ -224,28 +264,28 @@ Tensor combine_cuda(const Tensor& payload, Tensor& workspace, int64_t ep_rank, i
     case at::kFloat: dtype = a2ad::DType::kFloat32; break;
     case at::kHalf: dtype = a2ad::DType::kFloat16; break;
     case at::kBFloat16: dtype = a2ad::DType::kBFloat16; break;
-    default: TORCH_CHECK(false, "a2ad: payload must be bfloat16, float16 or float32, got ", payload.scalar_type());
+    default: A2AD_CHECK(false, "a2ad: payload must be bfloat16, float16 or float32, got ", payload.scalar_type());
   }
-  TORCH_CHECK(rt >= 1 && rt <= INT32_MAX, "a2ad: runtime_max_tokens_per_rank must be >= 1, got ", rt);
-  TORCH_CHECK(payload.dim() == 3 && payload.size(0) == ep_size && payload.size(1) == rt,
+  A2AD_CHECK(rt >= 1 && rt <= INT32_MAX, "a2ad: runtime_max_tokens_per_rank must be >= 1, got ", rt);
+  A2AD_CHECK(payload.dim() == 3 && payload.size(0) == ep_size && payload.size(1) == rt,
               "a2ad: payload must be [ep_size=", ep_size, ", runtime_max_tokens_per_rank=", rt, ", hidden], got ",
               payload.sizes());
   const int64_t hidden = payload.size(2);
-  TORCH_CHECK(hidden >= 1, "a2ad: payload has hidden size 0");
-  TORCH_CHECK(local_num_tokens >= 0 && local_num_tokens <= rt, "a2ad: local_num_tokens must be in [0, ", rt,
+  A2AD_CHECK(hidden >= 1, "a2ad: payload has hidden size 0");
+  A2AD_CHECK(local_num_tokens >= 0 && local_num_tokens <= rt, "a2ad: local_num_tokens must be in [0, ", rt,
               "], got ", local_num_tokens);
-  TORCH_CHECK(top_k >= 1 && top_k <= a2ad::kMaxTopK, "a2ad: top_k must be in [1, ", a2ad::kMaxTopK, "], got ", top_k);
+  A2AD_CHECK(top_k >= 1 && top_k <= a2ad::kMaxTopK, "a2ad: top_k must be in [1, ", a2ad::kMaxTopK, "], got ", top_k);
   const a2ad::AuxOffsets a = make_aux(aux, workspace, ep_size);
-  TORCH_CHECK(top_k <= a.topk_stride, "a2ad: top_k (", top_k, ") exceeds the routing arrays' width ", a.topk_stride);
+  A2AD_CHECK(top_k <= a.topk_stride, "a2ad: top_k (", top_k, ") exceeds the routing arrays' width ", a.topk_stride);
   check_topk_rows(a, workspace, local_num_tokens);
   const int64_t region = ep_size * rt * hidden * payload.element_size();
-  TORCH_CHECK(combine_offset >= 0 && combine_offset + region <= workspace.size(1), "a2ad: combine region [",
+  A2AD_CHECK(combine_offset >= 0 && combine_offset + region <= workspace.size(1), "a2ad: combine region [",
               combine_offset, ", +", region, ") does not fit a row of ", workspace.size(1), " bytes");
-  TORCH_CHECK(payload.is_contiguous(), "a2ad: payload must be contiguous [ep_size, rt, hidden]");
+  A2AD_CHECK(payload.is_contiguous(), "a2ad: payload must be contiguous [ep_size, rt, hidden]");
   if (payload_in_workspace) {
     const auto* expect = static_cast<const uint8_t*>(workspace.data_ptr()) + ep_rank * workspace.stride(0) +
                          combine_offset;
-    TORCH_CHECK(static_cast<const uint8_t*>(payload.data_ptr()) == expect,
+    A2AD_CHECK(static_cast<const uint8_t*>(payload.data_ptr()) == expect,
                 "a2ad: payload_in_workspace=True but payload is not this rank's combine region "
                 "(use get_combine_payload_tensor_in_workspace)");
   }
@@ -271,9 +311,9 @@ Tensor combine_cuda(const Tensor& payload, Tensor& workspace, int64_t ep_rank, i
 void initialize_cuda(Tensor& workspace, int64_t rank, int64_t aux_bytes, int64_t flag_offset, int64_t initial_round) {
   check_workspace(workspace, rank, workspace.size(0));
   c10::cuda::CUDAGuard guard(workspace.device());
-  TORCH_CHECK(aux_bytes >= 4 && aux_bytes % 4 == 0 && aux_bytes <= workspace.size(1),
+  A2AD_CHECK(aux_bytes >= 4 && aux_bytes % 4 == 0 && aux_bytes <= workspace.size(1),
               "a2ad: aux_bytes must be a multiple of 4 within the row, got ", aux_bytes);
-  TORCH_CHECK(flag_offset >= 0 && flag_offset % 4 == 0 && flag_offset < aux_bytes,
+  A2AD_CHECK(flag_offset >= 0 && flag_offset % 4 == 0 && flag_offset < aux_bytes,
               "a2ad: flag_offset must be an aligned offset inside the aux region, got ", flag_offset);
   a2ad::InitializeParams p{};
   p.row = static_cast<uint8_t*>(workspace.data_ptr()) + rank * workspace.stride(0);
@@ -292,7 +332,7 @@ void sanitize_meta(Tensor&, const Tensor&, int64_t, int64_t, IntArrayRef, int64_
 
 Tensor combine_meta(const Tensor& payload, Tensor&, int64_t, int64_t, IntArrayRef, int64_t local_num_tokens, int64_t,
                     int64_t, int64_t, bool, int64_t, IntArrayRef, int64_t, int64_t) {
-  TORCH_CHECK(payload.dim() == 3, "a2ad: payload must be [ep_size, rt, hidden], got ", payload.sizes());
+  A2AD_CHECK(payload.dim() == 3, "a2ad: payload must be [ep_size, rt, hidden], got ", payload.sizes());
   return at::empty({local_num_tokens, payload.size(2)}, payload.options());
 }
 
@@ -307,8 +347,8 @@ std::map<uintptr_t, std::pair<int64_t, int>> g_registered;  // host ptr -> (devi
 // pointer. Registering the same address again returns the same pointer
 // (reference counted).
 int64_t host_register(int64_t ptr, int64_t size) {
-  TORCH_CHECK(ptr != 0, "a2ad: host_register: ptr is null");
-  TORCH_CHECK(size > 0, "a2ad: host_register: size must be > 0, got ", size);
+  A2AD_CHECK(ptr != 0, "a2ad: host_register: ptr is null");
+  A2AD_CHECK(size > 0, "a2ad: host_register: size must be > 0, got ", size);
   std::lock_guard<std::mutex> lock(g_registered_mutex);
   auto it = g_registered.find(static_cast<uintptr_t>(ptr));
   if (it != g_registered.end()) {
@@ -322,7 +362,7 @@ int64_t host_register(int64_t ptr, int64_t size) {
   cudaError_t err = cudaHostGetDevicePointer(&dev, host, 0);
   if (err != cudaSuccess) {
     cudaHostUnregister(host);
-    TORCH_CHECK(false, "a2ad: cudaHostGetDevicePointer of the control block failed: ", cudaGetErrorString(err));
+    A2AD_CHECK(false, "a2ad: cudaHostGetDevicePointer of the control block failed: ", cudaGetErrorString(err));
   }
   const auto d = static_cast<int64_t>(reinterpret_cast<uintptr_t>(dev));
   g_registered[static_cast<uintptr_t>(ptr)] = {d, 1};
@@ -332,7 +372,7 @@ int64_t host_register(int64_t ptr, int64_t size) {
 void host_unregister(int64_t ptr) {
   std::lock_guard<std::mutex> lock(g_registered_mutex);
   auto it = g_registered.find(static_cast<uintptr_t>(ptr));
-  TORCH_CHECK(it != g_registered.end(), "a2ad: host_unregister: ", ptr, " was not registered by host_register");
+  A2AD_CHECK(it != g_registered.end(), "a2ad: host_unregister: ", ptr, " was not registered by host_register");
   if (--it->second.second > 0) return;
   g_registered.erase(it);
   A2AD_CHECK_CUDA(cudaHostUnregister(reinterpret_cast<void*>(static_cast<uintptr_t>(ptr))),
