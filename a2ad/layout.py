@@ -34,8 +34,11 @@ fits.
 The payload area is laid out per call (it depends on the payload widths and on
 ``runtime_max_tokens_per_rank``, see :func:`payload_layout`): one region per
 dispatch payload, ``[ep_size(source), runtime_max_tokens_per_rank,
-bytes_per_token]``, each 128-byte aligned, then the combine region
-``[ep_size(source), runtime_max_tokens_per_rank, combine_bytes_per_token]``.
+bytes_per_token]``, each 128-byte aligned, growing up from PAYLOAD_DATA; and the
+combine region ``[ep_size(source), runtime_max_tokens_per_rank,
+combine_bytes_per_token]``, 128-byte aligned, ending at the end of the row. Keeping
+the two apart at opposite ends is what lets a rank start dispatch R+1 while slower
+peers still read its combine region of round R (docs/PROTOCOL.md).
 
 The data-plane protocol over this layout (host and CUDA alike) is documented in
 ``docs/PROTOCOL.md``.
@@ -223,7 +226,8 @@ class PayloadLayout:
     #: Start of each dispatch payload region ``[ep_size, runtime_max, bytes_i]``.
     dispatch_offsets: tuple[int, ...]
     dispatch_bytes_per_token: tuple[int, ...]
-    #: Start of the combine region ``[ep_size, runtime_max, combine_bytes]``.
+    #: Start of the combine region ``[ep_size, runtime_max, combine_bytes]`` (at the end of
+    #: the row; ``size_per_rank`` when no combine width was given).
     combine_offset: int
     #: First byte after the dispatch regions.
     dispatch_end: int
@@ -265,12 +269,12 @@ def payload_layout(
             f"payloads of {sum(dispatch_bytes_per_token)} bytes per token need {dispatch_end} bytes "
             f"per rank at runtime_max_tokens_per_rank={rt}, the workspace has {size_per_rank}"
         )
-    combine_offset = dispatch_end
-    need = combine_offset + aux.ep_size * rt * combine_bytes_per_token
-    if need > size_per_rank:
+    combine_bytes = aux.ep_size * rt * combine_bytes_per_token
+    combine_offset = (size_per_rank - combine_bytes) // ALIGN * ALIGN
+    if combine_offset < dispatch_end:
         raise LayoutError(
-            f"combine payload of {combine_bytes_per_token} bytes per token needs {need} bytes per rank "
-            f"at runtime_max_tokens_per_rank={rt}, the workspace has {size_per_rank}"
+            f"combine payload of {combine_bytes_per_token} bytes per token needs {dispatch_end + combine_bytes} bytes "
+            f"per rank at runtime_max_tokens_per_rank={rt}, the workspace has {size_per_rank}"
         )
     return PayloadLayout(
         runtime_max_tokens_per_rank=rt,

@@ -32,7 +32,6 @@ rank alike); a workspace sized for the dispatch and combine payloads together
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import operator
 import warnings
@@ -503,12 +502,9 @@ class MoeAlltoAll:
     def _combine_layout(self, att, rnd: _Round, bytes_per_token: int) -> L.PayloadLayout:
         """The round's layout with its combine region at the end of the row (see the module doc)."""
         try:
-            L.payload_layout(att.aux, att.size_per_rank, rnd.rt, rnd.layout.dispatch_bytes_per_token, bytes_per_token)
+            return L.payload_layout(att.aux, att.size_per_rank, rnd.rt, rnd.layout.dispatch_bytes_per_token, bytes_per_token)
         except L.LayoutError as exc:
             raise errors.InputError(str(exc), argument="payload") from None
-        region = att.ep_size * rnd.rt * bytes_per_token
-        offset = (att.size_per_rank - region) // L.ALIGN * L.ALIGN  # >= dispatch_end, which is aligned
-        return dataclasses.replace(rnd.layout, combine_offset=offset)
 
     # --- failures -------------------------------------------------------------------
     def recover(self, timeout: float | None = None) -> int:

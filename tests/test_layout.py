@@ -29,6 +29,8 @@ def test_any_payload_set_fits_the_size_formula(ep, tokens, widths):
         assert all(o % L.ALIGN == 0 for o in pl.dispatch_offsets)
         assert pl.combine_offset % L.ALIGN == 0
         assert pl.combine_offset + ep * rt * comb <= size
+        assert size - (pl.combine_offset + ep * rt * comb) < L.ALIGN  # the combine region ends the row
+        assert pl.dispatch_end <= pl.combine_offset
         ends = [o + ep * rt * w for o, w in zip(pl.dispatch_offsets, widths)]
         assert all(e <= n for e, n in zip(ends, pl.dispatch_offsets[1:] + (pl.combine_offset,)))
 
