@@ -507,6 +507,15 @@ class MoeAlltoAll:
             raise errors.InputError(str(exc), argument="payload") from None
 
     # --- failures -------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise PeerLost or PeerTimeout if a wait of this rank failed, or the job was aborted.
+
+        Every call checks this first. On CUDA a wait fails inside a kernel, after the
+        call that launched it returned: synchronize the stream, then call check() to learn
+        about it at once rather than at the next dispatch."""
+        self._live()
+        self._check_peers()
+
     def recover(self, timeout: float | None = None) -> int:
         """After PeerLost or PeerTimeout: quiesce, then wait for the job-wide re-arm.
 

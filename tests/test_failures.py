@@ -19,14 +19,24 @@ from helpers import DaemonProcess, reap_keeper, wait_for
 HIDDEN, TOP_K, EXPERTS, MAX_T, T = 64, 2, 8, 16, 6
 
 
+BACKENDS = [pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
 def _moe(rank, ep, runtime_dir, job, timeout=20.0):
-    from a2ad.client import MoeAlltoAll
+    import torch
+
+    from a2ad.client import MoeAlltoAll, ping
 
     class M:
         moe_ep_rank, moe_ep_size = rank, ep
 
+    device = None
+    if ping(runtime_dir)["backend"] == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+
     size = L.workspace_size_per_rank(ep, MAX_T, HIDDEN * 4, HIDDEN * 4)  # float32 payloads both ways
-    return MoeAlltoAll(M(), MAX_T, TOP_K, EXPERTS, size, job=job, runtime_dir=runtime_dir, timeout=timeout)
+    return MoeAlltoAll(M(), MAX_T, TOP_K, EXPERTS, size, job=job, runtime_dir=runtime_dir, timeout=timeout, device=device)
 
 
 def verified_round(a2a, rank: int, ep: int, seed: int) -> None:
@@ -37,8 +47,13 @@ def verified_round(a2a, rank: int, ep: int, seed: int) -> None:
     g = torch.Generator().manual_seed(seed * 131 + rank)
     experts = torch.rand(T, EXPERTS, generator=g).argsort(dim=1)[:, :TOP_K].to(torch.int32)
     hidden = torch.randint(-8, 9, (T, HIDDEN), generator=g).to(torch.float32)
-    (recv,) = a2a.dispatch(experts, [hidden], MAX_T)
+    dev = a2a.attachment.device
+    (recv,) = a2a.dispatch(experts.to(dev), [hidden.to(dev)], MAX_T)
     out = a2a.combine(recv * float(rank + 1), MAX_T)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        a2a.check()  # a wait that failed inside a kernel is reported here, once the stream ran
+    out = out.cpu()
     owners = torch.tensor([[L.expert_owner(int(e), EXPERTS, ep) for e in row] for row in experts])
     weight = torch.zeros(T)
     for q in range(ep):
@@ -180,11 +195,11 @@ class Ranks:
 
 
 @pytest.fixture
-def ranks_for(daemon):
+def ranks_for():
     made = []
 
-    def make(ep, job, runtime_dir=None):
-        r = Ranks(ep, runtime_dir or daemon.runtime_dir, job)
+    def make(ep, job, runtime_dir):
+        r = Ranks(ep, runtime_dir, job)
         made.append(r)
         return r
 
@@ -194,9 +209,11 @@ def ranks_for(daemon):
 
 
 # ----------------------------------------------------------------------------- tests
-def test_kill9_mid_dispatch_peerlost_fast_then_replacement_resumes(daemon, ranks_for):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kill9_mid_dispatch_peerlost_fast_then_replacement_resumes(backend, daemon_factory, ranks_for):
+    daemon = daemon_factory("--grace", "5", backend=backend)
     ep, victim = 4, 3
-    rk = ranks_for(ep, "kill9")
+    rk = ranks_for(ep, "kill9", daemon.runtime_dir)
     survivors = [r for r in range(ep) if r != victim]
     for r in survivors:
         rk.start(r, [("attach",), ("rounds", 0, 5), ("expect_lost", 5), ("recover",), ("rounds", 1000, 100)])
@@ -209,7 +226,7 @@ def test_kill9_mid_dispatch_peerlost_fast_then_replacement_resumes(daemon, ranks
     os.kill(rk.procs[victim].pid, signal.SIGKILL)
     lost = rk.expect("lost", survivors, timeout=10)
     delays = {r: (t - t_kill) * 1e3 for r, (t, _) in lost.items()}
-    print(f"\nhost: PeerLost after kill -9 of rank {victim} mid-dispatch: "
+    print(f"\n{backend}: PeerLost after kill -9 of rank {victim} mid-dispatch: "
           + ", ".join(f"rank {r} {d:.1f} ms" for r, d in sorted(delays.items())))
     assert all(v == (victim, L.ABORT_PEER_LOST) for _, v in lost.values())
     assert max(delays.values()) < 100.0
@@ -227,7 +244,7 @@ def test_kill9_mid_dispatch_peerlost_fast_then_replacement_resumes(daemon, ranks
     got = rk.expect("rounds", range(ep), timeout=120)
     assert all(v == 100 for _, v in got.values())
     resumed = max(t for t, _ in recovered.values())
-    print(f"host: replacement join -> all ranks released {1e3 * (resumed - t_join):.1f} ms; "
+    print(f"{backend}: replacement join -> all ranks released {1e3 * (resumed - t_join):.1f} ms; "
           f"-> 10 verified rounds done {1e3 * (first10 - t_join):.1f} ms; 100 verified rounds after recovery passed")
     rk.expect("done", range(ep))
     info = daemon.request("job_info", job="kill9")
@@ -259,8 +276,9 @@ def test_silent_peer_times_out_and_the_job_rearms(daemon):
         rk.close()
 
 
-def test_daemon_kill9_during_traffic_then_restart_readopts(runtime_dir):
-    d1 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "5").start()
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_daemon_kill9_during_traffic_then_restart_readopts(backend, runtime_dir):
+    d1 = DaemonProcess(runtime_dir, "--backend", backend, "--grace", "5").start()
     rk = Ranks(2, runtime_dir, "survive")
     try:
         for r in range(2):
@@ -272,11 +290,11 @@ def test_daemon_kill9_during_traffic_then_restart_readopts(runtime_dir):
         d1.kill9()
         t_killed = time.monotonic()
         done = rk.expect("rounds", [0, 1], timeout=300)
-        print(f"\nhost: 1000 verified rounds completed on every rank with the daemon dead "
+        print(f"\n{backend}: 1000 verified rounds completed on every rank with the daemon dead "
               f"({time.monotonic() - t_killed:.1f} s after kill -9)")
         assert all(v == 1000 for _, v in done.values())
         # restart: the new daemon re-adopts the job from the state file and the fd keeper
-        d2 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "60").start()
+        d2 = DaemonProcess(runtime_dir, "--backend", backend, "--grace", "60").start()
         info = d2.request("job_info", job="survive")
         assert [r["state"] for r in info["ranks"]] == ["attached", "attached"]
         assert "re-adopted 1 job(s): survive" in d2.log()
