@@ -119,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("drain", help="refuse new jobs (existing ones run on); --off to accept again")
     p.add_argument("--off", action="store_true")
     sub.add_parser("metrics", help="metrics in Prometheus text format")
+    p = sub.add_parser("upgrade", help="start a successor daemon (the installed version) and hand it every job; "
+                                      "clients keep running")
+    p.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the successor to answer (default 30)")
     args = parser.parse_args(argv)
 
     client = DaemonClient(args.runtime_dir, timeout=args.timeout)
@@ -144,6 +147,31 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "drain":
             reply = client.request("drain", enable=not args.off)
             text = "draining: new jobs are refused" if reply["draining"] else "not draining: new jobs are accepted"
+        elif args.command == "upgrade":
+            import time
+
+            before = client.request("hello")
+            reply = client.request("upgrade")
+            client.close()
+            end = time.monotonic() + args.wait
+            after = None
+            while time.monotonic() < end:
+                try:
+                    after = client.request("hello", wait=1.0)
+                    if after["pid"] == reply["successor_pid"]:
+                        break
+                except errors.DaemonUnavailable:
+                    pass
+                time.sleep(0.1)
+            if after is None or after["pid"] != reply["successor_pid"]:
+                print(f"a2ad-ctl: the successor (pid {reply['successor_pid']}) did not answer in {args.wait:g} s",
+                      file=sys.stderr)
+                return EXIT_UNREACHABLE
+            jobs = client.request("jobs")["jobs"]
+            reply = {"old_pid": before["pid"], "new_pid": after["pid"], "version": after["version"],
+                     "jobs": [j["name"] for j in jobs]}
+            text = (f"upgraded: pid {before['pid']} (a2ad {before['version']}) -> pid {after['pid']} "
+                    f"(a2ad {after['version']}); {len(jobs)} job(s) kept: {', '.join(reply['jobs']) or '-'}")
         elif args.command == "metrics":
             reply = client.request("metrics")
             text = reply["text"].rstrip("\n")

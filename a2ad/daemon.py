@@ -219,6 +219,10 @@ class Daemon:
         except errors.A2ADError as exc:
             log.error("fd store: %s", exc.message)
             fds = {}
+        for name, fd in _handover_fds().items():  # from a predecessor's upgrade: these win
+            if name in fds:
+                os.close(fds[name])
+            fds[name] = fd
         try:
             state = statefile.load(self.cfg.runtime_dir)
         except (ValueError, OSError, Exception) as exc:  # a corrupt file must not stop the daemon
@@ -293,13 +297,29 @@ class Daemon:
         if self.store.kind == "none":
             raise errors.BackendError("this daemon runs with --fd-store none: an upgrade would lose every job")
         argv = [a for a in self.cfg.argv if a != "--takeover"]
+        # the fds go straight to the successor too (systemd's store would not hand them to a
+        # process it did not start); the names say which is which
+        fds = {}
+        for job in self.jobs.values():
+            fds[cb_name(job.name)] = job.control_fd
+            for slot in job.slots:
+                if slot.alloc is not None:
+                    fds[ws_name(job.name, slot.rank)] = slot.alloc.fd
+        env = {k: v for k, v in os.environ.items() if k not in ("WATCHDOG_PID", "LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES")}
+        env[HANDOVER_ENV] = ",".join(f"{name}={fd}" for name, fd in fds.items())
         proc = subprocess.Popen(
             [sys.executable, "-m", "a2ad.cli", "serve", *argv, "--takeover"],
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             close_fds=True,
+            pass_fds=list(fds.values()),
+            env=env,
         )
-        log.info("upgrade: successor daemon started (pid %d); handing over", proc.pid)
+        if os.environ.get("NOTIFY_SOCKET"):
+            from . import sdnotify
+
+            sdnotify.notify(f"MAINPID={proc.pid}")  # before the successor's READY=1 and watchdog
+        log.info("upgrade: successor daemon started (pid %d), %d fds handed over", proc.pid, len(fds))
         self.handover = True
         self.stopping = True
         return {"successor_pid": proc.pid, "jobs": sorted(self.jobs)}
@@ -959,6 +979,26 @@ def _zmq_peer(frame: zmq.Frame) -> tuple[int, int, int] | None:
         return int(parts[1]), int(parts[2]), int(parts[3])
     except ValueError:
         return None
+
+
+HANDOVER_ENV = "A2AD_HANDOVER_FDS"
+
+
+def _handover_fds() -> dict[str, int]:
+    """Fds a predecessor passed on upgrade: ``$A2AD_HANDOVER_FDS`` = ``name=fd,...``."""
+    raw = os.environ.pop(HANDOVER_ENV, "")
+    out = {}
+    for item in filter(None, raw.split(",")):
+        name, _, fd = item.rpartition("=")
+        try:
+            fdn = int(fd)
+            os.fstat(fdn)
+        except (ValueError, OSError):
+            log.error("upgrade handover: bad entry %r", item)
+            continue
+        os.set_inheritable(fdn, False)
+        out[name] = fdn
+    return out
 
 
 def _alive(pid: int) -> bool:

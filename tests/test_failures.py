@@ -350,3 +350,51 @@ def test_operator_abort_interrupts_a_wait(daemon):
         rk.expect("done", [0, 1])
     finally:
         rk.close()
+
+
+def test_ctl_upgrade_during_traffic_keeps_every_job(runtime_dir):
+    d1 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "30").start()
+    rk = Ranks(2, runtime_dir, "upg")
+    new_pid = None
+    try:
+        for r in range(2):
+            rk.start(r, [("attach",), ("rounds", 0, 2000), ("wait",), ("close",)])
+        rk.expect("attached", [0, 1])
+        rk.expect("rounds10", [0, 1])
+        out = subprocess.run([sys.executable, "-m", "a2ad.ctl", "--runtime-dir", str(runtime_dir), "upgrade"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        print("\n" + out.stdout.strip())
+        d1.proc.wait(20)
+        assert d1.proc.returncode == 0  # the old daemon handed over and exited cleanly
+        from a2ad.client.connection import DaemonClient
+
+        with DaemonClient(runtime_dir) as c:
+            hello = c.request("hello")
+            new_pid = hello["pid"]
+            assert new_pid != d1.pid and f"pid {new_pid}" in out.stdout
+            info = c.request("job_info", job="upg")
+            assert [r["state"] for r in info["ranks"]] == ["attached", "attached"]
+            done = rk.expect("rounds", [0, 1], timeout=300)  # traffic went on, every round verified
+            assert all(v == 2000 for _, v in done.values())
+            rk.go(0)
+            rk.go(1)
+            rk.expect("closed", [0, 1])
+            rk.expect("done", [0, 1])
+            wait_for(lambda: [r["state"] for r in c.request("job_info", job="upg")["ranks"]] == ["left", "left"],
+                     10, "both ranks left through the new daemon")
+    finally:
+        rk.close()
+        if new_pid is not None:
+            os.kill(new_pid, signal.SIGTERM)
+            wait_for(lambda: not _running(new_pid), 20, "the successor daemon to stop")
+        d1.kill9()
+        reap_keeper(runtime_dir)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
