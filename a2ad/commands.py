@@ -156,7 +156,7 @@ def handle(d, identity: bytes, data: bytes, cred) -> bytes | None:
             pass
         req = protocol.parse_request(data)
         if cred is not None and req.type not in _PUBLIC:
-            d.check_uid(cred[0], cred[1])
+            d.check_uid(cred[0], cred[1], cred[2])
         payload = COMMANDS[req.type](d, req.fields, Context(identity, req.id, cred))
         if payload is None:
             return None

@@ -367,10 +367,14 @@ class Daemon:
         except zmq.ZMQError as exc:  # peer gone or its queue full: it will time out on its side
             log.warning("could not reply to a client: %s", exc)
 
-    def check_uid(self, uid: int | None, gid: int | None) -> None:
+    def check_uid(self, uid: int | None, gid: int | None, pid: int | None = None) -> None:
+        """Allow the daemon's uid, root, --allow-uid, and members of the allowed groups
+        (primary gid, or a supplementary group of the connecting process)."""
         if uid is None:
             return
         if uid in self.allowed_uids or (gid is not None and gid in self.allowed_gids):
+            return
+        if pid and self.allowed_gids and self.allowed_gids & _supplementary_groups(pid):
             return
         raise errors.PermissionDenied(f"uid {uid} is not allowed to use this daemon")
 
@@ -379,7 +383,7 @@ class Daemon:
         """Register a join; returns None when the reply is held for the rendezvous."""
         if cred is not None:
             uid, gid, pid = cred
-            self.check_uid(uid, gid)
+            self.check_uid(uid, gid, pid)
             if pid and pid != f["pid"]:
                 raise errors.PermissionDenied(f"join claims pid {f['pid']} but comes from pid {pid}")
         else:
@@ -675,7 +679,7 @@ class Daemon:
         if conn.pid != slot.pid:
             # leave the ticket valid for its rightful owner
             raise errors.PermissionDenied(f"ticket belongs to pid {slot.pid}, not to pid {conn.pid}")
-        self.check_uid(conn.uid, conn.gid)
+        self.check_uid(conn.uid, conn.gid, conn.pid)
         del self.tickets[ticket]
         slot.ticket = None
         if kind == "renew":
@@ -979,6 +983,17 @@ def _zmq_peer(frame: zmq.Frame) -> tuple[int, int, int] | None:
         return int(parts[1]), int(parts[2]), int(parts[3])
     except ValueError:
         return None
+
+
+def _supplementary_groups(pid: int) -> set[int]:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return {int(g) for g in line.split()[1:]}
+    except (OSError, ValueError):
+        pass
+    return set()
 
 
 HANDOVER_ENV = "A2AD_HANDOVER_FDS"

@@ -16,13 +16,14 @@ STATE_FILE = "state.msgpack"
 
 
 def default_runtime_dir() -> Path:
-    """``$A2AD_RUNTIME_DIR``, else ``/run/a2ad`` where writable, else ``$XDG_RUNTIME_DIR/a2ad``,
-    else ``<tmp>/a2ad-<uid>``."""
+    """``$A2AD_RUNTIME_DIR``, else ``/run/a2ad`` where writable or where a daemon serves
+    (a group member can reach its sockets without write access to the folder), else
+    ``$XDG_RUNTIME_DIR/a2ad``, else ``<tmp>/a2ad-<uid>``."""
     env = os.environ.get("A2AD_RUNTIME_DIR")
     if env:
         return Path(env)
     run = Path("/run/a2ad")
-    if run.is_dir() and os.access(run, os.W_OK | os.X_OK):
+    if run.is_dir() and (os.access(run, os.W_OK | os.X_OK) or (run / CTL_SOCK).exists()):
         return run
     if not run.exists() and os.access("/run", os.W_OK | os.X_OK):
         return run
