@@ -173,31 +173,3 @@ def run_ranks(fn, ranks, args=(), timeout: float = 120.0, ctx=None):
         msgs = "\n".join(f"rank {r}: {v[0]}: {v[1]}\n{v[2]}" for r, v in sorted(failures.items()))
         raise AssertionError(f"{len(failures)} rank(s) failed:\n{msgs}")
     return results
-
-
-def run_ranks_raw(fn, ranks, args=(), timeout: float = 120.0):
-    """Like run_ranks but returns {rank: ("ok", value) | ("error", (type, msg, tb))}."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = {r: ctx.Process(target=_rank_main, args=(fn, r, args, q), daemon=True) for r in ranks}
-    for p in procs.values():
-        p.start()
-    out = {}
-    end = time.monotonic() + timeout
-    try:
-        while len(out) < len(procs) and time.monotonic() < end:
-            try:
-                rank, status, value = q.get(timeout=0.5)
-            except Exception:
-                continue
-            out[rank] = (status, value)
-    finally:
-        for p in procs.values():
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    missing = set(procs) - set(out)
-    if missing:
-        raise AssertionError(f"ranks {sorted(missing)} did not report in {timeout} s")
-    return out

@@ -14,7 +14,7 @@ import pytest
 
 from a2ad import errors, fdpass, protocol
 from a2ad.client import attach
-from helpers import fd_count, run_ranks, run_ranks_raw, wait_for
+from helpers import fd_count, run_ranks, wait_for
 
 SPEC = dict(max_num_tokens=32, top_k=2, num_experts=16, dispatch_bytes_per_token=256, combine_bytes_per_token=256)
 
