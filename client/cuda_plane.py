@@ -15,6 +15,8 @@ of every call.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from a2ad import errors, layout as L
@@ -56,6 +58,27 @@ def control_fields(ep_rank: int) -> list[int]:
     ]
 
 
+#: Kernel variant bits (csrc/moe_a2a.cuh kVariant*): 1 = combine stages only the rows peers
+#: pull (own rows are read from the payload), 2 = low-latency waits/arrival for small
+#: launches, 4 = wider combine pull items. 0 is the original code path. Every variant
+#: keeps the protocol, so ranks may even run different ones.
+VARIANT_SKIP_SELF_STAGE = 1
+VARIANT_LOW_LATENCY = 2
+VARIANT_WIDE_PULL = 4
+DEFAULT_VARIANT = VARIANT_SKIP_SELF_STAGE | VARIANT_LOW_LATENCY | VARIANT_WIDE_PULL  # 7: best measured (csrc/README.md)
+
+
+def kernel_variant() -> int:
+    """The variant from ``A2AD_KERNEL_VARIANT`` (an int bit mask), else :data:`DEFAULT_VARIANT`."""
+    text = os.environ.get("A2AD_KERNEL_VARIANT", "").strip()
+    if not text:
+        return DEFAULT_VARIANT
+    value = int(text, 0)
+    if not 0 <= value <= 7:
+        raise ValueError(f"A2AD_KERNEL_VARIANT must be in [0, 7], got {text!r}")
+    return value
+
+
 #: BLOCK_COUNTERS slot the kernels use to elect the one writer of a status record.
 STATUS_CLAIM_SLOT = L.BLOCK_COUNTER_SLOTS - 1
 
@@ -88,7 +111,7 @@ class CudaPlane:
     wait for each other and its grid is sized to be co-resident.
     """
 
-    def __init__(self, att, timeout: float, *, sm_budget: int = 0):
+    def __init__(self, att, timeout: float, *, sm_budget: int = 0, variant: int | None = None):
         if not isinstance(att.workspace, torch.Tensor) or att.workspace.device.type != "cuda":
             raise errors.BackendError("CudaPlane needs a CUDA workspace (the job runs on the host backend?)")
         if not timeout > 0:
@@ -101,6 +124,7 @@ class CudaPlane:
         self.timeout = float(timeout)
         self.timeout_ns = max(1, int(self.timeout * 1e9))
         self.sm_budget = int(sm_budget)
+        self.variant = kernel_variant() if variant is None else int(variant)
         self._aux = aux_offsets(att.aux)
         self._fields = control_fields(self.ep_rank)
         self._registered: int | None = None  # host address this plane registered itself
@@ -137,6 +161,7 @@ class CudaPlane:
             self._fields,
             self.timeout_ns,
             self.sm_budget,
+            self.variant,
         )
 
     def sanitize(self, recv_ids: torch.Tensor, rt: int, invalid_id: int) -> None:
@@ -170,6 +195,7 @@ class CudaPlane:
             self._fields,
             self.timeout_ns,
             self.sm_budget,
+            self.variant,
         )
 
     # --- failures -----------------------------------------------------------------
@@ -234,5 +260,5 @@ class CudaPlane:
     def __repr__(self) -> str:
         return (
             f"CudaPlane(rank={self.ep_rank}/{self.ep_size}, top_k={self.top_k}, timeout={self.timeout}s, "
-            f"sm_budget={self.sm_budget or 'all'})"
+            f"sm_budget={self.sm_budget or 'all'}, variant={self.variant})"
         )

@@ -172,7 +172,8 @@ cudaStream_t current_stream(const Tensor& ws) { return c10::cuda::getCurrentCUDA
 
 void dispatch_cuda(const Tensor& experts, TensorList payloads, Tensor& workspace, int64_t ep_rank, int64_t ep_size,
                    int64_t top_k, int64_t num_experts, int64_t rt, IntArrayRef aux, IntArrayRef payload_offsets,
-                   int64_t control, IntArrayRef control_fields, int64_t timeout_ns, int64_t sm_budget) {
+                   int64_t control, IntArrayRef control_fields, int64_t timeout_ns, int64_t sm_budget,
+                   int64_t variant) {
   check_workspace(workspace, ep_rank, ep_size);
   c10::cuda::CUDAGuard guard(workspace.device());
   check_same_device(experts, workspace, "token_selected_experts");
@@ -202,6 +203,7 @@ void dispatch_cuda(const Tensor& experts, TensorList payloads, Tensor& workspace
   p.aux = a;
   p.ctl = make_control(control, control_fields, timeout_ns);
   p.lim.sm_budget = static_cast<int>(sm_budget);
+  p.variant = static_cast<int>(variant);
   p.experts = experts.data_ptr<int32_t>();
   p.local_num_tokens = static_cast<int>(tokens);
   p.top_k = static_cast<int>(top_k);
@@ -255,7 +257,7 @@ void sanitize_cuda(Tensor& recv_ids, const Tensor& workspace, int64_t ep_rank, i
 Tensor combine_cuda(const Tensor& payload, Tensor& workspace, int64_t ep_rank, int64_t ep_size, IntArrayRef aux,
                     int64_t local_num_tokens, int64_t top_k, int64_t rt, int64_t combine_offset,
                     bool payload_in_workspace, int64_t control, IntArrayRef control_fields, int64_t timeout_ns,
-                    int64_t sm_budget) {
+                    int64_t sm_budget, int64_t variant) {
   check_workspace(workspace, ep_rank, ep_size);
   c10::cuda::CUDAGuard guard(workspace.device());
   check_same_device(payload, workspace, "payload");
@@ -304,6 +306,7 @@ Tensor combine_cuda(const Tensor& payload, Tensor& workspace, int64_t ep_rank, i
   p.top_k = static_cast<int>(top_k);
   p.rt = static_cast<int>(rt);
   p.combine_offset = combine_offset;
+  p.variant = static_cast<int>(variant);
   A2AD_CHECK_CUDA(a2ad::launch_combine(p, current_stream(workspace)), "combine launch");
   return out;
 }
@@ -326,12 +329,12 @@ void initialize_cuda(Tensor& workspace, int64_t rank, int64_t aux_bytes, int64_t
 // --- fake (meta) implementations: shapes only, for torch.compile and graph capture ---
 
 void dispatch_meta(const Tensor&, TensorList, Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, IntArrayRef,
-                   IntArrayRef, int64_t, IntArrayRef, int64_t, int64_t) {}
+                   IntArrayRef, int64_t, IntArrayRef, int64_t, int64_t, int64_t) {}
 
 void sanitize_meta(Tensor&, const Tensor&, int64_t, int64_t, IntArrayRef, int64_t, int64_t) {}
 
 Tensor combine_meta(const Tensor& payload, Tensor&, int64_t, int64_t, IntArrayRef, int64_t local_num_tokens, int64_t,
-                    int64_t, int64_t, bool, int64_t, IntArrayRef, int64_t, int64_t) {
+                    int64_t, int64_t, bool, int64_t, IntArrayRef, int64_t, int64_t, int64_t) {
   A2AD_CHECK(payload.dim() == 3, "a2ad: payload must be [ep_size, rt, hidden], got ", payload.sizes());
   return at::empty({local_num_tokens, payload.size(2)}, payload.options());
 }
@@ -391,14 +394,14 @@ TORCH_LIBRARY(a2ad, m) {
   m.def(
       "dispatch(Tensor experts, Tensor[] payloads, Tensor(a!) workspace, int ep_rank, int ep_size, int top_k, "
       "int num_experts, int rt, int[] aux, int[] payload_offsets, int control, int[] control_fields, "
-      "int timeout_ns, int sm_budget) -> ()");
+      "int timeout_ns, int sm_budget, int variant=0) -> ()");
   m.def(
       "sanitize(Tensor(a!) recv_ids, Tensor workspace, int ep_rank, int ep_size, int[] aux, int rt, "
       "int invalid_id) -> ()");
   m.def(
       "combine(Tensor payload, Tensor(a!) workspace, int ep_rank, int ep_size, int[] aux, int local_num_tokens, "
       "int top_k, int rt, int combine_offset, bool payload_in_workspace, int control, int[] control_fields, "
-      "int timeout_ns, int sm_budget) -> Tensor");
+      "int timeout_ns, int sm_budget, int variant=0) -> Tensor");
   m.def("initialize(Tensor(a!) workspace, int rank, int aux_bytes, int flag_offset, int initial_round) -> ()");
   m.def("host_register(int ptr, int size) -> int", &host_register);
   m.def("host_unregister(int ptr) -> ()", &host_unregister);

@@ -106,7 +106,10 @@ __device__ void write_status(const Control& c, uint32_t code, int peer, int roun
 // this launch ends, so they cannot miss what the poller saw. Any thread also
 // stops once another thread of its block gave up (*stop).
 __device__ int spin_until_equal(const int* flag, int want, const Control& c, bool poller, const int* give_up,
-                                const volatile int* stop, uint64_t* waited) {
+                                const volatile int* stop, uint64_t* waited, bool lazy_abort) {
+  // lazy_abort: the first read of the host-mapped abort word (a PCIe round
+  // trip, ~1 us) comes after kAbortPollEvery polls, not before the second poll.
+  const uint32_t abort_phase = lazy_abort ? kAbortPollEvery - 1 : 0;
   const uint32_t* abort_word = reinterpret_cast<const uint32_t*>(c.block + c.abort_word);
   const uint64_t limit = poller ? c.timeout_ns : 2 * c.timeout_ns;
   const uint64_t t0 = global_timer_ns();
@@ -115,7 +118,7 @@ __device__ int spin_until_equal(const int* flag, int want, const Control& c, boo
     const uint64_t now = global_timer_ns();
     *waited = now - t0;
     if (poller) {
-      if (it % kAbortPollEvery == 0 && ld_relaxed_sys_u32(abort_word) != 0) return kWaitAborted;
+      if (it % kAbortPollEvery == abort_phase && ld_relaxed_sys_u32(abort_word) != 0) return kWaitAborted;
     } else {
       if (ld_volatile(give_up) == want) return kWaitStopped;
       __nanosleep(64);  // many blocks may wait: keep their polls off the flags' L2 lines
@@ -131,7 +134,7 @@ __device__ int spin_until_equal(const int* flag, int want, const Control& c, boo
 // blocks stop too, and writes the status record unless another thread of this
 // rank already did (claimed through *claim, in device memory).
 __device__ bool block_wait_flags(const int* flags, int ep_size, int round, const Control& c, uint32_t phase,
-                                 bool poller, int* claim, int* give_up) {
+                                 bool poller, int* claim, int* give_up, bool lazy_abort) {
   __shared__ int s_stop;
   volatile int* stop = &s_stop;
   if (threadIdx.x == 0) *stop = 0;
@@ -139,7 +142,7 @@ __device__ bool block_wait_flags(const int* flags, int ep_size, int round, const
   const int q = threadIdx.x;
   if (q < ep_size) {
     uint64_t waited = 0;
-    const int r = spin_until_equal(flags + q, round, c, poller, give_up, stop, &waited);
+    const int r = spin_until_equal(flags + q, round, c, poller, give_up, stop, &waited, lazy_abort);
     if (r != kWaitOk) {
       *stop = 1;
       if (r != kWaitStopped) {
@@ -157,10 +160,12 @@ __device__ bool block_wait_flags(const int* flags, int ep_size, int round, const
 // Last-block pattern: every thread fences its own writes system-wide, then the
 // block arrives on *counter. Returns true (in every thread) in the block that
 // arrived last; that block resets the counter for the next launch.
-__device__ bool arrive_last(int* counter) {
+// single_fast: a grid of one block needs no counter (it is the last block).
+__device__ bool arrive_last(int* counter, bool single_fast = false) {
   __shared__ int s_last;
   fence_acq_rel_sys();
   __syncthreads();
+  if (single_fast && gridDim.x == 1) return true;
   if (threadIdx.x == 0) {
     const int done = atomic_add_acq_rel_gpu(counter, 1);
     const int last = done == static_cast<int>(gridDim.x) - 1;
@@ -292,6 +297,9 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(const Dispat
   int* topk_target = at<int>(my_row, p.aux.topk_target_ranks);
   int* topk_send = at<int>(my_row, p.aux.topk_send_indices);
   if (blockIdx.x == 0 && threadIdx.x == 0) *at<int>(my_row, p.aux.local_token_counter) = p.local_num_tokens;
+  const bool low_latency = (p.variant & kVariantLowLatency) != 0;
+  // R; only combine changes it, and the previous combine finished before this launch.
+  const int early_round = low_latency ? ld_volatile(at<int>(my_row, p.aux.flag_val)) : 0;
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   constexpr int warps = kDispatchThreads / 32;
@@ -366,9 +374,9 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(const Dispat
     __syncthreads();  // tr is rewritten by the next tile
   }
 
-  if (!arrive_last(block_counters + kSlotDispatch)) return;
+  if (!arrive_last(block_counters + kSlotDispatch, low_latency)) return;
   // Last block: every token's counter increment and payload store is visible.
-  const int round = ld_volatile(at<int>(my_row, p.aux.flag_val));  // R; only combine changes it
+  const int round = low_latency ? early_round : ld_volatile(at<int>(my_row, p.aux.flag_val));  // R
   const int q = threadIdx.x;
   if (q < ep) {
     const int count = ld_volatile(send_counters + q);
@@ -378,7 +386,8 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(const Dispat
   }
   // Only this block waits, so it is the poller (no other block needs telling).
   block_wait_flags(at<int>(my_row, p.aux.dispatch_completion_flags), ep, round, p.ctl, p.ctl.phase_dispatch,
-                   /*poller=*/true, block_counters + p.aux.block_counter_slots - 1, block_counters + kSlotDispatchGiveUp);
+                   /*poller=*/true, block_counters + p.aux.block_counter_slots - 1, block_counters + kSlotDispatchGiveUp,
+                   low_latency);
 }
 
 // ---------------------------------------------------------------------------
@@ -481,11 +490,11 @@ struct PullGeometry {
   int64_t chunks;       // items per token
 };
 
-template <typename T, bool kVec>
+template <typename T, bool kVec, int kVecs = kPullVecs>
 __host__ __device__ inline PullGeometry pull_geometry(int64_t hidden) {
   PullGeometry g;
   g.units = kVec ? hidden / Elem<T>::kPerVec : hidden;
-  g.per_chunk = kVec ? 32 * kPullVecs : 32 * kPullScalars;
+  g.per_chunk = kVec ? 32 * kVecs : 32 * kPullScalars;
   g.chunks = (g.units + g.per_chunk - 1) / g.per_chunk;
   return g;
 }
@@ -493,7 +502,7 @@ __host__ __device__ inline PullGeometry pull_geometry(int64_t hidden) {
 // out[t, chunk c] = sum over the token's sends of the target's combine row, in
 // float32. One warp per (token, chunk) item; the loads of kPullSends sends are
 // issued together.
-template <typename T, bool kVec>
+template <typename T, bool kVec, int kVecs>
 __device__ void pull_item(const CombineParams& p, int t, uint32_t c, const PullGeometry& g, int lane) {
   const int me = p.ws.ep_rank;
   uint8_t* my_row = row_of(p.ws, me);
@@ -508,8 +517,15 @@ __device__ void pull_item(const CombineParams& p, int t, uint32_t c, const PullG
   const int64_t unit_bytes = kVec ? 16 : (int64_t)sizeof(T);
   const int64_t first = c * static_cast<uint32_t>(g.per_chunk);  // first unit of this chunk (fits 32 bits)
   const uint8_t* region = p.ws.base + p.combine_offset + (int64_t)me * p.rt * row_bytes + first * unit_bytes;
+  // Own sends: with kVariantSkipSelfStage the rows were not staged; read them from the payload.
+  const bool self_from_payload = (p.variant & kVariantSkipSelfStage) != 0 && !p.payload_in_workspace;
+  const uint8_t* self_region = self_from_payload ? p.payload + (int64_t)me * p.rt * row_bytes + first * unit_bytes
+                                                 : region + (int64_t)me * p.ws.row_stride;
 
-  constexpr int kUnits = kVec ? kPullVecs : kPullScalars;
+  constexpr int kUnits = kVec ? kVecs : kPullScalars;
+  // Sends whose loads are in flight together: as many loads per lane as the
+  // default geometry (wider items batch fewer sends).
+  constexpr int kSends = kVec ? (kPullSends * kPullVecs + kVecs - 1) / kVecs : kPullSends;
   constexpr int kPer = kVec ? Elem<T>::kPerVec : 1;
   float acc[kUnits * kPer];
 #pragma unroll
@@ -518,10 +534,10 @@ __device__ void pull_item(const CombineParams& p, int t, uint32_t c, const PullG
 #pragma unroll
   for (int u = 0; u < kUnits; ++u) in[u] = first + u * 32 + lane < g.units;
   // Load buffers (only the one of this path is used).
-  uint4 vbuf[kPullSends][kVec ? kUnits : 1];
-  float sbuf[kPullSends][kVec ? 1 : kUnits];
+  uint4 vbuf[kSends][kVec ? kUnits : 1];
+  float sbuf[kSends][kVec ? 1 : kUnits];
 #pragma unroll
-  for (int b = 0; b < kPullSends; ++b) {
+  for (int b = 0; b < kSends; ++b) {
 #pragma unroll
     for (int u = 0; u < (kVec ? kUnits : 1); ++u) vbuf[b][u] = make_uint4(0, 0, 0, 0);
 #pragma unroll
@@ -529,28 +545,28 @@ __device__ void pull_item(const CombineParams& p, int t, uint32_t c, const PullG
   }
 
   while (sends != 0) {
-    const uint8_t* src[kPullSends];
-    bool has[kPullSends];
+    const uint8_t* src[kSends];
+    bool has[kSends];
 #pragma unroll
-    for (int b = 0; b < kPullSends; ++b) {
+    for (int b = 0; b < kSends; ++b) {
       has[b] = sends != 0;  // warp-uniform
       const int k = has[b] ? __ffs(sends) - 1 : 0;
       if (has[b]) sends &= sends - 1;
       const int tq = __shfl_sync(kFullMask, target, k), sq = __shfl_sync(kFullMask, slot, k);
-      src[b] = region + (int64_t)tq * p.ws.row_stride + (int64_t)sq * row_bytes;
+      src[b] = (tq == me ? self_region : region + (int64_t)tq * p.ws.row_stride) + (int64_t)sq * row_bytes;
     }
     // Every load of the batch is issued before the first use; an absent send
     // loads nothing and is skipped when accumulating (warp-uniform).
     if constexpr (kVec) {
 #pragma unroll
-      for (int b = 0; b < kPullSends; ++b) {
+      for (int b = 0; b < kSends; ++b) {
 #pragma unroll
         for (int u = 0; u < kUnits; ++u) {
           if (has[b] && in[u]) vbuf[b][u] = __ldcg(reinterpret_cast<const uint4*>(src[b]) + u * 32 + lane);
         }
       }
 #pragma unroll
-      for (int b = 0; b < kPullSends; ++b) {
+      for (int b = 0; b < kSends; ++b) {
         if (has[b]) {
 #pragma unroll
           for (int u = 0; u < kUnits; ++u) Elem<T>::add(vbuf[b][u], acc + u * kPer);  // !in[u]: never stored
@@ -558,14 +574,14 @@ __device__ void pull_item(const CombineParams& p, int t, uint32_t c, const PullG
       }
     } else {
 #pragma unroll
-      for (int b = 0; b < kPullSends; ++b) {
+      for (int b = 0; b < kSends; ++b) {
 #pragma unroll
         for (int u = 0; u < kUnits; ++u) {
           if (has[b] && in[u]) sbuf[b][u] = Elem<T>::load_one(src[b] + (u * 32 + lane) * sizeof(T));
         }
       }
 #pragma unroll
-      for (int b = 0; b < kPullSends; ++b) {
+      for (int b = 0; b < kSends; ++b) {
         if (has[b]) {
 #pragma unroll
           for (int u = 0; u < kUnits; ++u) acc[u] += sbuf[b][u];
@@ -592,7 +608,7 @@ __device__ void pull_item(const CombineParams& p, int t, uint32_t c, const PullG
 // (the launcher sizes it), because blocks wait for the flag that the last
 // block of the same grid writes. Phases: stage -> arrive (last block: flags,
 // reset SEND_COUNTERS, FLAG_VAL = R + 1) -> wait for every peer -> pull.
-template <typename T, bool kVec>
+template <typename T, bool kVec, int kVecs>
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const CombineParams p) {
   const int me = p.ws.ep_rank, ep = p.ws.ep_size;
   uint8_t* my_row = row_of(p.ws, me);
@@ -606,7 +622,9 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const CombineP
     const uint32_t tid = blockIdx.x * blockDim.x + threadIdx.x;
     const uint32_t stride = nthreads / static_cast<uint32_t>(ep);
     const int* recv = at<int>(my_row, p.aux.recv_counters);
+    const bool skip_self = (p.variant & kVariantSkipSelfStage) != 0;
     for (int s = 0; s < ep; ++s) {
+      if (skip_self && s == me) continue;  // only this rank pulls its own rows: read from the payload
       int rows = ld_volatile(recv + s);
       rows = rows < 0 ? 0 : rows > p.rt ? p.rt : rows;
       const int64_t off = (int64_t)s * p.rt * row_bytes;
@@ -617,7 +635,8 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const CombineP
   }
 
   // 2. Release; the last block tells every peer that its outputs are ready.
-  const bool last = arrive_last(block_counters + kSlotCombine);
+  const bool low_latency = (p.variant & kVariantLowLatency) != 0;
+  const bool last = arrive_last(block_counters + kSlotCombine, low_latency);
   if (last) {
     const int q = threadIdx.x;
     if (q < ep) {
@@ -631,7 +650,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const CombineP
   // 3. Wait for every peer. Blocks with nothing to pull leave now; the last
   //    block always waits, so the launch never completes before every peer's
   //    outputs are ready (the next dispatch relies on that).
-  const PullGeometry g = pull_geometry<T, kVec>(p.hidden);
+  const PullGeometry g = pull_geometry<T, kVec, kVecs>(p.hidden);
   const uint32_t chunks = static_cast<uint32_t>(g.chunks);  // the launcher checks T * chunks < 2^31
   const uint32_t items = static_cast<uint32_t>(p.local_num_tokens) * chunks;
   constexpr uint32_t warps = kCombineThreads / 32;
@@ -639,7 +658,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const CombineP
   if (!last && first_item >= items) return;
   if (!block_wait_flags(at<int>(my_row, p.aux.combine_completion_flags), ep, round, p.ctl, p.ctl.phase_combine,
                         /*poller=*/last, block_counters + p.aux.block_counter_slots - 1,
-                        block_counters + kSlotCombineGiveUp)) {
+                        block_counters + kSlotCombineGiveUp, low_latency)) {
     return;
   }
 
@@ -648,7 +667,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const CombineP
   const uint32_t nw = gridDim.x * warps;
 #pragma unroll 1
   for (uint32_t item = first_item + threadIdx.x / 32; item < items; item += nw) {
-    pull_item<T, kVec>(p, static_cast<int>(item / chunks), item % chunks, g, lane);
+    pull_item<T, kVec, kVecs>(p, static_cast<int>(item / chunks), item % chunks, g, lane);
   }
 }
 
@@ -784,22 +803,23 @@ cudaError_t launch_sanitize(const SanitizeParams& p, cudaStream_t stream) {
 }
 
 namespace {
-template <typename T, bool kVec>
+template <typename T, bool kVec, int kVecs>
 cudaError_t launch_combine_typed(const CombineParams& p, cudaStream_t stream) {
-  const void* fn = reinterpret_cast<const void*>(&combine_kernel<T, kVec>);
+  const void* fn = reinterpret_cast<const void*>(&combine_kernel<T, kVec, kVecs>);
   int resident = 0;
   cudaError_t err = resident_blocks(fn, kCombineThreads, p.lim, &resident);
   if (err != cudaSuccess) return err;
-  const PullGeometry g = pull_geometry<T, kVec>(p.hidden);
+  const PullGeometry g = pull_geometry<T, kVec, kVecs>(p.hidden);
   if ((int64_t)p.local_num_tokens * g.chunks >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
   const int64_t row_bytes = p.hidden * (int64_t)sizeof(T);
   const int64_t pull_blocks = ceil_div((int64_t)p.local_num_tokens * g.chunks, kCombineThreads / 32);
+  const int64_t staged_sources = (p.variant & kVariantSkipSelfStage) ? p.ws.ep_size - 1 : p.ws.ep_size;
   const int64_t stage_blocks =
-      p.payload_in_workspace ? 0 : ceil_div((int64_t)p.ws.ep_size * p.rt * row_bytes, kCombineThreads * 16 * kCopyUnroll);
+      p.payload_in_workspace ? 0 : ceil_div(staged_sources * p.rt * row_bytes, kCombineThreads * 16 * kCopyUnroll);
   int64_t want = pull_blocks > stage_blocks ? pull_blocks : stage_blocks;
   if (want < 1) want = 1;
   const int grid = static_cast<int>(want < resident ? want : resident);
-  combine_kernel<T, kVec><<<grid, kCombineThreads, 0, stream>>>(p);
+  combine_kernel<T, kVec, kVecs><<<grid, kCombineThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 }  // namespace
@@ -813,16 +833,24 @@ cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream) {
   }
   const int elem = p.dtype == DType::kFloat32 ? 4 : 2;
   const int64_t row_bytes = p.hidden * elem;
+  const bool self_from_payload = (p.variant & kVariantSkipSelfStage) != 0 && !p.payload_in_workspace;
   const bool vec = row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(p.ws.base + p.combine_offset) % 16 == 0 && p.ws.row_stride % 16 == 0;
+                   reinterpret_cast<uintptr_t>(p.ws.base + p.combine_offset) % 16 == 0 && p.ws.row_stride % 16 == 0 &&
+                   (!self_from_payload || reinterpret_cast<uintptr_t>(p.payload) % 16 == 0);
+  const bool wide = (p.variant & kVariantWidePull) != 0;
   switch (p.dtype) {
     case DType::kFloat32:
-      return vec ? launch_combine_typed<float, true>(p, stream) : launch_combine_typed<float, false>(p, stream);
+      return vec ? (wide ? launch_combine_typed<float, true, 4>(p, stream)
+                         : launch_combine_typed<float, true, kPullVecs>(p, stream))
+                 : launch_combine_typed<float, false, kPullVecs>(p, stream);
     case DType::kFloat16:
-      return vec ? launch_combine_typed<__half, true>(p, stream) : launch_combine_typed<__half, false>(p, stream);
+      return vec ? (wide ? launch_combine_typed<__half, true, 4>(p, stream)
+                         : launch_combine_typed<__half, true, kPullVecs>(p, stream))
+                 : launch_combine_typed<__half, false, kPullVecs>(p, stream);
     case DType::kBFloat16:
-      return vec ? launch_combine_typed<__nv_bfloat16, true>(p, stream)
-                 : launch_combine_typed<__nv_bfloat16, false>(p, stream);
+      return vec ? (wide ? launch_combine_typed<__nv_bfloat16, true, 4>(p, stream)
+                         : launch_combine_typed<__nv_bfloat16, true, kPullVecs>(p, stream))
+                 : launch_combine_typed<__nv_bfloat16, false, kPullVecs>(p, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -15,6 +15,14 @@ constexpr int kMaxPayloads = 6;   // layout.MAX_PAYLOADS
 constexpr int kMaxTopK = 22;      // layout.MAX_TOP_K (checked against top_k, the stride is passed)
 constexpr int kMaxEpSize = 64;    // layout.MAX_EP_SIZE
 
+// Kernel variants (bit mask, DispatchParams/CombineParams::variant; 0 is the
+// original code path). client/cuda_plane.py passes A2AD_KERNEL_VARIANT.
+constexpr int kVariantSkipSelfStage = 1;  // combine: stage only the rows peers pull; own rows are read from the payload
+constexpr int kVariantLowLatency = 2;     // both: single-block launches skip the arrival counter, the abort word is
+                                          // first read after kAbortPollEvery polls, dispatch reads R up front
+constexpr int kVariantWidePull = 4;       // combine: 4 x 16 B vectors per lane per pull item instead of 2
+constexpr int kDefaultVariant = kVariantSkipSelfStage | kVariantLowLatency | kVariantWidePull;  // 7
+
 // The workspace as the kernels see it: row q (rank q's memory) starts at
 // base + q * row_stride; `me` is this rank.
 struct Workspace {
@@ -82,6 +90,7 @@ struct DispatchParams {
   int64_t payload_bytes[kMaxPayloads];         // bytes per token (> 0, any width)
   int64_t payload_offset[kMaxPayloads];        // row-relative start of region [ep_size, rt, bytes]
   int tile_tokens;            // set by launch_dispatch (tokens a block routes per step)
+  int variant;                // kVariant* bits
 };
 
 struct SanitizeParams {
@@ -112,6 +121,7 @@ struct CombineParams {
   int top_k;
   int rt;
   int64_t combine_offset;     // row-relative start of region [ep_size, rt, hidden]
+  int variant;                // kVariant* bits
 };
 
 struct InitializeParams {
