@@ -12,7 +12,7 @@ import mmap
 import struct
 from dataclasses import dataclass
 
-from . import layout as L
+from . import errors, layout as L
 
 _U32 = struct.Struct("<I")
 _I32 = struct.Struct("<i")
@@ -138,3 +138,42 @@ class ControlBlock:
     def clear_status(self, rank: int) -> None:
         off = L.status_offset(rank)
         self._mv[off : off + L.STATUS_RECORD_SIZE] = bytes(L.STATUS_RECORD_SIZE)
+
+    def raise_for(self, rank: int, job: str = "?") -> None:
+        """Raise what this block says about ``rank``: the abort word first, then its status record.
+
+        PeerLost when the job was aborted (naming the rank whose loss caused it, else the
+        peer the wait was on; ``details['reason']`` is the ABORT_* reason) or the rank's last
+        wait was aborted; PeerTimeout when its last wait ran out. Both data planes use it.
+        """
+        abort = self.abort_word
+        rec = self.status(rank)
+        if abort != L.ABORT_NONE:
+            lost = self.abort_rank
+            if lost < 0 and rec.code != L.STATUS_OK:
+                lost = rec.peer
+            raise errors.PeerLost(
+                f"job {job}: {L.ABORT_NAMES.get(abort, f'aborted ({abort})')}"
+                + (f" (rank {lost})" if lost >= 0 else "")
+                + "; call recover() to resume once every rank is back",
+                rank=lost,
+                generation=self.generation,
+                reason=abort,
+            )
+        if rec.code == L.STATUS_TIMEOUT:
+            raise errors.PeerTimeout(
+                f"rank {rank}: waited {rec.waited_ns / 1e9:.3f} s for rank {rec.peer} in "
+                f"{rec.phase_name} of round {rec.round}",
+                peer=rec.peer,
+                phase=rec.phase_name,
+                round=rec.round,
+                waited_ns=rec.waited_ns,
+            )
+        if rec.code == L.STATUS_ABORTED:
+            raise errors.PeerLost(
+                f"rank {rank}: {rec.phase_name} of round {rec.round} was aborted while waiting for rank {rec.peer}",
+                rank=rec.peer,
+                generation=self.generation,
+            )
+        if rec.code != L.STATUS_OK:
+            raise errors.InternalError(f"rank {rank}: unknown status code {rec.code} in the control block")

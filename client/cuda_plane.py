@@ -205,37 +205,7 @@ class CudaPlane:
         Reads the abort word and this rank's status record from host memory. A
         kernel still in flight may write its record later; the next call sees it.
         """
-        cb = self.att.control
-        abort = cb.abort_word
-        rec = cb.status(self.ep_rank)
-        if abort != L.ABORT_NONE:
-            rank = cb.abort_rank
-            if rank < 0 and rec.code != L.STATUS_OK:
-                rank = rec.peer
-            raise errors.PeerLost(
-                f"job {getattr(self.att, 'job', '?')!s}: aborted (reason {abort}) after rank {rank} was lost",
-                rank=rank,
-                generation=cb.generation,
-                reason=abort,
-            )
-        if rec.code == L.STATUS_TIMEOUT:
-            raise errors.PeerTimeout(
-                f"rank {self.ep_rank}: waited {rec.waited_ns / 1e9:.3f} s for rank {rec.peer} in "
-                f"{rec.phase_name} of round {rec.round}",
-                peer=rec.peer,
-                phase=rec.phase_name,
-                round=rec.round,
-                waited_ns=rec.waited_ns,
-            )
-        if rec.code == L.STATUS_ABORTED:
-            raise errors.PeerLost(
-                f"rank {self.ep_rank}: {rec.phase_name} of round {rec.round} was aborted while waiting for "
-                f"rank {rec.peer}",
-                rank=rec.peer,
-                generation=cb.generation,
-            )
-        if rec.code != L.STATUS_OK:
-            raise errors.InternalError(f"rank {self.ep_rank}: unknown status code {rec.code} in the control block")
+        self.att.control.raise_for(self.ep_rank, self.att.job)
 
     def reset_status(self) -> None:
         """Clear this rank's status record and the kernels' record claim (call only when the job is re-armed).

@@ -37,47 +37,6 @@ _MAX_SLEEP = 1e-3
 _TSO_MACHINES = {"x86_64", "amd64", "i386", "i686"}
 
 
-def raise_for_status(att) -> None:
-    """Raise what the control block says about ``att``'s rank: the abort word, then its status record.
-
-    PeerLost when the job was aborted (naming the rank whose loss caused it) or this
-    rank's last wait was aborted; PeerTimeout when its last wait ran out.
-    """
-    cb = att.control
-    me = int(att.ep_rank)
-    abort = cb.abort_word
-    rec = cb.status(me)
-    if abort != L.ABORT_NONE:
-        rank = cb.abort_rank
-        if rank < 0 and rec.code != L.STATUS_OK:
-            rank = rec.peer
-        raise errors.PeerLost(
-            f"job {getattr(att, 'job', '?')}: {L.ABORT_NAMES.get(abort, f'aborted ({abort})')}"
-            + (f" (rank {rank})" if rank >= 0 else "")
-            + "; call recover() to resume once every rank is back",
-            rank=rank,
-            generation=cb.generation,
-            reason=abort,
-        )
-    if rec.code == L.STATUS_TIMEOUT:
-        raise errors.PeerTimeout(
-            f"rank {me}: waited {rec.waited_ns / 1e9:.3f} s for rank {rec.peer} in "
-            f"{rec.phase_name} of round {rec.round}",
-            peer=rec.peer,
-            phase=rec.phase_name,
-            round=rec.round,
-            waited_ns=rec.waited_ns,
-        )
-    if rec.code == L.STATUS_ABORTED:
-        raise errors.PeerLost(
-            f"rank {me}: {rec.phase_name} of round {rec.round} was aborted while waiting for rank {rec.peer}",
-            rank=rec.peer,
-            generation=cb.generation,
-        )
-    if rec.code != L.STATUS_OK:
-        raise errors.InternalError(f"rank {me}: unknown status code {rec.code} in the control block")
-
-
 def route(experts: torch.Tensor, num_experts: int, ep_size: int):
     """Vectorized routing of ``[T, top_k]`` expert ids (PROTOCOL.md, "Routing").
 
@@ -254,11 +213,11 @@ class HostPlane:
                 continue
             peer = int(pending[0, 0])
             cb.record_status(self.ep_rank, code, peer, rnd, phase, now - start)
-            raise_for_status(self.att)
+            self.att.control.raise_for(self.ep_rank, self.att.job)
 
     def check(self) -> None:
         """Raise PeerLost/PeerTimeout if the abort word or this rank's status record says so."""
-        raise_for_status(self.att)
+        self.att.control.raise_for(self.ep_rank, self.att.job)
 
     def reset_status(self) -> None:
         """Clear this rank's status record (call only when the job is re-armed)."""
