@@ -552,8 +552,9 @@ class Daemon:
         """Reset every rank's flags and counters to one agreed state and bump the generation.
         Only called while no rank can be inside dispatch or combine (all quiesced or joining)."""
         t0 = time.monotonic()
-        for slot in job.slots:
-            self.backend.initialize(slot.alloc, job.aux.aux_bytes, job.aux.flag_val, L.INITIAL_ROUND)
+        with self.backend.batch():
+            for slot in job.slots:
+                self.backend.initialize(slot.alloc, job.aux.aux_bytes, job.aux.flag_val, L.INITIAL_ROUND)
         for r in range(job.ep_size):
             job.control.clear_status(r)
         job.generation += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass, field
 
 
@@ -49,6 +50,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def release(self, alloc: Allocation) -> None:
         """Drop the daemon's reference (close the fd / release the handle)."""
+
+    @contextlib.contextmanager
+    def batch(self):
+        """Group several initialize() calls (a job-wide re-arm), so that a backend can keep
+        per-device setup (a CUDA context) across them instead of paying it per row."""
+        yield
 
     def describe(self) -> dict:
         """Backend facts for status (handle type, per-device overhead, ...)."""
