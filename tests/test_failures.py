@@ -265,8 +265,9 @@ def test_silent_peer_times_out_and_the_job_rearms(daemon):
         (waited, peer), = rk.expect("timeout", [0], timeout=60).values()
         print(f"\nhost: dispatch with a silent peer raised PeerTimeout(peer={peer}) after {waited:.2f} s")
         assert peer == 1 and 7.5 < waited < 15.0
-        info = daemon.request("job_info", job="silent")
-        assert info["state"] in ("needs-rearm", "rendezvous") and info["abort"] == "re-arm requested"
+        # rank 0 now asks for a re-arm; the daemon tells rank 1 through the abort word
+        wait_for(lambda: (lambda i: i["state"] == "rendezvous" and i["abort"] == "re-arm requested")(
+            daemon.request("job_info", job="silent")), 10, "rank 0's re-arm request")
         rk.go(1)
         rec = rk.expect("recovered", [0, 1])
         assert {g for _, g in rec.values()} == {1}
