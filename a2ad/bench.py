@@ -1231,7 +1231,7 @@ def impl_nccl(ctx: Ctx, job, pt: dict) -> tuple[dict, torch.Tensor]:
     import torch.distributed as dist
 
     cfg = ctx.cfg
-    T, H, k, E, ep, me = pt["T"], pt["H"], cfg["top_k"], cfg["num_experts"], ctx.ep, ctx.rank
+    T, H, k, E, ep = pt["T"], pt["H"], cfg["top_k"], cfg["num_experts"], ctx.ep
     B = dispatch_bytes_per_token(H, k)
     dev = ctx.device
 
@@ -1255,6 +1255,22 @@ def impl_nccl(ctx: Ctx, job, pt: dict) -> tuple[dict, torch.Tensor]:
         dist.all_to_all_single(back, expert_out, in_splits, out_splits)
         return unpermute_sum(back, token_idx, T, torch.bfloat16)
 
+    def received(st):
+        rows = unpack_rows(st[0], H, k)
+        per_source, off = [], 0
+        for s in range(ep):
+            n = st[3][s]
+            per_source.append(Inputs(rows.experts[off : off + n], rows.hidden[off : off + n], rows.scales[off : off + n]))
+            off += n
+        return per_source
+
+    return _eager_baseline(ctx, pt, dispatch, combine, received, timing="eager (host sync for the splits)")
+
+
+def _eager_baseline(ctx: Ctx, pt: dict, dispatch, combine, received, *, timing: str, full: bool = False):
+    """Time an eager baseline (dispatch then combine, per replay) and check it as a2ad is
+    checked; ``received(state)`` lists the rows its dispatch delivered, per source."""
+    E, ep, me = ctx.cfg["num_experts"], ctx.ep, ctx.rank
     static: Inputs = pt["static"]
     mark = ctx.clock.mark
 
@@ -1266,22 +1282,16 @@ def impl_nccl(ctx: Ctx, job, pt: dict) -> tuple[dict, torch.Tensor]:
         return (m0, m1, mark())
 
     samples, notes = run_timed(ctx, pt["prepare"], step, graph=False)
-    own, sources = pt["own"], pt["sources"]
+    own = pt["own"]
     static.copy_from(own)
     ctx.sync()
     st = dispatch(static)
-    rows = unpack_rows(st[0], H, k)
-    per_source, off = [], 0
-    for s in range(ep):
-        n = st[3][s]
-        per_source.append(Inputs(rows.experts[off : off + n], rows.hidden[off : off + n], rows.scales[off : off + n]))
-        off += n
-    ok, why = check_received(per_source, sources, me, E, ep)
+    ok, why = check_received(received(st), pt["sources"], me, E, ep, full=full)
     out = combine(st)
     ctx.sync()
     comb = check_combine(out, own, E, ep, pt.get("a2ad_out"))
     result = {
-        "timing": "eager (host sync for the splits)",
+        "timing": timing,
         "dispatch": [s[0] for s in samples],
         "combine": [s[1] for s in samples],
         "total": [s[0] + s[1] for s in samples],
@@ -1328,38 +1338,12 @@ def impl_agrs(ctx: Ctx, job, pt: dict) -> tuple[dict, torch.Tensor]:
         _reduce_scatter(out, expert_out)
         return out
 
-    static: Inputs = pt["static"]
-    mark = ctx.clock.mark
+    def received(g):
+        rows = unpack_rows(g, H, k)
+        return [Inputs(rows.experts[s * T : (s + 1) * T], rows.hidden[s * T : (s + 1) * T],
+                       rows.scales[s * T : (s + 1) * T]) for s in range(ep)]
 
-    def step():
-        m0 = mark()
-        g = dispatch(static)
-        m1 = mark()
-        combine(g)
-        return (m0, m1, mark())
-
-    samples, notes = run_timed(ctx, pt["prepare"], step, graph=False)
-    own, sources = pt["own"], pt["sources"]
-    static.copy_from(own)
-    ctx.sync()
-    g = dispatch(static)
-    rows = unpack_rows(g, H, k)
-    per_source = [Inputs(rows.experts[s * T : (s + 1) * T], rows.hidden[s * T : (s + 1) * T],
-                         rows.scales[s * T : (s + 1) * T]) for s in range(ep)]
-    ok, why = check_received(per_source, sources, me, E, ep, full=True)
-    out = combine(g)
-    ctx.sync()
-    comb = check_combine(out, own, E, ep, pt.get("a2ad_out"))
-    result = {
-        "timing": "eager",
-        "dispatch": [s[0] for s in samples],
-        "combine": [s[1] for s in samples],
-        "total": [s[0] + s[1] for s in samples],
-        "check": {"ok": ok and comb["ok"], "why": "; ".join(x for x in (why, comb.get("why", "")) if x),
-                  "dispatch_ok": ok, "combine": comb},
-        "notes": notes,
-    }
-    return result, out
+    return _eager_baseline(ctx, pt, dispatch, combine, received, timing="eager", full=True)
 
 
 IMPL_FUNCS = {"a2ad": impl_a2ad, "a2ad-eager": impl_a2ad_eager, "nccl": impl_nccl, "agrs": impl_agrs}

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-from . import __version__, errors, layout as L, protocol
+from . import errors, layout as L, protocol
 
 log = logging.getLogger("a2ad")
 

@@ -18,7 +18,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from . import errors, fdpass
