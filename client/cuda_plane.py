@@ -60,12 +60,27 @@ def control_fields(ep_rank: int) -> list[int]:
 
 #: Kernel variant bits (csrc/moe_a2a.cuh kVariant*): 1 = combine stages only the rows peers
 #: pull (own rows are read from the payload), 2 = low-latency waits/arrival for small
-#: launches, 4 = wider combine pull items. 0 is the original code path. Every variant
-#: keeps the protocol, so ranks may even run different ones.
+#: launches, 4 = wider combine pull items, 8 = one system fence per block instead of one per
+#: thread. 0 is the original code path. Every variant keeps the protocol, so ranks may even
+#: run different ones.
 VARIANT_SKIP_SELF_STAGE = 1
 VARIANT_LOW_LATENCY = 2
 VARIANT_WIDE_PULL = 4
+VARIANT_BLOCK_FENCE = 8
+VARIANT_BITS = 15
 DEFAULT_VARIANT = VARIANT_SKIP_SELF_STAGE | VARIANT_LOW_LATENCY | VARIANT_WIDE_PULL  # 7: best measured (csrc/README.md)
+
+#: Diagnostic bits (csrc/moe_a2a.cuh kDiag*), TIMING ONLY: all but DIAG_DOUBLE_FENCE break
+#: the protocol (wrong or stale data). Set only through ``A2AD_KERNEL_DIAG``; they travel in
+#: the ops' ``variant`` argument shifted left by :data:`DIAG_SHIFT`. All act on dispatch.
+DIAG_SHIFT = 16
+DIAG_SKIP_COPY = 1  # no payload stores
+DIAG_SKIP_FENCE = 2  # no system fence before the arrival
+DIAG_NO_WAIT = 4  # publish counts and flags, do not wait for the peers
+DIAG_NO_PUBLISH = 8  # neither publish nor wait
+DIAG_NOOP = 16  # the kernel returns at entry (launch / graph-node floor)
+DIAG_DOUBLE_FENCE = 32  # the per-thread system fence twice
+DIAG_BITS = 63
 
 
 def kernel_variant() -> int:
@@ -74,8 +89,19 @@ def kernel_variant() -> int:
     if not text:
         return DEFAULT_VARIANT
     value = int(text, 0)
-    if not 0 <= value <= 7:
-        raise ValueError(f"A2AD_KERNEL_VARIANT must be in [0, 7], got {text!r}")
+    if not 0 <= value <= VARIANT_BITS:
+        raise ValueError(f"A2AD_KERNEL_VARIANT must be in [0, {VARIANT_BITS}], got {text!r}")
+    return value
+
+
+def kernel_diag() -> int:
+    """The diagnostic bits from ``A2AD_KERNEL_DIAG`` (timing only; 0, the default, when unset)."""
+    text = os.environ.get("A2AD_KERNEL_DIAG", "").strip()
+    if not text:
+        return 0
+    value = int(text, 0)
+    if not 0 <= value <= DIAG_BITS:
+        raise ValueError(f"A2AD_KERNEL_DIAG must be in [0, {DIAG_BITS}], got {text!r}")
     return value
 
 
@@ -125,6 +151,7 @@ class CudaPlane:
         self.timeout_ns = max(1, int(self.timeout * 1e9))
         self.sm_budget = int(sm_budget)
         self.variant = kernel_variant() if variant is None else int(variant)
+        self.diag = kernel_diag()  # timing only; 0 unless A2AD_KERNEL_DIAG is set
         self._aux = aux_offsets(att.aux)
         self._fields = control_fields(self.ep_rank)
         self._registered: int | None = None  # host address this plane registered itself
@@ -161,7 +188,7 @@ class CudaPlane:
             self._fields,
             self.timeout_ns,
             self.sm_budget,
-            self.variant,
+            self.variant | (self.diag << DIAG_SHIFT),
         )
 
     def sanitize(self, recv_ids: torch.Tensor, rt: int, invalid_id: int) -> None:
@@ -195,7 +222,7 @@ class CudaPlane:
             self._fields,
             self.timeout_ns,
             self.sm_budget,
-            self.variant,
+            self.variant | (self.diag << DIAG_SHIFT),
         )
 
     # --- failures -----------------------------------------------------------------
@@ -230,5 +257,7 @@ class CudaPlane:
     def __repr__(self) -> str:
         return (
             f"CudaPlane(rank={self.ep_rank}/{self.ep_size}, top_k={self.top_k}, timeout={self.timeout}s, "
-            f"sm_budget={self.sm_budget or 'all'}, variant={self.variant})"
+            f"sm_budget={self.sm_budget or 'all'}, variant={self.variant}"
+            + (f", diag={self.diag} (timing only)" if self.diag else "")
+            + ")"
         )

@@ -161,12 +161,24 @@ __device__ bool block_wait_flags(const int* flags, int ep_size, int round, const
 // block arrives on *counter. Returns true (in every thread) in the block that
 // arrived last; that block resets the counter for the next launch.
 // single_fast: a grid of one block needs no counter (it is the last block).
-__device__ bool arrive_last(int* counter, bool single_fast = false) {
+// block_fence (kVariantBlockFence): no per-thread fence; after __syncthreads
+// thread 0 fences once before it arrives (cumulativity: the barrier orders the
+// block's writes before that fence, as in a cooperative-groups grid sync). A
+// one-block launch with single_fast needs no fence here at all: the caller
+// publishes with st.release.sys after this barrier, which is itself a release
+// pattern covering every write the barrier ordered before it.
+// diag: kDiagSkipFence / kDiagDoubleFence (timing only).
+__device__ bool arrive_last(int* counter, bool single_fast = false, bool block_fence = false, int diag = 0) {
   __shared__ int s_last;
-  fence_acq_rel_sys();
+  const bool fence = (diag & kDiagSkipFence) == 0;
+  if (fence && !block_fence) {
+    fence_acq_rel_sys();
+    if (diag & kDiagDoubleFence) fence_acq_rel_sys();
+  }
   __syncthreads();
   if (single_fast && gridDim.x == 1) return true;
   if (threadIdx.x == 0) {
+    if (fence && block_fence) fence_acq_rel_sys();
     const int done = atomic_add_acq_rel_gpu(counter, 1);
     const int last = done == static_cast<int>(gridDim.x) - 1;
     if (last) {
@@ -290,6 +302,8 @@ __device__ void dispatch_copy_chunk(const DispatchParams& p, const TileRouting& 
 // waits for the peers.
 __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(const DispatchParams p) {
   __shared__ TileRouting tr;
+  const int diag = p.variant >> kDiagShift;  // 0 unless A2AD_KERNEL_DIAG (timing only)
+  if (diag & kDiagNoop) return;
   const int me = p.ws.ep_rank, ep = p.ws.ep_size;
   uint8_t* my_row = row_of(p.ws, me);
   int* send_counters = at<int>(my_row, p.aux.send_counters);
@@ -364,7 +378,7 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(const Dispat
           i = j + 1;
         }
       }
-      if (tr.sends[w] != 0) {
+      if (tr.sends[w] != 0 && (diag & kDiagSkipCopy) == 0) {
 #pragma unroll
         for (int j = 0; j < kMaxPayloads; ++j) {  // constant indices keep chunks/vec16 in registers
           if (j == i) dispatch_copy_chunk(p, tr, w, t0 + w, j, c, vec16[j], lane);
@@ -374,7 +388,9 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(const Dispat
     __syncthreads();  // tr is rewritten by the next tile
   }
 
-  if (!arrive_last(block_counters + kSlotDispatch, low_latency)) return;
+  const bool block_fence = (p.variant & kVariantBlockFence) != 0;
+  if (!arrive_last(block_counters + kSlotDispatch, low_latency, block_fence, diag)) return;
+  if (diag & kDiagNoPublish) return;
   // Last block: every token's counter increment and payload store is visible.
   const int round = low_latency ? early_round : ld_volatile(at<int>(my_row, p.aux.flag_val));  // R
   const int q = threadIdx.x;
@@ -384,6 +400,7 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(const Dispat
     *reinterpret_cast<volatile int*>(peer + p.aux.recv_counters + 4 * (int64_t)me) = count;
     st_release_sys(at<int>(peer, p.aux.dispatch_completion_flags + 4 * (int64_t)me), round);
   }
+  if (diag & kDiagNoWait) return;
   // Only this block waits, so it is the poller (no other block needs telling).
   block_wait_flags(at<int>(my_row, p.aux.dispatch_completion_flags), ep, round, p.ctl, p.ctl.phase_dispatch,
                    /*poller=*/true, block_counters + p.aux.block_counter_slots - 1, block_counters + kSlotDispatchGiveUp,
@@ -636,7 +653,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const CombineP
 
   // 2. Release; the last block tells every peer that its outputs are ready.
   const bool low_latency = (p.variant & kVariantLowLatency) != 0;
-  const bool last = arrive_last(block_counters + kSlotCombine, low_latency);
+  const bool last = arrive_last(block_counters + kSlotCombine, low_latency, (p.variant & kVariantBlockFence) != 0);
   if (last) {
     const int q = threadIdx.x;
     if (q < ep) {

@@ -21,7 +21,23 @@ constexpr int kVariantSkipSelfStage = 1;  // combine: stage only the rows peers 
 constexpr int kVariantLowLatency = 2;     // both: single-block launches skip the arrival counter, the abort word is
                                           // first read after kAbortPollEvery polls, dispatch reads R up front
 constexpr int kVariantWidePull = 4;       // combine: 4 x 16 B vectors per lane per pull item instead of 2
+constexpr int kVariantBlockFence = 8;    // both: one fence.acq_rel.sys per block after __syncthreads (by the
+                                          // thread that then arrives), not one per thread; a one-block launch
+                                          // with bit 2 needs none besides the flags' st.release.sys
 constexpr int kDefaultVariant = kVariantSkipSelfStage | kVariantLowLatency | kVariantWidePull;  // 7
+constexpr int kVariantMask = 0xffff;      // the variant bits; the bits above carry the diagnostics
+
+// Diagnostics (TIMING ONLY: every bit but kDiagDoubleFence breaks the protocol's
+// guarantees, so a round run with them may deliver wrong or stale data). They ride in
+// the high half of the `variant` word (variant | diag << kDiagShift); client/cuda_plane.py
+// sets them only from A2AD_KERNEL_DIAG, never by default. All of them act on dispatch.
+constexpr int kDiagShift = 16;
+constexpr int kDiagSkipCopy = 1;     // no payload stores (routing, counters, fences, flags, wait as usual)
+constexpr int kDiagSkipFence = 2;    // no per-thread / per-block system fence before the arrival
+constexpr int kDiagNoWait = 4;       // publish counts and flags, but do not wait for the peers' flags
+constexpr int kDiagNoPublish = 8;    // neither publish counts/flags nor wait (no cross-rank step at all)
+constexpr int kDiagNoop = 16;        // the kernel returns at entry (same grid: the launch / graph-node floor)
+constexpr int kDiagDoubleFence = 32; // the per-thread system fence twice (its cost, by addition; correct)
 
 // The workspace as the kernels see it: row q (rank q's memory) starts at
 // base + q * row_stride; `me` is this rank.

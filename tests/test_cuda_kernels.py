@@ -295,7 +295,7 @@ def test_dispatch_byte_exact_and_combine(make_job, ep_size, top_k, num_experts):
         job.planes[r].check()  # no failure recorded
 
 
-@pytest.mark.parametrize("variants", [(3, 3), (7, 7), (0, 3, 7, 5)])
+@pytest.mark.parametrize("variants", [(3, 3), (7, 7), (15, 15), (0, 3, 7, 5), (15, 8, 7, 0)])
 @pytest.mark.parametrize("T", [1, 37])
 @pytest.mark.parametrize("dtype,in_workspace", [("bf16", False), ("fp32", False), ("bf16", True)])
 def test_kernel_variants(make_job, variants, T, dtype, in_workspace):
@@ -317,6 +317,31 @@ def test_kernel_variants(make_job, variants, T, dtype, in_workspace):
         for r in range(ep_size):
             close(outs[r], combine_reference(job, experts[r], xs[r]), dtype)
             job.planes[r].check()
+
+
+def test_diag_bits_off_by_default_and_double_fence_correct(make_job, monkeypatch):
+    """A2AD_KERNEL_DIAG (timing-only bits) is 0 unless set; the one correct diagnostic (the
+    system fence twice) still computes the round; variants outside [0, 15] are refused."""
+    from a2ad.client import cuda_plane as cp
+
+    monkeypatch.delenv("A2AD_KERNEL_DIAG", raising=False)
+    assert cp.kernel_diag() == 0
+    monkeypatch.setenv("A2AD_KERNEL_VARIANT", "16")
+    with pytest.raises(ValueError):
+        cp.kernel_variant()
+    monkeypatch.delenv("A2AD_KERNEL_VARIANT")
+    ep_size, top_k, num_experts, hidden, T = 2, 4, 16, 512, 5
+    job = make_job(ep_size, 8, top_k, num_experts, 2 * hidden, 2 * hidden)
+    assert all(p.diag == 0 for p in job.planes)
+    for p in job.planes:
+        p.diag = cp.DIAG_DOUBLE_FENCE
+    pl = job.layout(8, [2 * hidden], 2 * hidden)
+    experts = [rand_experts(T, top_k, num_experts) for _ in range(ep_size)]
+    xs = [torch.randn(T, hidden, device="cuda").bfloat16() for _ in range(ep_size)]
+    outs = run_round(job, experts, [[x.view(torch.uint8)] for x in xs], pl, 0, torch.bfloat16)
+    check_dispatch(job, experts, [[x.view(torch.uint8)] for x in xs], pl)
+    for r in range(ep_size):
+        close(outs[r], combine_reference(job, experts[r], xs[r]), torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
@@ -638,3 +663,232 @@ def test_ops_trace_under_torch_compile(make_job):
         x = torch.randn(16, 64, device="cuda").bfloat16()
         out = compiled(experts, x)
         torch.testing.assert_close(out.float(), x.float() * 2.0)
+
+
+# ---------------------------------------------------------------------------
+# Two-GPU timing of kernel variants and diagnostics (not a test; needs 2 GPUs):
+#   python3 tests/test_cuda_kernels.py
+# One process, ranks 0/1 on cuda:0/cuda:1 over a VMM workspace mapped on both (as the
+# daemon does), each rank's dispatch and combine in its own CUDA graph; replays queued
+# behind a GPU sleep, L2 flushed before each round (as a2ad.bench). Per round the slowest
+# rank's interval counts; medians over the rounds.
+# ---------------------------------------------------------------------------
+class TwoGpuJob:
+    def __init__(self, max_tokens, top_k, num_experts, hidden, timeout=2.0):
+        import os
+
+        from a2ad import cuda_driver as cd
+        from a2ad.client.cuda_map import CudaMapping
+        from a2ad.client.cuda_plane import CudaPlane, initialize_row
+
+        ep = 2
+        self.ep_size, self.top_k, self.num_experts, self.hidden = ep, top_k, num_experts, hidden
+        self.widths = [2 * hidden, 4 * top_k, 4 * top_k]  # bf16 hidden, int32 ids, fp32 scales (as the bench)
+        self.aux = L.aux_layout(ep, max_tokens)
+        self.size = L.workspace_size_per_rank(ep, max_tokens, sum(self.widths), 2 * hidden)
+        gran = max(cd.granularity(d) for d in range(ep))
+        self.row_stride = L.pad_up(self.size, gran)
+        self.handles, fds = [], []
+        for d in range(ep):
+            h, _ = cd.create(self.row_stride, d, cd.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+            self.handles.append(h)
+            fds.append(cd.export_fd(h))
+        self.maps = []
+        for r in range(ep):
+            dups = [os.dup(f) for f in fds]
+            self.maps.append(CudaMapping(dups, self.size, self.row_stride, r))
+            for f in dups:
+                os.close(f)
+        for f in fds:
+            os.close(f)
+        self.ws = [m.tensor for m in self.maps]
+        self._mm = mmap.mmap(-1, L.CONTROL_BLOCK_SIZE)
+        self.control = ControlBlock(self._mm, owner=self._mm)
+        self.control.initialize(ep)
+        self._host = self.control.address()
+        with torch.cuda.device(0):
+            self.control_ptr = _ops().host_register(self._host, L.CONTROL_BLOCK_SIZE)
+        self.streams, self.flush, self.planes = [], [], []
+        for r in range(ep):
+            with torch.cuda.device(r):
+                self.streams.append(torch.cuda.Stream())
+                l2 = int(getattr(torch.cuda.get_device_properties(r), "L2_cache_size", 0) or (50 << 20))
+                self.flush.append(torch.empty(2 * l2, dtype=torch.uint8, device=f"cuda:{r}"))
+                att = SimpleNamespace(
+                    job="timing", ep_rank=r, ep_size=ep,
+                    spec={"max_num_tokens": max_tokens, "top_k": top_k, "num_experts": num_experts},
+                    backend="cuda", device=torch.device("cuda", r), workspace=self.ws[r],
+                    size_per_rank=self.size, row_stride=self.row_stride, aux=self.aux, control=self.control,
+                    control_device_ptr=self.control_ptr, generation=0,
+                )
+                self.planes.append(CudaPlane(att, timeout))
+                initialize_row(self.ws[r], r, self.aux)
+                torch.cuda.synchronize()
+        # GPU sleep cycles per us (to queue the replays behind a known delay)
+        with torch.cuda.device(0):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            torch.cuda._sleep(4_000_000)
+            b.record()
+            b.synchronize()
+            self.cycles_per_us = 4_000_000 / max(a.elapsed_time(b) * 1e3, 1.0)
+
+    def inputs(self, T):
+        self.T = T
+        self.pl = L.payload_layout(self.aux, self.size, T, self.widths, 2 * self.hidden)
+        self.experts, self.payloads, self.comb = [], [], []
+        for r in range(self.ep_size):
+            dev = f"cuda:{r}"
+            e = torch.rand(T, self.num_experts, device=dev).argsort(dim=1)[:, : self.top_k].to(torch.int32).contiguous()
+            x = torch.randn(T, self.hidden, device=dev).bfloat16()
+            sc = torch.rand(T, self.top_k, device=dev)
+            self.experts.append(e)
+            self.payloads.append([x.view(torch.uint8), e.view(torch.uint8), sc.view(torch.uint8)])
+            self.comb.append(torch.randn(self.ep_size, T, self.hidden, device=dev).bfloat16())
+        for r in range(self.ep_size):
+            torch.cuda.synchronize(r)
+
+    def d(self, r):
+        self.planes[r].dispatch(self.experts[r], self.payloads[r], self.T, self.pl, self.num_experts)
+
+    def c(self, r):
+        return self.planes[r].combine(self.comb[r], self.T, self.T, self.pl, False)
+
+    def on(self, r):
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(r))
+        stack.enter_context(torch.cuda.stream(self.streams[r]))
+        return stack
+
+    def sync(self):
+        for r in range(self.ep_size):
+            torch.cuda.synchronize(r)
+
+    def eager_round(self):
+        for fn in (self.d, self.c):
+            for r in range(self.ep_size):
+                with self.on(r):
+                    fn(r)
+        self.sync()
+
+    def time(self, variant, diag, rounds=200, chunks=3, flush=True):
+        for p in self.planes:
+            p.variant, p.diag = variant, diag
+        for _ in range(3):
+            self.eager_round()
+        for p in self.planes:
+            p.check()
+        gd, gc = [], []
+        for r in range(self.ep_size):
+            with torch.cuda.device(r):
+                # A capture stream of this device: torch.cuda.graph's default capture stream is
+                # one per process, made on the device current at its first use, so capturing on
+                # cuda:1 with it would leave the graph empty and run rank 1's kernels eagerly
+                # (alone: its dispatch then waits for a peer that is not running; seen on 2xH200).
+                cap = torch.cuda.Stream()
+                g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g1, stream=cap, capture_error_mode="thread_local"):
+                    self.d(r)
+                with torch.cuda.graph(g2, stream=cap, capture_error_mode="thread_local"):
+                    self.c(r)
+                gd.append(g1)
+                gc.append(g2)
+        self.sync()
+        ds, cs, starved = [], [], False
+        for _ in range(chunks):
+            done = []
+            for r in range(self.ep_size):
+                with self.on(r):
+                    torch.cuda._sleep(int((5000 + 60 * rounds) * self.cycles_per_us))
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    done.append(ev)
+            marks = [[] for _ in range(self.ep_size)]
+            for _i in range(rounds):
+                for r in range(self.ep_size):
+                    with self.on(r):
+                        if flush:
+                            self.flush[r].zero_()
+                        m = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                        m[0].record()
+                        gd[r].replay()
+                        m[1].record()
+                        gc[r].replay()
+                        m[2].record()
+                        marks[r].append(m)
+            starved = starved or any(ev.query() for ev in done)
+            self.sync()
+            for i in range(rounds):
+                ds.append(max(marks[r][i][0].elapsed_time(marks[r][i][1]) for r in range(self.ep_size)) * 1e3)
+                cs.append(max(marks[r][i][1].elapsed_time(marks[r][i][2]) for r in range(self.ep_size)) * 1e3)
+        for p in self.planes:
+            p.check()
+            p.diag = 0
+        for _ in range(2):  # leave the job in a clean round state for the next entry
+            self.eager_round()
+        q = lambda v, f: sorted(v)[min(len(v) - 1, int(f * len(v)))]  # noqa: E731
+        return {"d": q(ds, 0.5), "c": q(cs, 0.5), "d10": q(ds, 0.1), "d90": q(ds, 0.9), "c10": q(cs, 0.1),
+                "c90": q(cs, 0.9), "starved": starved}
+
+
+def timing_main():
+    import sys
+
+    from a2ad.client import cuda_plane as cp
+
+    if torch.cuda.device_count() < 2:
+        print("timing needs 2 GPUs")
+        return 1
+    hidden, top_k, E = 7168, 8, 256
+    job = TwoGpuJob(4096, top_k, E, hidden)
+    D = cp
+    plan = [
+        # (label, T, variant, diag, flush)
+        ("variant 7 (default)", 1, 7, 0, True),
+        ("7 + diag no-op dispatch kernel (launch floor)", 1, 7, D.DIAG_NOOP, True),
+        ("7 + diag no publish, no wait (local work only)", 1, 7, D.DIAG_NO_PUBLISH, True),
+        ("7 + diag no copy, no publish, no wait (routing+fence)", 1, 7, D.DIAG_SKIP_COPY | D.DIAG_NO_PUBLISH, True),
+        ("7 + diag no copy, no fence, no publish (routing only)", 1, 7,
+         D.DIAG_SKIP_COPY | D.DIAG_SKIP_FENCE | D.DIAG_NO_PUBLISH, True),
+        ("7 + diag no wait (publish, no wait)", 1, 7, D.DIAG_NO_WAIT, True),
+        ("7 + diag skip copy", 1, 7, D.DIAG_SKIP_COPY, True),
+        ("7 + diag skip per-thread fence", 1, 7, D.DIAG_SKIP_FENCE, True),
+        ("7 + diag fence twice", 1, 7, D.DIAG_DOUBLE_FENCE, True),
+        ("variant 15 (block fence)", 1, 15, 0, True),
+        ("15 + diag no wait", 1, 15, D.DIAG_NO_WAIT, True),
+        ("variant 7 again (noise)", 1, 7, 0, True),
+        ("variant 7, no L2 flush", 1, 7, 0, False),
+        ("variant 15, no L2 flush", 1, 15, 0, False),
+        ("variant 15 again (noise)", 1, 15, 0, True),
+        ("variant 7", 128, 7, 0, True),
+        ("variant 15", 128, 15, 0, True),
+        ("variant 7", 4096, 7, 0, True),
+        ("variant 15", 4096, 15, 0, True),
+    ]
+    rows, cur_T = [], None
+    for label, T, v, dg, fl in plan:
+        if T != cur_T:
+            job.inputs(T)
+            cur_T = T
+        try:
+            r = job.time(v, dg, rounds=200 if T < 4096 else 40, flush=fl)
+        except Exception as exc:  # keep going: print what failed
+            print(f"{label} T={T}: {type(exc).__name__}: {exc}", flush=True)
+            continue
+        rows.append((label, T, v, dg, fl, r))
+        print(f"{label:<56} T={T:<5} v={v:<2} diag={dg:<2} flush={int(fl)}  dispatch {r['d']:8.2f} us "
+              f"({r['d10']:.2f}-{r['d90']:.2f})  combine {r['c']:8.2f} us ({r['c10']:.2f}-{r['c90']:.2f})"
+              + ("  STARVED" if r["starved"] else ""), flush=True)
+    print("\n| stage / variant | T | variant | diag | L2 flush | dispatch us (p10-p90) | combine us (p10-p90) |")
+    print("| --- | --: | --: | --: | --: | --: | --: |")
+    for label, T, v, dg, fl, r in rows:
+        print(f"| {label} | {T} | {v} | {dg} | {'yes' if fl else 'no'} | {r['d']:.2f} ({r['d10']:.2f}-{r['d90']:.2f}) | "
+              f"{r['c']:.2f} ({r['c10']:.2f}-{r['c90']:.2f}) |", flush=True)
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(timing_main())
