@@ -451,3 +451,27 @@ def test_supplementary_group_members_are_allowed(runtime_dir):
         for p in (member, stranger):
             p.kill()
             p.wait()
+
+
+def test_destroyed_job_memory_is_reported_until_importers_unmap(daemon):
+    procs = [_background_join(daemon, "held", r, 2, SPEC, hold=120) for r in range(2)]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ATTACHED"
+        job_bytes = daemon.request("job_info", job="held")["bytes"]
+        daemon.request("destroy", job="held")
+        mem = daemon.request("status")["memory"]
+        # freed by the daemon, but both ranks still map it: reported as released-but-mapped
+        assert mem["job_bytes"] == 0
+        assert mem["released_mapped_bytes"] == job_bytes and mem["released_mapped_processes"] == 2
+        assert mem["released_mapped_jobs"][0]["job"] == "held"
+        out = subprocess.run([sys.executable, "-m", "a2ad.ctl", "--runtime-dir", str(daemon.runtime_dir), "status"],
+                             capture_output=True, text=True, timeout=30)
+        assert "released but still mapped by clients" in out.stdout
+        _stop(procs[0])
+        wait_for(lambda: daemon.request("status")["memory"]["released_mapped_processes"] == 1, 10, "one importer left")
+        _stop(procs[1])
+        wait_for(lambda: daemon.request("status")["memory"]["released_mapped_bytes"] == 0, 10, "no importer left")
+    finally:
+        for p in procs:
+            _stop(p)
