@@ -1214,16 +1214,7 @@ def impl_a2ad_eager(ctx: Ctx, job: A2adJob | None, pt: dict) -> tuple[dict, torc
     out = a2a.combine(recv[0], T)
     ctx.sync()
     comb = check_combine(out, own, E, ep, pt.get("a2ad_out"))
-    result = {
-        "timing": "eager (public API)",
-        "dispatch": [s[0] for s in samples],
-        "combine": [s[1] for s in samples],
-        "total": [s[0] + s[1] for s in samples],
-        "check": {"ok": ok and comb["ok"], "why": "; ".join(x for x in (why, comb.get("why", "")) if x),
-                  "dispatch_ok": ok, "combine": comb},
-        "notes": notes,
-    }
-    return result, out
+    return _eager_result("eager (public API)", samples, notes, ok, why, comb), out
 
 
 def impl_nccl(ctx: Ctx, job, pt: dict) -> tuple[dict, torch.Tensor]:
@@ -1267,6 +1258,19 @@ def impl_nccl(ctx: Ctx, job, pt: dict) -> tuple[dict, torch.Tensor]:
     return _eager_baseline(ctx, pt, dispatch, combine, received, timing="eager (host sync for the splits)")
 
 
+def _eager_result(timing: str, samples, notes, ok: bool, why: str, comb: dict) -> dict:
+    """The result row of an eagerly timed implementation: per-replay samples and its checks."""
+    return {
+        "timing": timing,
+        "dispatch": [s[0] for s in samples],
+        "combine": [s[1] for s in samples],
+        "total": [s[0] + s[1] for s in samples],
+        "check": {"ok": ok and comb["ok"], "why": "; ".join(x for x in (why, comb.get("why", "")) if x),
+                  "dispatch_ok": ok, "combine": comb},
+        "notes": notes,
+    }
+
+
 def _eager_baseline(ctx: Ctx, pt: dict, dispatch, combine, received, *, timing: str, full: bool = False):
     """Time an eager baseline (dispatch then combine, per replay) and check it as a2ad is
     checked; ``received(state)`` lists the rows its dispatch delivered, per source."""
@@ -1290,16 +1294,7 @@ def _eager_baseline(ctx: Ctx, pt: dict, dispatch, combine, received, *, timing: 
     out = combine(st)
     ctx.sync()
     comb = check_combine(out, own, E, ep, pt.get("a2ad_out"))
-    result = {
-        "timing": timing,
-        "dispatch": [s[0] for s in samples],
-        "combine": [s[1] for s in samples],
-        "total": [s[0] + s[1] for s in samples],
-        "check": {"ok": ok and comb["ok"], "why": "; ".join(x for x in (why, comb.get("why", "")) if x),
-                  "dispatch_ok": ok, "combine": comb},
-        "notes": notes,
-    }
-    return result, out
+    return _eager_result(timing, samples, notes, ok, why, comb), out
 
 
 def _all_gather_into(out: torch.Tensor, inp: torch.Tensor) -> None:
