@@ -25,7 +25,18 @@ aligned; all int32)::
     TOPK_TARGET_RANKS           [max_tokens, 22]   per (token, k): target rank, -1 for a repeat
     TOPK_SEND_INDICES           [max_tokens, 22]   per (token, k): slot at the target, -1 for a repeat
     BLOCK_COUNTERS              [32]               scratch for the CUDA kernels' last-block pattern
+    SLOT_TOKENS                 [ep_size, max_tokens]  per (target, slot): the local token sent there
+                                                   (this rank's own scratch, CUDA kernels only)
+    COMBINE_SLICE_FLAGS         [ep_size, slices]  written by target t: = round when rows
+                                                   [j * COMBINE_SLICE_ROWS, +COMBINE_SLICE_ROWS) of
+                                                   t's combine region for this rank are staged
+                                                   (early readiness; optional, CUDA kernels only)
     PAYLOAD_DATA                                   start of the payload area
+
+``slices`` is ``ceil(max_tokens / COMBINE_SLICE_ROWS)``. The two last fields are
+not in the seed's metainfo list; they only move PAYLOAD_DATA, and a client checks
+the daemon's metainfo against its own, so a daemon and client that disagree on the
+layout refuse each other at join.
 
 followed by ``ALIGN_SLACK`` bytes that make room for aligning every payload
 region, so that a payload set sized by :func:`workspace_size_per_rank` always
@@ -75,6 +86,9 @@ ALIGN = 128
 #: Room for aligning up to MAX_PAYLOADS dispatch regions and the combine region.
 ALIGN_SLACK = (MAX_PAYLOADS + 1) * ALIGN
 BLOCK_COUNTER_SLOTS = 32
+#: Rows of one combine slice: the unit in which a rank announces that part of its
+#: combine region is staged (COMBINE_SLICE_FLAGS).
+COMBINE_SLICE_ROWS = 8
 
 # Metainfo indices (names as in the seed API).
 FLAG_VAL_OFFSET_INDEX = 0
@@ -126,6 +140,10 @@ class AuxLayout:
     topk_target_ranks: int
     topk_send_indices: int
     block_counters: int
+    slot_tokens: int
+    combine_slice_flags: int
+    #: Number of slice flags per target: ceil(max_num_tokens / COMBINE_SLICE_ROWS).
+    combine_slices: int
     payload_data: int
     #: Bytes the daemon zeroes (everything before PAYLOAD_DATA).
     aux_bytes: int
@@ -146,6 +164,11 @@ class AuxLayout:
             self.payload_data,
             self.block_counters,
         ]
+
+
+def combine_slices(max_num_tokens: int) -> int:
+    """Slice flags per target rank: ``ceil(max_num_tokens / COMBINE_SLICE_ROWS)``."""
+    return (max_num_tokens + COMBINE_SLICE_ROWS - 1) // COMBINE_SLICE_ROWS
 
 
 def aux_layout(ep_size: int, max_num_tokens: int) -> AuxLayout:
@@ -170,6 +193,9 @@ def aux_layout(ep_size: int, max_num_tokens: int) -> AuxLayout:
     topk_target = take(4 * max_num_tokens * MAX_TOP_K)
     topk_send = take(4 * max_num_tokens * MAX_TOP_K)
     block_counters = take(4 * BLOCK_COUNTER_SLOTS)
+    slot_tokens = take(4 * ep_size * max_num_tokens)
+    slices = combine_slices(max_num_tokens)
+    slice_flags = take(4 * ep_size * slices)
     payload_data = off
     return AuxLayout(
         ep_size=ep_size,
@@ -183,6 +209,9 @@ def aux_layout(ep_size: int, max_num_tokens: int) -> AuxLayout:
         topk_target_ranks=topk_target,
         topk_send_indices=topk_send,
         block_counters=block_counters,
+        slot_tokens=slot_tokens,
+        combine_slice_flags=slice_flags,
+        combine_slices=slices,
         payload_data=payload_data,
         aux_bytes=payload_data,
         aux_data_size=payload_data + ALIGN_SLACK,

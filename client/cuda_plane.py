@@ -38,6 +38,11 @@ def aux_offsets(aux: L.AuxLayout) -> list[int]:
         aux.block_counters,
         L.MAX_TOP_K,
         L.BLOCK_COUNTER_SLOTS,
+        aux.slot_tokens,
+        aux.max_num_tokens,
+        aux.combine_slice_flags,
+        aux.combine_slices,
+        L.COMBINE_SLICE_ROWS,
     ]
 
 
@@ -61,14 +66,23 @@ def control_fields(ep_rank: int) -> list[int]:
 #: Kernel variant bits (csrc/moe_a2a.cuh kVariant*): 1 = combine stages only the rows peers
 #: pull (own rows are read from the payload), 2 = low-latency waits/arrival for small
 #: launches, 4 = wider combine pull items, 8 = one system fence per block instead of one per
-#: thread. 0 is the original code path. Every variant keeps the protocol, so ranks may even
-#: run different ones.
+#: thread, 16 = combine stages slice by slice while the rest of the grid already pulls (per-slice
+#: flags, pull in the peers' slot order), 32 = a one-block dispatch numbers its sends in shared
+#: memory, 64 = dispatch loads a warp's first payload chunk before routing. 0 is the original
+#: code path. Every variant keeps the protocol, so ranks may even run different ones.
 VARIANT_SKIP_SELF_STAGE = 1
 VARIANT_LOW_LATENCY = 2
 VARIANT_WIDE_PULL = 4
 VARIANT_BLOCK_FENCE = 8
-VARIANT_BITS = 15
-DEFAULT_VARIANT = VARIANT_SKIP_SELF_STAGE | VARIANT_LOW_LATENCY | VARIANT_WIDE_PULL  # 7: best measured (csrc/README.md)
+VARIANT_OVERLAP = 16
+VARIANT_LOCAL_SLOTS = 32
+VARIANT_PREFETCH = 64
+#: Bits 8-11: with VARIANT_OVERLAP, 1 / share of the combine grid stages (0: the default, 4).
+VARIANT_STAGE_SHARE_SHIFT = 8
+VARIANT_BITS = 0xFFF
+#: 63: best measured on 2 x H200 (csrc/README.md, "Kernel variants"); prefetch (64) measured slower.
+DEFAULT_VARIANT = (VARIANT_SKIP_SELF_STAGE | VARIANT_LOW_LATENCY | VARIANT_WIDE_PULL | VARIANT_BLOCK_FENCE
+                   | VARIANT_OVERLAP | VARIANT_LOCAL_SLOTS)
 
 #: Diagnostic bits (csrc/moe_a2a.cuh kDiag*), TIMING ONLY: all but DIAG_DOUBLE_FENCE break
 #: the protocol (wrong or stale data). Set only through ``A2AD_KERNEL_DIAG``; they travel in

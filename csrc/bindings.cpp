@@ -72,8 +72,9 @@ template <typename... A>
 // aux: [flag_val, local_token_counter, send_counters, recv_counters,
 //       dispatch_completion_flags, combine_completion_flags, topk_target_ranks,
 //       topk_send_indices, block_counters, topk_stride (MAX_TOP_K),
-//       block_counter_slots (BLOCK_COUNTER_SLOTS)]
-constexpr size_t kAuxFields = 11;
+//       block_counter_slots (BLOCK_COUNTER_SLOTS), slot_tokens, max_num_tokens,
+//       combine_slice_flags, combine_slices, combine_slice_rows (COMBINE_SLICE_ROWS)]
+constexpr size_t kAuxFields = 16;
 // control_fields: [abort, status_code, status_peer, status_round, status_phase,
 //                  status_waited_ns (absolute offsets in the control block, for
 //                  this rank's record), STATUS_TIMEOUT, STATUS_ABORTED,
@@ -120,6 +121,15 @@ a2ad::AuxOffsets make_aux(IntArrayRef aux, const Tensor& ws, int64_t ep_size) {
   A2AD_CHECK(aux[9] >= 1 && aux[9] <= 1024, "a2ad: aux topk_stride must be in [1, 1024], got ", aux[9]);
   A2AD_CHECK(aux[10] >= 5, "a2ad: aux block_counter_slots must be >= 5, got ", aux[10]);
   A2AD_CHECK(aux[8] + 4 * aux[10] <= row, "a2ad: aux block counters overrun the row");
+  A2AD_CHECK(aux[12] >= 1 && aux[12] <= INT32_MAX, "a2ad: aux max_num_tokens must be >= 1, got ", aux[12]);
+  A2AD_CHECK(aux[15] >= 1 && aux[15] <= 1024, "a2ad: aux combine_slice_rows must be in [1, 1024], got ", aux[15]);
+  A2AD_CHECK(aux[14] >= (aux[12] + aux[15] - 1) / aux[15],
+             "a2ad: aux combine_slices (", aux[14], ") is too few for max_num_tokens ", aux[12]);
+  for (size_t i : {11, 13}) {
+    A2AD_CHECK(aux[i] >= 0 && aux[i] % 4 == 0, "a2ad: aux offset ", i, " (", aux[i], ") is not 4-aligned");
+  }
+  A2AD_CHECK(aux[11] + 4 * ep_size * aux[12] <= row, "a2ad: aux slot_tokens overruns the row");
+  A2AD_CHECK(aux[13] + 4 * ep_size * aux[14] <= row, "a2ad: aux combine_slice_flags overrun the row");
   a2ad::AuxOffsets a;
   a.flag_val = aux[0];
   a.local_token_counter = aux[1];
@@ -132,6 +142,11 @@ a2ad::AuxOffsets make_aux(IntArrayRef aux, const Tensor& ws, int64_t ep_size) {
   a.block_counters = aux[8];
   a.topk_stride = static_cast<int>(aux[9]);
   a.block_counter_slots = static_cast<int>(aux[10]);
+  a.slot_tokens = aux[11];
+  a.max_num_tokens = static_cast<int>(aux[12]);
+  a.combine_slice_flags = aux[13];
+  a.combine_slices = static_cast<int>(aux[14]);
+  a.combine_slice_rows = static_cast<int>(aux[15]);
   return a;
 }
 

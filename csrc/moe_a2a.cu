@@ -34,9 +34,18 @@ constexpr int kSlotDispatch = 0;        // arrival counter of dispatch
 constexpr int kSlotCombine = 1;         // arrival counter of combine
 constexpr int kSlotDispatchGiveUp = 2;  // round whose dispatch wait the poller gave up on
 constexpr int kSlotCombineGiveUp = 3;   // round whose combine wait the poller gave up on
+constexpr int kSlotPullWork = 4;        // combine (kVariantOverlap): next pull item; dispatch zeroes it
 constexpr int kMinBlockCounterSlots = 5;  // ... and the last slot: the status-record claim
 // The abort word lives in host memory: read it once every this many polls.
 constexpr uint32_t kAbortPollEvery = 64;
+// kVariantOverlap: staged bytes and row width below which the launcher keeps the plain path
+// (a small staging is cheaper spread over the whole grid than slice by slice), the default
+// 1 / share of the grid that stages (variant bits 8-11 override it), and the
+// 16-byte accesses in flight per stager thread (a slice is staged with few round trips).
+constexpr int64_t kOverlapMinBytes = int64_t{16} << 20;
+constexpr int64_t kOverlapMinRowBytes = 8192;  // narrower rows: the per-slice release costs more than it hides
+constexpr int kOverlapStageShare = 4;
+constexpr int kStageUnroll = 8;
 
 enum WaitResult : int { kWaitOk = 0, kWaitTimeout = 1, kWaitAborted = 2, kWaitStopped = 3 };
 
@@ -194,27 +203,29 @@ __device__ bool arrive_last(int* counter, bool single_fast = false, bool block_f
 // ---------------------------------------------------------------------------
 // Copies
 // ---------------------------------------------------------------------------
-template <typename V>
+template <typename V, int kUnroll = kCopyUnroll>
 __device__ __forceinline__ void copy_vectors(uint8_t* dst, const uint8_t* src, int64_t n, int64_t tid, int64_t nthreads) {
   V* d = reinterpret_cast<V*>(dst);
   const V* s = reinterpret_cast<const V*>(src);
   int64_t i = tid;
-  // (unroll 1: the unrolled body already keeps kCopyUnroll loads in flight, and
+  // (unroll 1: the unrolled body already keeps kUnroll loads in flight, and
   //  it spares a 64-bit trip-count division)
 #pragma unroll 1
-  for (; i + (kCopyUnroll - 1) * nthreads < n; i += kCopyUnroll * nthreads) {
-    V r[kCopyUnroll];
+  for (; i + (kUnroll - 1) * nthreads < n; i += kUnroll * nthreads) {
+    V r[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) r[u] = s[i + u * nthreads];
+    for (int u = 0; u < kUnroll; ++u) r[u] = s[i + u * nthreads];
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) d[i + u * nthreads] = r[u];
+    for (int u = 0; u < kUnroll; ++u) d[i + u * nthreads] = r[u];
   }
 #pragma unroll 1
   for (; i < n; i += nthreads) d[i] = s[i];
 }
 
 // Copy n bytes with the widest access both pointers allow (16/8/4/2/1 bytes),
-// threads tid of nthreads cooperating. Any width, any alignment.
+// threads tid of nthreads cooperating, kUnroll accesses in flight per thread.
+// Any width, any alignment.
+template <int kUnroll = kCopyUnroll>
 __device__ void copy_bytes(uint8_t* dst, const uint8_t* src, int64_t n, int64_t tid, int64_t nthreads) {
   if (n <= 0) return;
   const uintptr_t mis = reinterpret_cast<uintptr_t>(dst) ^ reinterpret_cast<uintptr_t>(src);
@@ -228,11 +239,11 @@ __device__ void copy_bytes(uint8_t* dst, const uint8_t* src, int64_t n, int64_t 
   n -= head;
   const int64_t nv = n >> shift;
   switch (shift) {
-    case 4: copy_vectors<uint4>(dst, src, nv, tid, nthreads); break;
-    case 3: copy_vectors<uint2>(dst, src, nv, tid, nthreads); break;
-    case 2: copy_vectors<uint32_t>(dst, src, nv, tid, nthreads); break;
-    case 1: copy_vectors<uint16_t>(dst, src, nv, tid, nthreads); break;
-    default: copy_vectors<uint8_t>(dst, src, nv, tid, nthreads); break;
+    case 4: copy_vectors<uint4, kUnroll>(dst, src, nv, tid, nthreads); break;
+    case 3: copy_vectors<uint2, kUnroll>(dst, src, nv, tid, nthreads); break;
+    case 2: copy_vectors<uint32_t, kUnroll>(dst, src, nv, tid, nthreads); break;
+    case 1: copy_vectors<uint16_t, kUnroll>(dst, src, nv, tid, nthreads); break;
+    default: copy_vectors<uint8_t, kUnroll>(dst, src, nv, tid, nthreads); break;
   }
   for (int64_t b = (nv << shift) + tid; b < n; b += nthreads) dst[b] = src[b];
 }
@@ -261,6 +272,38 @@ struct TileRouting {
 // 16-byte vectors, a chunk is 32 lanes x kCopyUnroll vectors, loaded once and
 // stored to every target; otherwise the chunk is the whole row, copied with
 // the widest access the alignment allows, target by target.
+// The 16-byte path in two halves: load chunk c of payload i of token t (any
+// time, routing not needed), then store it to every send of tile token w.
+__device__ __forceinline__ void load_chunk16(const DispatchParams& p, int t, int i, int c, int lane,
+                                             uint4 (&r)[kCopyUnroll]) {
+  const int64_t nb = p.payload_bytes[i];
+  const int64_t nvec = nb / 16;
+  const int64_t v0 = (int64_t)c * 32 * kCopyUnroll;
+  const uint4* s4 = reinterpret_cast<const uint4*>(p.payload[i] + (int64_t)t * nb);
+#pragma unroll
+  for (int u = 0; u < kCopyUnroll; ++u) {
+    const int64_t v = v0 + u * 32 + lane;
+    r[u] = v < nvec ? s4[v] : make_uint4(0, 0, 0, 0);
+  }
+}
+
+__device__ __forceinline__ void store_chunk16(const DispatchParams& p, const TileRouting& tr, int w, int i, int c,
+                                              int lane, const uint4 (&r)[kCopyUnroll]) {
+  const int64_t nb = p.payload_bytes[i];
+  const int64_t nvec = nb / 16;
+  const int64_t v0 = (int64_t)c * 32 * kCopyUnroll;
+  const int64_t region = p.payload_offset[i] + (int64_t)p.ws.ep_rank * p.rt * nb;
+  for (unsigned m = tr.sends[w]; m != 0; m &= m - 1) {
+    const int k = __ffs(m) - 1;
+    uint4* d4 = reinterpret_cast<uint4*>(row_of(p.ws, tr.target[w][k]) + region + (int64_t)tr.slot[w][k] * nb);
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t v = v0 + u * 32 + lane;
+      if (v < nvec) d4[v] = r[u];
+    }
+  }
+}
+
 __device__ void dispatch_copy_chunk(const DispatchParams& p, const TileRouting& tr, int w, int t, int i, int c,
                                     bool vec16, int lane) {
   const unsigned sends = tr.sends[w];
@@ -268,30 +311,32 @@ __device__ void dispatch_copy_chunk(const DispatchParams& p, const TileRouting& 
   const uint8_t* src = p.payload[i] + (int64_t)t * nb;
   const int64_t region = p.payload_offset[i] + (int64_t)p.ws.ep_rank * p.rt * nb;
   if (vec16) {
-    const int64_t nvec = nb / 16;
-    const int64_t v0 = (int64_t)c * 32 * kCopyUnroll;
-    const uint4* s4 = reinterpret_cast<const uint4*>(src);
     uint4 r[kCopyUnroll];
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      const int64_t v = v0 + u * 32 + lane;
-      r[u] = v < nvec ? s4[v] : make_uint4(0, 0, 0, 0);
-    }
-    for (unsigned m = sends; m != 0; m &= m - 1) {
-      const int k = __ffs(m) - 1;
-      uint4* d4 = reinterpret_cast<uint4*>(row_of(p.ws, tr.target[w][k]) + region + (int64_t)tr.slot[w][k] * nb);
-#pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u) {
-        const int64_t v = v0 + u * 32 + lane;
-        if (v < nvec) d4[v] = r[u];
-      }
-    }
+    load_chunk16(p, t, i, c, lane, r);
+    store_chunk16(p, tr, w, i, c, lane, r);
   } else {
     for (unsigned m = sends; m != 0; m &= m - 1) {
       const int k = __ffs(m) - 1;
-      copy_bytes(row_of(p.ws, tr.target[w][k]) + region + (int64_t)tr.slot[w][k] * nb, src, nb, lane, 32);
+      copy_bytes<>(row_of(p.ws, tr.target[w][k]) + region + (int64_t)tr.slot[w][k] * nb, src, nb, lane, 32);
     }
   }
+}
+
+// Copy item -> (tile token w, payload i, chunk c); chunks[] per payload.
+__device__ __forceinline__ void decode_item(int item, int per_token, const int (&chunks)[kMaxPayloads], int* w,
+                                            int* i, int* c) {
+  *w = item / per_token;
+  int cc = item - *w * per_token;
+  int ii = 0;
+#pragma unroll
+  for (int j = 0; j < kMaxPayloads - 1; ++j) {
+    if (ii == j && cc >= chunks[j]) {
+      cc -= chunks[j];
+      ii = j + 1;
+    }
+  }
+  *i = ii;
+  *c = cc;
 }
 
 // Grid: any size >= 1. A block takes tiles of p.tile_tokens consecutive
@@ -310,8 +355,20 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(const Dispat
   int* block_counters = at<int>(my_row, p.aux.block_counters);
   int* topk_target = at<int>(my_row, p.aux.topk_target_ranks);
   int* topk_send = at<int>(my_row, p.aux.topk_send_indices);
-  if (blockIdx.x == 0 && threadIdx.x == 0) *at<int>(my_row, p.aux.local_token_counter) = p.local_num_tokens;
+  int* slot_tokens = at<int>(my_row, p.aux.slot_tokens);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    *at<int>(my_row, p.aux.local_token_counter) = p.local_num_tokens;
+    block_counters[kSlotPullWork] = 0;  // the next combine's item counter (the previous combine is over)
+  }
   const bool low_latency = (p.variant & kVariantLowLatency) != 0;
+  // One-block launch: number the sends in shared memory, no global atomics.
+  const bool local_slots = (p.variant & kVariantLocalSlots) != 0 && gridDim.x == 1;
+  const bool prefetch = (p.variant & kVariantPrefetch) != 0 && (diag & kDiagSkipCopy) == 0;
+  __shared__ int s_count[kMaxEpSize];
+  if (local_slots) {
+    for (int q = threadIdx.x; q < ep; q += blockDim.x) s_count[q] = 0;
+    __syncthreads();
+  }
   // R; only combine changes it, and the previous combine finished before this launch.
   const int early_round = low_latency ? ld_volatile(at<int>(my_row, p.aux.flag_val)) : 0;
 
@@ -340,6 +397,21 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(const Dispat
 #pragma unroll 1
   for (int t0 = blockIdx.x * tile; t0 < p.local_num_tokens; t0 += gridDim.x * tile) {
     const int ntok = min(tile, p.local_num_tokens - t0);
+    const int items = ntok * per_token;
+    // kVariantPrefetch: this warp's first copy item of the tile is loaded now, under the routing.
+    uint4 pre[kCopyUnroll];
+    bool have_pre = false;
+    if (prefetch && warp < items) {
+      int w, i, c;
+      decode_item(warp, per_token, chunks, &w, &i, &c);
+#pragma unroll
+      for (int j = 0; j < kMaxPayloads; ++j) {
+        if (j == i && vec16[j]) {
+          load_chunk16(p, t0 + w, j, c, lane, pre);
+          have_pre = true;
+        }
+      }
+    }
     // Routing: lane k of warp w handles (t0 + w, k). A send is the smallest k with its target.
     if (warp < ntok) {
       const int t = t0 + warp;
@@ -351,7 +423,8 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(const Dispat
       const unsigned same = __match_any_sync(kFullMask, target);
       const bool is_send = target >= 0 && __ffs(same) - 1 == lane;
       int slot = -1;
-      if (is_send) slot = atomicAdd(send_counters + target, 1);
+      if (is_send) slot = local_slots ? atomicAdd(s_count + target, 1) : atomicAdd(send_counters + target, 1);
+      if (is_send && slot < p.rt) slot_tokens[(int64_t)target * p.aux.max_num_tokens + slot] = t;
       if (lane < p.top_k) {
         topk_target[(int64_t)t * p.aux.topk_stride + lane] = is_send ? target : -1;
         topk_send[(int64_t)t * p.aux.topk_stride + lane] = is_send ? slot : -1;
@@ -365,23 +438,21 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(const Dispat
     }
     __syncthreads();
     // Copy: items (token w, payload i, chunk c), spread over the block's warps.
-    const int items = ntok * per_token;
 #pragma unroll 1
     for (int item = warp; item < items; item += warps) {
-      const int w = item / per_token;
-      int c = item - w * per_token;
-      int i = 0;
-#pragma unroll
-      for (int j = 0; j < kMaxPayloads - 1; ++j) {
-        if (i == j && c >= chunks[j]) {
-          c -= chunks[j];
-          i = j + 1;
-        }
-      }
+      int w, i, c;
+      decode_item(item, per_token, chunks, &w, &i, &c);
       if (tr.sends[w] != 0 && (diag & kDiagSkipCopy) == 0) {
+        if (have_pre && item == warp) {
 #pragma unroll
-        for (int j = 0; j < kMaxPayloads; ++j) {  // constant indices keep chunks/vec16 in registers
-          if (j == i) dispatch_copy_chunk(p, tr, w, t0 + w, j, c, vec16[j], lane);
+          for (int j = 0; j < kMaxPayloads; ++j) {
+            if (j == i) store_chunk16(p, tr, w, j, c, lane, pre);
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < kMaxPayloads; ++j) {  // constant indices keep chunks/vec16 in registers
+            if (j == i) dispatch_copy_chunk(p, tr, w, t0 + w, j, c, vec16[j], lane);
+          }
         }
       }
     }
@@ -395,7 +466,13 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(const Dispat
   const int round = low_latency ? early_round : ld_volatile(at<int>(my_row, p.aux.flag_val));  // R
   const int q = threadIdx.x;
   if (q < ep) {
-    const int count = ld_volatile(send_counters + q);
+    int count;
+    if (local_slots) {
+      count = s_count[q];      // this block numbered every send (arrive_last synchronized the block)
+      send_counters[q] = count;  // after dispatch SEND_COUNTERS hold the counts (combine zeroes them)
+    } else {
+      count = ld_volatile(send_counters + q);
+    }
     uint8_t* peer = row_of(p.ws, q);
     *reinterpret_cast<volatile int*>(peer + p.aux.recv_counters + 4 * (int64_t)me) = count;
     st_release_sys(at<int>(peer, p.aux.dispatch_completion_flags + 4 * (int64_t)me), round);
@@ -519,24 +596,36 @@ __host__ __device__ inline PullGeometry pull_geometry(int64_t hidden) {
 // out[t, chunk c] = sum over the token's sends of the target's combine row, in
 // float32. One warp per (token, chunk) item; the loads of kPullSends sends are
 // issued together.
-template <typename T, bool kVec, int kVecs>
-__device__ void pull_item(const CombineParams& p, int t, uint32_t c, const PullGeometry& g, int lane) {
-  const int me = p.ws.ep_rank;
-  uint8_t* my_row = row_of(p.ws, me);
-  int target = -1, slot = -1;
+// Own sends are read from the payload (not staged) with kVariantSkipSelfStage or kVariantOverlap.
+__host__ __device__ inline bool self_from_payload(const CombineParams& p) {
+  return (p.variant & (kVariantSkipSelfStage | kVariantOverlap)) != 0 && !p.payload_in_workspace;
+}
+
+// Lane k (< top_k) of the warp gets send k of token t: target rank and slot
+// there, -1/-1 for a repeat or an invalid entry.
+__device__ __forceinline__ void token_sends(const CombineParams& p, int t, int lane, int* target, int* slot) {
+  uint8_t* my_row = row_of(p.ws, p.ws.ep_rank);
+  int tq = -1, sq = -1;
   if (lane < p.top_k) {
-    target = ld_volatile(at<int>(my_row, p.aux.topk_target_ranks) + (int64_t)t * p.aux.topk_stride + lane);
-    slot = ld_volatile(at<int>(my_row, p.aux.topk_send_indices) + (int64_t)t * p.aux.topk_stride + lane);
+    tq = ld_volatile(at<int>(my_row, p.aux.topk_target_ranks) + (int64_t)t * p.aux.topk_stride + lane);
+    sq = ld_volatile(at<int>(my_row, p.aux.topk_send_indices) + (int64_t)t * p.aux.topk_stride + lane);
   }
-  const bool valid = target >= 0 && target < p.ws.ep_size && slot >= 0 && slot < p.rt;
-  unsigned sends = __ballot_sync(kFullMask, valid);
+  const bool valid = tq >= 0 && tq < p.ws.ep_size && sq >= 0 && sq < p.rt;
+  *target = valid ? tq : -1;
+  *slot = valid ? sq : -1;
+}
+
+template <typename T, bool kVec, int kVecs>
+__device__ void pull_item(const CombineParams& p, int t, uint32_t c, const PullGeometry& g, int lane, int target,
+                          int slot) {
+  const int me = p.ws.ep_rank;
+  unsigned sends = __ballot_sync(kFullMask, target >= 0);
   const int64_t row_bytes = p.hidden * (int64_t)sizeof(T);
   const int64_t unit_bytes = kVec ? 16 : (int64_t)sizeof(T);
   const int64_t first = c * static_cast<uint32_t>(g.per_chunk);  // first unit of this chunk (fits 32 bits)
   const uint8_t* region = p.ws.base + p.combine_offset + (int64_t)me * p.rt * row_bytes + first * unit_bytes;
   // Own sends: with kVariantSkipSelfStage the rows were not staged; read them from the payload.
-  const bool self_from_payload = (p.variant & kVariantSkipSelfStage) != 0 && !p.payload_in_workspace;
-  const uint8_t* self_region = self_from_payload ? p.payload + (int64_t)me * p.rt * row_bytes + first * unit_bytes
+  const uint8_t* self_region = self_from_payload(p) ? p.payload + (int64_t)me * p.rt * row_bytes + first * unit_bytes
                                                  : region + (int64_t)me * p.ws.row_stride;
 
   constexpr int kUnits = kVec ? kVecs : kPullScalars;
@@ -621,10 +710,77 @@ __device__ void pull_item(const CombineParams& p, int t, uint32_t c, const PullG
   }
 }
 
+// kVariantOverlap, puller side: wait until the row `slot` that target `q`
+// stages for this rank is ready: its slice flag or its whole-region flag equals
+// `round`. Not the poller (the launch's last block is): stop when the poller
+// posted this round to *give_up, give up on our own only after twice the
+// timeout (then post it and write the status record, as the poller would).
+__device__ bool wait_slice(const CombineParams& p, uint8_t* my_row, int q, int slot, int round, int* give_up,
+                           int* claim) {
+  const int* slice = at<int>(my_row, p.aux.combine_slice_flags) +
+                     (int64_t)q * p.aux.combine_slices + slot / p.aux.combine_slice_rows;
+  const int* whole = at<int>(my_row, p.aux.combine_completion_flags) + q;
+  const uint64_t t0 = global_timer_ns();
+  for (;;) {
+    if (ld_acquire_sys(slice) == round || ld_acquire_sys(whole) == round) return true;
+    if (ld_volatile(give_up) == round) return false;
+    const uint64_t waited = global_timer_ns() - t0;
+    if (waited >= 2 * p.ctl.timeout_ns) {
+      *reinterpret_cast<volatile int*>(give_up) = round;
+      if (atomicCAS(claim, 0, 1) == 0) write_status(p.ctl, p.ctl.code_timeout, q, round, p.ctl.phase_combine, waited);
+      return false;
+    }
+    __nanosleep(64);
+  }
+}
+
+// kVariantOverlap, stager side (blocks [0, nstage)): rows received from each
+// source s != me, COMBINE_SLICE_ROWS at a time and slice-major (slice j of every
+// source before slice j + 1), copied into the own combine region; after each
+// slice the block tells source s (st.release.sys on s's slice flag, after the
+// barrier: the release covers the whole block's copy, as in arrive_last).
+__device__ void stage_slices(const CombineParams& p, const int* recv, int round, int nstage) {
+  const int me = p.ws.ep_rank, ep = p.ws.ep_size;
+  uint8_t* my_row = row_of(p.ws, me);
+  const int64_t row_bytes = p.hidden * (int64_t)(p.dtype == DType::kFloat32 ? 4 : 2);
+  const int S = p.aux.combine_slice_rows;
+  int max_rows = 0;
+  for (int s = 0; s < ep; ++s) {
+    if (s == me) continue;
+    const int r = ld_volatile(recv + s);
+    max_rows = max(max_rows, min(max(r, 0), p.rt));
+  }
+  const int nj = (max_rows + S - 1) / S;
+  const int others = ep - 1;
+#pragma unroll 1
+  for (int gsl = blockIdx.x; gsl < nj * others; gsl += nstage) {
+    const int j = gsl / others, si = gsl - j * others;
+    const int s = si < me ? si : si + 1;
+    const int rows = min(max(ld_volatile(recv + s), 0), p.rt);
+    const int r0 = j * S;
+    if (r0 >= rows) continue;  // block-uniform
+    const int r1 = min(r0 + S, rows);
+    const int64_t off = ((int64_t)s * p.rt + r0) * row_bytes;
+    copy_bytes<kStageUnroll>(my_row + p.combine_offset + off, p.payload + off, (r1 - r0) * row_bytes, threadIdx.x,
+                             blockDim.x);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      st_release_sys(at<int>(row_of(p.ws, s), p.aux.combine_slice_flags) + (int64_t)me * p.aux.combine_slices + j,
+                     round);
+    }
+  }
+}
+
 // Grid: at most as many blocks as can be co-resident within lim.sm_budget SMs
 // (the launcher sizes it), because blocks wait for the flag that the last
 // block of the same grid writes. Phases: stage -> arrive (last block: flags,
 // reset SEND_COUNTERS, FLAG_VAL = R + 1) -> wait for every peer -> pull.
+// kVariantOverlap (grids of >= kOverlapMinGrid blocks, payload not in the
+// workspace, ep > 1): only the first gridDim / kOverlapStageShare blocks stage,
+// slice by slice; every block pulls as soon as it arrived, items taken from a
+// counter in the order (tokens with no remote send) then (target q, slot s,
+// chunk): the order in which q stages, so pullers rarely wait; each item waits
+// for its rows' slices. Only the last block waits for the whole-region flags.
 template <typename T, bool kVec, int kVecs>
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const CombineParams p) {
   const int me = p.ws.ep_rank, ep = p.ws.ep_size;
@@ -632,14 +788,29 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const CombineP
   int* block_counters = at<int>(my_row, p.aux.block_counters);
   const int round = ld_volatile(at<int>(my_row, p.aux.flag_val));
   const int64_t row_bytes = p.hidden * (int64_t)sizeof(T);
+  const int* recv = at<int>(my_row, p.aux.recv_counters);
+  const bool overlap = p.overlap_stage_blocks > 0;  // the launcher decides (kVariantOverlap, enough to stage)
+  const int nstage = p.overlap_stage_blocks;
+  // kVariantOverlap: this rank's send counts, as positions (read before arriving: the last block zeroes them).
+  __shared__ int s_pos[kMaxEpSize + 1];
+  if (overlap && threadIdx.x == 0) {
+    const int* send = at<int>(my_row, p.aux.send_counters);
+    int acc = 0;
+    for (int q = 0; q < ep; ++q) {
+      s_pos[q] = acc;
+      if (q != me) acc += min(max(ld_volatile(send + q), 0), p.rt);
+    }
+    s_pos[ep] = acc;
+  }
 
   // 1. Stage the rows that were received (RECV_COUNTERS) into the own combine region.
-  if (!p.payload_in_workspace) {
+  if (overlap) {
+    if (static_cast<int>(blockIdx.x) < nstage) stage_slices(p, recv, round, nstage);
+  } else if (!p.payload_in_workspace) {
     const uint32_t nthreads = gridDim.x * blockDim.x;  // the launcher keeps grids small
     const uint32_t tid = blockIdx.x * blockDim.x + threadIdx.x;
     const uint32_t stride = nthreads / static_cast<uint32_t>(ep);
-    const int* recv = at<int>(my_row, p.aux.recv_counters);
-    const bool skip_self = (p.variant & kVariantSkipSelfStage) != 0;
+    const bool skip_self = self_from_payload(p);
     for (int s = 0; s < ep; ++s) {
       if (skip_self && s == me) continue;  // only this rank pulls its own rows: read from the payload
       int rows = ld_volatile(recv + s);
@@ -647,7 +818,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const CombineP
       const int64_t off = (int64_t)s * p.rt * row_bytes;
       // rotate the threads per source so that small copies spread over the grid
       const uint32_t my = (tid + static_cast<uint32_t>(s) * stride) % nthreads;
-      copy_bytes(my_row + p.combine_offset + off, p.payload + off, rows * row_bytes, my, nthreads);
+      copy_bytes<>(my_row + p.combine_offset + off, p.payload + off, rows * row_bytes, my, nthreads);
     }
   }
 
@@ -666,25 +837,66 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const CombineP
 
   // 3. Wait for every peer. Blocks with nothing to pull leave now; the last
   //    block always waits, so the launch never completes before every peer's
-  //    outputs are ready (the next dispatch relies on that).
+  //    outputs are ready (the next dispatch relies on that). With overlap only
+  //    the last block waits here; the others wait per item (wait_slice).
   const PullGeometry g = pull_geometry<T, kVec, kVecs>(p.hidden);
   const uint32_t chunks = static_cast<uint32_t>(g.chunks);  // the launcher checks T * chunks < 2^31
   const uint32_t items = static_cast<uint32_t>(p.local_num_tokens) * chunks;
   constexpr uint32_t warps = kCombineThreads / 32;
   const uint32_t first_item = blockIdx.x * warps;
-  if (!last && first_item >= items) return;
-  if (!block_wait_flags(at<int>(my_row, p.aux.combine_completion_flags), ep, round, p.ctl, p.ctl.phase_combine,
-                        /*poller=*/last, block_counters + p.aux.block_counter_slots - 1,
-                        block_counters + kSlotCombineGiveUp, low_latency)) {
+  int* claim = block_counters + p.aux.block_counter_slots - 1;
+  int* give_up = block_counters + kSlotCombineGiveUp;
+  if (!overlap && !last && first_item >= items) return;
+  if ((last || !overlap) && !block_wait_flags(at<int>(my_row, p.aux.combine_completion_flags), ep, round, p.ctl,
+                                              p.ctl.phase_combine, /*poller=*/last, claim, give_up, low_latency)) {
     return;
   }
 
   // 4. Pull and reduce.
   const int lane = threadIdx.x % 32;
-  const uint32_t nw = gridDim.x * warps;
+  if (!overlap) {
+    const uint32_t nw = gridDim.x * warps;
 #pragma unroll 1
-  for (uint32_t item = first_item + threadIdx.x / 32; item < items; item += nw) {
-    pull_item<T, kVec, kVecs>(p, static_cast<int>(item / chunks), item % chunks, g, lane);
+    for (uint32_t item = first_item + threadIdx.x / 32; item < items; item += nw) {
+      const int t = static_cast<int>(item / chunks);
+      int target, slot;
+      token_sends(p, t, lane, &target, &slot);
+      pull_item<T, kVec, kVecs>(p, t, item % chunks, g, lane, target, slot);
+    }
+    return;
+  }
+  const uint32_t ntok = static_cast<uint32_t>(p.local_num_tokens);
+  const uint32_t total = ntok + static_cast<uint32_t>(s_pos[ep]) * chunks;  // the launcher checks < 2^31
+  const int* slot_tokens = at<int>(my_row, p.aux.slot_tokens);
+#pragma unroll 1
+  for (;;) {
+    uint32_t item = 0;
+    if (lane == 0) item = static_cast<uint32_t>(atomicAdd(block_counters + kSlotPullWork, 1));
+    item = __shfl_sync(kFullMask, item, 0);
+    if (item >= total) break;
+    int t, target, slot;
+    if (item < ntok) {  // a token with no remote send: all of it, here (nobody waits for it)
+      t = static_cast<int>(item);
+      token_sends(p, t, lane, &target, &slot);
+      if (__any_sync(kFullMask, target >= 0 && target != me)) continue;
+      for (uint32_t c = 0; c < chunks; ++c) pull_item<T, kVec, kVecs>(p, t, c, g, lane, target, slot);
+      continue;
+    }
+    const uint32_t pos = (item - ntok) / chunks, c = (item - ntok) % chunks;
+    int q = 0;  // the target whose slot range holds pos: the last q with s_pos[q] <= pos
+    for (int b = kMaxEpSize; b > 0; b >>= 1) {
+      if (q + b < ep && static_cast<uint32_t>(s_pos[q + b]) <= pos) q += b;
+    }
+    t = slot_tokens[(int64_t)q * p.aux.max_num_tokens + (pos - s_pos[q])];
+    if (t < 0 || t >= p.local_num_tokens) continue;  // never written this round: cannot happen
+    token_sends(p, t, lane, &target, &slot);
+    // The token's item belongs to its lowest remote target; the others skip it.
+    const int primary = __reduce_min_sync(kFullMask, target >= 0 && target != me ? target : kMaxEpSize);
+    if (primary != q) continue;
+    bool ok = true;
+    if (target >= 0 && target != me) ok = wait_slice(p, my_row, target, slot, round, give_up, claim);
+    if (!__all_sync(kFullMask, ok)) return;  // __all_sync also orders the acquires before every lane's loads
+    pull_item<T, kVec, kVecs>(p, t, c, g, lane, target, slot);
   }
 }
 
@@ -830,13 +1042,23 @@ cudaError_t launch_combine_typed(const CombineParams& p, cudaStream_t stream) {
   if ((int64_t)p.local_num_tokens * g.chunks >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
   const int64_t row_bytes = p.hidden * (int64_t)sizeof(T);
   const int64_t pull_blocks = ceil_div((int64_t)p.local_num_tokens * g.chunks, kCombineThreads / 32);
-  const int64_t staged_sources = (p.variant & kVariantSkipSelfStage) ? p.ws.ep_size - 1 : p.ws.ep_size;
+  if ((int64_t)p.local_num_tokens * (g.chunks + 1) >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
+  const int64_t staged_sources = self_from_payload(p) ? p.ws.ep_size - 1 : p.ws.ep_size;
   const int64_t stage_blocks =
       p.payload_in_workspace ? 0 : ceil_div(staged_sources * p.rt * row_bytes, kCombineThreads * 16 * kCopyUnroll);
   int64_t want = pull_blocks > stage_blocks ? pull_blocks : stage_blocks;
   if (want < 1) want = 1;
   const int grid = static_cast<int>(want < resident ? want : resident);
-  combine_kernel<T, kVec, kVecs><<<grid, kCombineThreads, 0, stream>>>(p);
+  CombineParams q = p;
+  q.overlap_stage_blocks = 0;
+  const int64_t stage_bytes = staged_sources * p.rt * row_bytes;  // an upper bound (rt rows per source)
+  if ((p.variant & kVariantOverlap) != 0 && !p.payload_in_workspace && p.ws.ep_size > 1 &&
+      stage_bytes >= kOverlapMinBytes && row_bytes >= kOverlapMinRowBytes) {
+    const int share = (p.variant >> kVariantStageShareShift) & 0xf;
+    const int stagers = grid / (share > 0 ? share : kOverlapStageShare);
+    q.overlap_stage_blocks = stagers < 1 ? 1 : stagers;
+  }
+  combine_kernel<T, kVec, kVecs><<<grid, kCombineThreads, 0, stream>>>(q);
   return cudaGetLastError();
 }
 }  // namespace
@@ -850,10 +1072,9 @@ cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream) {
   }
   const int elem = p.dtype == DType::kFloat32 ? 4 : 2;
   const int64_t row_bytes = p.hidden * elem;
-  const bool self_from_payload = (p.variant & kVariantSkipSelfStage) != 0 && !p.payload_in_workspace;
   const bool vec = row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(p.ws.base + p.combine_offset) % 16 == 0 && p.ws.row_stride % 16 == 0 &&
-                   (!self_from_payload || reinterpret_cast<uintptr_t>(p.payload) % 16 == 0);
+                   (!self_from_payload(p) || reinterpret_cast<uintptr_t>(p.payload) % 16 == 0);
   const bool wide = (p.variant & kVariantWidePull) != 0;
   switch (p.dtype) {
     case DType::kFloat32:

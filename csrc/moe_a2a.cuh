@@ -24,7 +24,18 @@ constexpr int kVariantWidePull = 4;       // combine: 4 x 16 B vectors per lane 
 constexpr int kVariantBlockFence = 8;    // both: one fence.acq_rel.sys per block after __syncthreads (by the
                                           // thread that then arrives), not one per thread; a one-block launch
                                           // with bit 2 needs none besides the flags' st.release.sys
-constexpr int kDefaultVariant = kVariantSkipSelfStage | kVariantLowLatency | kVariantWidePull;  // 7
+constexpr int kVariantOverlap = 16;       // combine: a quarter of the grid stages slice by slice and tells the
+                                          // puller per slice (COMBINE_SLICE_FLAGS); the rest pull from the start,
+                                          // in the peers' slot order (SLOT_TOKENS), taking items from a counter.
+                                          // Implies bit 1. Grids of fewer than kOverlapMinGrid blocks skip it.
+constexpr int kVariantLocalSlots = 32;    // dispatch: a one-block launch numbers its sends in shared memory
+                                          // (no global atomics) and publishes the counts it holds
+constexpr int kVariantPrefetch = 64;      // dispatch: each warp loads its first copy item of a tile before
+                                          // the routing step, so the payload read overlaps the routing
+constexpr int kVariantStageShareShift = 8;  // bits 8-11: with kVariantOverlap, 1 / share of the grid stages
+                                             // (0: the default, 4)
+constexpr int kDefaultVariant = kVariantSkipSelfStage | kVariantLowLatency | kVariantWidePull | kVariantBlockFence |
+                                kVariantOverlap | kVariantLocalSlots;  // 63
 constexpr int kVariantMask = 0xffff;      // the variant bits; the bits above carry the diagnostics
 
 // Diagnostics (TIMING ONLY: every bit but kDiagDoubleFence breaks the protocol's
@@ -62,6 +73,11 @@ struct AuxOffsets {
   int64_t block_counters;
   int topk_stride;            // layout.MAX_TOP_K
   int block_counter_slots;    // layout.BLOCK_COUNTER_SLOTS
+  int64_t slot_tokens;        // [ep_size, max_num_tokens] int32: token sent to (target, slot)
+  int max_num_tokens;         // the job's max_num_tokens (row stride of slot_tokens)
+  int64_t combine_slice_flags;  // [ep_size, combine_slices] int32, written by the targets
+  int combine_slices;         // ceil(max_num_tokens / combine_slice_rows)
+  int combine_slice_rows;     // layout.COMBINE_SLICE_ROWS
 };
 
 // The job's control block as the kernels see it (host memory registered for
@@ -138,6 +154,7 @@ struct CombineParams {
   int rt;
   int64_t combine_offset;     // row-relative start of region [ep_size, rt, hidden]
   int variant;                // kVariant* bits
+  int overlap_stage_blocks;   // set by launch_combine: > 0 runs kVariantOverlap with this many stagers
 };
 
 struct InitializeParams {

@@ -295,7 +295,8 @@ def test_dispatch_byte_exact_and_combine(make_job, ep_size, top_k, num_experts):
         job.planes[r].check()  # no failure recorded
 
 
-@pytest.mark.parametrize("variants", [(3, 3), (7, 7), (15, 15), (0, 3, 7, 5), (15, 8, 7, 0)])
+@pytest.mark.parametrize("variants", [(3, 3), (7, 7), (15, 15), (0, 3, 7, 5), (15, 8, 7, 0), (127, 127), (23, 23),
+                                      (31, 0, 96, 119), (16, 15, 64, 32)])
 @pytest.mark.parametrize("T", [1, 37])
 @pytest.mark.parametrize("dtype,in_workspace", [("bf16", False), ("fp32", False), ("bf16", True)])
 def test_kernel_variants(make_job, variants, T, dtype, in_workspace):
@@ -319,14 +320,67 @@ def test_kernel_variants(make_job, variants, T, dtype, in_workspace):
             job.planes[r].check()
 
 
+@pytest.mark.parametrize("dtype,hidden", [("bf16", 8192), ("fp32", 4100), ("bf16", 8201)])
+def test_overlapped_combine(make_job, dtype, hidden):
+    """Variant bit 16: a quarter of the grid stages slice by slice and flags each slice to its
+    source while the rest already pulls, in the peer's slot order. Many slices, uneven token
+    counts (a rank that sends nothing), rt > T, several rounds, a peer on the plain path,
+    aligned and unaligned rows; the slice flags show that the overlapped path ran (rows and rt
+    are large enough that a rank stages more than the launcher's 16 MB threshold).
+
+    Two ranks: with three or more ranks sharing one GPU at full-size grids, rank 0 times out
+    on the plain path (variant 7) as well, so such jobs cannot run in one process here."""
+    from a2ad.client import cuda_plane as cp
+
+    dtype = DTYPES[dtype]
+    es = torch.tensor([], dtype=dtype).element_size()
+    ep_size, top_k, num_experts, max_tokens = 2, 6, 8, 1100
+    job = make_job(ep_size, max_tokens, top_k, num_experts, es * hidden + 4 * top_k, es * hidden)
+    overlap = cp.VARIANT_OVERLAP | cp.DEFAULT_VARIANT
+    plain = cp.DEFAULT_VARIANT & ~cp.VARIANT_OVERLAP
+    rt = 1090
+    pl = job.layout(rt, [es * hidden, 4 * top_k], es * hidden)
+    assert rt * es * hidden >= 16 << 20
+    S = L.COMBINE_SLICE_ROWS
+    for rnd, variants in enumerate([(overlap, overlap), (overlap, overlap), (overlap, plain), (plain, overlap)]):
+        for plane, v in zip(job.planes, variants):
+            plane.variant = v
+        tokens = [0 if r == 1 and rnd == 1 else 1050 - 37 * r for r in range(ep_size)]
+        experts = [rand_experts(t, top_k, num_experts) for t in tokens]
+        xs = [torch.randn(t, hidden, device="cuda").to(dtype) for t in tokens]
+        payloads = [[xs[r].view(torch.uint8), experts[r].view(torch.uint8)] for r in range(ep_size)]
+        outs = run_round(job, experts, payloads, pl, 0, dtype)
+        check_dispatch(job, experts, payloads, pl)
+        for r in range(ep_size):
+            assert outs[r].shape == (tokens[r], hidden)
+            close(outs[r], combine_reference(job, experts[r], xs[r]), dtype)
+            job.planes[r].check()
+        # rank q staged with the overlapped path iff it runs bit 16: then every slice it holds for
+        # source s carries this round in s's COMBINE_SLICE_FLAGS[q]
+        this_round = L.INITIAL_ROUND + rnd
+        for s in range(ep_size):
+            flags = job.i32(s, job.aux.combine_slice_flags, ep_size * job.aux.combine_slices)
+            flags = flags.view(ep_size, job.aux.combine_slices).cpu()
+            for q in range(ep_size):
+                if q == s:
+                    continue
+                n = int(job.recv_counts(q)[s])
+                slices = (n + S - 1) // S
+                staged = flags[q, :slices].tolist()
+                if job.planes[q].variant & cp.VARIANT_OVERLAP:
+                    assert staged == [this_round] * slices, f"round {rnd}: rank {q} -> source {s} slice flags"
+                else:
+                    assert all(v != this_round for v in staged), f"rank {q} runs the plain path but flagged slices"
+
+
 def test_diag_bits_off_by_default_and_double_fence_correct(make_job, monkeypatch):
     """A2AD_KERNEL_DIAG (timing-only bits) is 0 unless set; the one correct diagnostic (the
-    system fence twice) still computes the round; variants outside [0, 15] are refused."""
+    system fence twice) still computes the round; variants outside [0, 127] are refused."""
     from a2ad.client import cuda_plane as cp
 
     monkeypatch.delenv("A2AD_KERNEL_DIAG", raising=False)
     assert cp.kernel_diag() == 0
-    monkeypatch.setenv("A2AD_KERNEL_VARIANT", "16")
+    monkeypatch.setenv("A2AD_KERNEL_VARIANT", str(cp.VARIANT_BITS + 1))
     with pytest.raises(ValueError):
         cp.kernel_variant()
     monkeypatch.delenv("A2AD_KERNEL_VARIANT")
@@ -801,7 +855,7 @@ class TwoGpuJob:
             done = []
             for r in range(self.ep_size):
                 with self.on(r):
-                    torch.cuda._sleep(int((5000 + 60 * rounds) * self.cycles_per_us))
+                    torch.cuda._sleep(int((5000 + 400 * rounds) * self.cycles_per_us))
                     ev = torch.cuda.Event()
                     ev.record()
                     done.append(ev)
@@ -846,26 +900,25 @@ def timing_main():
     D = cp
     plan = [
         # (label, T, variant, diag, flush)
-        ("variant 7 (default)", 1, 7, 0, True),
-        ("7 + diag no-op dispatch kernel (launch floor)", 1, 7, D.DIAG_NOOP, True),
-        ("7 + diag no publish, no wait (local work only)", 1, 7, D.DIAG_NO_PUBLISH, True),
-        ("7 + diag no copy, no publish, no wait (routing+fence)", 1, 7, D.DIAG_SKIP_COPY | D.DIAG_NO_PUBLISH, True),
-        ("7 + diag no copy, no fence, no publish (routing only)", 1, 7,
+        ("variant 15", 1, 15, 0, True),
+        ("15 + diag no-op dispatch kernel (launch floor)", 1, 15, D.DIAG_NOOP, True),
+        ("15 + diag routing only (no copy, fence, publish)", 1, 15,
          D.DIAG_SKIP_COPY | D.DIAG_SKIP_FENCE | D.DIAG_NO_PUBLISH, True),
-        ("7 + diag no wait (publish, no wait)", 1, 7, D.DIAG_NO_WAIT, True),
-        ("7 + diag skip copy", 1, 7, D.DIAG_SKIP_COPY, True),
-        ("7 + diag skip per-thread fence", 1, 7, D.DIAG_SKIP_FENCE, True),
-        ("7 + diag fence twice", 1, 7, D.DIAG_DOUBLE_FENCE, True),
-        ("variant 15 (block fence)", 1, 15, 0, True),
-        ("15 + diag no wait", 1, 15, D.DIAG_NO_WAIT, True),
-        ("variant 7 again (noise)", 1, 7, 0, True),
-        ("variant 7, no L2 flush", 1, 7, 0, False),
-        ("variant 15, no L2 flush", 1, 15, 0, False),
+        ("15 + diag routing + fence (no copy, publish)", 1, 15, D.DIAG_SKIP_COPY | D.DIAG_NO_PUBLISH, True),
+        ("15 + diag local work only (no publish, no wait)", 1, 15, D.DIAG_NO_PUBLISH, True),
+        ("15 + diag publish, no wait", 1, 15, D.DIAG_NO_WAIT, True),
+        ("variant 47 (15 + shared-memory slots)", 1, 47, 0, True),
+        ("47 + diag routing only", 1, 47, D.DIAG_SKIP_COPY | D.DIAG_SKIP_FENCE | D.DIAG_NO_PUBLISH, True),
+        ("variant 79 (15 + prefetch)", 1, 79, 0, True),
+        ("79 + diag local work only", 1, 79, D.DIAG_NO_PUBLISH, True),
+        ("variant 111 (15 + slots + prefetch)", 1, 111, 0, True),
+        ("111 + diag local work only", 1, 111, D.DIAG_NO_PUBLISH, True),
+        ("111 + diag publish, no wait", 1, 111, D.DIAG_NO_WAIT, True),
+        ("variant 7", 1, 7, 0, True),
         ("variant 15 again (noise)", 1, 15, 0, True),
-        ("variant 7", 128, 7, 0, True),
-        ("variant 15", 128, 15, 0, True),
-        ("variant 7", 4096, 7, 0, True),
         ("variant 15", 4096, 15, 0, True),
+        ("variant 31 (15 + overlapped combine)", 4096, 31, 0, True),
+        ("variant 127", 4096, 127, 0, True),
     ]
     rows, cur_T = [], None
     for label, T, v, dg, fl in plan:

@@ -12,9 +12,15 @@ def test_aux_fields_are_aligned_and_disjoint():
     assert offs[L.PAYLOAD_DATA_OFFSET_INDEX] == aux.payload_data
     ordered = [aux.flag_val, aux.local_token_counter, aux.send_counters, aux.recv_counters,
                aux.dispatch_completion_flags, aux.combine_completion_flags, aux.topk_target_ranks,
-               aux.topk_send_indices, aux.block_counters, aux.payload_data]
+               aux.topk_send_indices, aux.block_counters, aux.slot_tokens, aux.combine_slice_flags,
+               aux.payload_data]
     assert ordered == sorted(ordered) and len(set(ordered)) == len(ordered)
+    assert all(o % L.ALIGN == 0 for o in ordered)
     assert aux.topk_send_indices - aux.topk_target_ranks >= 4 * 1000 * L.MAX_TOP_K
+    assert aux.combine_slice_flags - aux.slot_tokens >= 4 * 8 * 1000
+    assert aux.combine_slices == -(-1000 // L.COMBINE_SLICE_ROWS)
+    assert L.combine_slices(L.COMBINE_SLICE_ROWS * 7 + 1) == 8
+    assert aux.payload_data - aux.combine_slice_flags >= 4 * 8 * aux.combine_slices
     assert aux.aux_data_size == aux.payload_data + L.ALIGN_SLACK
 
 
