@@ -77,7 +77,7 @@ VARIANT_BLOCK_FENCE = 8
 VARIANT_OVERLAP = 16
 VARIANT_LOCAL_SLOTS = 32
 VARIANT_PREFETCH = 64
-#: Bits 8-11: with VARIANT_OVERLAP, 1 / share of the combine grid stages (0: the default, 4).
+#: Bits 8-11: with VARIANT_OVERLAP, 1 / share of the combine grid stages (0: the default, 2).
 VARIANT_STAGE_SHARE_SHIFT = 8
 VARIANT_BITS = 0xFFF
 #: 63: best measured on 2 x H200 (csrc/README.md, "Kernel variants"); prefetch (64) measured slower.

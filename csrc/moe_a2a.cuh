@@ -24,16 +24,16 @@ constexpr int kVariantWidePull = 4;       // combine: 4 x 16 B vectors per lane 
 constexpr int kVariantBlockFence = 8;    // both: one fence.acq_rel.sys per block after __syncthreads (by the
                                           // thread that then arrives), not one per thread; a one-block launch
                                           // with bit 2 needs none besides the flags' st.release.sys
-constexpr int kVariantOverlap = 16;       // combine: a quarter of the grid stages slice by slice and tells the
+constexpr int kVariantOverlap = 16;       // combine: part of the grid stages slice by slice and tells the
                                           // puller per slice (COMBINE_SLICE_FLAGS); the rest pull from the start,
                                           // in the peers' slot order (SLOT_TOKENS), taking items from a counter.
-                                          // Implies bit 1. Grids of fewer than kOverlapMinGrid blocks skip it.
+                                          // Implies bit 1. Used when a rank stages >= 16 MB of rows >= 8 KB.
 constexpr int kVariantLocalSlots = 32;    // dispatch: a one-block launch numbers its sends in shared memory
                                           // (no global atomics) and publishes the counts it holds
 constexpr int kVariantPrefetch = 64;      // dispatch: each warp loads its first copy item of a tile before
                                           // the routing step, so the payload read overlaps the routing
 constexpr int kVariantStageShareShift = 8;  // bits 8-11: with kVariantOverlap, 1 / share of the grid stages
-                                             // (0: the default, 4)
+                                             // (0: the default, 2)
 constexpr int kDefaultVariant = kVariantSkipSelfStage | kVariantLowLatency | kVariantWidePull | kVariantBlockFence |
                                 kVariantOverlap | kVariantLocalSlots;  // 63
 constexpr int kVariantMask = 0xffff;      // the variant bits; the bits above carry the diagnostics

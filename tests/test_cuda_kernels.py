@@ -322,7 +322,7 @@ def test_kernel_variants(make_job, variants, T, dtype, in_workspace):
 
 @pytest.mark.parametrize("dtype,hidden", [("bf16", 8192), ("fp32", 4100), ("bf16", 8201)])
 def test_overlapped_combine(make_job, dtype, hidden):
-    """Variant bit 16: a quarter of the grid stages slice by slice and flags each slice to its
+    """Variant bit 16: part of the grid stages slice by slice and flags each slice to its
     source while the rest already pulls, in the peer's slot order. Many slices, uneven token
     counts (a rank that sends nothing), rt > T, several rounds, a peer on the plain path,
     aligned and unaligned rows; the slice flags show that the overlapped path ran (rows and rt
