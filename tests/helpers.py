@@ -114,6 +114,22 @@ def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def settled_fd_count(pid: int, timeout: float = 5.0, quiet: float = 0.3) -> int:
+    """``pid``'s open fd count once it held still for ``quiet`` seconds (libzmq closes a departed
+    peer's connection asynchronously, so a count taken right after a client left may still
+    include it)."""
+    end = time.monotonic() + timeout
+    last, since = fd_count(pid), time.monotonic()
+    while time.monotonic() < end:
+        time.sleep(0.02)
+        n = fd_count(pid)
+        if n != last:
+            last, since = n, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            return n
+    raise AssertionError(f"pid {pid}: open fd count did not settle within {timeout} s (last {last})")
+
+
 def rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

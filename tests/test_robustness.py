@@ -14,7 +14,7 @@ import zmq
 
 from a2ad import errors, protocol
 from a2ad.client import attach
-from helpers import fd_count, rss_kib, wait_for
+from helpers import fd_count, rss_kib, settled_fd_count, wait_for
 
 SPEC = dict(max_num_tokens=16, top_k=2, num_experts=8, dispatch_bytes_per_token=64, combine_bytes_per_token=64)
 
@@ -140,7 +140,7 @@ def test_thousand_attach_detach_cycles_do_not_leak(daemon_factory):
         with attach("soak", 0, 1, runtime_dir=d.runtime_dir, timeout=10, **SPEC):
             pass
     wait_for(lambda: not d.request("jobs")["jobs"], 10, "warm-up job freed")
-    fds0, rss0 = fd_count(d.pid), rss_kib(d.pid)
+    fds0, rss0 = settled_fd_count(d.pid), rss_kib(d.pid)
     t0 = time.monotonic()
     for i in range(1000):
         with attach("soak", 0, 1, runtime_dir=d.runtime_dir, timeout=10, **SPEC) as att:
@@ -148,11 +148,11 @@ def test_thousand_attach_detach_cycles_do_not_leak(daemon_factory):
     wait_for(lambda: not d.request("jobs")["jobs"], 10, "last job freed")
     elapsed = time.monotonic() - t0
     # libzmq closes a departed client's connection asynchronously: allow it a moment
-    fds1 = wait_for(lambda: (n := fd_count(d.pid)) == fds0 and n, 5, f"daemon fds back to {fds0}")
+    fds1 = wait_for(lambda: (n := fd_count(d.pid)) <= fds0 and n, 5, f"daemon fds back to {fds0}")
     rss1 = rss_kib(d.pid)
     print(f"\nsoak: 1000 attach/detach cycles in {elapsed:.1f} s ({elapsed:.3f} ms each); "
           f"daemon open fds {fds0} -> {fds1}, RSS {rss0} KiB -> {rss1} KiB")
-    assert fds1 == fds0
+    assert fds1 <= fds0
     assert rss1 - rss0 < 4096, "daemon RSS grew by more than 4 MiB over 1000 cycles"
     assert d.request("status")["counters"]["attaches"] == 1020
 
