@@ -1,7 +1,7 @@
 """a2ad-bench: dispatch/combine latency and bandwidth of a2ad against NCCL baselines.
 
 One process per rank, one rank per GPU (``torch.multiprocessing`` spawn). The
-launcher starts an a2ad daemon (``python -m a2ad.cli serve --backend cuda``) on a
+launcher starts an a2ad daemon (``python -m a2ad.tools.cli serve --backend cuda``) on a
 private runtime folder unless ``--runtime-dir`` names a running one, then every
 rank attaches through ``MoeAlltoAll(job=...)`` and, in the same run, on the same
 GPUs, runs:
@@ -1876,11 +1876,11 @@ class Daemon:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 30.0) -> None:
-        from a2ad.client.connection import ping
+        from a2ad.connection import ping
         from a2ad.errors import DaemonUnavailable
 
         self._log = open(self.log_path, "ab")
-        cmd = [sys.executable, "-m", "a2ad.cli", "serve", "--runtime-dir", str(self.runtime_dir),
+        cmd = [sys.executable, "-m", "a2ad.tools.cli", "serve", "--runtime-dir", str(self.runtime_dir),
                "--backend", self.backend, "--grace", "1", "--log-level", "info"]
         import a2ad
 
@@ -2038,7 +2038,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(errors_[-1])
                 cfg["impls"] = [i for i in cfg["impls"] if not i.startswith("a2ad")]
         if args.runtime_dir:
-            from a2ad.client.connection import ping
+            from a2ad.connection import ping
 
             try:
                 hello = ping(args.runtime_dir, timeout=5.0)

@@ -151,7 +151,7 @@ class Field:
 
 
 #: Request type -> its fields (besides v, id, type). Each command's meaning and reply
-#: payload are documented with its handler in a2ad/commands.py.
+#: payload are documented with its handler in a2ad/daemon/commands.py.
 REQUESTS: dict[str, dict[str, Field]] = {
     "hello": {},
     "status": {},

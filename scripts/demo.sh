@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
-exec "${A2AD_PYTHON:-python3}" -m a2ad.cli demo "$@"
+exec "${A2AD_PYTHON:-python3}" -m a2ad.tools.cli demo "$@"

@@ -83,7 +83,7 @@ def child_overhead(ordinal: int) -> None:
     """As the daemon (no torch): what the CUDA context costs, and what the daemon holds
     between setups with the default (transient) and the kept context policy."""
     assert "torch" not in sys.modules
-    from a2ad.backends.cuda import CudaBackend
+    from a2ad.daemon.backends.cuda import CudaBackend
 
     uuid = cd.uuid_of(ordinal)
     out = {"ok": True, "ordinal": ordinal, "uuid": uuid}
@@ -216,7 +216,7 @@ def child_export(ordinal: int, sock_fd: int, size: int, aux: int, flag_round: in
     """Exporter (as the daemon, no torch): allocate + initialize, write a pattern after the aux
     region through a temporary mapping, send the fd over SCM_RIGHTS, then exit without waiting."""
     assert "torch" not in sys.modules
-    from a2ad.backends.cuda import CudaBackend
+    from a2ad.daemon.backends.cuda import CudaBackend
 
     be = CudaBackend()
     uuid = cd.uuid_of(ordinal)
@@ -451,7 +451,7 @@ def check_exporter_exits(c: Checks, exp_ordinal: int, imp_ordinal: int) -> str:
 
 def check_cross_gpu(c: Checks, ordinals: list[int]) -> str:
     """Rows on each GPU (allocated here through the backend), one importer per GPU writing into peers."""
-    from a2ad.backends.cuda import CudaBackend
+    from a2ad.daemon.backends.cuda import CudaBackend
 
     ep = len(ordinals)
     be = CudaBackend()
@@ -506,7 +506,7 @@ def check_cross_gpu(c: Checks, ordinals: list[int]) -> str:
 
 def check_hidden_gpu(c: Checks, mem_ordinal: int, imp_ordinal: int) -> str:
     """Memory on GPU mem_ordinal, importer sees only GPU imp_ordinal (CUDA_VISIBLE_DEVICES)."""
-    from a2ad.backends.cuda import CudaBackend
+    from a2ad.daemon.backends.cuda import CudaBackend
 
     be = CudaBackend()
     al = be.allocate(2 * MiB, cd.uuid_of(mem_ordinal))

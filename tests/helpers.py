@@ -23,13 +23,13 @@ class DaemonProcess:
         self.log_path = self.runtime_dir.parent / f"{self.runtime_dir.name}-daemon.log"
 
     def start(self, timeout: float = 20.0) -> "DaemonProcess":
-        from a2ad.client.connection import ping
+        from a2ad.connection import ping
         from a2ad.errors import DaemonUnavailable
 
         self._log = open(self.log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "a2ad.cli", "serve", "--runtime-dir", str(self.runtime_dir), "--log-level", "debug", *self.args],
+            [sys.executable, "-m", "a2ad.tools.cli", "serve", "--runtime-dir", str(self.runtime_dir), "--log-level", "debug", *self.args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -57,7 +57,7 @@ class DaemonProcess:
             return ""
 
     def client(self, timeout: float = 5.0):
-        from a2ad.client.connection import DaemonClient
+        from a2ad.connection import DaemonClient
 
         return DaemonClient(self.runtime_dir, timeout=timeout)
 

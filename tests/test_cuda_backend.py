@@ -116,7 +116,7 @@ def test_missing_driver_library_is_clean():
     p = _run_py(
         """
         from a2ad import cuda_driver as cd, errors
-        from a2ad.backends import make_backend, cuda_available
+        from a2ad.daemon.backends import make_backend, cuda_available
         assert cd.device_count() == 0
         assert cd.available() is False and cuda_available() is False
         try:
@@ -142,7 +142,7 @@ def test_missing_driver_library_is_clean():
 
 @pytest.mark.skipif(N_GPUS > 0, reason="a GPU is present")
 def test_make_backend_cuda_without_gpu_raises_backend_error():
-    from a2ad.backends import make_backend
+    from a2ad.daemon.backends import make_backend
 
     with pytest.raises(errors.BackendError, match="GPU"):
         make_backend("cuda")
@@ -173,7 +173,7 @@ def test_uuid_formats():
 
 
 def test_backend_rejects_bad_device_strings_without_touching_gpus():
-    from a2ad.backends.cuda import CudaBackend
+    from a2ad.daemon.backends.cuda import CudaBackend
 
     b = CudaBackend()
     for bad in ("host", "cuda:0", "0", "GPU-nope", 7):
@@ -344,7 +344,7 @@ def _write_through_temp_mapping(ordinal: int, handle: int, size: int, offset: in
 def _child_exporter(path: str, ordinal: int, size: int, aux: int, rnd: int, seed: int, wait_ack: bool) -> None:
     """The daemon's side, no torch CUDA: allocate, initialize, write a pattern after the aux
     region, send the fd over SCM_RIGHTS, release everything and exit."""
-    from a2ad.backends.cuda import CudaBackend
+    from a2ad.daemon.backends.cuda import CudaBackend
 
     with _connect(path) as s:
         be = CudaBackend()
@@ -362,7 +362,7 @@ def _child_exporter(path: str, ordinal: int, size: int, aux: int, rnd: int, seed
 def _child_overhead(path: str, ordinal: int) -> None:
     """As the daemon: allocate + initialize with the default (transient) context policy, then
     with a kept context; report describe() and the free-memory readings around each."""
-    from a2ad.backends.cuda import CudaBackend
+    from a2ad.daemon.backends.cuda import CudaBackend
 
     with _connect(path) as s:
         assert not torch.cuda.is_initialized()
@@ -470,7 +470,7 @@ def test_uuid_agrees_with_torch():
 
 @_apply(gpu)
 def test_check_device_and_row_stride():
-    from a2ad.backends.cuda import CudaBackend
+    from a2ad.daemon.backends.cuda import CudaBackend
 
     b = CudaBackend()
     uuid = cd.uuid_of(0)
@@ -487,7 +487,7 @@ def test_check_device_and_row_stride():
 
 @_apply(gpu)
 def test_allocate_initialize_import_same_process():
-    from a2ad.backends.cuda import CudaBackend
+    from a2ad.daemon.backends.cuda import CudaBackend
     from a2ad.client.cuda_map import CudaMapping
 
     be = CudaBackend()
@@ -540,7 +540,7 @@ def test_allocate_initialize_import_same_process():
 def test_view_outliving_mapping_object_keeps_memory_mapped():
     import gc
 
-    from a2ad.backends.cuda import CudaBackend
+    from a2ad.daemon.backends.cuda import CudaBackend
     from a2ad.client.cuda_map import CudaMapping
 
     be = CudaBackend()
@@ -595,7 +595,7 @@ def _daemon_to_clients(listener, row_ordinals, client_ordinals):
     """The test process plays the daemon: one row per rank on row_ordinals[q], fds over
     SCM_RIGHTS to one spawned client per rank; every client writes its marker into every
     row; the daemon-side view (its own import) checks all of them."""
-    from a2ad.backends.cuda import CudaBackend
+    from a2ad.daemon.backends.cuda import CudaBackend
     from a2ad.client.cuda_map import CudaMapping
 
     ep = len(row_ordinals)
@@ -659,7 +659,7 @@ def test_peer_rows_on_two_gpus_two_processes(listener):
 @_apply(gpu2)
 def test_peer_rows_in_one_process():
     """One process, mapping on GPU 1 writes into a row on GPU 0; a mapping on GPU 0 reads it."""
-    from a2ad.backends.cuda import CudaBackend
+    from a2ad.daemon.backends.cuda import CudaBackend
     from a2ad.client.cuda_map import CudaMapping
 
     be = CudaBackend()
@@ -722,7 +722,7 @@ def test_daemon_context_overhead_measured(listener):
 
 @_apply(gpu)
 def test_fabric_fallback_reported():
-    from a2ad.backends.cuda import CudaBackend
+    from a2ad.daemon.backends.cuda import CudaBackend
 
     be = CudaBackend()
     a = be.allocate(MiB, cd.uuid_of(0))
@@ -751,7 +751,7 @@ def test_fabric_fallback_reported():
 
 @_apply(gpu)
 def test_mapping_rejects_bad_geometry():
-    from a2ad.backends.cuda import CudaBackend
+    from a2ad.daemon.backends.cuda import CudaBackend
     from a2ad.client.cuda_map import CudaMapping
 
     be = CudaBackend()

@@ -179,7 +179,7 @@ def test_kill9_during_rendezvous_marks_dead_and_frees(daemon_factory):
     _stop(victim)
     wait_for(lambda: _rank_state(daemon, "rdv", 0) == "dead", 5, "rank 0 dead")
     out = subprocess.run(
-        [sys.executable, "-m", "a2ad.ctl", "--runtime-dir", str(daemon.runtime_dir), "job", "rdv"],
+        [sys.executable, "-m", "a2ad.tools.ctl", "--runtime-dir", str(daemon.runtime_dir), "job", "rdv"],
         capture_output=True, text=True, timeout=30,
     )
     assert out.returncode == 0 and "dead" in out.stdout, out.stdout + out.stderr
@@ -202,7 +202,7 @@ def test_kill9_after_attach_marks_dead_and_frees(daemon_factory):
         info = daemon.request("job_info", job="att")
         assert info["ranks"][0]["state"] == "attached" and info["ranks"][1]["deaths"] == 1
         out = subprocess.run(
-            [sys.executable, "-m", "a2ad.ctl", "--runtime-dir", str(daemon.runtime_dir), "--json", "status"],
+            [sys.executable, "-m", "a2ad.tools.ctl", "--runtime-dir", str(daemon.runtime_dir), "--json", "status"],
             capture_output=True, text=True, timeout=30,
         )
         st = json.loads(out.stdout)
@@ -269,7 +269,7 @@ def test_destroy_frees_now_and_clients_learn_it(daemon):
     for p in procs:
         assert p.stdout.readline().strip() == "ATTACHED"
     out = subprocess.run(
-        [sys.executable, "-m", "a2ad.ctl", "--runtime-dir", str(daemon.runtime_dir), "destroy", "gone"],
+        [sys.executable, "-m", "a2ad.tools.ctl", "--runtime-dir", str(daemon.runtime_dir), "destroy", "gone"],
         capture_output=True, text=True, timeout=30,
     )
     assert out.returncode == 0, out.stderr
@@ -381,7 +381,7 @@ def test_client_gets_an_error_when_the_daemon_dies_mid_rendezvous(daemon):
 
 def test_second_daemon_on_same_folder_refuses(daemon):
     out = subprocess.run(
-        [sys.executable, "-m", "a2ad.cli", "serve", "--runtime-dir", str(daemon.runtime_dir), "--backend", "host"],
+        [sys.executable, "-m", "a2ad.tools.cli", "serve", "--runtime-dir", str(daemon.runtime_dir), "--backend", "host"],
         capture_output=True, text=True, timeout=30,
     )
     assert out.returncode != 0 and "already serving" in out.stderr
@@ -411,7 +411,7 @@ def test_limits_refuse_big_jobs(daemon_factory):
 
 def test_ctl_commands(daemon):
     def ctl(*args):
-        return subprocess.run([sys.executable, "-m", "a2ad.ctl", "--runtime-dir", str(daemon.runtime_dir), *args],
+        return subprocess.run([sys.executable, "-m", "a2ad.tools.ctl", "--runtime-dir", str(daemon.runtime_dir), *args],
                               capture_output=True, text=True, timeout=30)
 
     p = ctl("ping")
@@ -435,7 +435,7 @@ def test_ctl_commands(daemon):
 def test_supplementary_group_members_are_allowed(runtime_dir):
     """The allow-list accepts a process whose supplementary groups include an allowed gid
     (read from /proc of a real process), not only its primary gid."""
-    from a2ad.daemon import Config, Daemon
+    from a2ad.daemon.server import Config, Daemon
 
     gid = 4242
     d = Daemon(Config(runtime_dir=runtime_dir, backend="host", allow_gids={gid}))
@@ -465,7 +465,7 @@ def test_destroyed_job_memory_is_reported_until_importers_unmap(daemon):
         assert mem["job_bytes"] == 0
         assert mem["released_mapped_bytes"] == job_bytes and mem["released_mapped_processes"] == 2
         assert mem["released_mapped_jobs"][0]["job"] == "held"
-        out = subprocess.run([sys.executable, "-m", "a2ad.ctl", "--runtime-dir", str(daemon.runtime_dir), "status"],
+        out = subprocess.run([sys.executable, "-m", "a2ad.tools.ctl", "--runtime-dir", str(daemon.runtime_dir), "status"],
                              capture_output=True, text=True, timeout=30)
         assert "released but still mapped by clients" in out.stdout
         _stop(procs[0])

@@ -340,7 +340,7 @@ def test_operator_abort_interrupts_a_wait(daemon):
         rk.expect("attached", [0, 1])
         rk.expect("rounds", [0, 1])
         time.sleep(0.3)  # rank 0 waits in dispatch 2 for rank 1
-        out = subprocess.run([sys.executable, "-m", "a2ad.ctl", "--runtime-dir", str(daemon.runtime_dir), "abort", "opabort"],
+        out = subprocess.run([sys.executable, "-m", "a2ad.tools.ctl", "--runtime-dir", str(daemon.runtime_dir), "abort", "opabort"],
                              capture_output=True, text=True, timeout=30)
         assert out.returncode == 0, out.stderr
         (_, (rank, reason)), = rk.expect("lost", [0], timeout=10).values()
@@ -362,13 +362,13 @@ def test_ctl_upgrade_during_traffic_keeps_every_job(runtime_dir):
             rk.start(r, [("attach",), ("rounds", 0, 2000), ("wait",), ("close",)])
         rk.expect("attached", [0, 1])
         rk.expect("rounds10", [0, 1])
-        out = subprocess.run([sys.executable, "-m", "a2ad.ctl", "--runtime-dir", str(runtime_dir), "upgrade"],
+        out = subprocess.run([sys.executable, "-m", "a2ad.tools.ctl", "--runtime-dir", str(runtime_dir), "upgrade"],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stdout + out.stderr
         print("\n" + out.stdout.strip())
         d1.proc.wait(20)
         assert d1.proc.returncode == 0  # the old daemon handed over and exited cleanly
-        from a2ad.client.connection import DaemonClient
+        from a2ad.connection import DaemonClient
 
         with DaemonClient(runtime_dir) as c:
             hello = c.request("hello")

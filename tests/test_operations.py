@@ -155,7 +155,7 @@ def _release(*procs: subprocess.Popen, kill: bool = False) -> None:
 
 def ctl(rt: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "a2ad.ctl", "--runtime-dir", str(rt), *args],
+        [sys.executable, "-m", "a2ad.tools.ctl", "--runtime-dir", str(rt), *args],
         capture_output=True, text=True, timeout=30, cwd=str(REPO),
     )
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import mmap
 import os
 
-from .. import errors
-from .base import Allocation, Backend
+from a2ad import errors
+from a2ad.daemon.backends.base import Allocation, Backend
 
 PAGE = mmap.PAGESIZE
 

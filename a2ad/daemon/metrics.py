@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import choose_encoder
 
-from . import __version__, layout as L, protocol
+from a2ad import __version__, layout as L, protocol
 
 log = logging.getLogger("a2ad")
 

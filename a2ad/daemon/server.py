@@ -18,15 +18,15 @@ from pathlib import Path
 
 import zmq
 
-from . import __version__, errors, layout as L, protocol, runtime
-from . import state as statefile
-from .backends import make_backend
-from .backends.base import Backend
-from .control import ControlBlock
-from . import metrics, sdnotify
-from .fdpass import peer_credentials, send_frame
-from .fdstore import FdStore, NullStore, cb_name, make_store, ws_name
-from .jobs import TICKET_TTL, Job, PendingJoin, RankSlot, free_job, new_control_block, new_secret, spec_mismatch
+from a2ad import __version__, errors, layout as L, protocol, runtime
+from a2ad.daemon import persist as statefile
+from a2ad.daemon.backends import make_backend
+from a2ad.daemon.backends.base import Backend
+from a2ad.control import ControlBlock
+from a2ad.daemon import metrics, sdnotify
+from a2ad.fdpass import peer_credentials, send_frame
+from a2ad.daemon.fdstore import FdStore, NullStore, cb_name, make_store, ws_name
+from a2ad.daemon.registry import TICKET_TTL, Job, PendingJoin, RankSlot, free_job, new_control_block, new_secret, spec_mismatch
 
 log = logging.getLogger("a2ad")
 
@@ -308,7 +308,7 @@ class Daemon:
         env = {k: v for k, v in os.environ.items() if k not in ("WATCHDOG_PID", "LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES")}
         env[HANDOVER_ENV] = ",".join(f"{name}={fd}" for name, fd in fds.items())
         proc = subprocess.Popen(
-            [sys.executable, "-m", "a2ad.cli", "serve", *argv, "--takeover"],
+            [sys.executable, "-m", "a2ad.tools.cli", "serve", *argv, "--takeover"],
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             close_fds=True,
@@ -316,7 +316,7 @@ class Daemon:
             env=env,
         )
         if os.environ.get("NOTIFY_SOCKET"):
-            from . import sdnotify
+            from a2ad.daemon import sdnotify
 
             sdnotify.notify(f"MAINPID={proc.pid}")  # before the successor's READY=1 and watchdog
         log.info("upgrade: successor daemon started (pid %d), %d fds handed over", proc.pid, len(fds))
@@ -344,7 +344,7 @@ class Daemon:
 
     # --------------------------------------------------------------- requests
     def _drain_router(self) -> None:
-        from .commands import handle
+        from a2ad.daemon.commands import handle
 
         while True:
             try:

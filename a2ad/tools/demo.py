@@ -31,7 +31,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import layout as L
+from a2ad import layout as L
 
 INVALID_ID = -1
 
@@ -106,8 +106,8 @@ def _rank_rounds(rank: int, cfg: _Config, results, barrier) -> None:
     already write the next round there), checked once the round is over."""
     import torch
 
-    from .client import reference as ref
-    from .client.moe_alltoall import MoeAlltoAll
+    from a2ad.client import reference as ref
+    from a2ad.client.moe_alltoall import MoeAlltoAll
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.ranks))
     if cfg.backend == "cuda":
@@ -190,15 +190,15 @@ class _Daemon:
         self.log_path = runtime_dir.parent / f"{runtime_dir.name}-daemon.log"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "a2ad.cli", "serve", "--runtime-dir", str(runtime_dir),
+            [sys.executable, "-m", "a2ad.tools.cli", "serve", "--runtime-dir", str(runtime_dir),
              "--backend", backend, "--grace", "1"],
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
 
     def wait_ready(self, timeout: float) -> dict:
-        from .client.connection import ping
-        from .errors import DaemonUnavailable
+        from a2ad.connection import ping
+        from a2ad.errors import DaemonUnavailable
 
         end = time.monotonic() + timeout
         while time.monotonic() < end:
@@ -230,8 +230,8 @@ class _Daemon:
 def _running_daemon(runtime_dir: str | None) -> dict | None:
     if runtime_dir is None:
         return None
-    from .client.connection import ping
-    from .errors import DaemonUnavailable
+    from a2ad.connection import ping
+    from a2ad.errors import DaemonUnavailable
 
     try:
         return ping(runtime_dir, timeout=1.0)
@@ -292,7 +292,7 @@ def run(args) -> int:
             if not torch.cuda.is_available():
                 print("a2ad demo: the daemon runs the cuda backend but this process sees no GPU", file=sys.stderr)
                 return 2
-            from .client import _ext
+            from a2ad.client import _ext
 
             print(f"a2ad demo: loading the CUDA extension; ranks on {torch.cuda.device_count()} GPU(s)", flush=True)
             _ext.load()

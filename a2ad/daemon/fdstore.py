@@ -3,7 +3,7 @@
 - SystemdStore: systemd's file-descriptor store (``FDSTORE=1`` + ``FDNAME=`` over
   ``$NOTIFY_SOCKET``; a restarted service receives them as ``LISTEN_FDS`` with
   ``LISTEN_FDNAMES``). Needs ``FileDescriptorStoreMax=`` in the unit.
-- KeeperStore: a2ad.keeper, a small detached process holding the fds, for daemons not
+- KeeperStore: a2ad.daemon.keeper, a small detached process holding the fds, for daemons not
   run by systemd. A daemon killed with -9 leaves it running; the next daemon on the same
   runtime folder reconnects to it.
 - NullStore: nothing survives the daemon.
@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import errors, fdpass
+from a2ad import errors, fdpass
 
 log = logging.getLogger("a2ad")
 
@@ -50,7 +50,7 @@ class SystemdStore(FdStore):
     kind = "systemd"
 
     def __init__(self):
-        from . import sdnotify
+        from a2ad.daemon import sdnotify
 
         self._sd = sdnotify
 
@@ -84,7 +84,7 @@ class KeeperStore(FdStore):
     kind = "keeper"
 
     def __init__(self, runtime_dir: Path):
-        from .keeper import KEEPER_SOCK
+        from a2ad.daemon.keeper import KEEPER_SOCK
 
         self.path = runtime_dir / KEEPER_SOCK
         self.sock: socket.socket | None = None
@@ -105,7 +105,7 @@ class KeeperStore(FdStore):
             log.info("fd keeper found at %s", self.path)
             return
         proc = subprocess.Popen(
-            [sys.executable, "-m", "a2ad.keeper", "--socket", str(self.path)],
+            [sys.executable, "-m", "a2ad.daemon.keeper", "--socket", str(self.path)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

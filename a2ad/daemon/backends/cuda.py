@@ -28,9 +28,9 @@ import math
 import os
 import threading
 
-from .. import cuda_driver as cd
-from .. import errors
-from .base import Allocation, Backend
+from a2ad import cuda_driver as cd
+from a2ad import errors
+from a2ad.daemon.backends.base import Allocation, Backend
 
 
 class CudaBackend(Backend):

@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from . import errors
+from a2ad import errors
 
 EXIT_ERROR = 1
 EXIT_UNREACHABLE = 3
@@ -99,7 +99,7 @@ def show_job(j: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from a2ad.client.connection import DaemonClient
+    from a2ad.connection import DaemonClient
 
     parser = argparse.ArgumentParser(prog="a2ad-ctl", description="inspect and steer a running a2ad daemon")
     parser.add_argument("--runtime-dir", help="the daemon's runtime folder (same default as `a2ad serve`)")

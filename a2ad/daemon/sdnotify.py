@@ -109,7 +109,7 @@ def _one_line(text: str) -> str:
 
 def summary(daemon) -> str:
     """The STATUS= line for a daemon: 'N jobs, M ranks attached, K dead[, draining]'."""
-    from . import layout as L
+    from a2ad import layout as L
 
     attached = dead = 0
     for job in daemon.jobs.values():

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from .. import errors
-from .base import Allocation, Backend
+from a2ad import errors
+from a2ad.daemon.backends.base import Allocation, Backend
 
 
 def cuda_available() -> bool:
     """True when the CUDA driver library loads and reports at least one device."""
     try:
-        from .. import cuda_driver
+        from a2ad import cuda_driver
     except Exception:
         return False
     try:
@@ -23,7 +23,7 @@ def make_backend(name: str) -> Backend:
     if name == "auto":
         name = "cuda" if cuda_available() else "host"
     if name == "host":
-        from .host import HostBackend
+        from a2ad.daemon.backends.host import HostBackend
 
         return HostBackend()
     if name == "cuda":
@@ -32,7 +32,7 @@ def make_backend(name: str) -> Backend:
                 "--backend cuda needs an NVIDIA driver and at least one GPU; none was found "
                 "(use --backend host or auto on machines without a GPU)"
             )
-        from .cuda import CudaBackend
+        from a2ad.daemon.backends.cuda import CudaBackend
 
         return CudaBackend()
     raise errors.InvalidField(f"unknown backend {name!r}; choose host, cuda or auto", field="backend")

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-from . import errors, layout as L, protocol
+from a2ad import errors, layout as L, protocol
 
 log = logging.getLogger("a2ad")
 
@@ -120,7 +120,7 @@ def cmd_drain(d, f, ctx) -> dict:
 
 def cmd_metrics(d, f, ctx) -> dict:
     """Reply: {text}: the daemon's metrics in Prometheus text format."""
-    from .metrics import render
+    from a2ad.daemon.metrics import render
 
     return {"text": render(d)}
 

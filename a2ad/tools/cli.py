@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from . import __version__, errors, runtime
+from a2ad import __version__, errors, runtime
 
 
 def _parse_size(text: str) -> int:
@@ -56,9 +56,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def serve(args) -> int:
-    from .daemon import Config, Daemon
+    from a2ad.daemon.server import Config, Daemon
 
-    from .sdnotify import log_handler
+    from a2ad.daemon.sdnotify import log_handler
 
     # timestamped lines on a terminal; under systemd (JOURNAL_STREAM names our stderr)
     # '<priority>message' lines, since journald adds the time, unit and pid itself
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_args(p_serve)
     p_demo = sub.add_parser("demo", help="daemon + a group of client processes doing real dispatch/combine")
     try:
-        from . import demo
+        from a2ad.tools import demo
     except ImportError:
         demo = None
     if demo is not None:

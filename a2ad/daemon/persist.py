@@ -1,5 +1,5 @@
 """The daemon's state file (``<runtime dir>/state.msgpack``): what a restarted daemon
-needs, besides the fds themselves (kept by an a2ad.fdstore), to re-adopt its jobs.
+needs, besides the fds themselves (kept by an a2ad.daemon.fdstore), to re-adopt its jobs.
 Written atomically (temp file + rename), mode 0600, on every change of a job."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import msgpack
 
-from . import layout as L
-from .runtime import STATE_FILE
+from a2ad import layout as L
+from a2ad.runtime import STATE_FILE
 
 STATE_VERSION = 1
 

@@ -1,5 +1,5 @@
 """Job registry state: jobs, their rank slots, rendezvous and leases. No sockets here;
-the daemon (a2ad/daemon.py) drives it and does the I/O."""
+the daemon (a2ad/daemon/server.py) drives it and does the I/O."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from . import errors, layout as L
-from .backends.base import Allocation, Backend
-from .control import ControlBlock
+from a2ad import errors, layout as L
+from a2ad.daemon.backends.base import Allocation, Backend
+from a2ad.control import ControlBlock
 
 TICKET_TTL = 30.0
 

@@ -21,7 +21,7 @@ import socket
 import sys
 import time
 
-from . import fdpass
+from a2ad import fdpass
 
 KEEPER_SOCK = "keeper.sock"
 #: Seconds the keeper lingers holding nothing with no daemon connected, then exits.
