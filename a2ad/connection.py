@@ -42,7 +42,7 @@ class DaemonClient:
             self._pid = os.getpid()
             sock = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME)
+            sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_REPLY_FRAME)
             sock.connect(runtime.ctl_endpoint(self.runtime_dir))
             self._sock = sock
         return self._sock

@@ -44,8 +44,10 @@ from .layout import MAX_EP_SIZE, MAX_TOP_K
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 64 * 1024
+#: Replies may be larger than requests: a status of hundreds of jobs runs past 64 KiB.
+MAX_REPLY_FRAME = 16 * 1024 * 1024
 MAX_JOB_NAME = 64
-JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+JOB_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]*")
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_EXPERTS_LIMIT = 1 << 16
 MAX_BYTES_PER_TOKEN = 1 << 24
@@ -88,7 +90,7 @@ def _bool(name: str, v: Any) -> bool:
 def check_job_name(name: str, v: Any) -> str:
     if not isinstance(v, str):
         raise errors.InvalidField(f"{name} must be a string", field=name)
-    if not 1 <= len(v) <= MAX_JOB_NAME or not JOB_NAME_RE.match(v):
+    if not 1 <= len(v) <= MAX_JOB_NAME or not JOB_NAME_RE.fullmatch(v):
         raise errors.InvalidField(
             f"{name} must be 1-{MAX_JOB_NAME} characters of letters, digits and _.:- "
             f"starting with a letter or digit, got {v!r:.80}",
@@ -187,6 +189,7 @@ REQUESTS: dict[str, dict[str, Field]] = {
     "destroy": {"job": Field(check_job_name)},
     "abort": {"job": Field(check_job_name)},
     "drain": {"enable": Field(_bool, required=False)},
+    "shutdown": {"free_jobs": Field(_bool, required=False)},
     "metrics": {},
 }
 
@@ -202,19 +205,20 @@ def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def unpack(data: bytes) -> Any:
-    """Decode one msgpack frame, refusing trailing bytes and absurd nesting."""
-    if len(data) > MAX_FRAME:
-        raise errors.BadMessage(f"frame of {len(data)} bytes exceeds {MAX_FRAME}")
+def unpack(data: bytes, limit: int = MAX_FRAME) -> Any:
+    """Decode one msgpack frame of at most ``limit`` bytes, refusing trailing bytes and absurd
+    nesting."""
+    if len(data) > limit:
+        raise errors.BadMessage(f"frame of {len(data)} bytes exceeds {limit}")
     try:
         return msgpack.unpackb(
             data,
             raw=False,
             strict_map_key=True,
-            max_str_len=MAX_FRAME,
-            max_bin_len=MAX_FRAME,
-            max_array_len=4096,
-            max_map_len=256,
+            max_str_len=limit,
+            max_bin_len=limit,
+            max_array_len=max(4096, limit // 16),
+            max_map_len=max(256, limit // 256),
         )
     except errors.A2ADError:
         raise
@@ -300,7 +304,7 @@ class Reply:
 
 def decode_reply(data: bytes) -> Reply:
     try:
-        obj = unpack(data)
+        obj = unpack(data, MAX_REPLY_FRAME)
     except errors.BadMessage as exc:
         raise errors.ProtocolError(f"undecodable reply: {exc}") from None
     if not isinstance(obj, dict) or obj.get("v") != PROTOCOL_VERSION:

@@ -15,6 +15,20 @@ LOCK_FILE = "a2ad.lock"
 STATE_FILE = "state.msgpack"
 
 
+def python_command(module: str, *args: str) -> list[str]:
+    """The argv that runs ``python -m module args`` with this very a2ad package, whatever the
+    current folder holds (``-m`` would put the current folder first on sys.path, so a folder
+    holding another ``a2ad/`` would win). Used for every process a2ad starts itself."""
+    import sys
+
+    root = str(Path(__file__).resolve().parent.parent)
+    code = (
+        "import runpy, sys; sys.path[0] = " + repr(root) + "; "
+        "sys.argv[0] = " + repr(module) + "; runpy.run_module(" + repr(module) + ", run_name='__main__', alter_sys=True)"
+    )
+    return [sys.executable, "-c", code, *args]
+
+
 def default_runtime_dir() -> Path:
     """``$A2AD_RUNTIME_DIR``, else ``/run/a2ad`` where writable or where a daemon serves
     (a group member can reach its sockets without write access to the folder), else

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from a2ad import errors, layout as L, sdnotify
+from a2ad import errors, layout as L
+from a2ad.daemon import sdnotify
 from a2ad.client import attach
 from helpers import REPO, DaemonProcess, run_ranks, wait_for
 

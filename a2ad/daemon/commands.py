@@ -118,6 +118,13 @@ def cmd_drain(d, f, ctx) -> dict:
     return {"draining": d.draining}
 
 
+def cmd_shutdown(d, f, ctx) -> dict:
+    """Request: [free_jobs=false]. Stop the daemon after this reply. Jobs are kept for the next
+    daemon (state file plus fd store) unless free_jobs is set."""
+    d.request_stop(free_jobs=f.get("free_jobs", False))
+    return {"stopping": True, "free_jobs": f.get("free_jobs", False), "jobs": len(d.jobs)}
+
+
 def cmd_metrics(d, f, ctx) -> dict:
     """Reply: {text}: the daemon's metrics in Prometheus text format."""
     from a2ad.daemon.metrics import render
@@ -139,6 +146,7 @@ COMMANDS: dict[str, Callable] = {
     "abort": cmd_abort,
     "drain": cmd_drain,
     "metrics": cmd_metrics,
+    "shutdown": cmd_shutdown,
 }
 assert set(COMMANDS) == set(protocol.REQUESTS), "every request type needs a handler"
 

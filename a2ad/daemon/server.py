@@ -156,6 +156,10 @@ class Daemon:
                     raise
                 time.sleep(0.02)
 
+    def request_stop(self, free_jobs: bool = False) -> None:
+        self.free_on_stop = free_jobs
+        self.stopping = True
+
     def install_signal_handlers(self) -> None:
         def stop(signum, frame):
             self.stopping = True
