@@ -40,8 +40,17 @@ class Backend(abc.ABC):
         """Allocate one row of ``row_stride(size_per_rank, device)`` bytes on ``device``."""
 
     @abc.abstractmethod
-    def initialize(self, alloc: Allocation, aux_bytes: int, flag_offset: int, initial_round: int) -> None:
-        """Zero ``[0, aux_bytes)`` of the row and write ``initial_round`` (int32) at ``flag_offset``."""
+    def initialize(
+        self, alloc: Allocation, aux_bytes: int, flag_offset: int, initial_round: int, fresh: bool = False
+    ) -> None:
+        """Make ``[0, aux_bytes)`` of the row read as zeros, then write ``initial_round`` (int32)
+        at ``flag_offset``.
+
+        ``fresh=True`` promises that the row comes straight from :meth:`allocate` and was never
+        handed to a client: a backend whose new memory already reads as zeros (host memfds) may
+        then skip the zeroing and commit nothing but the flag's page. ``fresh=False`` (a re-arm
+        of a used row, or unknown) is always correct; it is also cheap on the host backend.
+        """
 
     @abc.abstractmethod
     def adopt(self, fd: int, size: int, device: str, handle_type: str) -> Allocation:
@@ -57,9 +66,42 @@ class Backend(abc.ABC):
         per-device setup (a CUDA context) across them instead of paying it per row."""
         yield
 
+    def memory_capacity(self) -> int:
+        """Bytes of the memory this backend allocates from, on this machine (host: physical
+        memory; cuda: total memory of the visible GPUs). The base for :func:`default_limits`."""
+        raise NotImplementedError
+
+    #: Share of :meth:`memory_capacity` the daemon may hand out by default (see default_limits).
+    default_share: float = 0.5
+
     def describe(self) -> dict:
         """Backend facts for status (handle type, per-device overhead, ...)."""
         return {"backend": self.name}
 
     def close(self) -> None:
         """Release backend-wide resources at daemon shutdown."""
+
+
+def default_limits(backend: Backend) -> tuple[int, int]:
+    """``(max_job_bytes, max_total_bytes)`` derived from the machine, for when the operator
+    sets no limit.
+
+    The daemon-wide limit is ``backend.default_share`` of :meth:`Backend.memory_capacity`,
+    rounded down to MiB: half of physical memory on the host backend (workspaces are shared
+    memory, which competes with every process on the node and cannot be swapped out unless swap
+    exists), 90% of the visible GPUs' total memory on the cuda backend (what is left covers
+    the CUDA contexts of the clients and the daemon and the models' own allocations live in
+    the same HBM, so an operator running large models should set lower limits). One job may
+    use all of it: the per-job limit equals the total. A backend that cannot tell its capacity
+    (0 or an error) gets the previous fixed defaults (1 TiB per job, 4 TiB in all).
+    """
+    try:
+        capacity = int(backend.memory_capacity())
+    except Exception:
+        capacity = 0
+    if capacity <= 0:
+        return 1 << 40, 1 << 42
+    total = int(capacity * backend.default_share) // (1 << 20) * (1 << 20)
+    if total <= 0:
+        total = capacity
+    return total, total

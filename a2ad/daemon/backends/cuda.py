@@ -162,7 +162,11 @@ class CudaBackend(Backend):
         extra = {"handle": handle, "ordinal": ordinal, "uuid": cd.uuid_of(ordinal), "adopted": True}
         return Allocation(fd=fd, size=size, device=device, handle_type=handle_type, extra=extra)
 
-    def initialize(self, alloc: Allocation, aux_bytes: int, flag_offset: int, initial_round: int) -> None:
+    def initialize(
+        self, alloc: Allocation, aux_bytes: int, flag_offset: int, initial_round: int, fresh: bool = False
+    ) -> None:
+        # ``fresh`` is ignored: cuMemCreate memory is not guaranteed zero, so every
+        # initialization memsets the aux region on the GPU (no host memory is involved).
         handle = alloc.extra.get("handle")
         if handle is None:
             raise errors.BackendError("initialize() of a released CUDA allocation")
@@ -199,6 +203,18 @@ class CudaBackend(Backend):
             self._contextless(ordinal, lambda: cd.release(handle))
             self._workspace_bytes[ordinal] = self._workspace_bytes.get(ordinal, 0) - alloc.size
             self._live -= 1
+
+    # --- limits -----------------------------------------------------------------
+    #: 90% of the visible GPUs' memory by default (see base.default_limits).
+    default_share = 0.9
+
+    def memory_capacity(self) -> int:
+        """Total memory of the visible GPUs (cuDeviceTotalMem summed over the devices the driver
+        reports, i.e. after CUDA_VISIBLE_DEVICES); 0 when the driver cannot tell."""
+        try:
+            return sum(cd.total_memory(i) for i in range(cd.device_count()))
+        except cd.CudaError:
+            return 0
 
     # --- status -----------------------------------------------------------------
     def describe(self) -> dict:
