@@ -5,28 +5,190 @@
   ``LISTEN_FDNAMES``). Needs ``FileDescriptorStoreMax=`` in the unit.
 - KeeperStore: a2ad.daemon.keeper, a small detached process holding the fds, for daemons not
   run by systemd. A daemon killed with -9 leaves it running; the next daemon on the same
-  runtime folder reconnects to it.
+  runtime folder reconnects to it. The daemon calls ``check()`` about once a second: a keeper
+  that died is restarted and given every fd again.
 - NullStore: nothing survives the daemon.
 
-Names: ``ws:<job>:<rank>`` for a workspace row, ``cb:<job>`` for a control block.
+Names: ``ws.<job>.<rank>`` for a workspace row, ``cb.<job>`` for a control block, where
+``<job>`` is the job name with ``%``, ``:`` and anything outside printable ASCII
+percent-encoded (``:`` -> ``%3A``), so that every name passes systemd's ``fdname_is_valid``
+(which refuses ``:``, the separator of ``$LISTEN_FDNAMES``). An older daemon used
+``ws:<job>:<rank>`` and ``cb:<job>``; ``load()`` translates those.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import subprocess
-import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from a2ad import errors, fdpass
+from a2ad.runtime import python_command
 
 log = logging.getLogger("a2ad")
 
+#: systemd's FDNAME_MAX: the longest name its fd store accepts.
+FDNAME_MAX = 255
 
+
+# --------------------------------------------------------------------------- names
+def fdname_is_valid(name) -> bool:
+    """Whether systemd accepts ``name`` as an ``FDNAME=`` (its ``fdname_is_valid()``): ASCII
+    from space to ``~`` except ``:``, at most 255 characters. systemd also lets an empty name
+    through (it then stores the fd as ``stored``); a name that cannot tell two fds apart is
+    no use here, so the empty name is refused too."""
+    if not isinstance(name, str) or not name or len(name) > FDNAME_MAX:
+        return False
+    for ch in name:
+        if not " " <= ch <= "~" or ch == ":":
+            return False
+    return True
+
+
+def _keep(ch: str) -> bool:
+    return "!" <= ch <= "~" and ch not in ":%"
+
+
+def _encode_job(job: str) -> str:
+    out = []
+    for ch in job:
+        if _keep(ch):
+            out.append(ch)
+        else:
+            out.extend(f"%{b:02X}" for b in ch.encode("utf-8"))
+    return "".join(out)
+
+
+def _decode_job(enc: str) -> str | None:
+    """The job name behind an encoded one, or None when ``enc`` is not exactly what
+    _encode_job produces (so that each name maps to one job and back)."""
+    raw = bytearray()
+    i = 0
+    while i < len(enc):
+        ch = enc[i]
+        if ch == "%":
+            hexpart = enc[i + 1 : i + 3]
+            if len(hexpart) != 2 or any(c not in "0123456789ABCDEF" for c in hexpart):
+                return None
+            raw.append(int(hexpart, 16))
+            i += 3
+        elif _keep(ch):
+            raw += ch.encode()
+            i += 1
+        else:
+            return None
+    try:
+        job = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    if not job or _encode_job(job) != enc:
+        return None
+    return job
+
+
+def _rank_of(text: str) -> int | None:
+    if not text or not text.isascii() or not text.isdigit() or (len(text) > 1 and text[0] == "0"):
+        return None
+    return int(text)
+
+
+def ws_name(job: str, rank: int) -> str:
+    """The store name of job ``job``'s rank ``rank`` workspace row."""
+    if not isinstance(job, str) or not job:
+        raise ValueError(f"bad job name {job!r}")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise ValueError(f"bad rank {rank!r}")
+    name = f"ws.{_encode_job(job)}.{rank}"
+    if not fdname_is_valid(name):
+        raise ValueError(f"job name {job!r} is too long for an fd store name")
+    return name
+
+
+def cb_name(job: str) -> str:
+    """The store name of job ``job``'s control block."""
+    if not isinstance(job, str) or not job:
+        raise ValueError(f"bad job name {job!r}")
+    name = f"cb.{_encode_job(job)}"
+    if not fdname_is_valid(name):
+        raise ValueError(f"job name {job!r} is too long for an fd store name")
+    return name
+
+
+def parse_name(name: str) -> tuple[str, str, int | None] | None:
+    """``("ws", job, rank)`` or ``("cb", job, None)`` for a store name, current or legacy
+    (``ws:<job>:<rank>``, ``cb:<job>``); None for a name that is neither."""
+    if not isinstance(name, str):
+        return None
+    if name.startswith("ws."):
+        enc, sep, rank_text = name[3:].rpartition(".")
+        rank = _rank_of(rank_text)
+        job = _decode_job(enc) if sep else None
+        return None if job is None or rank is None else ("ws", job, rank)
+    if name.startswith("cb."):
+        job = _decode_job(name[3:])
+        return None if job is None else ("cb", job, None)
+    if name.startswith("ws:"):
+        job, sep, rank_text = name[3:].rpartition(":")
+        rank = _rank_of(rank_text)
+        return None if not sep or not job or rank is None else ("ws", job, rank)
+    if name.startswith("cb:") and len(name) > 3:
+        return ("cb", name[3:], None)
+    return None
+
+
+def normalize_name(name: str) -> str | None:
+    """The current store name for ``name`` (itself when already current, the translation
+    of a legacy ``ws:``/``cb:`` name), or None when it is not one of a2ad's names."""
+    parsed = parse_name(name)
+    if parsed is None:
+        return None
+    kind, job, rank = parsed
+    try:
+        return ws_name(job, rank) if kind == "ws" else cb_name(job)
+    except ValueError:
+        return None
+
+
+def is_legacy_name(name: str) -> bool:
+    return isinstance(name, str) and name.startswith(("ws:", "cb:")) and parse_name(name) is not None
+
+
+def _rejoin_legacy(tokens: list[str]) -> list[str]:
+    """Best effort: ``$LISTEN_FDNAMES`` split at ':' when some names were legacy ones that
+    themselves hold ':'. A legacy name starts at a ``ws``/``cb`` token; ``ws`` runs to the
+    first all-digit token followed by the end or another ``ws``/``cb`` token."""
+    out: list[str] = []
+    i = 0
+    starts = ("ws", "cb")
+    while i < len(tokens):
+        t = tokens[i]
+        k = None
+        if t in starts:
+            for j in range(i + (2 if t == "ws" else 1), len(tokens)):
+                at_end = j == len(tokens) - 1 or tokens[j + 1] in starts
+                if at_end and (t == "cb" or _rank_of(tokens[j]) is not None):
+                    k = j
+                    break
+        if k is None:
+            out.append(t)
+            i += 1
+        else:
+            out.append(":".join(tokens[i : k + 1]))
+            i = k + 1
+    return out
+
+
+# --------------------------------------------------------------------------- stores
 class FdStore:
     kind = "none"
+
+    #: "ok", or "degraded" while the store cannot keep fds (a keeper being restarted).
+    state = "ok"
 
     def put(self, name: str, fd: int) -> None:
         pass
@@ -35,8 +197,11 @@ class FdStore:
         pass
 
     def load(self) -> dict[str, int]:
-        """Fds a previous daemon stored (the caller owns them)."""
+        """Fds a previous daemon stored (the caller owns them), under current names."""
         return {}
+
+    def check(self, all_fds: Callable[[], dict[str, int]]) -> None:
+        """Called about once a second from the daemon's loop; cheap and non-blocking."""
 
     def close(self, clean: bool) -> None:
         """``clean``: the daemon freed its jobs and nothing needs keeping."""
@@ -55,44 +220,208 @@ class SystemdStore(FdStore):
         self._sd = sdnotify
 
     def put(self, name: str, fd: int) -> None:
+        if not fdname_is_valid(name):
+            log.error("systemd fd store: %r is not a name systemd accepts; not storing it", name)
+            return
         if not self._sd.notify(f"FDSTORE=1\nFDNAME={name}", fds=[fd]):
             log.warning("systemd fd store refused %s", name)
 
     def drop(self, name: str) -> None:
+        if not fdname_is_valid(name):
+            return  # systemd never stored it under this name
         self._sd.notify(f"FDSTOREREMOVE=1\nFDNAME={name}")
 
     def load(self) -> dict[str, int]:
         if os.environ.get("LISTEN_PID") != str(os.getpid()):
             return {}
-        n = int(os.environ.get("LISTEN_FDS", "0") or 0)
-        names = os.environ.get("LISTEN_FDNAMES", "").split(":")
-        out = {}
+        try:
+            n = int(os.environ.get("LISTEN_FDS", "0") or 0)
+        except ValueError:
+            n = 0
+        raw = os.environ.get("LISTEN_FDNAMES", "")
+        names = raw.split(":") if raw else []
+        if len(names) != n:
+            rejoined = _rejoin_legacy(names)
+            if len(rejoined) == n:
+                names = rejoined
+            else:
+                log.error("systemd passed %d fd(s) but %d name(s); the names cannot be matched to fds", n, len(names))
+                names = []
+        out: dict[str, int] = {}
+        unnamed = 0
+        legacy: list[tuple[str, str, int]] = []
         for i in range(n):
             fd = 3 + i
-            os.set_inheritable(fd, False)
-            name = names[i] if i < len(names) else f"unnamed:{i}"
-            if name.startswith(("ws:", "cb:")):
-                out[name] = fd
-            else:
-                os.close(fd)
+            try:
+                os.set_inheritable(fd, False)
+            except OSError:
+                continue
+            name = names[i] if i < len(names) else ""
+            new = normalize_name(name)
+            if new is None or new in out:
+                unnamed += 1
+                fdpass._close(fd)
+                continue
+            if new != name:
+                legacy.append((name, new, fd))
+            out[new] = fd
         for var in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
             os.environ.pop(var, None)
+        if unnamed:
+            log.warning(
+                "systemd's fd store returned %d fd(s) without a usable a2ad name (an older a2ad stored "
+                "them under names systemd refuses, so systemd kept them as 'stored'); they are closed",
+                unnamed,
+            )
+            self._sd.notify("FDSTOREREMOVE=1\nFDNAME=stored")
+        for old, new, fd in legacy:
+            log.info("systemd fd store: legacy name %s is now %s", old, new)
+            self.drop(old)
+            self.put(new, fd)
         return out
 
 
 class KeeperStore(FdStore):
+    """Fds held by a2ad.daemon.keeper. ``state`` is "ok", or "degraded" from the moment the
+    keeper is seen dead until a new one holds every fd again (see ``check``)."""
+
     kind = "keeper"
+    #: Seconds one request to the keeper may take.
+    CALL_TIMEOUT = 5.0
+    #: Seconds a load (every fd, in batches) may take.
+    LOAD_TIMEOUT = 30.0
+    #: Seconds a starting keeper has to say READY.
+    START_TIMEOUT = 10.0
+    #: Backoff between failed restarts: first, then doubling up to the last.
+    RESTART_BACKOFF = (0.5, 30.0)
 
     def __init__(self, runtime_dir: Path):
         from a2ad.daemon.keeper import KEEPER_SOCK
 
-        self.path = runtime_dir / KEEPER_SOCK
+        self.path = Path(runtime_dir) / KEEPER_SOCK
         self.sock: socket.socket | None = None
-        self._connect_or_start()
+        self._state = "ok"
+        self.last_error: str | None = None
+        self.restarts = 0
+        self._starting: subprocess.Popen | None = None
+        self._start_buf = b""
+        self._start_deadline = 0.0
+        self._children: list[subprocess.Popen] = []
+        self._next_try = 0.0
+        self._backoff = self.RESTART_BACKOFF[0]
+        self._logged_failure: str | None = None
+        self._all_fds: Callable[[], dict[str, int]] | None = None
+        self._epoch = 0
+        self._hung = False
+        if self.path.exists() and self._connect():
+            log.info("fd keeper found at %s", self.path)
+            return
+        proc = self._spawn()
+        try:
+            self._wait_ready_blocking(proc, time.monotonic() + self.START_TIMEOUT)
+        except errors.BackendError:
+            _kill(proc)
+            raise
+        if not self._connect():
+            _kill(proc)
+            raise errors.BackendError(f"the fd keeper started but its socket {self.path} does not answer")
+        log.info("fd keeper started (pid %d)", proc.pid)
 
+    # ------------------------------------------------------------------ public
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def put(self, name: str, fd: int) -> None:
+        if self.sock is None:
+            log.debug("fd keeper is down: %s will be stored when it is back", name)
+            return
+        try:
+            reply = self._call({"op": "put", "name": name}, [fd])
+        except _KeeperDown:
+            return
+        if not (isinstance(reply, dict) and reply.get("ok")):
+            log.warning("fd keeper refused %s: %s", name, reply.get("message") if isinstance(reply, dict) else reply)
+
+    def drop(self, name: str) -> None:
+        if self.sock is None:
+            return  # the refill after the restart stores only what the daemon still holds
+        try:
+            self._call({"op": "drop", "name": name})
+        except _KeeperDown:
+            return
+
+    def load(self) -> dict[str, int]:
+        """Every fd the keeper holds, under current names (legacy names are translated, and
+        stored again in the keeper under the new name)."""
+        if self.sock is None:
+            raise errors.BackendError("the fd keeper is not connected")
+        try:
+            fdpass.send_frame(self.sock, {"op": "get", "chunked": True}, timeout=self.CALL_TIMEOUT)
+            got = fdpass.recv_named_fds(self.sock, timeout=self.LOAD_TIMEOUT)
+        except (OSError, errors.A2ADError) as exc:
+            self._mark_dead(f"loading from the keeper failed: {exc}")
+            raise errors.BackendError(f"could not load the fds the keeper holds: {exc}") from None
+        out: dict[str, int] = {}
+        for name, fd in got.items():
+            new = normalize_name(name)
+            if new is None or new in out:
+                log.warning("fd keeper held %r, which is not an a2ad name; dropping it", name)
+                fdpass._close(fd)
+                self.drop(name)
+                continue
+            out[new] = fd
+            if new != name:
+                log.info("fd keeper: legacy name %s is now %s", name, new)
+                self.put(new, fd)
+                self.drop(name)
+        return out
+
+    def check(self, all_fds: Callable[[], dict[str, int]]) -> None:
+        """Detect a dead keeper and replace it; call about once a second. Cheap and
+        non-blocking: a peek at the keeper connection; while a new keeper starts, a
+        non-blocking look at its READY line. When the new keeper is up, every fd of
+        ``all_fds()`` (name -> fd, the daemon's current fds; the store does not take them) is
+        stored in it in batches and anything else it holds is dropped; then ``state`` is "ok"
+        again. A failed restart stays "degraded" and is retried on later checks with backoff."""
+        self._all_fds = all_fds
+        self._reap()
+        if self.sock is not None:
+            reason = self._peek_dead()
+            if reason is None:
+                return
+            self._mark_dead(reason)
+        now = time.monotonic()
+        if self._starting is not None:
+            self._poll_start(now)
+            return
+        if now < self._next_try:
+            return
+        self._begin_restart(now)
+
+    def close(self, clean: bool) -> None:
+        if not clean and self._state == "degraded" and self._all_fds is not None:
+            # the daemon stops keeping its jobs for the next one: make sure a keeper holds them
+            self._restart_blocking()
+        if self._starting is not None:
+            _kill(self._starting)
+            self._starting = None
+        if self.sock is None:
+            return
+        if clean:
+            try:
+                self._call({"op": "exit"})
+            except _KeeperDown:
+                pass
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    # ------------------------------------------------------------------ connection
     def _connect(self) -> bool:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
+            s.settimeout(self.CALL_TIMEOUT)
             s.connect(str(self.path))
         except OSError:
             s.close()
@@ -100,61 +429,225 @@ class KeeperStore(FdStore):
         self.sock = s
         return True
 
-    def _connect_or_start(self) -> None:
-        if self.path.exists() and self._connect():
-            log.info("fd keeper found at %s", self.path)
-            return
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "a2ad.daemon.keeper", "--socket", str(self.path)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-            close_fds=True,
-        )
-        line = proc.stdout.readline()
-        proc.stdout.close()
-        if line.strip() != b"READY" or not self._connect():
-            raise errors.BackendError(f"the fd keeper did not start at {self.path}")
-        log.info("fd keeper started (pid %d)", proc.pid)
-
     def _call(self, req: dict, fds: list[int] | None = None):
+        """One request and its reply; raises _KeeperDown (after marking the keeper dead)
+        when the keeper does not answer."""
         if self.sock is None:
-            raise errors.BackendError("the fd keeper is not connected")
-        fdpass.send_frame(self.sock, req, fds)
-        return fdpass.recv_frame(self.sock, timeout=10.0)
-
-    def put(self, name: str, fd: int) -> None:
+            raise _KeeperDown("not connected")
         try:
-            self._call({"op": "put", "name": name}, [fd])
-        except (OSError, TimeoutError, errors.A2ADError) as exc:
-            log.warning("fd keeper: could not store %s: %s", name, exc)
+            fdpass.send_frame(self.sock, req, fds, timeout=self.CALL_TIMEOUT)
+            reply, extra = fdpass.recv_frame(self.sock, timeout=self.CALL_TIMEOUT)
+        except (OSError, errors.A2ADError) as exc:  # TimeoutError and ConnectionError are OSErrors
+            detail = exc.message if isinstance(exc, errors.A2ADError) else (str(exc) or type(exc).__name__)
+            reason = f"{req.get('op')} failed: {detail}"
+            self._mark_dead(reason, hung=isinstance(exc, TimeoutError))
+            raise _KeeperDown(reason) from None
+        fdpass.close_all(extra)
+        return reply
 
-    def drop(self, name: str) -> None:
+    def _peek_dead(self) -> str | None:
+        """Why the keeper connection is dead, or None while it looks alive (never blocks)."""
         try:
-            self._call({"op": "drop", "name": name})
-        except (OSError, TimeoutError, errors.A2ADError) as exc:
-            log.warning("fd keeper: could not drop %s: %s", name, exc)
+            self.sock.settimeout(0.0)
+            data = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError as exc:
+            return f"the keeper connection failed: {exc}"
+        if not data:
+            return "the keeper closed its connection"
+        return "the keeper sent something nobody asked for"
 
-    def load(self) -> dict[str, int]:
-        reply, fds = self._call({"op": "get"})
-        names = reply.get("names", [])
-        if len(names) != len(fds):
-            for fd in fds:
-                os.close(fd)
-            raise errors.BackendError("the fd keeper returned a mismatched fd list")
-        return dict(zip(names, fds))
-
-    def close(self, clean: bool) -> None:
-        if self.sock is None:
-            return
-        if clean:
+    def _mark_dead(self, reason: str, hung: bool = False) -> None:
+        # a keeper that stopped answering (rather than died) must not be reconnected to
+        self._hung = self._hung or hung
+        if self.sock is not None:
             try:
-                self._call({"op": "exit"})
-            except (OSError, TimeoutError, errors.A2ADError):
+                self.sock.close()
+            except OSError:
                 pass
-        self.sock.close()
-        self.sock = None
+            self.sock = None
+        if self._state != "degraded":
+            log.error(
+                "fd keeper lost (%s): until it is restarted and refilled, a daemon crash would lose every job",
+                reason,
+            )
+            self._state = "degraded"
+            self._next_try = 0.0
+            self._backoff = self.RESTART_BACKOFF[0]
+            self._logged_failure = None
+        self.last_error = reason
+
+    # ------------------------------------------------------------------ restart
+    def _spawn(self) -> subprocess.Popen:
+        try:
+            return subprocess.Popen(
+                python_command("a2ad.daemon.keeper", "--socket", str(self.path)),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as exc:
+            raise errors.BackendError(f"could not start the fd keeper: {exc}") from None
+
+    def _wait_ready_blocking(self, proc: subprocess.Popen, deadline: float) -> None:
+        fd = proc.stdout.fileno()
+        buf = b""
+        try:
+            while b"\n" not in buf:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise errors.BackendError(f"the fd keeper did not start at {self.path} within {self.START_TIMEOUT} s")
+                r, _, _ = select.select([fd], [], [], remaining)
+                if r:
+                    chunk = os.read(fd, 64)
+                    if not chunk:
+                        raise errors.BackendError(f"the fd keeper exited before it was ready (status {proc.wait(1)})")
+                    buf += chunk
+        finally:
+            proc.stdout.close()
+        if buf.split(b"\n", 1)[0].strip() != b"READY":
+            raise errors.BackendError(f"the fd keeper said {buf!r} instead of READY")
+        self._children.append(proc)
+
+    def _begin_restart(self, now: float) -> None:
+        # our connection broke but a keeper may still serve the path: use it (unless it hung;
+        # a new keeper takes the path over and the hung one exits when it wakes up)
+        if not self._hung and self.path.exists() and self._connect():
+            log.info("fd keeper: reconnected to the keeper at %s", self.path)
+            self._refill()
+            return
+        try:
+            proc = self._spawn()
+        except errors.BackendError as exc:
+            self._restart_failed(exc.message)
+            return
+        os.set_blocking(proc.stdout.fileno(), False)
+        self._starting = proc
+        self._start_buf = b""
+        self._start_deadline = now + self.START_TIMEOUT
+        log.info("fd keeper: starting a new keeper (pid %d)", proc.pid)
+
+    def _poll_start(self, now: float) -> None:
+        proc = self._starting
+        eof = False
+        try:
+            chunk = os.read(proc.stdout.fileno(), 64)
+            if chunk:
+                self._start_buf += chunk
+            else:
+                eof = True
+        except BlockingIOError:
+            pass
+        except OSError:
+            eof = True
+        if b"\n" in self._start_buf:
+            proc.stdout.close()
+            self._starting = None
+            if self._start_buf.split(b"\n", 1)[0].strip() != b"READY":
+                _kill(proc)
+                self._restart_failed(f"the new keeper said {self._start_buf!r} instead of READY")
+                return
+            self._children.append(proc)
+            self._hung = False
+            if not self._connect():
+                self._restart_failed(f"the new keeper (pid {proc.pid}) does not answer at {self.path}")
+                return
+            self._refill(pid=proc.pid)
+            return
+        if eof or proc.poll() is not None or now >= self._start_deadline:
+            why = "exited before it was ready" if eof or proc.poll() is not None else f"was not ready within {self.START_TIMEOUT} s"
+            proc.stdout.close()
+            self._starting = None
+            _kill(proc)
+            self._restart_failed(f"the new keeper (pid {proc.pid}) {why}")
+
+    def _refill(self, pid: int | None = None) -> None:
+        """Store every fd the daemon holds in the (new) keeper, then drop whatever else it
+        holds; success makes the store "ok" again."""
+        try:
+            fds = dict(self._all_fds()) if self._all_fds is not None else {}
+        except Exception as exc:  # the daemon's callback: never let it stop the loop
+            self._restart_failed(f"listing the daemon's fds failed: {exc!r}")
+            return
+        self._epoch += 1
+        epoch = f"{os.getpid()}-{self._epoch}-{time.time_ns()}"
+        try:
+            runs = fdpass.batches(list(fds))
+        except fdpass.FdTransferError as exc:
+            self._restart_failed(exc.message)
+            return
+        try:
+            for run in runs:
+                reply = self._call({"op": "put_many", "names": run, "epoch": epoch}, [fds[n] for n in run])
+                if not (isinstance(reply, dict) and reply.get("ok")):
+                    raise _KeeperDown(f"the keeper refused a batch: {reply!r}")
+            reply = self._call({"op": "prune", "epoch": epoch})
+        except _KeeperDown as exc:
+            if self.sock is not None:
+                self._mark_dead(str(exc))
+            self._restart_failed(f"refilling the keeper failed: {exc}")
+            return
+        self.restarts += 1
+        self._state = "ok"
+        self.last_error = None
+        self._logged_failure = None
+        self._backoff = self.RESTART_BACKOFF[0]
+        self._next_try = 0.0
+        dropped = reply.get("dropped", 0) if isinstance(reply, dict) else 0
+        log.info(
+            "fd keeper%s is back: it holds all %d fd(s) again%s",
+            f" (pid {pid})" if pid else "",
+            len(fds),
+            f" ({dropped} stale fd(s) dropped)" if dropped else "",
+        )
+
+    def _restart_failed(self, reason: str) -> None:
+        self.last_error = reason
+        delay = self._backoff
+        self._next_try = time.monotonic() + delay
+        self._backoff = min(self._backoff * 2, self.RESTART_BACKOFF[1])
+        if reason != self._logged_failure:
+            log.error("fd keeper restart failed: %s (retrying in %.1f s, then less often)", reason, delay)
+            self._logged_failure = reason
+        else:
+            log.debug("fd keeper restart failed again: %s (retrying in %.1f s)", reason, delay)
+
+    def _restart_blocking(self) -> None:
+        deadline = time.monotonic() + self.START_TIMEOUT + 2.0
+        self._next_try = 0.0
+        while self._state == "degraded" and time.monotonic() < deadline:
+            self.check(self._all_fds)
+            if self._state == "degraded":
+                time.sleep(0.02)
+                if self._starting is None and self._next_try > deadline:
+                    break
+        if self._state == "degraded":
+            log.error("fd keeper: could not restart it before stopping; the jobs' fds are not kept (%s)", self.last_error)
+
+    def _reap(self) -> None:
+        self._children = [p for p in self._children if p.poll() is None]
+
+
+class _KeeperDown(Exception):
+    pass
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(5)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    for f in (proc.stdout,):
+        if f is not None and not f.closed:
+            try:
+                f.close()
+            except OSError:
+                pass
 
 
 def make_store(kind: str, runtime_dir: Path) -> FdStore:
@@ -168,11 +661,3 @@ def make_store(kind: str, runtime_dir: Path) -> FdStore:
     if kind == "none":
         return NullStore()
     raise errors.InvalidField(f"unknown fd store {kind!r}; choose auto, systemd, keeper or none", field="fd_store")
-
-
-def ws_name(job: str, rank: int) -> str:
-    return f"ws:{job}:{rank}"
-
-
-def cb_name(job: str) -> str:
-    return f"cb:{job}"
