@@ -161,16 +161,21 @@ def is_legacy_name(name: str) -> bool:
 def _rejoin_legacy(tokens: list[str]) -> list[str]:
     """Best effort: ``$LISTEN_FDNAMES`` split at ':' when some names were legacy ones that
     themselves hold ':'. A legacy name starts at a ``ws``/``cb`` token; ``ws`` runs to the
-    first all-digit token followed by the end or another ``ws``/``cb`` token."""
+    first all-digit token followed by the end or by the start of another name (``ws``, ``cb``,
+    ``stored``, or a whole current name)."""
     out: list[str] = []
     i = 0
     starts = ("ws", "cb")
+
+    def begins_name(tok: str) -> bool:
+        return tok in starts or tok == "stored" or parse_name(tok) is not None
+
     while i < len(tokens):
         t = tokens[i]
         k = None
         if t in starts:
             for j in range(i + (2 if t == "ws" else 1), len(tokens)):
-                at_end = j == len(tokens) - 1 or tokens[j + 1] in starts
+                at_end = j == len(tokens) - 1 or begins_name(tokens[j + 1])
                 if at_end and (t == "cb" or _rank_of(tokens[j]) is not None):
                     k = j
                     break
