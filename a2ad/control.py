@@ -139,19 +139,37 @@ class ControlBlock:
         off = L.status_offset(rank)
         self._mv[off : off + L.STATUS_RECORD_SIZE] = bytes(L.STATUS_RECORD_SIZE)
 
+    @property
+    def destroyed(self) -> bool:
+        """Whether the daemon destroyed (or freed) the job: nothing can resume it."""
+        return self.abort_word == L.ABORT_DESTROYED
+
     def raise_for(self, rank: int, job: str = "?") -> None:
         """Raise what this block says about ``rank``: the abort word first, then its status record.
 
-        PeerLost when the job was aborted (naming the rank whose loss caused it, else the
-        peer the wait was on; ``details['reason']`` is the ABORT_* reason) or the rank's last
-        wait was aborted; PeerTimeout when its last wait ran out. Both data planes use it.
+        JobDestroyed when the job was destroyed (nothing resumes it: attach again);
+        PeerLeft when a rank left the running job cleanly; PeerLost when the job was
+        otherwise aborted (naming the rank whose loss caused it, else the peer the wait
+        was on) or the rank's last wait was aborted; PeerTimeout when its last wait ran
+        out. ``details['reason']`` is the ABORT_* reason. Both data planes use it.
         """
         abort = self.abort_word
+        if abort == L.ABORT_DESTROYED:
+            raise errors.JobDestroyed(destroyed_message(job), job=job, reason=abort)
         rec = self.status(rank)
         if abort != L.ABORT_NONE:
             lost = self.abort_rank
             if lost < 0 and rec.code != L.STATUS_OK:
                 lost = rec.peer
+            if abort == L.ABORT_PEER_LEFT:
+                who = f"rank {lost}" if lost >= 0 else "a rank"
+                raise errors.PeerLeft(
+                    f"job {job}: {who} left the job (it closed its attachment) while the job ran; "
+                    f"call recover() once a replacement joined as {who}",
+                    rank=lost,
+                    generation=self.generation,
+                    reason=abort,
+                )
             raise errors.PeerLost(
                 f"job {job}: {L.ABORT_NAMES.get(abort, f'aborted ({abort})')}"
                 + (f" (rank {lost})" if lost >= 0 else "")
@@ -177,3 +195,12 @@ class ControlBlock:
             )
         if rec.code != L.STATUS_OK:
             raise errors.InternalError(f"rank {rank}: unknown status code {rec.code} in the control block")
+
+
+def destroyed_message(job) -> str:
+    """What a client is told about a destroyed job (JobDestroyed): no recover advice, since
+    nothing resumes it."""
+    return (
+        f"job {job} was destroyed (a2ad-ctl destroy, or freed by the daemon) and its memory is gone; "
+        "it cannot be resumed: close this object and attach again, which creates a new job"
+    )

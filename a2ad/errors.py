@@ -97,6 +97,11 @@ class Draining(A2ADError):
 
 
 class JobDestroyed(A2ADError):
+    """The job was destroyed (``a2ad-ctl destroy``) or freed: its memory is gone for good.
+
+    Nothing can resume it, recover() included: close the object and attach again, which
+    creates a new job under the name."""
+
     code = "job_destroyed"
 
 
@@ -139,6 +144,16 @@ class PeerLost(A2ADError):
         super().__init__(message, rank=rank, generation=generation, **details)
         self.rank = rank
         self.generation = generation
+
+
+class PeerLeft(PeerLost):
+    """A peer left the job cleanly (closed its attachment) while the job ran; ``rank``.
+
+    A subclass of PeerLost: the job must be re-armed the same way (every rank calls
+    recover() once a replacement joined as ``rank``). Like PeerLost it never travels in a
+    daemon reply, so it is not in :data:`CODES`."""
+
+    code = "peer_left"
 
 
 class StateError(A2ADError, RuntimeError):

@@ -364,12 +364,15 @@ ABORT_OPERATOR = 2
 ABORT_DESTROYED = 3
 #: A rank asked for a job-wide re-arm (after a timeout): every rank must call recover.
 ABORT_REARM = 4
+#: A live rank of a running job left it cleanly (close/leave); ABORT_PEER_LOST is for deaths.
+ABORT_PEER_LEFT = 5
 ABORT_NAMES = {
     ABORT_NONE: "none",
     ABORT_PEER_LOST: "peer lost",
     ABORT_OPERATOR: "aborted by operator",
     ABORT_DESTROYED: "job destroyed",
     ABORT_REARM: "re-arm requested",
+    ABORT_PEER_LEFT: "peer left",
 }
 
 # Rank states.
