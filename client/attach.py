@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 import warnings
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 
-from a2ad import errors, fdpass, layout as L, protocol
-from a2ad.control import ControlBlock
+from a2ad import errors, fdpass, layout as L, protocol, runtime
+from a2ad.control import ControlBlock, destroyed_message
 
 from .connection import DaemonClient
 
@@ -36,15 +38,35 @@ def _device_of(backend: str, device) -> tuple[str, torch.device]:
     return f"GPU-{uuid}", torch.device("cuda", index)
 
 
-@dataclass
-class Attachment:
-    """One rank's view of a job: every rank's workspace mapped, plus the control block.
+class RoundState:
+    """This rank's round bookkeeping, shared by every MoeAlltoAll on one attachment.
 
-    ``workspace`` is a ``[ep_size, size_per_rank]`` uint8 tensor (CPU on the host
-    backend, CUDA on the cuda backend) with ``stride(0) == row_stride``; row q is rank
-    q's memory. The attachment is a lease: while it is open the daemon counts this rank
-    as attached; ``close()`` leaves cleanly, a dead process is seen as a death.
+    The workspace holds one round at a time per rank (its flag value, counters and
+    payload regions are the rank's, not an object's), so whichever MoeAlltoAll
+    dispatched owns the round until its combine: ``owner`` is that object's token
+    and ``round`` what its combine needs. ``combine_floor`` is where the last
+    round's combine region starts (peers may still read it; no dispatch may write
+    past it), whichever object ran that round.
     """
+
+    __slots__ = ("owner", "round", "combine_floor")
+
+    def __init__(self, size_per_rank: int):
+        self.owner: object | None = None
+        self.round = None
+        self.combine_floor = size_per_rank
+
+    def reset(self, size_per_rank: int) -> None:
+        self.owner = self.round = None
+        self.combine_floor = size_per_rank
+
+
+@dataclass(eq=False)
+class _Shared:
+    """One process's attachment of one rank: the mapping, the control block and the lease.
+
+    Every :class:`Attachment` handle of that rank in this process points here; the last
+    handle's close releases it (leaves the job and unmaps)."""
 
     job: str
     ep_rank: int
@@ -67,31 +89,81 @@ class Attachment:
     _closed: bool = False
     _next_lease_check: float = 0.0
     _lease_backoff: float = 0.5
+    #: the process that attached (a forked child inherits the object, not the attachment)
+    pid: int = field(default_factory=os.getpid)
+    forked: bool = False
+    #: the share table's key, and how many open handles point here (both under _TABLE_LOCK)
+    key: tuple | None = None
+    refs: int = 0
+    #: serializes requests on the daemon connection (DaemonClient is not thread-safe)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    rounds: RoundState | None = None
+
+    def __post_init__(self):
+        self.rounds = RoundState(self.size_per_rank)
 
     @property
-    def runtime_dir(self):
-        return self._client.runtime_dir
+    def destroyed(self) -> bool:
+        return not self._closed and self.control.destroyed
 
+    def raise_if_destroyed(self) -> None:
+        if self.destroyed:
+            raise errors.JobDestroyed(destroyed_message(self.job), job=self.job, reason=L.ABORT_DESTROYED)
+
+    def shareable(self) -> bool:
+        """Whether a new attach of this rank in this process may use this attachment."""
+        return not self._closed and not self.forked and self.pid == os.getpid() and not self.control.destroyed
+
+    def check_same(self, ep_size: int, spec: dict, tdev: torch.device) -> None:
+        """Raise SpecMismatch naming the first field where a second attach of this rank differs."""
+        if ep_size != self.ep_size:
+            raise errors.SpecMismatch(
+                f"job {self.job!r}: ep_size differs (this process attached rank {self.ep_rank} with "
+                f"{self.ep_size}, this attach asked for {ep_size})",
+                field="ep_size",
+                job_value=self.ep_size,
+                requested=ep_size,
+            )
+        for key in sorted(set(self.spec) | set(spec)):
+            a, b = self.spec.get(key), spec.get(key)
+            if a != b:
+                raise errors.SpecMismatch(
+                    f"job {self.job!r}: spec field {key} differs (this process attached rank {self.ep_rank} "
+                    f"with {a}, this attach asked for {b})",
+                    field=key,
+                    job_value=a,
+                    requested=b,
+                )
+        if tdev != self.device:
+            raise errors.SpecMismatch(
+                f"job {self.job!r}: this process attached rank {self.ep_rank} on {self.device}, "
+                f"this attach asked for {tdev}",
+                field="device",
+                job_value=str(self.device),
+                requested=str(tdev),
+            )
+
+    # ------------------------------------------------------------ daemon
     def request(self, rtype: str, **fields) -> dict:
-        """Send a request to the daemon this rank is attached through."""
-        return self._client.request(rtype, **fields)
+        with self.lock:
+            return self._client.request(rtype, **fields)
 
-    # ------------------------------------------------------------ failures
-    def recover(self, timeout: float = 60.0) -> int:
-        """Wait for the job-wide re-arm after a PeerLost or PeerTimeout and return the new
-        generation. The caller must have nothing in flight (a CUDA caller synchronizes its
-        stream first; MoeAlltoAll.recover does). Blocks until every rank is present (a dead
-        rank replaced by a new process) and has called recover, at most ``timeout`` seconds:
-        then RendezvousTimeout naming the missing ranks."""
-        self.maintain(force=True)
-        reply = self._client.request(
-            "recover", wait=timeout + REPLY_MARGIN, job=self.job, ep_rank=self.ep_rank, lease=self._lease, timeout=float(timeout)
-        )
-        self.generation = reply["generation"]
-        return self.generation
+    def recover(self, timeout: float) -> int:
+        self.raise_if_destroyed()
+        with self.lock:
+            self.maintain(force=True)
+            try:
+                reply = self._client.request(
+                    "recover", wait=timeout + REPLY_MARGIN, job=self.job, ep_rank=self.ep_rank, lease=self._lease,
+                    timeout=float(timeout),
+                )
+            except (errors.JobDestroyed, errors.NoSuchJob):
+                # destroyed before or while this rank waited (the daemon has no such job left)
+                raise errors.JobDestroyed(destroyed_message(self.job), job=self.job, reason=L.ABORT_DESTROYED) from None
+            self.generation = reply["generation"]
+            return self.generation
 
     def lease_alive(self) -> bool:
-        """False once the daemon end of the lease connection closed (daemon restarted or gone)."""
         import select
 
         if self._lease_sock is None:
@@ -108,51 +180,53 @@ class Attachment:
         return bool(data)
 
     def renew(self, timeout: float = 2.0) -> None:
-        """Open a new lease connection to the (restarted) daemon."""
-        reply = self._client.request(
-            "renew", wait=timeout, job=self.job, ep_rank=self.ep_rank, lease=self._lease, pid=os.getpid()
-        )
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        try:
-            sock.settimeout(timeout)
-            sock.connect(str(self._client.fd_path))
-            fdpass.send_frame(sock, {"v": protocol.PROTOCOL_VERSION, "ticket": reply["ticket"]})
-            answer, fds = fdpass.recv_frame(sock, timeout=timeout)
-            for fd in fds:
-                os.close(fd)
-            if not isinstance(answer, dict) or not answer.get("ok"):
-                raise errors.from_reply(answer.get("code", "protocol_error"), answer.get("message", "renew refused"))
-            sock.settimeout(None)
-        except BaseException:
-            sock.close()
-            raise
-        if self._lease_sock is not None:
-            self._lease_sock.close()
-        self._lease_sock = sock
+        with self.lock:
+            reply = self._client.request(
+                "renew", wait=timeout, job=self.job, ep_rank=self.ep_rank, lease=self._lease, pid=os.getpid()
+            )
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            try:
+                sock.settimeout(timeout)
+                sock.connect(str(self._client.fd_path))
+                fdpass.send_frame(sock, {"v": protocol.PROTOCOL_VERSION, "ticket": reply["ticket"]})
+                answer, fds = fdpass.recv_frame(sock, timeout=timeout)
+                for fd in fds:
+                    os.close(fd)
+                if not isinstance(answer, dict) or not answer.get("ok"):
+                    raise errors.from_reply(answer.get("code", "protocol_error"), answer.get("message", "renew refused"))
+                sock.settimeout(None)
+            except BaseException:
+                sock.close()
+                raise
+            if self._lease_sock is not None:
+                self._lease_sock.close()
+            self._lease_sock = sock
 
     def maintain(self, force: bool = False) -> None:
-        """Cheap and rate-limited, called on the data path: if the daemon restarted, reconnect
-        the lease. It never waits on an absent daemon (a socket left by a dead one refuses the
-        connection at once) and backs off exponentially (up to 8 s) while there is none."""
         now = time.monotonic()
         if not force and now < self._next_lease_check:
             return
-        self._next_lease_check = now + self._lease_backoff
-        if self.lease_alive():
-            self._lease_backoff = 0.5
-            return
-        if not self._daemon_listening():
-            self._lease_backoff = min(8.0, self._lease_backoff * 2)
+        # another thread talking to the daemon on this attachment (a recover, say) is
+        # not waited for on the data path: the check comes again soon
+        if not self.lock.acquire(blocking=force):
             return
         try:
-            self.renew(timeout=1.0)
-            self._lease_backoff = 0.5
-        except (errors.A2ADError, OSError, TimeoutError):
-            self._lease_backoff = min(8.0, self._lease_backoff * 2)
+            self._next_lease_check = now + self._lease_backoff
+            if self.lease_alive():
+                self._lease_backoff = 0.5
+                return
+            if not self._daemon_listening():
+                self._lease_backoff = min(8.0, self._lease_backoff * 2)
+                return
+            try:
+                self.renew(timeout=1.0)
+                self._lease_backoff = 0.5
+            except (errors.A2ADError, OSError, TimeoutError):
+                self._lease_backoff = min(8.0, self._lease_backoff * 2)
+        finally:
+            self.lock.release()
 
     def _daemon_listening(self) -> bool:
-        """Whether a daemon accepts connections on fd.sock (no waiting: a stale socket file
-        refuses at once)."""
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             probe.setblocking(False)
@@ -165,32 +239,199 @@ class Attachment:
         finally:
             probe.close()
 
-    def close(self) -> None:
+    # ------------------------------------------------------------ teardown
+    def forked_away(self) -> None:
+        """In a forked child: this attachment is the parent's. Close the child's copy of the
+        lease socket (else the parent's death would not end the lease while the child
+        lives); the daemon connection and the mappings are not touched (CUDA and ZeroMQ
+        must not be used across fork)."""
+        self.forked = True
+        sock, self._lease_sock = self._lease_sock, None
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def release(self) -> None:
         """Leave the job (best effort when the daemon is gone) and unmap everything."""
         if self._closed:
             return
-        self._closed = True
-        try:
-            self._client.request("leave", wait=2.0, job=self.job, ep_rank=self.ep_rank, lease=self._lease)
-        except errors.A2ADError:
-            pass  # daemon gone or job destroyed: closing the lease socket still says we left
-        if self._lease_sock is not None:
-            self._lease_sock.close()
-            self._lease_sock = None
-        self.workspace = None
-        if self.control_device_ptr is not None:
-            try:
-                from .cuda_map import unregister_host_memory
+        if self.forked or self.pid != os.getpid():
+            self._closed = True  # the parent's attachment: nothing of it is this process's to release
+            self.forked_away()
+            return
+        with self.lock:
+            destroyed = self.control.destroyed
+            self._closed = True
+            if not destroyed:  # a destroyed job has nothing to leave (its name may be a new job's)
+                try:
+                    self._client.request("leave", wait=2.0, job=self.job, ep_rank=self.ep_rank, lease=self._lease)
+                except errors.A2ADError:
+                    pass  # daemon gone or job destroyed: closing the lease socket still says we left
+            if self._lease_sock is not None:
+                self._lease_sock.close()
+                self._lease_sock = None
+            self.workspace = None
+            if self.control_device_ptr is not None:
+                try:
+                    from .cuda_map import unregister_host_memory
 
-                unregister_host_memory(self.control.address())
-            except Exception:
-                pass
-            self.control_device_ptr = None
-        if self._mapping is not None:
-            self._mapping.close()
-            self._mapping = None
-        self.control.close()
-        self._client.close()
+                    unregister_host_memory(self.control.address())
+                except Exception:
+                    pass
+                self.control_device_ptr = None
+            if self._mapping is not None:
+                self._mapping.close()
+                self._mapping = None
+            self.control.close()
+            self._client.close()
+
+
+class Attachment:
+    """One rank's view of a job: every rank's workspace mapped, plus the control block.
+
+    ``workspace`` is a ``[ep_size, size_per_rank]`` uint8 tensor (CPU on the host
+    backend, CUDA on the cuda backend) with ``stride(0) == row_stride``; row q is rank
+    q's memory. The attachment is a lease: while it is open the daemon counts this rank
+    as attached; ``close()`` leaves cleanly, a dead process is seen as a death.
+
+    Within one process an attachment is shared: :func:`attach` of a rank this process
+    already holds (same runtime folder, job and rank, identical ep_size, spec and device)
+    returns another handle to the same mapping and lease, and only the last handle's
+    ``close()`` leaves the job. A forked child shares nothing: it attaches for itself.
+    """
+
+    def __init__(self, shared: _Shared):
+        self._shared = shared
+        self._closed = False
+        self._seen_generation = shared.generation
+
+    # --- the attachment's fields (the same for every handle) ---------------------
+    job = property(lambda self: self._shared.job)
+    ep_rank = property(lambda self: self._shared.ep_rank)
+    ep_size = property(lambda self: self._shared.ep_size)
+    spec = property(lambda self: self._shared.spec)
+    backend = property(lambda self: self._shared.backend)
+    handle_type = property(lambda self: self._shared.handle_type)
+    device = property(lambda self: self._shared.device)
+    size_per_rank = property(lambda self: self._shared.size_per_rank)
+    row_stride = property(lambda self: self._shared.row_stride)
+    aux = property(lambda self: self._shared.aux)
+    control = property(lambda self: self._shared.control)
+    control_device_ptr = property(lambda self: self._shared.control_device_ptr)
+
+    @property
+    def workspace(self) -> torch.Tensor | None:
+        """The ``[ep_size, size_per_rank]`` uint8 mapping (None once this handle is closed)."""
+        return None if self._closed else self._shared.workspace
+
+    @property
+    def generation(self) -> int:
+        """The job's generation this rank runs at (bumped by every re-arm)."""
+        return self._shared.generation
+
+    @property
+    def runtime_dir(self):
+        return self._shared._client.runtime_dir
+
+    @property
+    def handles(self) -> int:
+        """How many open handles of this process share the attachment."""
+        return self._shared.refs
+
+    @property
+    def rounds(self) -> RoundState:
+        """This rank's round bookkeeping, shared by every handle (for MoeAlltoAll)."""
+        return self._shared.rounds
+
+    @property
+    def destroyed(self) -> bool:
+        """Whether the daemon destroyed the job (JobDestroyed: attach again)."""
+        return self._shared.destroyed
+
+    @property
+    def forked(self) -> bool:
+        """True in a forked child: the attachment is the parent's, unusable here."""
+        return self._shared.forked
+
+    def raise_if_destroyed(self) -> None:
+        """Raise JobDestroyed if the daemon destroyed the job."""
+        self._shared.raise_if_destroyed()
+
+    def _live(self) -> _Shared:
+        shared = self._shared
+        if self._closed or shared._closed:
+            raise errors.StateError(f"the attachment of job {shared.job!r} rank {shared.ep_rank} is closed")
+        if shared.forked:
+            raise errors.StateError(
+                f"the attachment of job {shared.job!r} rank {shared.ep_rank} belongs to pid {shared.pid}; "
+                "a forked child must attach for itself"
+            )
+        return shared
+
+    def request(self, rtype: str, **fields) -> dict:
+        """Send a request to the daemon this rank is attached through."""
+        return self._live().request(rtype, **fields)
+
+    # ------------------------------------------------------------ failures
+    def recover(self, timeout: float = 60.0) -> int:
+        """Wait for the job-wide re-arm after a PeerLost or PeerTimeout and return the new
+        generation. The caller must have nothing in flight (a CUDA caller synchronizes its
+        stream first; MoeAlltoAll.recover does). Blocks until every rank is present (a dead
+        rank replaced by a new process) and has called recover, at most ``timeout`` seconds:
+        then RendezvousTimeout naming the missing ranks. A destroyed job cannot be
+        recovered: JobDestroyed at once.
+
+        Handles that share the attachment recover it once: when another handle already
+        re-armed it since this one last looked, and nothing failed since, this returns the
+        new generation without asking the daemon (which would re-arm the job again)."""
+        return self._recover(timeout)[0]
+
+    def _recover(self, timeout: float) -> tuple[int, bool]:
+        """(generation, whether this call re-armed the job)."""
+        shared = self._live()
+        shared.raise_if_destroyed()
+        with shared.lock:
+            if shared.generation != self._seen_generation and self._healthy():
+                self._seen_generation = shared.generation
+                return shared.generation, False
+            generation = shared.recover(timeout)
+        self._seen_generation = generation
+        return generation, True
+
+    def _healthy(self) -> bool:
+        ctl = self._shared.control
+        return ctl.abort_word == L.ABORT_NONE and ctl.status(self._shared.ep_rank).code == L.STATUS_OK
+
+    def lease_alive(self) -> bool:
+        """False once the daemon end of the lease connection closed (daemon restarted or gone)."""
+        return self._shared.lease_alive()
+
+    def renew(self, timeout: float = 2.0) -> None:
+        """Open a new lease connection to the (restarted) daemon."""
+        self._live().renew(timeout)
+
+    def maintain(self, force: bool = False) -> None:
+        """Cheap and rate-limited, called on the data path: if the daemon restarted, reconnect
+        the lease. It never waits on an absent daemon (a socket left by a dead one refuses the
+        connection at once) and backs off exponentially (up to 8 s) while there is none."""
+        self._live().maintain(force)
+
+    def close(self) -> None:
+        """Close this handle; the last open handle of the attachment leaves the job (best
+        effort when the daemon is gone) and unmaps everything. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        shared = self._shared
+        with _TABLE_LOCK:
+            shared.refs -= 1
+            last = shared.refs <= 0
+            if last and _TABLE.get(shared.key) is shared:
+                del _TABLE[shared.key]
+        if last:
+            shared.release()
 
     def __enter__(self) -> "Attachment":
         return self
@@ -200,7 +441,47 @@ class Attachment:
 
     def __del__(self):
         if not getattr(self, "_closed", True):
-            warnings.warn(f"a2ad attachment {self.job}/{self.ep_rank} was never closed", ResourceWarning, stacklevel=2)
+            shared = self._shared
+            warnings.warn(f"a2ad attachment {shared.job}/{shared.ep_rank} was never closed", ResourceWarning, stacklevel=2)
+
+    def __repr__(self) -> str:
+        shared = self._shared
+        state = "closed" if self._closed else f"{shared.refs} handle(s)"
+        return f"Attachment(job={shared.job!r}, rank={shared.ep_rank}/{shared.ep_size}, backend={shared.backend}, {state})"
+
+
+# ---------------------------------------------------------------------------
+# The process-wide share table
+# ---------------------------------------------------------------------------
+#: (pid, runtime folder, job, ep_rank) -> the attachment every handle of that rank uses
+_TABLE: dict[tuple, _Shared] = {}
+#: keys an attach is in progress for (a second thread waits for it instead of joining twice)
+_PENDING: dict[tuple, threading.Event] = {}
+_TABLE_LOCK = threading.Lock()
+#: every attachment not yet released, for the fork hook
+_LIVE: "weakref.WeakSet[_Shared]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    global _TABLE_LOCK
+    _TABLE_LOCK = threading.Lock()  # another thread of the parent may have held it
+    _TABLE.clear()
+    _PENDING.clear()
+    for shared in list(_LIVE):
+        if not shared._closed:
+            shared.forked_away()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _share_key(runtime_dir, job: str, ep_rank: int) -> tuple:
+    return (os.getpid(), os.path.realpath(runtime.resolve(runtime_dir)), job, int(ep_rank))
+
+
+def _normalized(spec: dict, ep_size: int) -> dict:
+    """The spec as the daemon compares it (workspace size filled in from per-token bytes)."""
+    return protocol.normalize_spec(protocol.REQUESTS["join"]["spec"].check("spec", spec), ep_size)
 
 
 def attach(
@@ -223,19 +504,60 @@ def attach(
     Blocks until all ranks have joined, at most ``timeout`` seconds (then
     RendezvousTimeout listing the missing ranks). Give either
     ``workspace_size_per_rank`` or both per-token byte counts.
+
+    When this process holds the rank already (an open attachment of the same job and
+    rank through the same runtime folder), returns a new handle to that attachment
+    at once: ep_size, spec and device must be identical (else SpecMismatch naming the
+    field). Each handle is closed on its own; the last close leaves the job.
     """
+    spec = {"max_num_tokens": max_num_tokens, "top_k": top_k, "num_experts": num_experts}
+    for key, val in (
+        ("workspace_size_per_rank", workspace_size_per_rank),
+        ("dispatch_bytes_per_token", dispatch_bytes_per_token),
+        ("combine_bytes_per_token", combine_bytes_per_token),
+    ):
+        if val is not None:
+            spec[key] = val
+    key = _share_key(runtime_dir, job, ep_rank)
+    while True:
+        with _TABLE_LOCK:
+            shared = _TABLE.get(key)
+            if shared is not None and not shared.shareable():
+                del _TABLE[key]  # destroyed: its holders keep it until they close; a new attach joins anew
+                shared = None
+            if shared is not None:
+                shared.check_same(ep_size, _normalized(spec, ep_size), _device_of(shared.backend, device)[1])
+                shared.refs += 1
+                return Attachment(shared)
+            pending = _PENDING.get(key)
+            if pending is None:
+                mine = _PENDING[key] = threading.Event()
+                break
+        pending.wait()  # another thread of this process is attaching this rank; then share it
+    try:
+        shared = _join(job, ep_rank, ep_size, spec, runtime_dir, device, timeout)
+    except BaseException:
+        with _TABLE_LOCK:
+            if _PENDING.get(key) is mine:
+                del _PENDING[key]
+        mine.set()
+        raise
+    with _TABLE_LOCK:
+        shared.key = key
+        shared.refs = 1
+        _TABLE[key] = shared
+        _LIVE.add(shared)
+        if _PENDING.get(key) is mine:
+            del _PENDING[key]
+    mine.set()
+    return Attachment(shared)
+
+
+def _join(job, ep_rank, ep_size, spec, runtime_dir, device, timeout) -> _Shared:
     client = DaemonClient(runtime_dir)
     try:
         hello = client.request("hello", wait=min(timeout, 10.0))
         dev_str, tdev = _device_of(hello["backend"], device)
-        spec = {"max_num_tokens": max_num_tokens, "top_k": top_k, "num_experts": num_experts}
-        for key, val in (
-            ("workspace_size_per_rank", workspace_size_per_rank),
-            ("dispatch_bytes_per_token", dispatch_bytes_per_token),
-            ("combine_bytes_per_token", combine_bytes_per_token),
-        ):
-            if val is not None:
-                spec[key] = val
         reply = client.request(
             "join",
             wait=timeout + REPLY_MARGIN,
@@ -256,7 +578,7 @@ def attach(
         raise
 
 
-def _redeem(client: DaemonClient, reply: dict, aux: L.AuxLayout, tdev: torch.device) -> Attachment:
+def _redeem(client: DaemonClient, reply: dict, aux: L.AuxLayout, tdev: torch.device) -> _Shared:
     ep_size = reply["ep_size"]
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     fds: list[int] = []
@@ -289,7 +611,7 @@ def _redeem(client: DaemonClient, reply: dict, aux: L.AuxLayout, tdev: torch.dev
             mapping = CudaMapping(fds[:ep_size], size, stride, tdev.index)
         control = ControlBlock.map_fd(fds[ep_size])
         sock.settimeout(None)
-        att = Attachment(
+        att = _Shared(
             job=reply["job"],
             ep_rank=reply["ep_rank"],
             ep_size=ep_size,

@@ -161,6 +161,18 @@ class MoeAlltoAll:
 
     The constructor joins the job and returns once every rank has joined. Call
     :meth:`close` (or use it as a context manager) to leave.
+
+    Several objects for one job and rank in one process (one per layer, say) share one
+    attachment (:func:`a2ad.client.attach`): the same workspace, lease and round counter;
+    the first joins, the others attach at once (their ``max_num_tokens``, ``top_k``,
+    ``num_experts``, workspace size and device must be identical: SpecMismatch), and the
+    job is left when the last of them closes. The rank's workspace holds one round at a
+    time, so their rounds must not overlap: dispatch on one, combine on it, then the next
+    (a dispatch while another object's round is open raises StateError). Every rank
+    must run the same sequence of rounds (the objects' order is free, but a round's
+    payload shapes must match across ranks), issue them in order (on CUDA: on one stream,
+    or synchronized), and not from several threads at once. After a failure, recover()
+    on any one of them re-arms the rank for all.
     """
 
     def __init__(
@@ -179,6 +191,7 @@ class MoeAlltoAll:
     ):
         self._att = None
         self._plane = None
+        self._token = None
         self._closed = True  # until attached: nothing to close or warn about
         try:
             ep_rank, ep_size = int(mapping.moe_ep_rank), int(mapping.moe_ep_size)
@@ -226,9 +239,10 @@ class MoeAlltoAll:
             self._att.close()
             raise
         self._closed = False
-        self._round: _Round | None = None
-        #: Start of the last round's combine region: no dispatch may write past it (module doc).
-        self._combine_floor = self._att.size_per_rank
+        #: This rank's rounds (the round in flight and where the last combine region starts)
+        #: belong to the attachment, which other MoeAlltoAll objects may share; this token
+        #: marks the round this object dispatched.
+        self._token = object()
         self._metainfo = torch.tensor(self._att.aux.metainfo(), dtype=torch.int64)
 
     @staticmethod
@@ -274,7 +288,22 @@ class MoeAlltoAll:
     def _live(self):
         if self._closed:
             raise errors.StateError("this MoeAlltoAll is closed")
+        if self._att.forked:
+            raise errors.StateError(
+                "this MoeAlltoAll was inherited through fork: its attachment is the parent's; create one in this process"
+            )
         return self._att
+
+    @property
+    def _round(self) -> _Round | None:
+        """The round this object dispatched and has not combined yet."""
+        rounds = self._att.rounds
+        return rounds.round if rounds.owner is self._token else None
+
+    def _end_round(self) -> None:
+        rounds = self._att.rounds
+        if rounds.owner is self._token:
+            rounds.owner = rounds.round = None
 
     # --- dispatch -------------------------------------------------------------------
     def dispatch(
@@ -312,6 +341,11 @@ class MoeAlltoAll:
         self._check_peers()
         if self._round is not None:
             raise errors.StateError("dispatch called twice: combine the previous dispatch first")
+        if att.rounds.owner is not None:
+            raise errors.StateError(
+                f"another MoeAlltoAll of job {att.job!r} rank {att.ep_rank} in this process has dispatched and not "
+                "combined yet: they share this rank's workspace, which holds one round at a time; combine that one first"
+            )
         rt, experts, payloads, layout, ids_index, invalid_id = self._check_dispatch(
             att,
             token_selected_experts,
@@ -322,7 +356,7 @@ class MoeAlltoAll:
         )
         num_tokens = experts.shape[0]
         self._plane.dispatch(experts, [p[1] for p in payloads], rt, layout, self.num_experts)
-        self._round = _Round(rt, num_tokens, layout)
+        att.rounds.owner, att.rounds.round = self._token, _Round(rt, num_tokens, layout)
         ep, me = att.ep_size, att.ep_rank
         received = []
         for (src, _), off, nbytes in zip(payloads, layout.dispatch_offsets, layout.dispatch_bytes_per_token):
@@ -385,11 +419,12 @@ class MoeAlltoAll:
             layout = L.payload_layout(att.aux, att.size_per_rank, rt, [nb.shape[1] for _, nb in checked])
         except L.LayoutError as exc:
             raise errors.InputError(str(exc), argument="input_payloads") from None
-        if layout.dispatch_end > self._combine_floor:
+        floor = att.rounds.combine_floor
+        if layout.dispatch_end > floor:
             raise errors.InputError(
                 f"these payloads need bytes [{att.aux.payload_data}, {layout.dispatch_end}) of every row at "
                 f"runtime_max_tokens_per_rank={rt}, which overlap the previous round's combine region (from "
-                f"{self._combine_floor}) that peers may still be reading; size the workspace for the dispatch "
+                f"{floor}) that peers may still be reading; size the workspace for the dispatch "
                 f"and combine payloads together (get_moe_workspace_size_per_rank)",
                 argument="input_payloads",
             )
@@ -469,11 +504,11 @@ class MoeAlltoAll:
                 )
         else:
             payload = payload.contiguous()
-        self._combine_floor = layout.combine_offset
+        att.rounds.combine_floor = layout.combine_offset
         try:
             out = self._plane.combine(payload, rnd.local_num_tokens, rt, layout, payload_in_workspace)
         finally:
-            self._round = None
+            self._end_round()
         return out
 
     def _check_peers(self) -> None:
@@ -481,8 +516,10 @@ class MoeAlltoAll:
         self._att.maintain()  # reconnect the lease if the daemon restarted (rate-limited, never raises)
         try:
             self._plane.check()
-        except (errors.PeerTimeout, errors.PeerLost):
-            self._round = None
+        except (errors.PeerTimeout, errors.PeerLost, errors.JobDestroyed):
+            # the rank's round is over, whichever object sharing the attachment dispatched it
+            rounds = self._att.rounds
+            rounds.owner = rounds.round = None
             raise
 
     def _require_dispatched(self, what: str) -> _Round:
@@ -525,15 +562,22 @@ class MoeAlltoAll:
         rank's flags and counters and bumps the generation. Returns the new generation;
         the state is idle and traffic can resume. ``timeout`` (default: the constructor's)
         bounds the wait: RendezvousTimeout names the ranks still missing.
+
+        A destroyed job cannot be recovered: JobDestroyed at once (attach again). Objects
+        that share this rank's attachment (several MoeAlltoAll of one job and rank in one
+        process) recover it once: after one of them re-armed the job, recover on another
+        returns the new generation without asking the daemon again.
         """
         att = self._live()
+        att.raise_if_destroyed()
         if att.backend == "cuda":
             torch.cuda.synchronize(att.device)
-        self._round = None
-        generation = att.recover(self.timeout if timeout is None else timeout)
-        self._combine_floor = att.size_per_rank
-        if hasattr(self._plane, "reset_status"):
-            self._plane.reset_status()
+        self._end_round()
+        generation, rearmed = att._recover(self.timeout if timeout is None else timeout)
+        if rearmed:
+            att.rounds.reset(att.size_per_rank)
+            if hasattr(self._plane, "reset_status"):
+                self._plane.reset_status()
         return generation
 
     @property
@@ -547,7 +591,7 @@ class MoeAlltoAll:
         if self._closed:
             return
         self._closed = True
-        self._round = None
+        self._end_round()
         try:
             if self._plane is not None and hasattr(self._plane, "close"):
                 self._plane.close()
