@@ -1,11 +1,23 @@
 """A request/reply connection to the daemon that cannot hang: DEALER socket, a request
-id per call, linger 0, every wait polled with a timeout, typed errors."""
+id per call, linger 0, every wait polled with a timeout, typed errors.
+
+Before its first request (and again whenever it opens a new socket: after a timeout, a
+close or a fork) a client checks whom it is about to talk to, cheaply and once:
+
+- the runtime folder must be one it trusts (:func:`a2ad.runtime.check_trusted`: owned by
+  itself, root or the daemon's user, writable by no one else), else PermissionDenied;
+- a plain non-blocking connect to ``fd.sock``, closed at once, must find a listener
+  (else DaemonUnavailable saying the socket is stale: a ZeroMQ connect to a dead ipc
+  endpoint would only time out) that runs as a trusted uid (SO_PEERCRED), else
+  PermissionDenied.
+"""
 
 from __future__ import annotations
 
 import itertools
 import os
 import threading
+import time
 from pathlib import Path
 
 import zmq
@@ -18,9 +30,15 @@ DEFAULT_TIMEOUT = 10.0
 class DaemonClient:
     """Talks to the daemon serving ``runtime_dir``. Not thread-safe; one per thread."""
 
-    def __init__(self, runtime_dir: str | os.PathLike | None = None, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, runtime_dir: str | os.PathLike | None = None, timeout: float = DEFAULT_TIMEOUT,
+                 trust_uids=()):
+        """``trust_uids``: uids to trust as the daemon's besides the usual ones (e.g. a
+        launcher that started the daemon as that uid itself)."""
         self.runtime_dir = runtime.resolve(runtime_dir)
         self.timeout = timeout
+        self.trust_uids = tuple(trust_uids)
+        #: (pid, uid, gid) of the process listening on fd.sock, from the latest check
+        self.daemon_cred: tuple[int, int, int] | None = None
         self._ids = itertools.count(1)
         self._sock: zmq.Socket | None = None
         self._pid = os.getpid()
@@ -33,12 +51,30 @@ class DaemonClient:
     def fd_path(self) -> Path:
         return self.runtime_dir / runtime.FD_SOCK
 
+    def check_daemon(self) -> tuple[int, int, int]:
+        """Is there a daemon we trust? Returns its (pid, uid, gid); raises DaemonUnavailable
+        (no folder, no socket, a stale socket) or PermissionDenied (an untrusted folder or
+        daemon)."""
+        rd = self.runtime_dir
+        try:
+            runtime.check_trusted(rd, self.trust_uids)
+        except FileNotFoundError:
+            raise errors.DaemonUnavailable(
+                f"no a2ad daemon at {rd} (the folder does not exist); start one with `a2ad serve`",
+                runtime_dir=str(rd),
+            ) from None
+        if not self.ctl_path.exists():
+            raise errors.DaemonUnavailable(
+                f"no a2ad daemon at {rd} ({runtime.CTL_SOCK} is missing); start one with `a2ad serve`",
+                runtime_dir=str(rd),
+            )
+        self.daemon_cred = runtime.probe_daemon(rd, self.trust_uids, busy_wait=min(1.0, self.timeout))
+        return self.daemon_cred
+
     def _socket(self) -> zmq.Socket:
         if self._sock is None or self._pid != os.getpid():
-            if not self.ctl_path.exists():
-                raise errors.DaemonUnavailable(
-                    f"no a2ad daemon at {self.runtime_dir} ({runtime.CTL_SOCK} is missing); start one with `a2ad serve`"
-                )
+            self._sock = None  # a socket inherited over fork belongs to the parent
+            self.check_daemon()
             self._pid = os.getpid()
             sock = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
@@ -65,15 +101,12 @@ class DaemonClient:
         except zmq.Again:
             self._reset()
             raise errors.DaemonUnavailable(f"could not send {rtype!r} to the daemon at {self.runtime_dir}") from None
-        deadline_ms = int(timeout * 1000)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        import time
-
         end = time.monotonic() + timeout
         while True:
             remaining = end - time.monotonic()
-            if remaining <= 0 or not poller.poll(max(1, min(deadline_ms, int(remaining * 1000)))):
+            if remaining <= 0 or not poller.poll(max(1, int(remaining * 1000))):
                 if time.monotonic() >= end:
                     self._reset()  # a late reply must not be read as the answer to the next request
                     raise errors.DaemonUnavailable(

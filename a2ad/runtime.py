@@ -6,8 +6,14 @@ import errno
 import fcntl
 import grp
 import os
+import socket
+import stat
+import struct
 import tempfile
+import time
 from pathlib import Path
+
+from a2ad import errors
 
 CTL_SOCK = "ctl.sock"
 FD_SOCK = "fd.sock"
@@ -53,6 +59,177 @@ def resolve(runtime_dir: str | os.PathLike | None) -> Path:
 
 def ctl_endpoint(runtime_dir: Path) -> str:
     return f"ipc://{runtime_dir / CTL_SOCK}"
+
+
+# ------------------------------------------------------------------ client-side trust
+#: the system user a packaged daemon runs as; its uid is trusted when it exists
+DAEMON_USER = "a2ad"
+#: names one more uid to trust as the daemon's (a daemon run under another service account)
+DAEMON_UID_ENV = "A2AD_DAEMON_UID"
+
+
+def daemon_uids() -> set[int]:
+    """The uids a daemon may run as besides root and the caller: the system user ``a2ad``
+    when it exists, and ``$A2AD_DAEMON_UID`` when set."""
+    import pwd
+
+    uids = set()
+    try:
+        uids.add(pwd.getpwnam(DAEMON_USER).pw_uid)
+    except KeyError:
+        pass
+    env = os.environ.get(DAEMON_UID_ENV, "").strip()
+    if env:
+        try:
+            uids.add(int(env))
+        except ValueError:
+            raise errors.InvalidField(f"${DAEMON_UID_ENV} must be a numeric uid, not {env!r}") from None
+    return uids
+
+
+def trusted_uids(extra=()) -> set[int]:
+    """Whom a client trusts to own its runtime folder and to run its daemon: itself, root,
+    the daemon's uid (:func:`daemon_uids`) and ``extra``."""
+    return {os.getuid(), os.geteuid(), 0} | daemon_uids() | {int(u) for u in extra}
+
+
+def _owner(uid: int) -> str:
+    import pwd
+
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+_HOW = (
+    "a client only uses a runtime folder owned by itself, root or the daemon's user "
+    f"(the system user {DAEMON_USER!r}, or ${DAEMON_UID_ENV}) that no one else may write to; "
+    "remove or fix that folder, or point --runtime-dir / $A2AD_RUNTIME_DIR at the folder your daemon serves"
+)
+
+
+def check_trusted(path: str | os.PathLike, extra_uids=()) -> None:
+    """Raise :class:`a2ad.errors.PermissionDenied` unless ``path`` is a folder a client may
+    trust: someone who controls the folder controls the sockets in it, hence which process
+    the client hands its requests to and whose memory it maps.
+
+    The rules:
+
+    - the folder (symlinks followed) is owned by a trusted uid (:func:`trusted_uids`) and
+      has no group or other write bit, whoever owns it: a sticky, tmp-style folder is refused
+      too, since anyone may create the sockets there first;
+    - a symlink on the way is owned by a trusted uid (others could re-point it later);
+    - every folder above it is owned by a trusted uid and, if group or others may write to
+      it, has the sticky bit (``/tmp``), so that nobody else can rename the folder away and
+      put another in its place.
+
+    A missing folder raises FileNotFoundError."""
+    trusted = trusted_uids(extra_uids)
+    given = Path(os.path.abspath(path))
+    real = Path(os.path.realpath(given))
+    st = os.stat(real)
+    where = str(given) if real == given else f"{given} (-> {real})"
+    if not stat.S_ISDIR(st.st_mode):
+        raise errors.PermissionDenied(f"runtime folder {where} is not a folder", path=str(given))
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid not in trusted:
+        raise errors.PermissionDenied(
+            f"refusing the runtime folder {where}: it is owned by {_owner(st.st_uid)} (mode {mode:04o}), "
+            f"who could run a daemon there and read your workspaces; {_HOW}",
+            path=str(given), owner=st.st_uid, mode=oct(mode),
+        )
+    if mode & 0o022:
+        raise errors.PermissionDenied(
+            f"refusing the runtime folder {where}: mode {mode:04o} (owner {_owner(st.st_uid)}) lets "
+            f"{'other users' if mode & 0o002 else 'group members'} replace its sockets; {_HOW} "
+            "(`a2ad serve` makes it 0700, or 0750 with --group)",
+            path=str(given), owner=st.st_uid, mode=oct(mode),
+        )
+    # symlinks on the given path
+    probe = Path(given.anchor)
+    for part in given.parts[1:]:
+        probe = probe / part
+        try:
+            lst = os.lstat(probe)
+        except OSError:
+            break
+        if stat.S_ISLNK(lst.st_mode) and lst.st_uid not in trusted:
+            raise errors.PermissionDenied(
+                f"refusing the runtime folder {where}: the symlink {probe} is owned by {_owner(lst.st_uid)}; {_HOW}",
+                path=str(given), owner=lst.st_uid,
+            )
+        if stat.S_ISLNK(lst.st_mode):
+            probe = Path(os.path.realpath(probe))
+    # the folders above it
+    for parent in real.parents:
+        pst = os.stat(parent)
+        pmode = stat.S_IMODE(pst.st_mode)
+        if pst.st_uid not in trusted or (pmode & 0o022 and not pmode & stat.S_ISVTX):
+            raise errors.PermissionDenied(
+                f"refusing the runtime folder {where}: the folder above it, {parent} (owner "
+                f"{_owner(pst.st_uid)}, mode {pmode:04o}), lets someone else replace it; {_HOW}",
+                path=str(given), owner=pst.st_uid, mode=oct(pmode),
+            )
+
+
+def _peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    fmt = "3i"
+    pid, uid, gid = struct.unpack(fmt, sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize(fmt)))
+    return pid, uid, gid
+
+
+def probe_daemon(runtime_dir: str | os.PathLike, extra_uids=(), busy_wait: float = 1.0) -> tuple[int, int, int]:
+    """Connect to ``fd.sock`` once (non-blocking) and close at once: is a daemon listening, and
+    is it one we trust? Returns the listener's (pid, uid, gid).
+
+    Raises :class:`a2ad.errors.DaemonUnavailable` when no process listens there (a stale
+    socket left by a daemon that died) or the listener's backlog stays full for
+    ``busy_wait`` seconds, and :class:`a2ad.errors.PermissionDenied` when the socket may not
+    be opened or the listening process runs as a uid we do not trust (SO_PEERCRED gives the
+    credentials of the process that called listen())."""
+    rd = Path(runtime_dir)
+    path = rd / FD_SOCK
+    end = time.monotonic() + busy_wait
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        try:
+            try:
+                s.connect(str(path))
+            except (ConnectionRefusedError, FileNotFoundError) as exc:
+                why = "connection refused" if isinstance(exc, ConnectionRefusedError) else f"{FD_SOCK} is missing"
+                raise errors.DaemonUnavailable(
+                    f"stale a2ad socket in {rd}: no daemon is listening ({why}); the daemon that made it "
+                    f"likely died (see its log, or `journalctl -u a2ad`); start one with "
+                    f"`a2ad serve --runtime-dir {rd}`",
+                    runtime_dir=str(rd), stale=True,
+                ) from None
+            except PermissionError:
+                raise errors.PermissionDenied(
+                    f"may not connect to {path}: the daemon there serves its own user only (or the members "
+                    "of its --group); ask its admin for access",
+                    runtime_dir=str(rd),
+                ) from None
+            except BlockingIOError:
+                if time.monotonic() >= end:
+                    raise errors.DaemonUnavailable(
+                        f"the daemon at {rd} accepts no connections (its backlog stayed full for {busy_wait:g} s)",
+                        runtime_dir=str(rd),
+                    ) from None
+                time.sleep(0.01)
+                continue
+            pid, uid, gid = _peer_credentials(s)
+        finally:
+            s.close()
+        if uid not in trusted_uids(extra_uids):
+            raise errors.PermissionDenied(
+                f"refusing the daemon at {rd}: it runs as {_owner(uid)} (pid {pid}), which is not you, root "
+                f"or the daemon's user (the system user {DAEMON_USER!r}, or ${DAEMON_UID_ENV}); "
+                "it could read your workspaces. Stop using that folder, or set "
+                f"${DAEMON_UID_ENV}={uid} if that daemon is the one you mean to use",
+                runtime_dir=str(rd), pid=pid, uid=uid,
+            )
+        return pid, uid, gid
 
 
 class RuntimeDirError(Exception):
