@@ -1,18 +1,29 @@
 """`a2ad-ctl`: inspect and steer a running daemon. Human tables by default, --json for scripts.
 
-Exit codes: 0 success, 1 the daemon answered with an error, 2 usage, 3 the daemon
-cannot be reached.
+Global options (--runtime-dir, --json, --timeout) go anywhere on the line, before or after
+the subcommand: ``a2ad-ctl status --json``.
+
+Exit codes: 0 success, 1 the daemon answered with an error (or the client refused to talk
+to it, e.g. an untrusted runtime folder), 2 usage, 3 the daemon cannot be reached.
+
+Output: the result on stdout. Errors go to stderr as ``a2ad-ctl: CODE: MESSAGE``; with
+--json, stdout carries exactly one JSON document whatever happens: the daemon's reply on
+success, else ``{"ok": false, "code": ..., "message": ..., "details": {...}, "exit_code": N}``
+(usage errors included, with code ``usage``), and nothing is written to stderr.
+
+This module imports no torch (nor anything heavy): a ping is one Python start-up, one
+socket probe and one request.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from a2ad import errors
+from a2ad import __version__, errors
 
 EXIT_ERROR = 1
+EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 
 
@@ -98,98 +109,240 @@ def show_job(j: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from a2ad.connection import DaemonClient
+class _Usage(Exception):
+    def __init__(self, message: str, usage: str):
+        super().__init__(message)
+        self.message, self.usage = message, usage
 
-    parser = argparse.ArgumentParser(prog="a2ad-ctl", description="inspect and steer a running a2ad daemon")
-    parser.add_argument("--runtime-dir", help="the daemon's runtime folder (same default as `a2ad serve`)")
-    parser.add_argument("--json", action="store_true", help="print the daemon's reply as JSON")
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon (default 5)")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("ping", help="is the daemon there? (version, backend, pid, uptime)")
-    sub.add_parser("status", help="daemon, memory and every job")
-    sub.add_parser("jobs", help="one line per job")
+
+class _Parser(argparse.ArgumentParser):
+    """Raises _Usage instead of printing and exiting, so that --json can report it as JSON."""
+
+    def error(self, message):
+        raise _Usage(message, self.format_usage())
+
+
+def _global_options() -> argparse.ArgumentParser:
+    # SUPPRESS: an option given before the subcommand survives the subparser's own defaults
+    g = argparse.ArgumentParser(add_help=False)
+    g.add_argument("--runtime-dir", default=argparse.SUPPRESS,
+                   help="the daemon's runtime folder (same default as `a2ad serve`)")
+    g.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                   help="print the reply (or the error) as one JSON document on stdout")
+    g.add_argument("--timeout", type=float, default=argparse.SUPPRESS,
+                   help="seconds to wait for the daemon (default 5)")
+    return g
+
+
+def build_parser() -> argparse.ArgumentParser:
+    g = _global_options()
+    parser = _Parser(prog="a2ad-ctl", description="inspect and steer a running a2ad daemon", parents=[g])
+    parser.add_argument("--version", action="version", version=f"a2ad-ctl {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def add(name, helptext):
+        return sub.add_parser(name, help=helptext, description=helptext, parents=[g])
+
+    add("ping", "is the daemon there? (version, backend, pid, uptime)")
+    add("status", "daemon, memory and every job")
+    add("jobs", "one line per job")
     for name, helptext in (
         ("job", "one job and its ranks"),
         ("destroy", "free a job now"),
         ("abort", "set a job's abort word: its ranks leave their waits and raise PeerLost"),
     ):
-        p = sub.add_parser(name, help=helptext)
-        p.add_argument("name")
-    p = sub.add_parser("drain", help="refuse new jobs (existing ones run on); --off to accept again")
+        add(name, helptext).add_argument("name")
+    p = add("drain", "refuse new jobs (existing ones run on); --off to accept again")
     p.add_argument("--off", action="store_true")
-    sub.add_parser("metrics", help="metrics in Prometheus text format")
-    p = sub.add_parser("upgrade", help="start a successor daemon (the installed version) and hand it every job; "
-                                      "clients keep running")
-    p.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the successor to answer (default 30)")
-    args = parser.parse_args(argv)
+    add("metrics", "metrics in Prometheus text format")
+    p = add("upgrade", "start a successor daemon (the installed version) and hand it every job; clients keep "
+                       "running. If the hand-over fails the old daemon keeps serving, and this says so")
+    p.add_argument("--wait", type=float, default=30.0,
+                   help="seconds to wait for the hand-over and the successor's answer (default 30)")
+    p = add("shutdown", "stop the daemon; its jobs are kept for the next daemon unless --free-jobs")
+    p.add_argument("--free-jobs", action="store_true", help="free every job (their ranks lose their workspaces)")
+    p.add_argument("--wait", type=float, default=10.0,
+                   help="seconds to wait until the daemon has stopped serving (default 10; 0: do not wait)")
+    return parser
 
-    client = DaemonClient(args.runtime_dir, timeout=args.timeout)
+
+def _wants_json(argv: list[str]) -> bool:
+    return "--json" in (argv[: argv.index("--")] if "--" in argv else argv)
+
+
+def _json_text(obj) -> str:
+    import json
+
+    return json.dumps(obj, indent=2, default=lambda b: b.hex() if isinstance(b, bytes) else str(b))
+
+
+def _fail(as_json: bool, exit_code: int, code: str, message: str, details: dict | None = None,
+          text: str | None = None) -> int:
+    if as_json:
+        print(_json_text({"ok": False, "code": code, "message": message, "details": details or {},
+                          "exit_code": exit_code}))
+    else:
+        print(text if text is not None else f"a2ad-ctl: {code}: {message}", file=sys.stderr)
+    return exit_code
+
+
+def _error_exit(exc: errors.A2ADError) -> int:
+    return EXIT_UNREACHABLE if isinstance(exc, errors.DaemonUnavailable) else EXIT_ERROR
+
+
+class _Failed(Exception):
+    """A failure with its own wording (not a plain daemon error)."""
+
+    def __init__(self, exit_code: int, code: str, message: str, details: dict | None = None):
+        super().__init__(message)
+        self.exit_code, self.code, self.message, self.details = exit_code, code, message, details or {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = _wants_json(argv)
+    parser = build_parser()
     try:
-        if args.command == "ping":
-            reply = client.request("hello")
-            text = f"a2ad {reply['version']} pid {reply['pid']} backend {reply['backend']} up {reply['uptime_s']:.1f} s"
-        elif args.command == "status":
-            reply = client.request("status")
-            text = show_status(reply)
-        elif args.command == "jobs":
-            reply = client.request("jobs")
-            text = _table(_job_rows(reply["jobs"]), JOB_HEADER) if reply["jobs"] else "no jobs"
-        elif args.command == "job":
-            reply = client.request("job_info", job=args.name)
-            text = show_job(reply)
-        elif args.command == "destroy":
-            reply = client.request("destroy", job=args.name)
-            text = f"job {args.name} destroyed"
-        elif args.command == "abort":
-            reply = client.request("abort", job=args.name)
-            text = f"job {args.name} aborted (generation {reply['generation']})"
-        elif args.command == "drain":
-            reply = client.request("drain", enable=not args.off)
-            text = "draining: new jobs are refused" if reply["draining"] else "not draining: new jobs are accepted"
-        elif args.command == "upgrade":
-            import time
+        args = parser.parse_args(argv)
+    except _Usage as exc:
+        if as_json:
+            return _fail(True, EXIT_USAGE, "usage", exc.message)
+        sys.stderr.write(exc.usage)
+        print(f"a2ad-ctl: error: {exc.message}", file=sys.stderr)
+        return EXIT_USAGE
+    as_json = getattr(args, "json", False)
+    timeout = getattr(args, "timeout", 5.0)
+    if not timeout > 0:
+        return _fail(as_json, EXIT_USAGE, "usage", "--timeout must be > 0")
 
-            before = client.request("hello")
-            reply = client.request("upgrade")
-            client.close()
-            end = time.monotonic() + args.wait
-            after = None
-            while time.monotonic() < end:
-                try:
-                    after = client.request("hello", wait=1.0)
-                    if after["pid"] == reply["successor_pid"]:
-                        break
-                except errors.DaemonUnavailable:
-                    pass
-                time.sleep(0.1)
-            if after is None or after["pid"] != reply["successor_pid"]:
-                print(f"a2ad-ctl: the successor (pid {reply['successor_pid']}) did not answer in {args.wait:g} s",
-                      file=sys.stderr)
-                return EXIT_UNREACHABLE
-            jobs = client.request("jobs")["jobs"]
-            reply = {"old_pid": before["pid"], "new_pid": after["pid"], "version": after["version"],
-                     "jobs": [j["name"] for j in jobs]}
-            text = (f"upgraded: pid {before['pid']} (a2ad {before['version']}) -> pid {after['pid']} "
-                    f"(a2ad {after['version']}); {len(jobs)} job(s) kept: {', '.join(reply['jobs']) or '-'}")
-        elif args.command == "metrics":
-            reply = client.request("metrics")
-            text = reply["text"].rstrip("\n")
-        else:  # pragma: no cover
-            parser.error(f"unknown command {args.command}")
+    from a2ad.connection import DaemonClient
+
+    try:
+        client = DaemonClient(getattr(args, "runtime_dir", None), timeout=timeout)
+    except errors.A2ADError as exc:  # e.g. a bad $A2AD_DAEMON_UID
+        return _fail(as_json, EXIT_ERROR, exc.code, exc.message, exc.details)
+    try:
+        reply, text = _run(args, client)
+    except _Failed as exc:
+        return _fail(as_json, exc.exit_code, exc.code, exc.message, exc.details)
     except errors.DaemonUnavailable as exc:
-        print(f"a2ad-ctl: {exc.message}", file=sys.stderr)
-        return EXIT_UNREACHABLE
+        return _fail(as_json, EXIT_UNREACHABLE, exc.code, exc.message, exc.details, text=f"a2ad-ctl: {exc.message}")
     except errors.A2ADError as exc:
-        print(f"a2ad-ctl: {exc.code}: {exc.message}", file=sys.stderr)
-        return EXIT_ERROR
+        return _fail(as_json, EXIT_ERROR, exc.code, exc.message, exc.details)
+    except KeyboardInterrupt:
+        return 130
     finally:
         client.close()
-    if args.json:
-        print(json.dumps(reply, indent=2, default=lambda b: b.hex() if isinstance(b, bytes) else str(b)))
-    else:
-        print(text)
+    print(_json_text(reply) if as_json else text)
     return 0
+
+
+def _run(args, client) -> tuple[dict, str]:
+    """(the reply for --json, the text for humans) of one subcommand."""
+    if args.command == "ping":
+        reply = client.request("hello")
+        return reply, f"a2ad {reply['version']} pid {reply['pid']} backend {reply['backend']} up {reply['uptime_s']:.1f} s"
+    if args.command == "status":
+        reply = client.request("status")
+        return reply, show_status(reply)
+    if args.command == "jobs":
+        reply = client.request("jobs")
+        return reply, (_table(_job_rows(reply["jobs"]), JOB_HEADER) if reply["jobs"] else "no jobs")
+    if args.command == "job":
+        reply = client.request("job_info", job=args.name)
+        return reply, show_job(reply)
+    if args.command == "destroy":
+        return client.request("destroy", job=args.name), f"job {args.name} destroyed"
+    if args.command == "abort":
+        reply = client.request("abort", job=args.name)
+        return reply, f"job {args.name} aborted (generation {reply['generation']})"
+    if args.command == "drain":
+        reply = client.request("drain", enable=not args.off)
+        return reply, ("draining: new jobs are refused" if reply["draining"] else "not draining: new jobs are accepted")
+    if args.command == "metrics":
+        reply = client.request("metrics")
+        return reply, reply["text"].rstrip("\n")
+    if args.command == "upgrade":
+        return _upgrade(args, client)
+    if args.command == "shutdown":
+        return _shutdown(args, client)
+    raise _Failed(EXIT_USAGE, "usage", f"unknown command {args.command}")  # pragma: no cover
+
+
+def _upgrade(args, client) -> tuple[dict, str]:
+    """The daemon answers ``upgrade`` once the successor confirmed it holds every job
+    ({successor_pid, jobs}), or with an error when the upgrade failed and the old daemon kept
+    serving. Then the successor must be the one answering ``hello``."""
+    import time
+
+    before = client.request("hello")
+    old = f"pid {before['pid']}, a2ad {before['version']}"
+    try:
+        reply = client.request("upgrade", wait=max(args.wait, client.timeout))
+    except errors.DaemonUnavailable as exc:
+        raise _Failed(EXIT_UNREACHABLE, exc.code,
+                      f"no answer to the upgrade: {exc.message}; whether the old daemon ({old}) or a successor now "
+                      "serves is unknown: check with `a2ad-ctl ping`",
+                      {"old_pid": before["pid"]}) from None
+    except errors.A2ADError as exc:
+        raise _Failed(EXIT_ERROR, exc.code,
+                      f"upgrade failed: {exc.message}; the old daemon ({old}) stayed in charge and keeps serving "
+                      "every job",
+                      dict(exc.details, old_pid=before["pid"], old_daemon_kept=True)) from None
+    successor = reply.get("successor_pid")
+    client.close()
+    end = time.monotonic() + args.wait
+    after = None
+    while True:
+        try:
+            after = client.request("hello", wait=1.0)
+            if after["pid"] == successor:
+                break
+        except errors.DaemonUnavailable:
+            pass
+        if time.monotonic() >= end:
+            break
+        time.sleep(0.1)
+    if after is None or after["pid"] != successor:
+        now = "nothing answers" if after is None else f"pid {after['pid']} answers"
+        raise _Failed(EXIT_UNREACHABLE, "daemon_unavailable",
+                      f"the successor (pid {successor}) did not answer within {args.wait:g} s ({now}); "
+                      f"the old daemon was {old}", {"old_pid": before["pid"], "successor_pid": successor})
+    jobs = reply.get("jobs")
+    if jobs is None:
+        jobs = [j["name"] for j in client.request("jobs")["jobs"]]
+    jobs = [j if isinstance(j, str) else j.get("name", str(j)) for j in jobs]
+    out = {"old_pid": before["pid"], "new_pid": after["pid"], "version": after["version"], "jobs": jobs}
+    return out, (f"upgraded: pid {before['pid']} (a2ad {before['version']}) -> pid {after['pid']} "
+                 f"(a2ad {after['version']}); {len(jobs)} job(s) kept: {', '.join(jobs) or '-'}")
+
+
+def _shutdown(args, client) -> tuple[dict, str]:
+    """Ask the daemon to stop, then wait (``--wait``) until it no longer serves."""
+    import time
+
+    from a2ad.connection import DaemonClient
+
+    before = client.request("hello")
+    reply = client.request("shutdown", free_jobs=bool(args.free_jobs))
+    client.close()
+    jobs = "its jobs freed" if args.free_jobs else "its jobs kept for the next daemon"
+    out = dict(reply or {}, pid=before["pid"], free_jobs=bool(args.free_jobs), stopped=False)
+    if args.wait <= 0:
+        return out, f"daemon pid {before['pid']} asked to stop ({jobs})"
+    end = time.monotonic() + args.wait
+    while True:
+        try:
+            with DaemonClient(client.runtime_dir, timeout=0.5) as probe:
+                probe.check_daemon()  # a stale or missing socket: the daemon is gone
+        except errors.DaemonUnavailable:
+            out["stopped"] = True
+            return out, f"daemon pid {before['pid']} stopped ({jobs})"
+        if time.monotonic() >= end:
+            raise _Failed(EXIT_ERROR, "timeout",
+                          f"daemon pid {before['pid']} accepted the shutdown but still listens after {args.wait:g} s",
+                          {"pid": before["pid"]})
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":
