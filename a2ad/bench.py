@@ -1,7 +1,7 @@
 """a2ad-bench: dispatch/combine latency and bandwidth of a2ad against NCCL baselines.
 
 One process per rank, one rank per GPU (``torch.multiprocessing`` spawn). The
-launcher starts an a2ad daemon (``python -m a2ad.tools.cli serve --backend cuda``) on a
+launcher starts an a2ad daemon (``a2ad serve --backend cuda``, through a2ad.tools.launcher) on a
 private runtime folder unless ``--runtime-dir`` names a running one, then every
 rank attaches through ``MoeAlltoAll(job=...)`` and, in the same run, on the same
 GPUs, runs:
@@ -33,7 +33,6 @@ import math
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -1869,55 +1868,28 @@ def resolve_config(args, visible_gpus: int) -> dict:
 
 
 class Daemon:
-    """An a2ad daemon subprocess on a private runtime folder."""
+    """An a2ad daemon subprocess on a private runtime folder, through the shared launcher
+    (the log goes to ``log_path``, in the run folder the bench removes itself)."""
 
     def __init__(self, runtime_dir: Path, backend: str, log_path: Path):
+        from a2ad.tools.launcher import DaemonLauncher
+
         self.runtime_dir, self.backend, self.log_path = runtime_dir, backend, log_path
-        self.proc: subprocess.Popen | None = None
+        self._launcher = DaemonLauncher(runtime_dir, "--backend", backend, "--grace", "1", "--log-level", "info",
+                                        log_path=log_path)
+
+    @property
+    def proc(self):
+        return self._launcher.proc
 
     def start(self, timeout: float = 30.0) -> None:
-        from a2ad.connection import ping
-        from a2ad.errors import DaemonUnavailable
-
-        self._log = open(self.log_path, "ab")
-        cmd = [sys.executable, "-m", "a2ad.tools.cli", "serve", "--runtime-dir", str(self.runtime_dir),
-               "--backend", self.backend, "--grace", "1", "--log-level", "info"]
-        import a2ad
-
-        root = str(Path(a2ad.__file__).resolve().parent.parent)  # works in a checkout that is not installed
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=root)
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the a2ad daemon exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                ping(self.runtime_dir, timeout=0.5)
-                return
-            except DaemonUnavailable:
-                time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"the a2ad daemon did not answer within {timeout:.0f} s:\n{self.log_tail()}")
+        self._launcher.start(timeout)  # LaunchError (a RuntimeError) with the log's tail
 
     def log_tail(self, n: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
+        return self._launcher.log()[-n:]
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._log.close()
-        self.proc = None
+        self._launcher.stop(timeout=15.0)
 
 
 def _command_line(argv: list[str]) -> str:

@@ -47,24 +47,34 @@ def runtime_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def daemon(runtime_dir):
-    """A real `a2ad serve --backend host` on a private runtime folder (grace 1 s)."""
+    """A real `a2ad serve --backend host` on a private runtime folder (grace 1 s); stopped
+    after the test whatever its outcome (a start that fails stops its own daemon)."""
     d = DaemonProcess(runtime_dir, "--backend", os.environ.get("A2AD_TEST_BACKEND", "host"), "--grace", "1")
     d.start()
-    yield d
-    d.stop()
+    try:
+        yield d
+    finally:
+        d.stop()
 
 
 @pytest.fixture
 def daemon_factory(runtime_dir):
-    """Start a daemon with custom arguments: daemon_factory('--grace', '5')."""
+    """Start a daemon with custom arguments: daemon_factory('--grace', '5'). Every daemon it
+    started is stopped after the test, even when stopping another one fails."""
     started = []
 
     def make(*args, backend="host"):
         d = DaemonProcess(runtime_dir, "--backend", backend, *args)
-        d.start()
         started.append(d)
+        d.start()
         return d
 
     yield make
+    problems = []
     for d in started:
-        d.stop()
+        try:
+            d.stop()
+        except Exception as exc:  # stop the rest first, then report
+            problems.append(exc)
+    if problems:
+        raise problems[0]

@@ -5,109 +5,33 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import signal
-import subprocess
-import sys
 import time
 import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
+from a2ad.tools.launcher import DaemonLauncher, LaunchError, reap_keeper  # noqa: E402,F401
 
-class DaemonProcess:
-    def __init__(self, runtime_dir: Path, *args: str):
-        self.runtime_dir = Path(runtime_dir)
-        self.args = list(args)
-        self.proc: subprocess.Popen | None = None
-        self.log_path = self.runtime_dir.parent / f"{self.runtime_dir.name}-daemon.log"
+
+class DaemonProcess(DaemonLauncher):
+    """A real ``a2ad serve`` for a test (debug log) through the shared launcher. Its log lives
+    in the launcher's temp folder: still readable after ``stop``, removed once the object is
+    gone (or at exit). ``stop`` fails the test if SIGTERM did not end the daemon in time."""
+
+    def __init__(self, runtime_dir: Path, *args: str, **kw):
+        super().__init__(Path(runtime_dir), "--log-level", "debug", *args, **kw)
 
     def start(self, timeout: float = 20.0) -> "DaemonProcess":
-        from a2ad.connection import ping
-        from a2ad.errors import DaemonUnavailable
+        super().start(timeout)
+        return self
 
-        self._log = open(self.log_path, "ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "a2ad.tools.cli", "serve", "--runtime-dir", str(self.runtime_dir), "--log-level", "debug", *self.args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=str(REPO),
-        )
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                ping(self.runtime_dir, timeout=0.5)
-                return self
-            except DaemonUnavailable:
-                time.sleep(0.05)
-        raise RuntimeError(f"daemon did not come up in {timeout} s:\n{self.log()}")
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def client(self, timeout: float = 5.0):
-        from a2ad.connection import DaemonClient
-
-        return DaemonClient(self.runtime_dir, timeout=timeout)
-
-    def request(self, rtype: str, **fields) -> dict:
-        with self.client() as c:
-            return c.request(rtype, **fields)
-
-    def kill9(self) -> None:
-        """SIGKILL the daemon (its fd keeper, if any, lives on, as in production)."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        if not self._log.closed:
-            self._log.close()
-
-    def stop(self, timeout: float = 10.0) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-                raise AssertionError(f"daemon did not stop on SIGTERM within {timeout} s:\n{self.log()}")
-        if not self._log.closed:
-            self._log.close()
-        reap_keeper(self.runtime_dir)
-        return self.proc.returncode
-
-
-def reap_keeper(runtime_dir: Path) -> None:
-    """Ask a keeper left by a killed daemon to exit (tests must not leave processes behind)."""
-    import socket
-
-    from a2ad import fdpass
-
-    path = Path(runtime_dir) / "keeper.sock"
-    if not path.exists():
-        return
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.connect(str(path))
-        fdpass.send_frame(s, {"op": "exit"})
-        fdpass.recv_frame(s, timeout=5)
-    except OSError:
-        pass
-    finally:
-        s.close()
+    def stop(self, timeout: float = 10.0, remove_log: bool | None = None) -> int | None:
+        was_running = self.running()
+        rc = super().stop(timeout, False if remove_log is None else remove_log)
+        if was_running and self.stopped_by == "sigkill":
+            raise AssertionError(f"daemon did not stop on SIGTERM within {timeout} s:\n{self.log_tail(60)}")
+        return rc
 
 
 def fd_count(pid: int) -> int:
@@ -160,31 +84,53 @@ def _rank_main(fn, rank, args, q):
 def run_ranks(fn, ranks, args=(), timeout: float = 120.0, ctx=None):
     """Run ``fn(rank, *args)`` in one spawned process per rank; return {rank: result}.
 
-    Raises AssertionError with the child's traceback if any rank raised, and kills
-    everything (never hangs) if a rank does not report within ``timeout``."""
+    Raises AssertionError with the child's traceback if any rank raised or died without
+    reporting, and never hangs: when a rank does not report within ``timeout``, or on any
+    other way out (an error here, KeyboardInterrupt), every rank still running is killed.
+    After a normal finish the ranks get 5 s in all to exit before they are killed too."""
+    import queue as queue_mod
+
     ctx = ctx or mp.get_context("spawn")
     q = ctx.Queue()
-    procs = {r: ctx.Process(target=_rank_main, args=(fn, r, args, q), daemon=True) for r in ranks}
-    for p in procs.values():
-        p.start()
+    procs: dict = {}
     results, failures = {}, {}
-    end = time.monotonic() + timeout
+    dead_since: dict = {}
+    finished = False
     try:
+        for r in ranks:
+            procs[r] = ctx.Process(target=_rank_main, args=(fn, r, args, q), daemon=True)
+            procs[r].start()
+        end = time.monotonic() + timeout
         while len(results) + len(failures) < len(procs):
             remaining = end - time.monotonic()
             if remaining <= 0:
                 raise AssertionError(f"ranks {sorted(set(procs) - set(results) - set(failures))} did not finish in {timeout} s")
             try:
-                rank, status, value = q.get(timeout=min(remaining, 1.0))
-            except Exception:
+                rank, status, value = q.get(timeout=min(remaining, 0.5))
+            except queue_mod.Empty:
+                now = time.monotonic()
+                for r, p in procs.items():
+                    if r in results or r in failures or p.is_alive():
+                        continue
+                    # its report, if any, is flushed before it exits: give the pipe a moment
+                    if now - dead_since.setdefault(r, now) > 2.0:
+                        failures[r] = ("Died", f"exited with {p.exitcode} without reporting", "")
                 continue
             (results if status == "ok" else failures)[rank] = value
+        finished = True
     finally:
+        grace_end = time.monotonic() + (5.0 if finished else 0.0)
         for p in procs.values():
-            p.join(timeout=5)
+            if p.pid is None:
+                continue  # never started
+            p.join(timeout=max(0.0, grace_end - time.monotonic()))
             if p.is_alive():
                 p.kill()
+        for p in procs.values():
+            if p.pid is not None:
                 p.join(5)
+        q.close()
+        q.cancel_join_thread()
     if failures:
         msgs = "\n".join(f"rank {r}: {v[0]}: {v[1]}\n{v[2]}" for r, v in sorted(failures.items()))
         raise AssertionError(f"{len(failures)} rank(s) failed:\n{msgs}")

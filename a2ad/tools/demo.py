@@ -1,7 +1,8 @@
 """``a2ad demo``: a daemon plus a group of client processes doing real dispatch and combine.
 
-The demo starts a daemon (``a2ad serve`` as a child process) unless ``--runtime-dir``
-names a folder where one is already running, then spawns ``--ranks`` client
+The demo starts a daemon (``a2ad serve`` as a child process, through
+:mod:`a2ad.tools.launcher`; its log in a temp folder removed afterwards) unless
+``--runtime-dir`` names a folder where one is already running, then spawns ``--ranks`` client
 processes. Each joins one job through :class:`a2ad.client.MoeAlltoAll` and runs
 ``--rounds`` rounds of: seeded random routing, dispatch (bf16 hidden states, int32
 expert ids, float32 scales), a deterministic toy expert computation on what it
@@ -21,9 +22,7 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from a2ad import layout as L
+from a2ad.errors import A2ADError
 
 INVALID_ID = -1
 
@@ -182,51 +182,6 @@ def _rank_rounds(rank: int, cfg: _Config, results, barrier) -> None:
 # ---------------------------------------------------------------------------
 # The daemon
 # ---------------------------------------------------------------------------
-class _Daemon:
-    """A daemon this demo started (``a2ad serve`` in a child process)."""
-
-    def __init__(self, runtime_dir: Path, backend: str):
-        self.runtime_dir = runtime_dir
-        self.log_path = runtime_dir.parent / f"{runtime_dir.name}-daemon.log"
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "a2ad.tools.cli", "serve", "--runtime-dir", str(runtime_dir),
-             "--backend", backend, "--grace", "1"],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-
-    def wait_ready(self, timeout: float) -> dict:
-        from a2ad.connection import ping
-        from a2ad.errors import DaemonUnavailable
-
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the daemon exited with status {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                return ping(self.runtime_dir, timeout=0.5)
-            except DaemonUnavailable:
-                time.sleep(0.05)
-        raise RuntimeError(f"the daemon did not answer within {timeout:.0f} s:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._log.close()
-
-
 def _running_daemon(runtime_dir: str | None) -> dict | None:
     if runtime_dir is None:
         return None
@@ -267,9 +222,11 @@ def run(args) -> int:
                 runtime_dir = Path(args.runtime_dir)
             else:
                 made_dir = runtime_dir = Path(tempfile.mkdtemp(prefix="a2ad-demo-"))
-            daemon = _Daemon(runtime_dir, args.backend)
-            hello = daemon.wait_ready(30.0)
-            where = f"started a daemon (pid {daemon.proc.pid}) on {runtime_dir}"
+            from a2ad.tools.launcher import DaemonLauncher
+
+            daemon = DaemonLauncher(runtime_dir, "--backend", args.backend, "--grace", "1")
+            hello = daemon.start(30.0).hello  # LaunchError (a RuntimeError) carries the log's tail
+            where = f"started a daemon (pid {daemon.pid}) on {runtime_dir}"
         cfg = _Config(
             runtime_dir=str(runtime_dir),
             job=f"demo-{os.getpid()}-{int(time.time())}",
@@ -300,13 +257,14 @@ def run(args) -> int:
     except RuntimeError as exc:
         print(f"a2ad demo: {exc}", file=sys.stderr)
         return 1
+    except A2ADError as exc:  # e.g. a runtime folder the client does not trust
+        print(f"a2ad demo: {exc.code}: {exc.message}", file=sys.stderr)
+        return 1
     finally:
         if daemon is not None:
             daemon.stop()
         if made_dir is not None:
             shutil.rmtree(made_dir, ignore_errors=True)
-            if daemon is not None:
-                daemon.log_path.unlink(missing_ok=True)
 
 
 def _run_ranks(cfg: _Config) -> int:
