@@ -12,11 +12,17 @@ loop iteration. Instead the HTTP sockets live in a private epoll set whose singl
 in the daemon's poller; ``service()`` does non-blocking accept/recv/send only, with a
 deadline and a size cap per connection, so a slow or hostile scraper cannot stall the
 loop, and the render happens in the thread that owns the state.
+
+Idle connections cannot lock scrapers out either: at most ``MAX_CONNECTIONS`` are held,
+and a new one arriving over the cap evicts the oldest connection still waiting for its
+request (one already being answered is never evicted); a request must arrive within
+``REQUEST_TIMEOUT`` of the connect and a reply be taken within ``REPLY_TIMEOUT``.
 """
 
 from __future__ import annotations
 
 import bisect
+import errno
 import logging
 import selectors
 import socket
@@ -26,7 +32,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import choose_encoder
 
-from a2ad import __version__, layout as L, protocol
+from a2ad import __version__, errors, layout as L, protocol
 
 log = logging.getLogger("a2ad")
 
@@ -239,7 +245,15 @@ def render(daemon) -> str:
 # ---------------------------------------------------------------- HTTP /metrics
 MAX_REQUEST = 16 << 10
 MAX_CONNECTIONS = 32
-CONN_TIMEOUT = 5.0
+#: seconds from the connect to a complete request header, whatever trickles in meanwhile
+REQUEST_TIMEOUT = 3.0
+#: seconds for the scraper to take the whole reply
+REPLY_TIMEOUT = 10.0
+LISTEN_BACKLOG = 128
+
+
+class MetricsPortError(errors.A2ADError, OSError):
+    """The metrics port cannot be bound (busy, or not allowed); the message names it."""
 
 
 class _HttpConn:
@@ -247,7 +261,8 @@ class _HttpConn:
         self.sock = sock
         self.inbuf = bytearray()
         self.out: memoryview | None = None
-        self.deadline = time.monotonic() + CONN_TIMEOUT
+        self.accepted = time.monotonic()
+        self.deadline = self.accepted + REQUEST_TIMEOUT
 
 
 class MetricsHTTP:
@@ -262,8 +277,15 @@ class MetricsHTTP:
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self.listener.bind((host, port))
-            self.listener.listen(16)
+            try:
+                self.listener.bind((host, port))
+            except OSError as exc:
+                why = "is in use by another process" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+                raise MetricsPortError(
+                    f"metrics port {host}:{port} {why}; pick another --metrics-port (0 picks a free one) "
+                    "or leave it off", host=host, port=port, errno=exc.errno,
+                ) from None
+            self.listener.listen(LISTEN_BACKLOG)
             self.listener.setblocking(False)
             self.sel.register(self.listener, selectors.EVENT_READ, None)
         except BaseException:
@@ -280,6 +302,8 @@ class MetricsHTTP:
         for key, mask in self.sel.select(0):
             if key.data is None:
                 self._accept()
+            elif self.conns.get(key.data.sock.fileno()) is not key.data:
+                continue  # closed earlier in this round (evicted by an accept)
             elif mask & selectors.EVENT_READ and key.data.out is None:
                 self._read(key.data)
             elif mask & selectors.EVENT_WRITE:
@@ -305,13 +329,21 @@ class MetricsHTTP:
             except OSError as exc:  # e.g. EMFILE: leave the rest in the backlog
                 log.warning("metrics http: accept failed: %s", exc)
                 return
-            if len(self.conns) >= MAX_CONNECTIONS:
-                sock.close()
+            if len(self.conns) >= MAX_CONNECTIONS and not self._evict_idle():
+                sock.close()  # every slot is busy answering: this one tries again later
                 continue
             sock.setblocking(False)
             conn = _HttpConn(sock)
             self.conns[sock.fileno()] = conn
             self.sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _evict_idle(self) -> bool:
+        """Close the oldest connection that has not sent a whole request; False if none."""
+        idle = [c for c in self.conns.values() if c.out is None]
+        if not idle:
+            return False
+        self._close(min(idle, key=lambda c: c.accepted))
+        return True
 
     def _close(self, conn: _HttpConn) -> None:
         self.conns.pop(conn.sock.fileno(), None)
@@ -375,7 +407,7 @@ class MetricsHTTP:
             + "\r\n"
         ).encode()
         conn.out = memoryview(header + (b"" if head_only else body))
-        conn.deadline = time.monotonic() + CONN_TIMEOUT
+        conn.deadline = time.monotonic() + REPLY_TIMEOUT
         self.sel.modify(conn.sock, selectors.EVENT_WRITE, conn)
         self._write(conn)
 
