@@ -973,3 +973,126 @@ def test_daemon_starts_with_an_unusable_state_file(runtime_dir, kind):
     finally:
         d.stop()
 
+
+
+LISTEN_WRAPPER = r"""
+import fcntl, os, sys
+# what systemd does for a restarted service: the stored fds at 3, 4, ... and LISTEN_* naming them
+names = sys.argv[1].split(":") if sys.argv[1] else []
+src = [int(x) for x in sys.argv[2].split(",")] if sys.argv[2] else []
+n = len(src)
+copies = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3 + n) for fd in src]   # out of the way first
+for i, fd in enumerate(copies):
+    os.dup2(fd, 3 + i)   # inheritable
+for fd in set(copies + src):
+    if fd >= 3 + n:
+        os.close(fd)
+os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS=str(n), LISTEN_FDNAMES=":".join(names))
+os.execv(sys.argv[3], sys.argv[3:])
+"""
+
+
+def _systemd_store(listener: NotifyListener) -> dict[str, int]:
+    """The fd store as systemd keeps it after these messages: name -> fd (the listener's)."""
+    store: dict[str, int] = {}
+    for _, f, fds, _ in listener.snapshot():
+        if f.get("FDSTOREREMOVE") == "1":
+            store.pop(f.get("FDNAME"), None)
+        elif f.get("FDSTORE") == "1" and fds:
+            store[f.get("FDNAME") if fdname_is_valid(f.get("FDNAME", "")) else "stored"] = fds[0]
+    return store
+
+
+def test_systemd_restart_readopts_the_job_from_listen_fds(runtime_dir, tmp_path, monkeypatch):
+    """A daemon under systemd stores its fds; the next one is started as systemd would start
+    it (LISTEN_FDS/LISTEN_FDNAMES) and re-adopts the job from them and the state file."""
+    listener = NotifyListener(tmp_path)
+    monkeypatch.setenv("NOTIFY_SOCKET", listener.env)
+    monkeypatch.delenv("WATCHDOG_USEC", raising=False)
+    d1 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "30", "--fd-store", "systemd")
+    holders: list[subprocess.Popen] = []
+    job = "sd:restart.1"
+    proc = None
+    log_path = tmp_path / "d2.log"
+    try:
+        d1.start()
+        monkeypatch.delenv("NOTIFY_SOCKET")
+        holders = [_holder(runtime_dir, job, r, 2) for r in range(2)]
+        _wait_attached(*holders)
+        want = {ws_name(job, 0), ws_name(job, 1), cb_name(job)}
+        wait_for(lambda: set(_systemd_store(listener)) >= want, 20, "the job's fds in the store")
+        d1.stop()
+        store = _systemd_store(listener)
+        names, fds = list(store), list(store.values())
+        with open(log_path, "wb") as logf:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", LISTEN_WRAPPER, ":".join(names), ",".join(map(str, fds)),
+                 *python_command("a2ad.tools.cli", "serve", "--runtime-dir", str(runtime_dir), "--log-level", "debug",
+                                 "--backend", "host", "--grace", "30", "--fd-store", "systemd")],
+                pass_fds=fds, stdout=logf, stderr=subprocess.STDOUT, cwd=str(REPO),
+                env=dict(os.environ, NOTIFY_SOCKET=listener.env, PYTHONUNBUFFERED="1"),
+            )
+        from a2ad.connection import DaemonClient, ping
+        from a2ad.errors import DaemonUnavailable
+
+        def up():
+            assert proc.poll() is None, log_path.read_text(errors="replace")
+            try:
+                ping(runtime_dir, timeout=0.5)
+                return True
+            except DaemonUnavailable:
+                return False
+
+        wait_for(up, 30, "the restarted daemon")
+        with DaemonClient(runtime_dir, timeout=5) as c:
+            jobs = [j["name"] for j in c.request("jobs")["jobs"]]
+        assert jobs == [job], log_path.read_text(errors="replace")
+        assert "without a usable a2ad name" not in log_path.read_text(errors="replace")
+    finally:
+        _release(*holders)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        d1.stop()
+        reap_keeper(runtime_dir)
+        listener.close()
+
+
+def test_daemon_adopts_the_good_record_and_skips_the_bad_one(runtime_dir):
+    """A real job kept by the keeper across a kill -9, plus a broken record added to the state
+    file: the next daemon adopts the job and names the broken record in its log."""
+    d1 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "30", "--fd-store", "keeper")
+    d2 = None
+    holders: list[subprocess.Popen] = []
+    job = "good:one"
+    try:
+        d1.start()
+        holders = [_holder(runtime_dir, job, r, 2) for r in range(2)]
+        _wait_attached(*holders)
+        wait_for(lambda: [r["name"] for r in (persist.load(runtime_dir) or {}).get("jobs", [])] == [job], 10,
+                 "the job in the state file")
+        d1.kill9()
+        state = persist.load(runtime_dir)
+        broken = _record("broken:two")
+        del broken["row_stride"]
+        state["jobs"].append(broken)
+        (runtime_dir / STATE_FILE).write_bytes(msgpack.packb(state, use_bin_type=True))
+        d2 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "30", "--fd-store", "keeper")
+        d2.log_path = runtime_dir.parent / f"{runtime_dir.name}-daemon2.log"
+        d2.start()
+        assert [j["name"] for j in d2.request("jobs")["jobs"]] == [job]
+        log = d2.log()
+        assert "1 unusable job record(s) of 2" in log and "row_stride is missing" in log
+        assert [p for p in runtime_dir.iterdir() if ".bad-" in p.name]
+        wait_for(lambda: [r["name"] for r in (persist.load(runtime_dir) or {}).get("jobs", [])] == [job], 10,
+                 "a state file without the broken record")
+    finally:
+        _release(*holders)
+        if d2 is not None:
+            d2.stop()
+        d1.stop()
+        reap_keeper(runtime_dir)
