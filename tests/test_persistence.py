@@ -1096,3 +1096,65 @@ def test_daemon_adopts_the_good_record_and_skips_the_bad_one(runtime_dir):
             d2.stop()
         d1.stop()
         reap_keeper(runtime_dir)
+
+
+def test_named_fds_batches_by_bytes_for_long_names():
+    """Names near the 1 KiB limit: batches are cut by size, every frame stays within the fd
+    socket's frame limit, and a name over the limit is refused before anything is sent."""
+    _need_fds(700)
+    names = [f"{i:04d}-" + "n" * 1000 for i in range(300)]
+    runs = fdpass.batches(names)
+    assert sum(len(r) for r in runs) == 300 and all(len(r) <= fdpass.BATCH_FDS for r in runs)
+    for run in runs:
+        frame = {"ok": True, "names": run, "more": True, "total": 300}
+        assert len(msgpack.packb(frame, use_bin_type=True)) <= fdpass.protocol.FD_FRAME_MAX
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    fds = {n: _memfd(n[:4].encode()) for n in names}
+    got: dict[str, int] = {}
+    t = threading.Thread(target=fdpass.send_named_fds, args=(a, fds, 30))
+    try:
+        t.start()
+        got = fdpass.recv_named_fds(b, timeout=30)
+        assert set(got) == set(names)
+        assert all(_content(fd) == n[:4].encode() for n, fd in got.items())
+        with pytest.raises(fdpass.FdTransferError):
+            fdpass.send_named_fds(a, {"x" * (fdpass.MAX_NAME_BYTES + 1): fds[names[0]]}, timeout=5)
+    finally:
+        t.join(30)
+        _close(got.values())
+        _close(fds.values())
+        a.close()
+        b.close()
+
+
+def test_keeper_refill_with_a_failing_fd_list_is_retried(runtime_dir, caplog):
+    """The daemon's fd list raising during a refill leaves the store degraded (never raises
+    out of check) and a later check finishes the job."""
+    caplog.set_level(logging.INFO, logger="a2ad")
+    store = None
+    children = []
+    fd = _memfd(b"c")
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("not now")
+        return {"ws.c.0": fd}
+
+    try:
+        store = KeeperStore(runtime_dir)
+        children += _store_children(store)
+        store.sock.shutdown(socket.SHUT_RDWR)  # the keeper lives; our connection broke
+        store.check(flaky)
+        assert store.state == "degraded" and "not now" in store.last_error
+        store._next_try = 0.0  # skip the backoff
+        _wait_state(store, flaky, "ok", 10, [])
+        got = store.load()
+        assert set(got) == {"ws.c.0"} and _content(got["ws.c.0"]) == b"c"
+        _close(got.values())
+    finally:
+        if store is not None:
+            store.close(clean=True)
+        os.close(fd)
+        _stop_keeper(runtime_dir, *children)

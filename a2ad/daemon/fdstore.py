@@ -391,11 +391,13 @@ class KeeperStore(FdStore):
         again. A failed restart stays "degraded" and is retried on later checks with backoff."""
         self._all_fds = all_fds
         self._reap()
-        if self.sock is not None:
+        if self.sock is not None and self._state == "ok":
             reason = self._peek_dead()
             if reason is None:
                 return
             self._mark_dead(reason)
+        elif self.sock is not None:
+            self._close_sock()  # connected during a refill that did not finish: start over
         now = time.monotonic()
         if self._starting is not None:
             self._poll_start(now)
@@ -463,15 +465,18 @@ class KeeperStore(FdStore):
             return "the keeper closed its connection"
         return "the keeper sent something nobody asked for"
 
-    def _mark_dead(self, reason: str, hung: bool = False) -> None:
-        # a keeper that stopped answering (rather than died) must not be reconnected to
-        self._hung = self._hung or hung
+    def _close_sock(self) -> None:
         if self.sock is not None:
             try:
                 self.sock.close()
             except OSError:
                 pass
             self.sock = None
+
+    def _mark_dead(self, reason: str, hung: bool = False) -> None:
+        # a keeper that stopped answering (rather than died) must not be reconnected to
+        self._hung = self._hung or hung
+        self._close_sock()
         if self._state != "degraded":
             log.error(
                 "fd keeper lost (%s): until it is restarted and refilled, a daemon crash would lose every job",
@@ -575,6 +580,7 @@ class KeeperStore(FdStore):
         try:
             fds = dict(self._all_fds()) if self._all_fds is not None else {}
         except Exception as exc:  # the daemon's callback: never let it stop the loop
+            self._close_sock()  # the next attempt starts over from connecting
             self._restart_failed(f"listing the daemon's fds failed: {exc!r}")
             return
         self._epoch += 1
@@ -582,6 +588,7 @@ class KeeperStore(FdStore):
         try:
             runs = fdpass.batches(list(fds))
         except fdpass.FdTransferError as exc:
+            self._close_sock()
             self._restart_failed(exc.message)
             return
         try:
