@@ -435,18 +435,18 @@ def test_ctl_commands(daemon):
 def test_supplementary_group_members_are_allowed(runtime_dir):
     """The allow-list accepts a process whose supplementary groups include an allowed gid
     (read from /proc of a real process), not only its primary gid."""
-    from a2ad.daemon.server import Config, Daemon
+    from a2ad.daemon.auth import Auth, Peer
 
     gid = 4242
-    d = Daemon(Config(runtime_dir=runtime_dir, backend="host", allow_gids={gid}))
+    auth = Auth(allow_gids={gid})
     member = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], preexec_fn=lambda: os.setgroups([gid]))
     stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], preexec_fn=lambda: os.setgroups([]))
     try:
-        d.check_uid(12345, 999, member.pid)  # not in the allow-list but for its group: allowed
+        auth.check_connect(Peer(12345, 999, member.pid))  # not in the allow-list but for its group: allowed
         with pytest.raises(errors.PermissionDenied, match="uid 12345"):
-            d.check_uid(12345, 999, stranger.pid)
-        d.check_uid(12345, gid, stranger.pid)  # primary gid allowed
-        d.check_uid(os.getuid(), 999, stranger.pid)  # the daemon's own uid
+            auth.check_connect(Peer(12345, 999, stranger.pid))
+        auth.check_connect(Peer(12345, gid, stranger.pid))  # primary gid allowed
+        auth.check_connect(Peer(os.getuid(), 999, stranger.pid))  # the daemon's own uid
     finally:
         for p in (member, stranger):
             p.kill()

@@ -62,8 +62,9 @@ def _fuzz_frame(rng: random.Random) -> list[bytes]:
     if choice == 2:  # truncated valid join
         return [good[: rng.randrange(len(good))]]
     if choice == 3:  # random structure with a valid envelope
-        # every type but upgrade, which (validly) replaces the daemon: tested in test_failures
-        types = [t for t in protocol.REQUESTS if t != "upgrade"] + ["nope"]
+        # every type but upgrade and shutdown, which (validly) replace or stop the daemon:
+        # tested in test_failures and test_ctl
+        types = [t for t in protocol.REQUESTS if t not in ("upgrade", "shutdown")] + ["nope"]
         obj = {"v": 1, "id": rng.randint(0, 99), "type": rng.choice(types)}
         for _ in range(rng.randint(0, 6)):
             obj[rng.choice(["job", "ep_rank", "ep_size", "spec", "pid", "device", "timeout", "lease", "zzz"])] = _random_value(rng)

@@ -1,17 +1,22 @@
 """Daemon commands: one function per request type, registered in COMMANDS.
 
 Each handler takes (daemon, request fields, context) and returns the reply payload,
-or None when the reply is deferred (join waits for its rendezvous). Raising an
-A2ADError answers with its code. Field validation happened in protocol.parse_request.
+or None when the reply is deferred (join waits for its rendezvous; the registry queues the
+reply for later). Raising an A2ADError answers with its code. Field validation happened in
+protocol.parse_request; who may do what is decided in auth.py, job ownership in the
+registry. Handlers call only the registry's public methods and the daemon's own.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 from dataclasses import dataclass
 from typing import Callable
 
-from a2ad import errors, layout as L, protocol
+from a2ad import __version__, errors, protocol
+from a2ad.daemon.auth import Peer
 
 log = logging.getLogger("a2ad")
 
@@ -20,50 +25,54 @@ log = logging.getLogger("a2ad")
 class Context:
     identity: bytes
     request_id: int
-    cred: tuple[int, int, int] | None  # (uid, gid, pid) from the ipc socket, when known
+    peer: Peer  # who sent it, as the kernel says (uid, gid, pid of the ipc peer)
 
 
 def cmd_hello(d, f, ctx) -> dict:
-    """hello / ping. Reply: version, protocol, backend, pid, uptime_s."""
-    st = d.status()
-    return {k: st[k] for k in ("version", "protocol", "pid", "uptime_s", "runtime_dir")} | {
+    """hello / ping. Reply: version, protocol, backend, pid, uptime_s, runtime_dir, draining."""
+    return {
+        "version": __version__,
+        "protocol": protocol.PROTOCOL_VERSION,
+        "pid": os.getpid(),
+        "uptime_s": round(time.monotonic() - d.started, 3),
+        "runtime_dir": str(d.cfg.runtime_dir),
         "backend": d.backend.name,
-        "draining": d.draining,
+        "draining": d.registry.draining,
     }
 
 
 def cmd_status(d, f, ctx) -> dict:
-    """Everything: version, backend facts, jobs with their ranks, memory, counters."""
-    return d.status()
+    """Everything: version, backend facts, jobs with their ranks, memory, counters. Other
+    users' jobs are shown to admins only (``jobs_hidden`` counts the rest)."""
+    return d.status(ctx.peer)
 
 
 def cmd_jobs(d, f, ctx) -> dict:
-    """Reply: {jobs: [job summary, ...]}."""
-    return {"jobs": d.status()["jobs"]}
+    """Reply: {jobs: [job summary, ...]} (the jobs this peer may see)."""
+    now = time.monotonic()
+    admin = d.auth.is_admin(ctx.peer)
+    return {"jobs": [j.summary(now, show_pids=admin or j.owner_uid == ctx.peer.uid) for j in d.registry.visible_jobs(ctx.peer)]}
 
 
 def cmd_job_info(d, f, ctx) -> dict:
-    """Request: job. Reply: that job's summary (ranks, states, spec, bytes)."""
-    import time
-
-    job = d.jobs.get(f["job"])
-    if job is None:
-        raise errors.NoSuchJob(f"no job named {f['job']!r}")
-    return job.summary(time.monotonic())
+    """Request: job. Reply: that job's summary (ranks, states, spec, bytes). Its owner or an
+    admin only (others get no_such_job)."""
+    return d.registry.job_for(ctx.peer, f["job"]).summary(time.monotonic())
 
 
 def cmd_join(d, f, ctx):
     """Request: job, ep_rank, ep_size, spec, pid, device[, timeout]. The reply is held until
     all ep_size ranks are present; it carries the layout, a one-time ticket for fd.sock and
-    the lease secret. Errors: spec_mismatch, rank_taken, rendezvous_timeout, limit_exceeded,
-    invalid_field, permission_denied, draining, backend_error."""
-    return d.join(ctx.identity, ctx.request_id, f, ctx.cred)
+    the lease secret. Errors: spec_mismatch (also sent to the ranks already waiting),
+    rank_taken, rendezvous_timeout, limit_exceeded, invalid_field, permission_denied (another
+    user's job), draining, backend_error."""
+    d.registry.join(ctx.peer, ctx.identity, ctx.request_id, f)
+    return None
 
 
 def cmd_leave(d, f, ctx) -> dict:
-    """Request: job, ep_rank, lease. Marks the rank as leaving cleanly; closing the
-    fd-socket connection afterwards completes the detach."""
-    return d.leave(f)
+    """Request: job, ep_rank, lease. The rank leaves cleanly (its peers see it as left)."""
+    return d.registry.leave(ctx.peer, f)
 
 
 def cmd_recover(d, f, ctx):
@@ -73,56 +82,54 @@ def cmd_recover(d, f, ctx):
     the daemon resets all rows' flags and counters, bumps the generation, clears the abort
     word and releases everyone together. Errors: rendezvous_timeout (missing_ranks),
     permission_denied (bad lease, rank not attached), job_destroyed."""
-    return d.recover(ctx.identity, ctx.request_id, f)
+    d.registry.recover(ctx.peer, ctx.identity, ctx.request_id, f)
+    return None
 
 
 def cmd_renew(d, f, ctx) -> dict:
     """Request: job, ep_rank, lease, pid. Reply: {ticket, generation}; redeeming the ticket on
     fd.sock (no fds come back) makes that connection this rank's lease again, after a daemon
     restart or upgrade dropped the old one."""
-    return d.renew(f, ctx.cred)
+    return d.registry.renew(ctx.peer, f)
 
 
 def cmd_upgrade(d, f, ctx) -> dict:
-    """Start a successor daemon (same arguments) and hand it every job: the successor re-adopts
-    them from the state file and the fd store; clients keep running. Reply: {successor_pid, jobs}."""
+    """Admin. Start a successor daemon (same arguments) and hand it every job; the reply,
+    {successor_pid, jobs}, comes once the successor confirmed it holds every job. On failure
+    the reply is an error and this daemon stays in charge."""
+    d.auth.require_admin(ctx.peer, "upgrade")
     return d.upgrade()
 
 
 def cmd_destroy(d, f, ctx) -> dict:
-    """Request: job. Frees the job now; its ranks see the abort word ABORT_DESTROYED."""
-    job = d.jobs.get(f["job"])
-    if job is None:
-        raise errors.NoSuchJob(f"no job named {f['job']!r}")
-    d.free(job, "destroyed by request")
-    return {"destroyed": f["job"]}
+    """Request: job. Frees the job now; its ranks see the abort word ABORT_DESTROYED and raise
+    JobDestroyed. Its owner or an admin only."""
+    return d.registry.destroy(ctx.peer, f["job"])
 
 
 def cmd_abort(d, f, ctx) -> dict:
     """Request: job. Sets the job's abort word (ABORT_OPERATOR): ranks in a wait leave it
-    and raise PeerLost."""
-    job = d.jobs.get(f["job"])
-    if job is None:
-        raise errors.NoSuchJob(f"no job named {f['job']!r}")
-    job.control.set_abort(L.ABORT_OPERATOR, -1)
-    job.needs_rearm = True
-    d._dirty = True
-    log.warning("job %s: aborted by operator", job.name)
-    return {"aborted": job.name, "generation": job.generation}
+    and raise PeerLost. Its owner or an admin only."""
+    return d.registry.abort(ctx.peer, f["job"])
 
 
 def cmd_drain(d, f, ctx) -> dict:
-    """Request: [enable=true]. While draining, joins that would create a job are refused."""
-    d.draining = f.get("enable", True)
-    log.info("draining %s", "on" if d.draining else "off")
-    return {"draining": d.draining}
+    """Admin. Request: [enable=true]. While draining, joins that would create a job are refused."""
+    d.auth.require_admin(ctx.peer, "drain")
+    d.registry.draining = f.get("enable", True)
+    log.info("draining %s (uid %s)", "on" if d.registry.draining else "off", ctx.peer.uid)
+    return {"draining": d.registry.draining}
 
 
 def cmd_shutdown(d, f, ctx) -> dict:
-    """Request: [free_jobs=false]. Stop the daemon after this reply. Jobs are kept for the next
-    daemon (state file plus fd store) unless free_jobs is set."""
-    d.request_stop(free_jobs=f.get("free_jobs", False))
-    return {"stopping": True, "free_jobs": f.get("free_jobs", False), "jobs": len(d.jobs)}
+    """Admin. Request: [free_jobs=false]. Stop the daemon after this reply. Jobs with attached
+    ranks are kept for the next daemon (state file plus fd store) unless free_jobs is set."""
+    d.auth.require_admin(ctx.peer, "shutdown")
+    free = f.get("free_jobs", False)
+    kept = 0 if free else sum(1 for j in d.registry.jobs.values() if j.attached())
+    d.request_stop(free_jobs=free)
+    log.info("shutdown requested by uid %s%s", ctx.peer.uid, " (freeing every job)" if free else "")
+    return {"stopping": True, "free_jobs": free, "jobs_kept": kept}
 
 
 def cmd_metrics(d, f, ctx) -> dict:
@@ -150,10 +157,6 @@ COMMANDS: dict[str, Callable] = {
 }
 assert set(COMMANDS) == set(protocol.REQUESTS), "every request type needs a handler"
 
-#: Types a uid that fails the allow-list may still ask (nothing).
-_PUBLIC: set[str] = set()
-
-
 def handle(d, identity: bytes, data: bytes, cred) -> bytes | None:
     """Decode, authorize and run one request; the encoded reply, or None if deferred."""
     rid = -1
@@ -163,15 +166,15 @@ def handle(d, identity: bytes, data: bytes, cred) -> bytes | None:
         except errors.A2ADError:
             pass
         req = protocol.parse_request(data)
-        if cred is not None and req.type not in _PUBLIC:
-            d.check_uid(cred[0], cred[1], cred[2])
-        payload = COMMANDS[req.type](d, req.fields, Context(identity, req.id, cred))
+        peer = Peer.from_cred(cred)
+        d.auth.check_connect(peer)
+        payload = COMMANDS[req.type](d, req.fields, Context(identity, req.id, peer))
         if payload is None:
             return None
         return protocol.encode_reply(req.id, payload)
     except errors.A2ADError as exc:
         if isinstance(exc, (errors.BadMessage, errors.UnknownType, errors.UnsupportedVersion, errors.InvalidField)):
-            d.counters["bad_requests"] += 1
+            d.registry.counters["bad_requests"] += 1
         return protocol.encode_error(rid, exc)
     except Exception as exc:  # a bug must not take the daemon down for everyone
         log.exception("internal error handling a request")

@@ -1,25 +1,58 @@
-"""Job registry state: jobs, their rank slots, rendezvous and leases. No sockets here;
-the daemon (a2ad/daemon/server.py) drives it and does the I/O."""
+"""The job registry: jobs, their rank slots, rendezvous, tickets, leases, re-arm, recover and
+free. It owns no socket: callers hand it requests and events, and it answers with a reply or
+an error, and queues what else it decided in two lists that the server carries out:
+
+- ``outbox``: (ZeroMQ identity, encoded frame) for held replies it releases (rendezvous,
+  recover) or ends with an error (timeouts, spec mismatch, destroy);
+- ``closing``: lease connections (opaque objects of the fd socket) to close.
+
+It watches the processes of joining ranks with pidfds (plain fds, no I/O), which the server
+polls and hands back through :meth:`Registry.pid_exited`.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
-from a2ad import errors, layout as L
-from a2ad.daemon.backends.base import Allocation, Backend
+from a2ad import errors, layout as L, protocol
 from a2ad.control import ControlBlock
+from a2ad.daemon import memfd
+from a2ad.daemon.auth import Auth, Peer
+from a2ad.daemon.backends.base import Allocation, Backend
+from a2ad.daemon.fdstore import FdStore, cb_name, ws_name
+
+log = logging.getLogger("a2ad")
 
 TICKET_TTL = 30.0
 
 
 @dataclass
-class PendingJoin:
+class Limits:
+    grace: float = 30.0
+    max_rendezvous_timeout: float = 600.0
+    max_job_bytes: int = 1 << 40
+    max_total_bytes: int = 1 << 42
+    #: joins held in a rendezvous at once, per uid
+    max_held_joins_per_uid: int = 256
+
+
+@dataclass
+class Held:
+    """A reply the registry holds back (a join waiting for its rendezvous, a recover waiting
+    for the re-arm)."""
+
     identity: bytes
     request_id: int
     deadline: float
+
+
+# kept for readers of older code and tests
+PendingJoin = Held
 
 
 @dataclass
@@ -30,16 +63,17 @@ class RankSlot:
     uid: int | None = None
     device: str | None = None
     alloc: Allocation | None = None
-    pending: PendingJoin | None = None
+    pending: Held | None = None
     #: A held `recover` reply: this rank is quiesced and waits for the job's re-arm.
-    recovering: PendingJoin | None = None
-    #: Secret that proves a later request (leave) comes from this rank's holder.
+    recovering: Held | None = None
+    #: Secret that proves a later request (leave, recover, renew) comes from this rank's holder.
     lease: bytes | None = None
     ticket: bytes | None = None
+    ticket_kind: str | None = None
     ticket_expiry: float = 0.0
-    #: The open fd-socket connection that is this rank's lease (daemon.FdConn).
+    #: The open fd-socket connection that is this rank's lease (an fd socket connection).
     lease_conn: object | None = None
-    #: pidfd watching a joining process that has not redeemed its ticket yet.
+    #: pidfd watching the rank's process while no lease connection stands for it.
     pidfd: int | None = None
     leaving: bool = False
     joined_at: float = 0.0
@@ -51,12 +85,12 @@ class RankSlot:
     def live(self) -> bool:
         return self.state in (L.RANK_JOINING, L.RANK_ATTACHED)
 
-    def summary(self) -> dict:
+    def summary(self, show_pid: bool = True) -> dict:
         return {
             "rank": self.rank,
             "state": L.RANK_STATE_NAMES[self.state],
             "recovering": self.recovering is not None,
-            "pid": self.pid,
+            "pid": self.pid if show_pid else None,
             "device": self.device,
             "deaths": self.deaths,
             "attaches": self.attaches,
@@ -74,6 +108,8 @@ class Job:
     control_fd: int
     control: ControlBlock
     slots: list[RankSlot]
+    #: The uid that created the job: only it (or an admin) may join, inspect or end it.
+    owner_uid: int | None = None
     created_at: float = field(default_factory=time.monotonic)
     created_wall: float = field(default_factory=time.time)
     generation: int = 0
@@ -86,10 +122,16 @@ class Job:
     #: ranks re-arms every row first.
     needs_rearm: bool = False
     rearms: int = 0
+    freed: bool = False
 
     @property
     def job_bytes(self) -> int:
         return self.ep_size * self.row_stride
+
+    def slot(self, rank: int) -> RankSlot:
+        if not 0 <= rank < self.ep_size:
+            raise errors.InvalidField(f"job {self.name!r} has ranks 0-{self.ep_size - 1}; got ep_rank {rank}", field="ep_rank")
+        return self.slots[rank]
 
     def live_ranks(self) -> list[int]:
         return [s.rank for s in self.slots if s.live]
@@ -103,6 +145,9 @@ class Job:
     def recovering(self) -> list[RankSlot]:
         return [s for s in self.slots if s.recovering is not None]
 
+    def attached(self) -> list[RankSlot]:
+        return [s for s in self.slots if s.state == L.RANK_ATTACHED]
+
     def state_name(self) -> str:
         if self.grace_deadline is not None:
             return "grace"
@@ -114,10 +159,11 @@ class Job:
             return "ready"
         return "degraded"
 
-    def summary(self, now: float) -> dict:
+    def summary(self, now: float, show_pids: bool = True) -> dict:
         return {
             "name": self.name,
             "state": self.state_name(),
+            "owner_uid": self.owner_uid,
             "ep_size": self.ep_size,
             "spec": dict(self.spec),
             "size_per_rank": self.size_per_rank,
@@ -128,36 +174,33 @@ class Job:
             "abort": L.ABORT_NAMES.get(self.control.abort_word, str(self.control.abort_word)),
             "age_s": round(now - self.created_at, 3),
             "grace_remaining_s": None if self.grace_deadline is None else round(max(0.0, self.grace_deadline - now), 3),
-            "ranks": [s.summary() for s in self.slots],
+            "ranks": [s.summary(show_pids) for s in self.slots],
             "ranks_attached": sum(1 for s in self.slots if s.state == L.RANK_ATTACHED),
             "ranks_dead": sum(1 for s in self.slots if s.state == L.RANK_DEAD),
         }
 
-
-def spec_mismatch(job: Job, ep_size: int, spec: dict) -> None:
-    """Raise SpecMismatch naming the first field where a join differs from the job."""
-    if ep_size != job.ep_size:
-        raise errors.SpecMismatch(
-            f"job {job.name!r}: ep_size differs (job has {job.ep_size}, join asked for {ep_size})",
-            field="ep_size",
-            job_value=job.ep_size,
-            requested=ep_size,
-        )
-    for key in sorted(set(job.spec) | set(spec)):
-        a, b = job.spec.get(key), spec.get(key)
-        if a != b:
-            raise errors.SpecMismatch(
-                f"job {job.name!r}: spec field {key} differs (job has {a}, join asked for {b})",
-                field=key,
-                job_value=a,
-                requested=b,
+    def spec_mismatch(self, ep_size: int, spec: dict) -> errors.SpecMismatch | None:
+        """The SpecMismatch naming the first field where a join differs from the job, or None."""
+        if ep_size != self.ep_size:
+            return errors.SpecMismatch(
+                f"job {self.name!r}: ep_size differs (job has {self.ep_size}, join asked for {ep_size})",
+                field="ep_size", job_value=self.ep_size, requested=ep_size,
             )
+        for key in sorted(set(self.spec) | set(spec)):
+            a, b = self.spec.get(key), spec.get(key)
+            if a != b:
+                return errors.SpecMismatch(
+                    f"job {self.name!r}: spec field {key} differs (job has {a}, join asked for {b})",
+                    field=key, job_value=a, requested=b,
+                )
+        return None
 
 
 def new_control_block(ep_size: int) -> tuple[int, ControlBlock]:
-    fd = os.memfd_create("a2ad-ctl", os.MFD_CLOEXEC)
+    """A sealed memfd (clients cannot shrink it under the daemon's mapping) holding a fresh
+    control block."""
+    fd = memfd.sealed_memfd("a2ad-ctl", L.CONTROL_BLOCK_SIZE)
     try:
-        os.ftruncate(fd, L.CONTROL_BLOCK_SIZE)
         cb = ControlBlock.map_fd(fd)
     except BaseException:
         os.close(fd)
@@ -170,16 +213,609 @@ def new_secret() -> bytes:
     return secrets.token_bytes(32)
 
 
-def free_job(job: Job, backend: Backend) -> None:
-    """Release everything the daemon holds for a job (allocations, control block)."""
-    for slot in job.slots:
-        if slot.alloc is not None:
-            backend.release(slot.alloc)
-            slot.alloc = None
+@dataclass
+class Redeemed:
+    """What the fd socket must send for a redeemed ticket (fds in handle order), and to whom
+    the connection belongs once sent."""
+
+    kind: str
+    job: Job
+    slot: RankSlot
+    fds: list[int]
+
+
+class Registry:
+    def __init__(self, backend: Backend, store: FdStore, auth: Auth, limits: Limits):
+        self.backend = backend
+        self.store = store
+        self.auth = auth
+        self.limits = limits
+        self.jobs: dict[str, Job] = {}
+        self.tickets: dict[bytes, tuple[Job, int]] = {}
+        #: pidfd -> (job, rank)
+        self.pidfds: dict[int, tuple[Job, int]] = {}
+        self.draining = False
+        self.counters = {"joins": 0, "attaches": 0, "detaches": 0, "deaths": 0, "rendezvous": 0,
+                         "bad_requests": 0, "rearms": 0, "refused": 0}
+        self.rendezvous_latencies: list[float] = []
+        self.on_rendezvous: Callable[[float], None] | None = None
+        #: memory of freed jobs still mapped by processes: [{job, bytes, pids}]
+        self.released: list[dict] = []
+        self.outbox: list[tuple[bytes, bytes]] = []
+        self.closing: list[object] = []
+        self.dirty = False
+        #: called before a job is freed, to decide whether the fd-store entries go too
+        self.fd_budget: Callable[[int], None] = lambda n: None
+
+    # ------------------------------------------------------------------ lookups
+    def job_for(self, peer: Peer, name: str) -> Job:
+        """The job ``name`` as ``peer`` may see it: NoSuchJob for a job of another user (its
+        existence is not revealed), unless the peer is an admin."""
+        job = self.jobs.get(name)
+        if job is None or not self.auth.may_use(peer, job.owner_uid):
+            raise errors.NoSuchJob(f"no job named {name!r}")
+        return job
+
+    def visible_jobs(self, peer: Peer) -> list[Job]:
+        return [j for j in self.jobs.values() if self.auth.may_use(peer, j.owner_uid)]
+
+    def _slot_for_lease(self, name: str, rank: int, lease: bytes) -> tuple[Job, RankSlot]:
+        job = self.jobs.get(name)
+        if job is None:
+            raise errors.NoSuchJob(f"no job named {name!r}")
+        slot = job.slot(rank)
+        if slot.lease is None or not secrets.compare_digest(lease, slot.lease):
+            raise errors.PermissionDenied(f"job {job.name!r} rank {rank}: the lease does not match its holder")
+        return job, slot
+
+    def _reply(self, held: Held, payload: dict) -> None:
+        self.outbox.append((held.identity, protocol.encode_reply(held.request_id, payload)))
+
+    def _fail(self, held: Held, exc: errors.A2ADError) -> None:
+        self.outbox.append((held.identity, protocol.encode_error(held.request_id, exc)))
+
+    # --------------------------------------------------------------------- join
+    def join(self, peer: Peer, identity: bytes, rid: int, f: dict) -> None:
+        """Register a join. The reply is held until the rendezvous (see ``outbox``); errors
+        raise at once."""
+        if peer.pid and peer.pid != f["pid"]:
+            raise errors.PermissionDenied(f"join claims pid {f['pid']} but comes from pid {peer.pid}")
+        self.backend.check_device(f["device"])
+        spec = protocol.normalize_spec(f["spec"], f["ep_size"])
+        name, rank = f["job"], f["ep_rank"]
+        if peer.uid is not None:
+            held = sum(1 for j in self.jobs.values() for s in j.slots if s.pending is not None and s.uid == peer.uid)
+            if held >= self.limits.max_held_joins_per_uid:
+                self.counters["refused"] += 1
+                raise errors.LimitExceeded(
+                    f"uid {peer.uid} already holds {held} joins waiting for their rendezvous "
+                    f"(limit {self.limits.max_held_joins_per_uid})",
+                    needed=held + 1, limit=self.limits.max_held_joins_per_uid,
+                )
+        # the joining process must exist before anything is created for it
+        try:
+            pidfd = os.pidfd_open(f["pid"])
+        except ProcessLookupError:
+            raise errors.InvalidField(f"pid {f['pid']} is not a running process", field="pid") from None
+        except OSError:
+            pidfd = None  # no pidfd support: a death during rendezvous is caught by the timeout
+        job = self.jobs.get(name)
+        try:
+            if job is None:
+                if self.draining:
+                    raise errors.Draining("the daemon is draining: no new jobs are accepted")
+                job = self._create_job(name, f["ep_size"], spec, peer.uid, f["device"])
+            else:
+                if not self.auth.may_use(peer, job.owner_uid):
+                    raise errors.PermissionDenied(f"job {name!r} belongs to another user; choose another job name")
+                mismatch = job.spec_mismatch(f["ep_size"], spec)
+                if mismatch is not None:
+                    self._refuse_waiting(job, mismatch)
+                    raise mismatch
+            slot = job.slot(rank)
+            if slot.live:
+                raise errors.RankTaken(
+                    f"job {name!r} rank {rank} is held by live pid {slot.pid} ({L.RANK_STATE_NAMES[slot.state]})",
+                    holder_pid=slot.pid,
+                )
+            if slot.alloc is not None and slot.device != f["device"]:
+                raise errors.InvalidField(
+                    f"job {name!r} rank {rank}'s workspace lives on {slot.device}; a replacement must declare the same device",
+                    field="device",
+                )
+            if slot.alloc is None:
+                self._allocate(job, slot, f["device"])
+        except BaseException:
+            if pidfd is not None:
+                os.close(pidfd)
+            if job is not None and not job.freed and not job.live_ranks() and job.grace_deadline is None:
+                self._start_grace(job)
+            raise
+        replacing = slot.state == L.RANK_DEAD or slot.attaches > 0
+        self._drop_pidfd(slot)
+        slot.state = L.RANK_JOINING
+        slot.pid, slot.uid, slot.device = f["pid"], peer.uid, f["device"]
+        slot.leaving = False
+        slot.joined_at = time.monotonic()
+        slot.lease = new_secret()
+        if pidfd is not None:
+            slot.pidfd = pidfd
+            self.pidfds[pidfd] = (job, rank)
+        timeout = min(f.get("timeout", 60.0), self.limits.max_rendezvous_timeout)
+        slot.pending = Held(identity=identity, request_id=rid, deadline=time.monotonic() + timeout)
+        job.control.set_rank_state(rank, L.RANK_JOINING)
+        job.grace_deadline = None
+        if job.rendezvous_started is None:
+            job.rendezvous_started = time.monotonic()
+        self.counters["joins"] += 1
+        self.dirty = True
+        log.info(
+            "job %s: rank %d %s (pid %d, device %s); %d/%d ranks present",
+            name, rank, "rejoined" if replacing else "joined", f["pid"], f["device"], len(job.live_ranks()), job.ep_size,
+        )
+        self._maybe_release(job)
+
+    def _refuse_waiting(self, job: Job, exc: errors.SpecMismatch) -> None:
+        """A join that does not match the job's spec: the ranks already waiting in its
+        rendezvous learn it at once too (their group is misconfigured), instead of waiting for
+        their timeout. Running ranks are left alone."""
+        for slot in job.pending():
+            self._fail(slot.pending, exc)
+            slot.pending = None
+            self._reset_joining(job, slot)
+            log.warning("job %s: rank %d's join ended by a mismatching join: %s", job.name, slot.rank, exc.message)
+        if not job.live_ranks() and job.grace_deadline is None:
+            self._start_grace(job)
+
+    def _reset_joining(self, job: Job, slot: RankSlot) -> None:
+        self._drop_pidfd(slot)
+        self._drop_ticket(slot)
+        slot.state = L.RANK_EMPTY
+        slot.lease = None
+        job.control.set_rank_state(slot.rank, L.RANK_EMPTY)
+        self.dirty = True
+
+    def _create_job(self, name: str, ep_size: int, spec: dict, owner_uid: int | None, device: str) -> Job:
+        size = spec["workspace_size_per_rank"]
+        aux = L.aux_layout(ep_size, spec["max_num_tokens"])
+        if size < L.pad_up(aux.aux_data_size) + 1:
+            raise errors.InvalidField(
+                f"workspace_size_per_rank {size} is smaller than the aux region alone ({L.pad_up(aux.aux_data_size)} bytes "
+                f"for ep_size {ep_size}, max_num_tokens {spec['max_num_tokens']})",
+                field="spec.workspace_size_per_rank",
+            )
+        stride = self.backend.row_stride(size, device)
+        job_bytes = ep_size * stride
+        if job_bytes > self.limits.max_job_bytes:
+            raise errors.LimitExceeded(
+                f"job {name!r} needs {job_bytes} bytes, over the per-job limit of {self.limits.max_job_bytes}",
+                needed=job_bytes, limit=self.limits.max_job_bytes,
+            )
+        total = sum(j.job_bytes for j in self.jobs.values())
+        if total + job_bytes > self.limits.max_total_bytes:
+            raise errors.LimitExceeded(
+                f"job {name!r} needs {job_bytes} bytes; the daemon holds {total} of its {self.limits.max_total_bytes} limit",
+                needed=job_bytes, limit=self.limits.max_total_bytes,
+            )
+        self.fd_budget(ep_size + 2)
+        cfd, cb = new_control_block(ep_size)
+        job = Job(
+            name=name, ep_size=ep_size, spec=spec, size_per_rank=size, row_stride=stride, aux=aux,
+            control_fd=cfd, control=cb, slots=[RankSlot(rank=r) for r in range(ep_size)], owner_uid=owner_uid,
+        )
+        self.jobs[name] = job
+        self.store.put(cb_name(name), cfd)
+        self.dirty = True
+        log.info("job %s created by uid %s: ep_size %d, %d bytes per rank, spec %s", name, owner_uid, ep_size, size, spec)
+        return job
+
+    def _allocate(self, job: Job, slot: RankSlot, device: str) -> None:
+        stride = self.backend.row_stride(job.size_per_rank, device)
+        if stride != job.row_stride:
+            raise errors.BackendError(
+                f"device {device} needs a row stride of {stride} bytes; job {job.name!r} uses {job.row_stride}"
+            )
+        self.fd_budget(2)
+        alloc = self.backend.allocate(job.size_per_rank, device)
+        try:
+            self.backend.initialize(alloc, job.aux.aux_bytes, job.aux.flag_val, L.INITIAL_ROUND, fresh=True)
+        except BaseException:
+            self.backend.release(alloc)
+            raise
+        slot.alloc = alloc
+        slot.device = device
+        self.store.put(ws_name(job.name, slot.rank), alloc.fd)
+        self.dirty = True
+
+    def _maybe_release(self, job: Job) -> None:
+        """Release every held join and recover once all ranks are present (and, when the
+        job needs a re-arm, every attached rank is quiesced in `recover`)."""
+        if job.missing_ranks() or not (job.pending() or job.recovering()):
+            return
+        if job.needs_rearm or job.control.abort_word:
+            if any(s.state == L.RANK_ATTACHED and s.recovering is None for s in job.slots):
+                return  # a survivor has not quiesced yet
+            self._rearm(job)
+        now = time.monotonic()
+        latency = now - max(s.joined_at for s in job.pending()) if job.pending() else 0.0
+        for slot in job.recovering():
+            self._reply(slot.recovering, {"generation": job.generation})
+            slot.recovering = None
+        if not job.pending():
+            log.info("job %s: all %d ranks resumed at generation %d", job.name, job.ep_size, job.generation)
+            self.dirty = True
+            return
+        handles = [{"kind": "workspace", "rank": s.rank, "size": s.alloc.size, "device": s.device} for s in job.slots]
+        handles.append({"kind": "control", "size": L.CONTROL_BLOCK_SIZE})
+        for slot in job.pending():
+            self._issue_ticket(job, slot, "join", now)
+            self._reply(slot.pending, {
+                "job": job.name,
+                "ep_rank": slot.rank,
+                "ep_size": job.ep_size,
+                "spec": job.spec,
+                "size_per_rank": job.size_per_rank,
+                "row_stride": job.row_stride,
+                "backend": self.backend.name,
+                "handle_type": slot.alloc.handle_type,
+                "generation": job.generation,
+                "metainfo": job.aux.metainfo(),
+                "handles": handles,
+                "ticket": slot.ticket,
+                "lease": slot.lease,
+            })
+            slot.pending = None
+        job.rendezvous_started = None
+        job.rendezvous_count += 1
+        self.dirty = True
+        self.counters["rendezvous"] += 1
+        self.rendezvous_latencies.append(latency)
+        del self.rendezvous_latencies[:-1000]
+        if self.on_rendezvous is not None:
+            self.on_rendezvous(latency)
+        log.info("job %s: rendezvous done (%d ranks, %.3f ms after the last join)", job.name, job.ep_size, latency * 1e3)
+
+    def _issue_ticket(self, job: Job, slot: RankSlot, kind: str, now: float) -> bytes:
+        self._drop_ticket(slot)
+        ticket = new_secret()
+        self.tickets[ticket] = (job, slot.rank)
+        slot.ticket, slot.ticket_kind, slot.ticket_expiry = ticket, kind, now + TICKET_TTL
+        return ticket
+
+    def _drop_ticket(self, slot: RankSlot) -> None:
+        if slot.ticket is not None:
+            self.tickets.pop(slot.ticket, None)
+            slot.ticket = slot.ticket_kind = None
+
+    def _rearm(self, job: Job) -> None:
+        """Reset every rank's flags and counters to one agreed state and bump the generation.
+        Only called while no rank can be inside dispatch or combine (all quiesced or joining)."""
+        t0 = time.monotonic()
+        with self.backend.batch():
+            for slot in job.slots:
+                self.backend.initialize(slot.alloc, job.aux.aux_bytes, job.aux.flag_val, L.INITIAL_ROUND, fresh=False)
+        for r in range(job.ep_size):
+            job.control.clear_status(r)
+        job.generation += 1
+        job.control.generation = job.generation
+        job.control.clear_abort()
+        job.needs_rearm = False
+        job.rearms += 1
+        self.counters["rearms"] += 1
+        self.dirty = True
+        log.info("job %s: re-armed at generation %d in %.1f ms", job.name, job.generation, (time.monotonic() - t0) * 1e3)
+
+    # ----------------------------------------------------------- lease requests
+    def leave(self, peer: Peer, f: dict) -> dict:
+        job, slot = self._slot_for_lease(f["job"], f["ep_rank"], f["lease"])
+        if not slot.live:
+            raise errors.PermissionDenied(f"job {job.name!r} rank {slot.rank} is {L.RANK_STATE_NAMES[slot.state]}, not held")
+        slot.leaving = True
+        if slot.lease_conn is not None:
+            # the leave is complete when its reply goes out: the rank is free for a successor
+            # at once, whether or not the client's socket close has arrived yet
+            self.lease_closed(slot.lease_conn)
+        else:  # left before redeeming its ticket, or adopted after a restart without a lease
+            self._drop_ticket(slot)
+            if slot.pending is not None:
+                slot.pending = None
+            self._drop_pidfd(slot)
+            self._mark(job, slot, L.RANK_LEFT, "left")
+        return {}
+
+    def recover(self, peer: Peer, identity: bytes, rid: int, f: dict) -> None:
+        """Hold this (attached, quiesced) rank until the job is re-armed with all ranks present."""
+        job, slot = self._slot_for_lease(f["job"], f["ep_rank"], f["lease"])
+        if slot.state != L.RANK_ATTACHED:
+            raise errors.PermissionDenied(
+                f"job {job.name!r} rank {slot.rank} is {L.RANK_STATE_NAMES[slot.state]}, not attached: join again instead"
+            )
+        if not job.needs_rearm:
+            job.needs_rearm = True
+            if not job.control.abort_word:
+                # tell the other ranks, inside or outside a wait, that they must recover too
+                job.control.set_abort(L.ABORT_REARM, slot.rank)
+            log.info("job %s: rank %d asks for a re-arm", job.name, slot.rank)
+        timeout = min(f.get("timeout", 60.0), self.limits.max_rendezvous_timeout)
+        if slot.recovering is not None:  # a client that gave up and asks again: the new request wins
+            self._fail(slot.recovering, errors.StateError("superseded by a newer recover request"))
+        slot.recovering = Held(identity=identity, request_id=rid, deadline=time.monotonic() + timeout)
+        self.dirty = True
+        self._maybe_release(job)
+
+    def renew(self, peer: Peer, f: dict) -> dict:
+        """A ticket for a new lease connection (after a daemon restart dropped the old one)."""
+        job, slot = self._slot_for_lease(f["job"], f["ep_rank"], f["lease"])
+        if peer.pid and peer.pid != f["pid"]:
+            raise errors.PermissionDenied(f"renew claims pid {f['pid']} but comes from pid {peer.pid}")
+        if slot.state != L.RANK_ATTACHED or slot.pid != f["pid"]:
+            raise errors.PermissionDenied(f"job {job.name!r} rank {slot.rank} is not attached to pid {f['pid']}")
+        ticket = self._issue_ticket(job, slot, "renew", time.monotonic())
+        return {"ticket": ticket, "generation": job.generation}
+
+    # ------------------------------------------------------------ the fd socket
+    def redeem(self, ticket, peer: Peer) -> Redeemed:
+        """Check a ticket presented on fd.sock by ``peer``; the ticket is used up only when it
+        is valid for this peer (a foreign pid leaves it to its rightful owner)."""
+        if not isinstance(ticket, bytes) or ticket not in self.tickets:
+            raise errors.BadTicket("unknown, expired or already used ticket")
+        job, rank = self.tickets[ticket]
+        slot = job.slots[rank]
+        want = L.RANK_JOINING if slot.ticket_kind == "join" else L.RANK_ATTACHED
+        if job.freed or slot.ticket != ticket or slot.state != want:
+            self.tickets.pop(ticket, None)
+            raise errors.BadTicket("the ticket's rank is no longer waiting for it")
+        if peer.pid != slot.pid:
+            raise errors.PermissionDenied(f"ticket belongs to pid {slot.pid}, not to pid {peer.pid}")
+        self.auth.check_connect(peer)
+        kind = slot.ticket_kind
+        self._drop_ticket(slot)
+        fds = [] if kind == "renew" else [s.alloc.fd for s in job.slots] + [job.control_fd]
+        return Redeemed(kind=kind, job=job, slot=slot, fds=fds)
+
+    def delivered(self, r: Redeemed, conn: object) -> None:
+        """The redeem's answer went out: ``conn`` is now the rank's lease."""
+        slot, job = r.slot, r.job
+        slot.lease_conn = conn
+        self._drop_pidfd(slot)
+        if r.kind == "renew":
+            log.info("job %s: rank %d renewed its lease (pid %d)", job.name, slot.rank, slot.pid)
+            return
+        slot.state = L.RANK_ATTACHED
+        slot.attached_at = time.monotonic()
+        slot.attaches += 1
+        job.control.set_rank_state(slot.rank, L.RANK_ATTACHED)
+        self.dirty = True
+        self.counters["attaches"] += 1
+        log.info("job %s: rank %d attached (pid %d)", job.name, slot.rank, slot.pid)
+
+    def undelivered(self, r: Redeemed, why: str) -> None:
+        """The redeem's answer could not be sent (the client closed or stalled): a joining rank
+        never got its handles, so it is dead to the job; a renewing rank keeps its pidfd lease."""
+        if r.job.freed or r.kind == "renew":
+            return
+        log.warning("job %s: rank %d's handles could not be delivered (%s)", r.job.name, r.slot.rank, why)
+        self._mark(r.job, r.slot, L.RANK_DEAD, "never received its handles")
+
+    def lease_closed(self, conn: object) -> None:
+        """A lease connection ended (EOF, error, or a leave)."""
+        for job in self.jobs.values():
+            for slot in job.slots:
+                if slot.lease_conn is conn:
+                    slot.lease_conn = None
+                    self.closing.append(conn)
+                    if slot.leaving:
+                        self._mark(job, slot, L.RANK_LEFT, "left")
+                    else:
+                        self._mark(job, slot, L.RANK_DEAD, "died (lease connection closed without leave)")
+                    return
+        self.closing.append(conn)
+
+    # ----------------------------------------------------------------- pidfds
+    def watch_pid(self, job: Job, slot: RankSlot) -> bool:
+        """Watch a rank's process with a pidfd; False when it is already gone."""
+        self._drop_pidfd(slot)
+        try:
+            slot.pidfd = os.pidfd_open(slot.pid)
+        except (ProcessLookupError, OSError, TypeError):
+            return False
+        self.pidfds[slot.pidfd] = (job, slot.rank)
+        return True
+
+    def _drop_pidfd(self, slot: RankSlot) -> None:
         if slot.pidfd is not None:
+            self.pidfds.pop(slot.pidfd, None)
             os.close(slot.pidfd)
             slot.pidfd = None
-    job.control.close()
-    if job.control_fd >= 0:
-        os.close(job.control_fd)
-        job.control_fd = -1
+
+    def pid_exited(self, pidfd: int) -> None:
+        entry = self.pidfds.get(pidfd)
+        if entry is None:
+            return
+        job, rank = entry
+        slot = job.slots[rank]
+        self._drop_pidfd(slot)
+        if job.freed:
+            return
+        if slot.state == L.RANK_JOINING:
+            slot.pending = None
+            self._drop_ticket(slot)
+            self._mark(job, slot, L.RANK_DEAD, "died before attaching")
+        elif slot.state == L.RANK_ATTACHED and slot.lease_conn is None:
+            # adopted after a daemon restart, lease not renewed yet: the pidfd is the lease
+            self._mark(job, slot, L.RANK_DEAD, "died (seen by its pidfd)")
+
+    # ------------------------------------------------------------ rank states
+    def _mark(self, job: Job, slot: RankSlot, state: int, why: str) -> None:
+        was_live = slot.state == L.RANK_ATTACHED
+        slot.state = state
+        job.control.set_rank_state(slot.rank, state)
+        self.dirty = True
+        if slot.recovering is not None:
+            self._fail(slot.recovering, errors.PermissionDenied(f"rank {slot.rank} is {L.RANK_STATE_NAMES[state]}"))
+            slot.recovering = None
+        others_live = any(s.live for s in job.slots if s is not slot)
+        if state == L.RANK_DEAD:
+            slot.deaths += 1
+            self.counters["deaths"] += 1
+            # peers spinning on this rank leave their waits at once
+            job.control.set_abort(L.ABORT_PEER_LOST, slot.rank)
+            job.needs_rearm = job.needs_rearm or job.rendezvous_count > 0
+            log.warning("job %s: rank %d (pid %s) %s", job.name, slot.rank, slot.pid, why)
+        else:
+            if was_live and others_live:
+                # the job's rounds can no longer agree: survivors must recover with a replacement
+                job.needs_rearm = True
+                if not job.control.abort_word:
+                    job.control.set_abort(L.ABORT_PEER_LEFT, slot.rank)
+            self.counters["detaches"] += 1
+            log.info("job %s: rank %d (pid %s) %s", job.name, slot.rank, slot.pid, why)
+        if not job.live_ranks():
+            self._start_grace(job)
+
+    def _start_grace(self, job: Job) -> None:
+        job.grace_deadline = time.monotonic() + self.limits.grace
+        self.dirty = True
+        log.info("job %s: no ranks attached; freed in %.1f s unless one re-attaches", job.name, self.limits.grace)
+
+    # ----------------------------------------------------------------- operator
+    def abort(self, peer: Peer, name: str) -> dict:
+        job = self.job_for(peer, name)
+        job.control.set_abort(L.ABORT_OPERATOR, -1)
+        job.needs_rearm = True
+        self.dirty = True
+        log.warning("job %s: aborted by uid %s", job.name, peer.uid)
+        return {"aborted": job.name, "generation": job.generation}
+
+    def destroy(self, peer: Peer, name: str) -> dict:
+        job = self.job_for(peer, name)
+        self.free(job, f"destroyed by request of uid {peer.uid}")
+        return {"destroyed": name}
+
+    # ----------------------------------------------------------------- timers
+    def next_deadline(self) -> float | None:
+        times = []
+        for job in self.jobs.values():
+            if job.grace_deadline is not None:
+                times.append(job.grace_deadline)
+            for s in job.slots:
+                if s.pending is not None:
+                    times.append(s.pending.deadline)
+                if s.recovering is not None:
+                    times.append(s.recovering.deadline)
+                if s.ticket is not None:
+                    times.append(s.ticket_expiry)
+        return min(times) if times else None
+
+    def expire(self, now: float) -> None:
+        for job in list(self.jobs.values()):
+            for slot in job.slots:
+                if slot.ticket is not None and now >= slot.ticket_expiry:
+                    kind = slot.ticket_kind
+                    self._drop_ticket(slot)
+                    if kind == "join" and slot.state == L.RANK_JOINING:
+                        self._mark(job, slot, L.RANK_DEAD, "never redeemed its ticket")
+                if slot.recovering is not None and now >= slot.recovering.deadline:
+                    missing = [s.rank for s in job.slots if not s.live or (s.state == L.RANK_ATTACHED and s.recovering is None)]
+                    self._fail(slot.recovering, errors.RendezvousTimeout(
+                        f"job {job.name!r}: recovery timed out waiting for rank(s) {missing}", missing_ranks=missing))
+                    log.warning("job %s: rank %d's recovery timed out; waiting for %s", job.name, slot.rank, missing)
+                    slot.recovering = None
+                if slot.pending is not None and now >= slot.pending.deadline:
+                    missing = job.missing_ranks()
+                    self._fail(slot.pending, errors.RendezvousTimeout(
+                        f"job {job.name!r}: rendezvous timed out waiting for rank(s) {missing}", missing_ranks=missing))
+                    log.warning("job %s: rank %d's rendezvous timed out; missing %s", job.name, slot.rank, missing)
+                    slot.pending = None
+                    self._reset_joining(job, slot)
+                    if not job.live_ranks():
+                        self._start_grace(job)
+            if job.grace_deadline is not None and now >= job.grace_deadline:
+                self.free(job, "grace period over")
+
+    # --------------------------------------------------------------- teardown
+    def free(self, job: Job, why: str) -> None:
+        """Free a job now: its ranks see ABORT_DESTROYED, held replies end with JobDestroyed,
+        its memory and fd-store entries are released."""
+        if job.freed:
+            return
+        self.jobs.pop(job.name, None)
+        job.freed = True
+        self.dirty = True
+        job.control.set_abort(L.ABORT_DESTROYED, -1)
+        holders = [s.pid for s in job.slots if s.state == L.RANK_ATTACHED and s.pid]
+        if holders:
+            self.released.append({"job": job.name, "bytes": job.job_bytes, "pids": holders})
+        gone = errors.JobDestroyed(f"job {job.name!r} was destroyed ({why})")
+        for slot in job.slots:
+            for held in (slot.pending, slot.recovering):
+                if held is not None:
+                    self._fail(held, gone)
+            slot.pending = slot.recovering = None
+            self._drop_ticket(slot)
+            if slot.lease_conn is not None:
+                self.closing.append(slot.lease_conn)
+                slot.lease_conn = None
+            self._drop_pidfd(slot)
+            if slot.alloc is not None:
+                self.store.drop(ws_name(job.name, slot.rank))
+                self.backend.release(slot.alloc)
+                slot.alloc = None
+        self.store.drop(cb_name(job.name))
+        job.control.close()
+        if job.control_fd >= 0:
+            os.close(job.control_fd)
+            job.control_fd = -1
+        log.info("job %s freed (%s)", job.name, why)
+
+    def release_handles(self, job: Job) -> None:
+        """Close the daemon's own copies of a job's fds without freeing anything (the job lives
+        on in the fd store for the next daemon)."""
+        for slot in job.slots:
+            self._drop_pidfd(slot)
+            if slot.alloc is not None and slot.alloc.fd >= 0:
+                os.close(slot.alloc.fd)
+                slot.alloc.fd = -1
+        job.control.close()
+        if job.control_fd >= 0:
+            os.close(job.control_fd)
+            job.control_fd = -1
+
+    def all_fds(self) -> dict[str, int]:
+        """Every fd a restarted daemon needs, by fd-store name."""
+        out = {}
+        for job in self.jobs.values():
+            out[cb_name(job.name)] = job.control_fd
+            for slot in job.slots:
+                if slot.alloc is not None:
+                    out[ws_name(job.name, slot.rank)] = slot.alloc.fd
+        return out
+
+    def released_mapped(self) -> dict:
+        """Memory of freed jobs that live processes may still map (the driver returns it only
+        when the last importer unmaps; a process that held a rank at free time counts)."""
+        keep = []
+        for rec in self.released:
+            rec["pids"] = [p for p in rec["pids"] if _alive(p)]
+            if rec["pids"]:
+                keep.append(rec)
+        self.released = keep
+        return {
+            "released_mapped_bytes": sum(r["bytes"] for r in keep),
+            "released_mapped_processes": len({p for r in keep for p in r["pids"]}),
+            "released_mapped_jobs": [{"job": r["job"], "bytes": r["bytes"], "pids": r["pids"]} for r in keep],
+        }
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped) maps nothing
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True

@@ -40,11 +40,23 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a job with no attached ranks is kept for re-attach (default 30)")
     p.add_argument("--max-rendezvous-timeout", type=float, default=600.0,
                    help="cap on a client's rendezvous timeout, seconds (default 600)")
-    p.add_argument("--max-job-bytes", type=_parse_size, default=1 << 40, help="per-job memory limit (default 1T)")
-    p.add_argument("--max-total-bytes", type=_parse_size, default=1 << 42, help="per-daemon memory limit (default 4T)")
+    p.add_argument("--max-job-bytes", type=_parse_size, default=None,
+                   help="per-job memory limit (default: the per-daemon limit)")
+    p.add_argument("--max-total-bytes", type=_parse_size, default=None,
+                   help="per-daemon memory limit (default: derived from the machine: half the physical memory "
+                        "for host, 90%% of the GPUs' memory for cuda)")
     p.add_argument("--allow-uid", type=int, action="append", default=[],
-                   help="also allow this uid (the daemon's uid and root always are); repeatable")
+                   help="also allow this uid (the daemon's uid and root always are); needs --group, whose folder "
+                        "and socket modes let other users reach the daemon at all; repeatable")
     p.add_argument("--allow-gid", type=int, action="append", default=[], help="also allow this gid; repeatable")
+    p.add_argument("--admin-group", help="members of this group administer the daemon: drain, upgrade, shutdown, "
+                   "and every user's jobs (root and the daemon's uid always do)")
+    p.add_argument("--max-held-joins-per-uid", type=int, default=256,
+                   help="joins one uid may hold waiting for their rendezvous at once (default 256)")
+    p.add_argument("--max-fd-handshakes-per-uid", type=int, default=64,
+                   help="fd.sock connections one uid may hold open before presenting a ticket (default 64)")
+    p.add_argument("--max-ctl-connections-per-uid", type=int, default=256,
+                   help="ctl.sock connections one uid may hold open (default 256; admins are not capped)")
     p.add_argument("--fd-store", choices=["auto", "systemd", "keeper", "none"], default="auto",
                    help="where workspace fds survive a daemon restart: systemd's fd store under systemd, "
                         "else a small keeper process (auto, the default); none loses jobs on restart")
@@ -74,6 +86,10 @@ def serve(args) -> int:
         max_total_bytes=args.max_total_bytes,
         allow_uids=set(args.allow_uid),
         allow_gids=set(args.allow_gid),
+        admin_group=args.admin_group,
+        max_held_joins_per_uid=args.max_held_joins_per_uid,
+        max_handshakes_per_uid=args.max_fd_handshakes_per_uid,
+        max_zmq_peers_per_uid=args.max_ctl_connections_per_uid,
         metrics_port=args.metrics_port,
         fd_store=args.fd_store,
         takeover=args.takeover,
@@ -89,8 +105,9 @@ def serve(args) -> int:
     try:
         daemon.serve_forever()
     except Exception:
+        # never frees a job: they stay in the state file and the fd store for the next daemon
         log.exception("fatal error in the daemon loop")
-        daemon.shutdown()
+        daemon.shutdown(fatal=True)
         return 1
     daemon.shutdown()
     return 0
