@@ -51,6 +51,7 @@ def job_record(job) -> dict:
         "rendezvous_count": job.rendezvous_count,
         "needs_rearm": job.needs_rearm,
         "created_wall": job.created_wall,
+        "owner_uid": getattr(job, "owner_uid", None),
         "slots": [
             {
                 "rank": s.rank,
@@ -251,6 +252,8 @@ def check_job_record(rec) -> str | None:
         isinstance(rec["created_wall"], (int, float)) and not isinstance(rec["created_wall"], bool) and math.isfinite(rec["created_wall"])
     ):
         return f"bad created_wall {rec['created_wall']!r}"
+    if rec.get("owner_uid") is not None and not _is_int(rec["owner_uid"]):
+        return f"bad owner_uid {rec['owner_uid']!r}"
     slots = rec.get("slots")
     if not isinstance(slots, list) or len(slots) != ep:
         return f"slots must be a list of {ep} entries"
