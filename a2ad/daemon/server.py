@@ -177,6 +177,7 @@ class Daemon:
                 raise errors.InvalidField(f"admin group {self.cfg.admin_group!r} does not exist", field="admin_group") from None
         handover = self._handover_socket()
         self.lock = None if handover is not None else self._take_lock(rd, wait=self.cfg.takeover)
+        store_held = True  # until the store is known to hold nothing, a failure leaves it be
         try:
             self.store = make_store(self.cfg.fd_store, rd)
             self.registry.store = self.store
@@ -184,14 +185,16 @@ class Daemon:
                 self._receive_handover(handover)  # returns once the predecessor let go of the folder
                 self.lock = self._take_lock(rd, wait=True)
             else:
-                self._adopt(self.store.load(), persist.load(rd))
+                kept = self.store.load()
+                store_held = bool(kept)
+                self._adopt(kept, persist.load(rd))
             self._bind_sockets(rd, gid)
         except BaseException:
             self._unbind()
             for job in list(self.registry.jobs.values()):
                 self.registry.release_handles(job)
             self.registry.jobs.clear()
-            self.store.close(clean=False)
+            self.store.close(clean=not store_held)  # a keeper that holds nothing goes too
             if self.lock is not None:
                 self.lock.release()
                 self.lock = None
