@@ -1,5 +1,11 @@
 """Attach to a job: join through the daemon, wait for the rendezvous, redeem the ticket
-on the fd socket, and map every rank's workspace plus the job's control block."""
+on the fd socket, and map every rank's workspace plus the job's control block.
+
+One process holds a rank once: a second attach of the same rank (same runtime folder,
+job and rank; one MoeAlltoAll per layer, say) gets another handle to the same
+attachment, and the last handle's close leaves the job. The share table is keyed by
+pid too and cleared in a forked child, which also closes its copy of every lease socket
+(a child must not keep the parent's lease alive, nor use its attachment)."""
 
 from __future__ import annotations
 
@@ -429,7 +435,7 @@ class Attachment:
             shared.refs -= 1
             last = shared.refs <= 0
             if last and _TABLE.get(shared.key) is shared:
-                del _TABLE[shared.key]
+                _TABLE.pop(shared.key, None)
         if last:
             shared.release()
 
@@ -441,8 +447,20 @@ class Attachment:
 
     def __del__(self):
         if not getattr(self, "_closed", True):
+            self._closed = True
             shared = self._shared
             warnings.warn(f"a2ad attachment {shared.job}/{shared.ep_rank} was never closed", ResourceWarning, stacklevel=2)
+            # a dropped handle no longer counts, so that the others' last close still leaves;
+            # no daemon I/O here (the attachment itself goes when its last handle does, and
+            # with it the lease). Skipped if the table is busy (a collection inside attach).
+            lock = _TABLE_LOCK
+            if lock is not None and lock.acquire(blocking=False):  # None at interpreter exit
+                try:
+                    shared.refs -= 1
+                    if shared.refs <= 0 and _TABLE.get(shared.key) is shared:
+                        _TABLE.pop(shared.key, None)
+                finally:
+                    lock.release()
 
     def __repr__(self) -> str:
         shared = self._shared
@@ -453,8 +471,10 @@ class Attachment:
 # ---------------------------------------------------------------------------
 # The process-wide share table
 # ---------------------------------------------------------------------------
-#: (pid, runtime folder, job, ep_rank) -> the attachment every handle of that rank uses
-_TABLE: dict[tuple, _Shared] = {}
+#: (pid, runtime folder, job, ep_rank) -> the attachment every handle of that rank uses. Weak:
+#: the handles keep it alive, so one whose handles were all dropped unclosed goes away as an
+#: unshared attachment would (its lease socket closes: the daemon sees the rank gone).
+_TABLE: "weakref.WeakValueDictionary[tuple, _Shared]" = weakref.WeakValueDictionary()
 #: keys an attach is in progress for (a second thread waits for it instead of joining twice)
 _PENDING: dict[tuple, threading.Event] = {}
 _TABLE_LOCK = threading.Lock()
@@ -523,7 +543,7 @@ def attach(
         with _TABLE_LOCK:
             shared = _TABLE.get(key)
             if shared is not None and not shared.shareable():
-                del _TABLE[key]  # destroyed: its holders keep it until they close; a new attach joins anew
+                _TABLE.pop(key, None)  # destroyed: its holders keep it until they close; a new attach joins anew
                 shared = None
             if shared is not None:
                 shared.check_same(ep_size, _normalized(spec, ep_size), _device_of(shared.backend, device)[1])
