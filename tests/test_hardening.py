@@ -439,3 +439,65 @@ def test_a_busy_metrics_port_names_the_port_and_leaves_nothing_behind(runtime_di
     assert out.returncode == 1 and str(port) in out.stderr, out.stderr
     wait_for(lambda: sorted(os.listdir(runtime_dir)) == [], 10, "an empty runtime folder (no lock, sockets or keeper)")
     assert _keeper_pid(runtime_dir) is None
+
+
+# ------------------------------------------------------------------ watchdog
+def test_the_watchdog_is_fed_while_a_flood_of_requests_is_served(runtime_dir, tmp_path, monkeypatch):
+    """WATCHDOG=1 keeps coming, every half timeout, while the daemon works through tens of
+    thousands of queued requests (the loop hands back to its timers between requests)."""
+    import zmq
+
+    from test_operations import NotifyListener
+
+    listener = NotifyListener("path", tmp_path)
+    monkeypatch.setenv("NOTIFY_SOCKET", listener.env)
+    monkeypatch.setenv("WATCHDOG_USEC", "400000")  # a ping every 0.2 s
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    d = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "60")
+    holder = None
+    socks = []
+    try:
+        d.start()
+        monkeypatch.delenv("NOTIFY_SOCKET")
+        monkeypatch.delenv("WATCHDOG_USEC")
+        holder = Holder(runtime_dir, "busy", 40)  # makes every status request cost something
+        ctx = zmq.Context.instance()
+        for _ in range(4):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.setsockopt(zmq.RCVHWM, 0)
+            s.connect(f"ipc://{runtime_dir}/ctl.sock")
+            socks.append(s)
+        n_each = 2500
+        t0 = time.monotonic()
+        for i in range(n_each):
+            for s in socks:
+                s.send(protocol.encode_request("status", i))
+        got = 0
+        end = time.monotonic() + 120
+        last = time.monotonic()
+        while got < n_each * len(socks) and time.monotonic() < end and time.monotonic() - last < 2.0:
+            for s in socks:
+                while s.poll(0):
+                    s.recv()
+                    got += 1
+                    last = time.monotonic()
+            time.sleep(0.001)
+        t1 = last
+        # the daemon keeps at most 64 replies queued per client, so not every reply comes back;
+        # what matters is that it worked through all of them while feeding the watchdog
+        pings = [t for t, f, _ in listener.snapshot() if f.get("WATCHDOG") == "1" and t0 <= t <= t1]
+        gaps = [b - a for a, b in zip(pings, pings[1:])]
+        print(f"\nfigure: {n_each * len(socks)} status requests ({got} replies read) in {t1 - t0:.2f} s with 40 jobs; "
+              f"{len(pings)} watchdog pings, longest gap {max(gaps) if gaps else float('nan'):.3f} s (timeout 0.4 s)")
+        assert t1 - t0 > 1.0, "the flood was too short to show anything"
+        assert gaps and max(gaps) < 0.4
+        assert d.request("hello")["pid"] == d.pid
+    finally:
+        for s in socks:
+            s.close(0)
+        if holder is not None:
+            holder.close()
+        d.stop()
+        listener.close()

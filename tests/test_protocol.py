@@ -127,6 +127,7 @@ def test_every_request_type_has_a_schema_and_parses():
         "abort": {"job": "j"},
         "drain": {},
         "metrics": {},
+        "shutdown": {},
     }
     assert set(minimal) == set(protocol.REQUESTS)
     for rtype, fields in minimal.items():
@@ -150,3 +151,18 @@ def test_fd_frames():
     assert protocol.fd_frame_length(framed[:4]) == len(framed) - 4
     with pytest.raises(errors.BadMessage):
         protocol.fd_frame_length((protocol.FD_FRAME_MAX + 1).to_bytes(4, "big"))
+
+
+def test_job_names_are_matched_in_full():
+    for bad in ("evil\n", "a\nb", "ok\x00", " lead", "x" * 65, ""):
+        with pytest.raises(errors.InvalidField):
+            protocol.check_job_name("job", bad)
+    assert protocol.check_job_name("job", "layer.0:ep-8_a") == "layer.0:ep-8_a"
+
+
+def test_replies_may_be_larger_than_requests():
+    big = protocol.encode_reply(1, {"jobs": ["x" * 1000] * 200})
+    assert len(big) > protocol.MAX_FRAME
+    assert len(protocol.decode_reply(big).payload["jobs"]) == 200
+    with pytest.raises(errors.BadMessage):
+        protocol.parse_request(protocol.encode_request("hello", 1, pad="x" * protocol.MAX_FRAME))
