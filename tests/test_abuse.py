@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import resource
 import select
 import shutil
@@ -22,7 +23,6 @@ import sys
 import tempfile
 import time
 import uuid
-import re
 from collections import Counter
 from pathlib import Path
 
