@@ -414,6 +414,8 @@ def test_renew_loop_cannot_take_the_daemon_to_its_fd_limit():
         finally:
             for s in keep:
                 s.close()
+        # the rank is dead now (its lease closed without a leave): the job goes after its 1 s grace
+        wait_for(lambda: not d.request("jobs")["jobs"], 15, "the job freed after its grace period")
         _assert_fds_back(d.pid, tab0, "after the client closed its connections")
         _assert_serves(d)
 
@@ -551,7 +553,7 @@ def test_silent_fd_connections_past_a_1024_file_limit():
                        f"status for an earlier client {status_ms:.1f} ms")
                 assert len(socks) == n
                 assert answered > 0, "the daemon must have shed connections it had no fds for"
-                assert "out of file descriptors" in d.log(), d.log_tail(30)
+                assert "near the open-file limit" in d.log(), d.log_tail(30)
             finally:
                 for s in socks:
                     s.close()
@@ -565,16 +567,18 @@ def test_silent_fd_connections_past_a_1024_file_limit():
 
 @pytest.mark.slow
 def test_new_ctl_client_while_fd_sock_holds_every_fd():
-    """Silent fd.sock connections take a 1,024-fd daemon to its limit (handshake cap raised);
-    then one ordinary client connects to ctl.sock. Its request may go unanswered while no fd
-    is free, but the daemon must not exit; once the connections close it serves again."""
+    """Silent fd.sock connections take a 1,024-fd daemon as far as it lets them (handshake cap
+    raised): it sheds them before its last fds, which stay for what it needs to go on
+    serving. Then one ordinary client connects to ctl.sock and is answered; once the
+    connections close the daemon serves as before."""
     n = 1074
     with _own_nofile(n + 512), _limited_daemon("--grace", "1", "--max-fd-handshakes-per-uid", "4096") as d:
         _probe_attach(d.runtime_dir)
         fds0, tab0 = _baseline(d.pid)
         socks = _open_silent(d.runtime_dir, n)
         try:
-            wait_for(lambda: len(os.listdir(f"/proc/{d.pid}/fd")) >= 1020, 10, "the daemon at its fd limit")
+            wait_for(lambda: d.request("status")["connections"]["fd_shed"] > 0, 10, "fd.sock shedding connections")
+            held = settled_fd_count(d.pid)
             outcome = "answered"
             try:
                 with DaemonClient(d.runtime_dir, timeout=3) as late:
@@ -582,9 +586,10 @@ def test_new_ctl_client_while_fd_sock_holds_every_fd():
             except errors.A2ADError as exc:
                 outcome = f"{type(exc).__name__}: {exc}"
             time.sleep(0.5)
-            figure(f"new ctl client while fd.sock holds every fd (NOFILE 1024): {outcome}; daemon "
-                   f"{'alive' if d.proc.poll() is None else f'exited with {d.proc.returncode}'}")
+            figure(f"new ctl client while fd.sock holds all it lets it (NOFILE 1024, daemon fds {held}): {outcome}; "
+                   f"daemon {'alive' if d.proc.poll() is None else f'exited with {d.proc.returncode}'}")
             _alive(d)
+            assert outcome == "answered"
         finally:
             for s in socks:
                 s.close()

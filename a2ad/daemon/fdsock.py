@@ -43,9 +43,14 @@ class FdConn:
 
 
 class FdSocket:
-    def __init__(self, path: str, registry: Registry, max_handshakes_per_uid: int = 64, backlog: int = 512):
+    def __init__(self, path: str, registry: Registry, max_handshakes_per_uid: int = 64, backlog: int = 512,
+                 fd_ceiling: int | None = None):
         self.registry = registry
         self.max_handshakes_per_uid = max_handshakes_per_uid
+        #: an accepted connection whose fd number reaches this is shed at once: fds are
+        #: numbered from the lowest free one, so that many are open, and the last ones are
+        #: kept for what the daemon needs to go on serving (libzmq aborts on EMFILE)
+        self.fd_ceiling = fd_ceiling
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             self.listener.bind(path)
@@ -78,6 +83,10 @@ class FdSocket:
                     continue
                 log.warning("fd socket: accept failed: %s", exc)
                 return
+            if self.fd_ceiling is not None and sock.fileno() >= self.fd_ceiling:
+                sock.close()
+                self._note_shed()
+                continue
             try:
                 sock.setblocking(False)
                 pid, uid, gid = peer_credentials(sock)
@@ -98,7 +107,6 @@ class FdSocket:
         """Out of fds: free the spare, accept the next connection and close it at once (its
         client sees EOF and a clear error), then take the spare back. Without this the
         listener stays readable and the loop spins."""
-        self.shed += 1
         if self._spare is not None:
             os.close(self._spare)
             self._spare = None
@@ -111,8 +119,12 @@ class FdSocket:
             self._spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             self._spare = None
+        self._note_shed()
+
+    def _note_shed(self) -> None:
+        self.shed += 1
         if self.shed == 1 or self.shed % 100 == 0:
-            log.error("fd socket: out of file descriptors; shed %d connection(s) so far", self.shed)
+            log.error("fd socket: near the open-file limit; shed %d connection(s) so far", self.shed)
 
     @staticmethod
     def _answer_and_close(sock: socket.socket, exc: errors.A2ADError) -> None:

@@ -283,7 +283,13 @@ class Registry:
         self.backend.check_device(f["device"])
         spec = protocol.normalize_spec(f["spec"], f["ep_size"])
         name, rank = f["job"], f["ep_rank"]
-        if peer.uid is not None:
+        existing = self.jobs.get(name)
+        # a join that completes its rendezvous is released at once: it is never held
+        completes = f["ep_size"] == 1 or (
+            existing is not None and existing.ep_size == f["ep_size"]
+            and all(s.live for s in existing.slots if s.rank != rank)
+        )
+        if peer.uid is not None and not completes:
             held = sum(1 for j in self.jobs.values() for s in j.slots if s.pending is not None and s.uid == peer.uid)
             if held >= self.limits.max_held_joins_per_uid:
                 self.counters["refused"] += 1
@@ -576,6 +582,8 @@ class Registry:
     def delivered(self, r: Redeemed, conn: object) -> None:
         """The redeem's answer went out: ``conn`` is now the rank's lease."""
         slot, job = r.slot, r.job
+        if slot.lease_conn is not None and slot.lease_conn is not conn:
+            self.closing.append(slot.lease_conn)  # a renewed lease replaces the old connection
         slot.lease_conn = conn
         self._drop_pidfd(slot)
         if r.kind == "renew":

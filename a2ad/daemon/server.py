@@ -43,6 +43,19 @@ REQUEST_BATCH = 256
 #: Replies queued per ZeroMQ peer; past it, replies to a peer that does not read are dropped.
 SNDHWM = 64
 RCVHWM = 256
+#: The last FD_RESERVE fds before the open-file limit are kept for what the daemon needs to
+#: go on serving: an fd.sock connection landing there is shed, a join that would reach it
+#: is refused. libzmq accepts ctl.sock connections on its own thread and aborts the process
+#: when accept() fails with EMFILE; so once a ctl.sock connection is numbered within
+#: CTL_PAUSE_MARGIN of the limit (fds are numbered from the lowest free one, so its number
+#: says how many are open), the daemon stops listening on ctl.sock (libzmq then also drops
+#: the connections it had accepted there; clients reconnect by themselves) and listens again
+#: once fewer than the limit minus CTL_RESUME_MARGIN fds are open. Only members of the
+#: allowed groups can reach ctl.sock at all; the unit's LimitNOFILE keeps this far away.
+FD_RESERVE = 384
+CTL_PAUSE_MARGIN = 256
+CTL_RESUME_MARGIN = 512
+CTL_BACKLOG = 64
 #: Environment variable naming the socket an upgrading daemon hands its jobs over on.
 HANDOVER_ENV = "A2AD_HANDOVER_SOCK"
 #: Seconds a successor has to confirm that it holds every job.
@@ -126,6 +139,10 @@ class Daemon:
         #: fd of each ZeroMQ connection -> the uid at its other end
         self.zpeers: dict[int, int] = {}
         self.zpeers_refused = 0
+        self.ctl_paused = False
+        self.ctl_pauses = 0
+        self._sock_mode = 0o600
+        self._sock_gid: int | None = None
         self.nofile = raise_nofile_limit()
         self._next_store_check = 0.0
 
@@ -211,32 +228,69 @@ class Daemon:
                 (rd / name).unlink()
             except FileNotFoundError:
                 pass
-        sock_mode = 0o660 if gid is not None else 0o600
-        old_umask = os.umask(0o777 & ~sock_mode)
+        self._sock_mode = 0o660 if gid is not None else 0o600
+        self._sock_gid = gid
+        self._ctx = zmq.Context()
+        self._ctx.setsockopt(zmq.LINGER, 0)
+        self.router = self._ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME)
+        self.router.setsockopt(zmq.SNDHWM, SNDHWM)
+        self.router.setsockopt(zmq.RCVHWM, RCVHWM)
+        self.router.setsockopt(zmq.BACKLOG, CTL_BACKLOG)
+        self.monitor = self.router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+        self._bind_ctl()
+        self._bound.append(runtime.CTL_SOCK)
+        old_umask = os.umask(0o777 & ~self._sock_mode)
         try:
-            self._ctx = zmq.Context()
-            self._ctx.setsockopt(zmq.LINGER, 0)
-            self.router = self._ctx.socket(zmq.ROUTER)
-            self.router.setsockopt(zmq.LINGER, 0)
-            self.router.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME)
-            self.router.setsockopt(zmq.SNDHWM, SNDHWM)
-            self.router.setsockopt(zmq.RCVHWM, RCVHWM)
-            self.monitor = self.router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
-            self.router.bind(runtime.ctl_endpoint(rd))
-            self._bound.append(runtime.CTL_SOCK)
-            self.fdsock = FdSocket(str(rd / runtime.FD_SOCK), self.registry, self.cfg.max_handshakes_per_uid)
+            self.fdsock = FdSocket(str(rd / runtime.FD_SOCK), self.registry, self.cfg.max_handshakes_per_uid,
+                                   fd_ceiling=self.nofile[0] - FD_RESERVE)
             self._bound.append(runtime.FD_SOCK)
         finally:
             os.umask(old_umask)
         if gid is not None:
-            for name in (runtime.CTL_SOCK, runtime.FD_SOCK):
-                os.chown(rd / name, -1, gid)
+            os.chown(rd / runtime.FD_SOCK, -1, gid)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         if self.cfg.metrics_port is not None:
             self.metrics_http = metrics.MetricsHTTP(self, self.cfg.metrics_port)
             log.info("metrics on http://%s:%d/metrics", *self.metrics_http.address)
+
+    def _bind_ctl(self) -> None:
+        rd = self.cfg.runtime_dir
+        old_umask = os.umask(0o777 & ~self._sock_mode)
+        try:
+            self.router.bind(runtime.ctl_endpoint(rd))
+        finally:
+            os.umask(old_umask)
+        if self._sock_gid is not None:
+            os.chown(rd / runtime.CTL_SOCK, -1, self._sock_gid)
+
+    def _pause_ctl(self, fd: int) -> None:
+        """Stop listening on ctl.sock until the daemon is well below its open-file limit."""
+        if self.ctl_paused:
+            return
+        self.ctl_paused = True
+        self.ctl_pauses += 1
+        try:
+            self.router.unbind(runtime.ctl_endpoint(self.cfg.runtime_dir))
+        except zmq.ZMQError as exc:
+            log.error("could not stop listening on ctl.sock: %s", exc)
+        self.zpeers.clear()  # libzmq ends the connections it accepted on that endpoint
+        log.error("open files at %d of %d: not listening on ctl.sock until fewer are open (%d time(s) so far)",
+                  fd + 1, self.nofile[0], self.ctl_pauses)
+
+    def _maybe_resume_ctl(self) -> None:
+        if not self.ctl_paused or _count_fds() >= self.nofile[0] - CTL_RESUME_MARGIN:
+            return
+        try:
+            self._bind_ctl()
+        except (zmq.ZMQError, OSError) as exc:
+            log.error("could not listen on ctl.sock again: %s", exc)
+            return
+        self.ctl_paused = False
+        log.info("listening on ctl.sock again (%d open files)", _count_fds())
 
     def _unbind(self) -> None:
         if self.metrics_http is not None:
@@ -299,8 +353,7 @@ class Daemon:
             used = len(os.listdir("/proc/self/fd"))
         except OSError:
             return
-        reserve = 64
-        if used + needed + reserve > self.nofile[0]:
+        if used + needed + FD_RESERVE > self.nofile[0]:
             self.registry.counters["refused"] += 1
             raise errors.LimitExceeded(
                 f"the daemon has {used} of its {self.nofile[0]} file descriptors open; this request needs {needed} "
@@ -391,6 +444,7 @@ class Daemon:
         self.fdsock.expire(now)
         if now >= self._next_store_check:
             self._next_store_check = now + 1.0
+            self._maybe_resume_ctl()
             check = getattr(self.store, "check", None)
             if check is not None:
                 check(self.registry.all_fds)
@@ -433,11 +487,23 @@ class Daemon:
                 return
             event, fd = msg["event"], msg["value"]
             if event == zmq.EVENT_ACCEPTED:
+                if fd >= self.nofile[0] - CTL_PAUSE_MARGIN:
+                    self._pause_ctl(fd)
+                    continue
+                if self.ctl_paused:
+                    continue
                 try:
-                    dup = socket.socket(fileno=os.dup(fd))
+                    dupfd = os.dup(fd)
                 except OSError:
                     continue
                 try:
+                    dup = socket.socket(fileno=dupfd)
+                except OSError:  # the number was reused by something else already: not ours to judge
+                    os.close(dupfd)
+                    continue
+                try:
+                    if dup.family != socket.AF_UNIX or dup.getsockname() != str(self.cfg.runtime_dir / runtime.CTL_SOCK):
+                        continue  # the connection closed and its number went to another socket
                     _, uid, gid = fdpass.peer_credentials(dup)
                     peer = Peer(uid, gid, None)
                     count = sum(1 for u in self.zpeers.values() if u == uid)
@@ -743,7 +809,8 @@ class Daemon:
                 "fd_handshakes_per_uid": self.cfg.max_handshakes_per_uid,
                 "ctl_connections_per_uid": self.cfg.max_zmq_peers_per_uid,
             },
-            "connections": {"ctl": len(self.zpeers), "fd": len(self.conns)},
+            "connections": {"ctl": len(self.zpeers), "fd": len(self.conns), "ctl_paused": self.ctl_paused,
+                            "ctl_pauses": self.ctl_pauses, "fd_shed": self.fdsock.shed if self.fdsock else 0},
             "rendezvous_latency_ms": {
                 "count": len(lat),
                 "p50": round(lat[len(lat) // 2] * 1e3, 3) if lat else None,
