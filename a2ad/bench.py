@@ -1,4 +1,4 @@
-"""a2ad-bench: dispatch/combine latency and bandwidth of a2ad against NCCL baselines.
+"""a2ad-bench: dispatch/combine latency and bandwidth of a2ad against FlashInfer and NCCL baselines.
 
 One process per rank, one rank per GPU (``torch.multiprocessing`` spawn). The
 launcher starts an a2ad daemon (``a2ad serve --backend cuda``, through a2ad.tools.launcher) on a
@@ -6,22 +6,28 @@ private runtime folder unless ``--runtime-dir`` names a running one, then every
 rank attaches through ``MoeAlltoAll(job=...)`` and, in the same run, on the same
 GPUs, runs:
 
-- ``a2ad``: MoeAlltoAll's kernels replayed from CUDA graphs (dispatch, combine,
-  and dispatch + no-op expert + combine, each in its own graph);
-- ``a2ad-eager``: the public ``MoeAlltoAll.dispatch``/``combine`` called eagerly
-  (input checks and launch overhead included);
+- ``a2ad``: the public ``MoeAlltoAll.dispatch``/``combine`` captured in CUDA graphs
+  (dispatch, combine, and dispatch + no-op expert + combine, each in its own graph);
+  when capturing the API raises, the graphs fall back to MoeAlltoAll's CUDA-plane
+  kernels (``--capture plane`` forces that) and the report says so and why;
+- ``a2ad-eager``: the public API called eagerly, many pairs back to back, one synchronize;
+- ``flashinfer`` / ``flashinfer-eager``: FlashInfer's ``MoeAlltoAll``
+  (``flashinfer.comm.trtllm_moe_alltoall``) timed and checked exactly like a2ad, when it
+  imports (``pip install flashinfer-python``, or ``--flashinfer-archive``); skipped with the
+  reason otherwise;
 - ``nccl``: the Megatron-style all-to-all through ``torch.distributed``
   (count exchange, permutation, ``all_to_all_single`` with splits, inverse
-  permutation + sum), timed eagerly: its splits need a host sync;
+  permutation + sum), eager only: its splits need a host sync, so it cannot be captured;
 - ``agrs``: all-gather dispatch + reduce-scatter combine through NCCL, eager;
 - the NVLink ceilings: a two-way copy-engine copy GPU0<->GPU1 and an SM-driven
   two-way peer store into the a2ad-mapped workspace.
 
 Every implementation is checked (dispatch: the received rows per source as a set;
 combine: against a float64 reference and against a2ad's output). Results: a
-table on stdout, ``--json``, ``--plot``, ``--write-perf-doc``. ``--dry-run``
-runs the whole pipeline on CPU (gloo stands in for NCCL, the host backend for
-CUDA). benchmarks/README.md says what every figure means.
+table on stdout (plus graph-vs-graph and eager-vs-eager comparisons), ``--json``,
+``--plot``, ``--write-perf-doc``. ``--dry-run`` runs the whole pipeline on CPU (gloo
+stands in for NCCL, the host backend for CUDA). benchmarks/README.md says what every
+figure means.
 """
 
 from __future__ import annotations
@@ -44,13 +50,27 @@ from pathlib import Path
 import torch
 
 SCHEMA = "a2ad-bench/1"
-IMPLS = ("a2ad", "a2ad-eager", "nccl", "agrs")
+IMPLS = ("a2ad", "a2ad-eager", "flashinfer", "flashinfer-eager", "nccl", "agrs")
 IMPL_LABELS = {
     "a2ad": "a2ad (CUDA graph)",
     "a2ad-eager": "a2ad (eager API)",
-    "nccl": "NCCL all_to_all (Megatron)",
-    "agrs": "NCCL all-gather + reduce-scatter",
+    "flashinfer": "FlashInfer MoeAlltoAll (CUDA graph)",
+    "flashinfer-eager": "FlashInfer MoeAlltoAll (eager API)",
+    "nccl": "NCCL all_to_all (Megatron, eager)",
+    "agrs": "NCCL all-gather + reduce-scatter (eager)",
 }
+#: How each implementation is timed: replays of CUDA graphs, or eager calls.
+IMPL_MODE = {"a2ad": "graph", "a2ad-eager": "eager", "flashinfer": "graph", "flashinfer-eager": "eager",
+             "nccl": "eager", "agrs": "eager"}
+#: A remark printed next to an implementation's rows.
+IMPL_NOTES = {
+    "nccl": "eager only: cannot be captured (its splits need a host sync)",
+    "agrs": "eager",
+}
+#: The graph row an eager row is compared with (eager overhead = eager pair - graph pair).
+EAGER_OF = {"a2ad-eager": "a2ad", "flashinfer-eager": "flashinfer"}
+#: The module FlashInfer's MoeAlltoAll lives in.
+FLASHINFER_MODULE = "flashinfer.comm.trtllm_moe_alltoall"
 FULL_TOKENS = (1, 8, 32, 128, 512, 1024, 4096)
 QUICK_TOKENS = (1, 128, 4096)
 DEFAULT_HIDDEN = (7168, 4096, 2880)
@@ -65,6 +85,7 @@ TARGET_T1_DISPATCH_US = 10.0
 TARGET_T1_COMBINE_US = 12.0
 TARGET_SPEEDUP_SMALL = 2.0  # T <= 1024
 TARGET_SPEEDUP_4096 = 1.4
+TARGET_EAGER_OVERHEAD_T1_US = 30.0  # a2ad eager pair - a2ad graph pair at T=1
 #: Relative error (||out - ref|| / ||ref||) a bf16 combine output may have against float64.
 COMBINE_TOLERANCE = 1e-2
 
@@ -435,13 +456,89 @@ def add_speedups(rows: list[dict]) -> None:
             r["speedup_vs_nccl"] = None
 
 
+def _med(row: dict | None, key: str = "total_us") -> float | None:
+    if not row or not row.get(key):
+        return None
+    return row[key].get("median")
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b is not None and b > 0 else None
+
+
+def _index(rows: list[dict]) -> dict:
+    return {(r["impl"], r["tokens"], r["hidden"]): r for r in rows}
+
+
+def add_comparisons(rows: list[dict]) -> None:
+    """Per row, its timing ``mode`` (graph or eager) and, where the counterpart ran at the same
+    point: ``ratio_vs_a2ad`` (this row's median over a2ad's of the same mode: a graph row over
+    ``a2ad``, an eager row over ``a2ad-eager``; above 1 means a2ad is faster) and, on the eager
+    rows of a2ad and FlashInfer, ``eager_overhead_us`` (eager median - graph median)."""
+    idx = _index(rows)
+    for r in rows:
+        mode = IMPL_MODE.get(r["impl"], "eager")
+        r["mode"] = mode
+        base_impl = "a2ad" if mode == "graph" else "a2ad-eager"
+        r["ratio_vs_a2ad"] = None
+        if r["impl"] != base_impl:
+            b = idx.get((base_impl, r["tokens"], r["hidden"]))
+            if b is not None:
+                r["ratio_vs_a2ad"] = {"baseline": base_impl, **{
+                    ph: _ratio(_med(r, f"{ph}_us"), _med(b, f"{ph}_us")) for ph in ("dispatch", "combine", "total")}}
+        if r["impl"] in EAGER_OF:
+            g = idx.get((EAGER_OF[r["impl"]], r["tokens"], r["hidden"]))
+            r["eager_overhead_us"] = None if g is None else {
+                "graph": g["impl"],
+                **{ph: (_med(r, f"{ph}_us") - _med(g, f"{ph}_us")
+                        if _med(r, f"{ph}_us") is not None and _med(g, f"{ph}_us") is not None else None)
+                   for ph in ("dispatch", "combine", "total")}}
+
+
+def _phases(row: dict | None) -> dict | None:
+    if row is None:
+        return None
+    return {ph: _med(row, f"{ph}_us") for ph in ("dispatch", "combine", "total")}
+
+
+def comparisons(rows: list[dict]) -> dict:
+    """Like-for-like comparisons per point (T, hidden): ``graph_vs_graph`` (a2ad and FlashInfer
+    from CUDA graphs, FI/a2ad per phase) and ``eager_vs_eager`` (every eager implementation's
+    medians, its pair over a2ad-eager's, and the eager overhead of a2ad and FlashInfer)."""
+    idx = _index(rows)
+    points = sorted({(r["tokens"], r["hidden"]) for r in rows}, key=lambda p: (-p[1], p[0]))
+    graph, eager = [], []
+    for T, H in points:
+        a, f = idx.get(("a2ad", T, H)), idx.get(("flashinfer", T, H))
+        if a is not None or f is not None:
+            pa, pf = _phases(a), _phases(f)
+            graph.append({"tokens": T, "hidden": H, "a2ad": pa, "flashinfer": pf,
+                          "fi_over_a2ad": {ph: _ratio(pf[ph], pa[ph]) for ph in pa} if pa and pf else None})
+        er = {i: idx.get((i, T, H)) for i in IMPLS if IMPL_MODE[i] == "eager"}
+        if not any(er.values()):
+            continue
+        ae = er.get("a2ad-eager")
+        entry = {"tokens": T, "hidden": H, **{i: _phases(v) for i, v in er.items()}}
+        entry["over_a2ad_eager"] = {i: _ratio(_med(v), _med(ae)) for i, v in er.items()
+                                    if i != "a2ad-eager" and v is not None} if ae is not None else {}
+        fe = er.get("flashinfer-eager")
+        entry["fi_over_a2ad"] = ({ph: _ratio(_med(fe, f"{ph}_us"), _med(ae, f"{ph}_us"))
+                                  for ph in ("dispatch", "combine", "total")} if ae and fe else None)
+        for impl, key in (("a2ad-eager", "a2ad_eager_overhead_us"), ("flashinfer-eager", "fi_eager_overhead_us")):
+            g = idx.get((EAGER_OF[impl], T, H))
+            entry[key] = (_med(er[impl]) - _med(g)) if _med(er.get(impl)) is not None and _med(g) is not None else None
+        eager.append(entry)
+    return {"graph_vs_graph": graph, "eager_vs_eager": eager}
+
+
 def ce_per_gpu_gbps(ceilings: dict) -> float | None:
     ce = (ceilings or {}).get("ce_two_way")
     return ce.get("per_gpu_gbps") if ce else None
 
 
 def evaluate_targets(rows: list[dict], ceilings: dict) -> list[dict]:
-    """The issue's targets, per hidden size, against the a2ad (CUDA graph) rows of this run."""
+    """The targets, per hidden size: the issue's against the a2ad (CUDA graph) rows of this run,
+    and the eager ones (a2ad's eager overhead at T=1; a2ad's eager pair against FlashInfer's)."""
     out = []
     ce = ce_per_gpu_gbps(ceilings)
     hiddens = sorted({r["hidden"] for r in rows}, reverse=True)
@@ -468,10 +565,27 @@ def evaluate_targets(rows: list[dict], ceilings: dict) -> list[dict]:
         small = [(t, s) for t, s in small if s is not None]
         m = min(s for _, s in small) if small else None
         item("dispatch+combine speedup vs NCCL, T<=1024 (min)", f">= {TARGET_SPEEDUP_SMALL:g}x", m,
-             m is not None and m >= TARGET_SPEEDUP_SMALL, ", ".join(f"T={t}: {s:.2f}x" for t, s in small))
+             m is not None and m >= TARGET_SPEEDUP_SMALL,
+             ", ".join(f"T={t}: {s:.2f}x" for t, s in small) + (" (a2ad graph vs NCCL eager)" if small else ""))
         s4 = a[4096].get("speedup_vs_nccl") if 4096 in a else None
         item("dispatch+combine speedup vs NCCL, T=4096", f">= {TARGET_SPEEDUP_4096:g}x", s4,
-             s4 is not None and s4 >= TARGET_SPEEDUP_4096)
+             s4 is not None and s4 >= TARGET_SPEEDUP_4096, "a2ad graph vs NCCL eager (NCCL's path cannot be captured)")
+        # eager figures: the public API as a user calls it
+        ae = {r["tokens"]: r for r in rows if r["impl"] == "a2ad-eager" and r["hidden"] == h and r.get("total_us")}
+        fe = {r["tokens"]: r for r in rows if r["impl"] == "flashinfer-eager" and r["hidden"] == h
+              and r.get("total_us")}
+        m, detail = None, "needs the a2ad and a2ad-eager rows at T=1"
+        if 1 in ae and 1 in a and a[1].get("total_us"):
+            g, e = _med(a[1]), _med(ae[1])
+            m, detail = e - g, f"eager pair {e:.2f} us, graph pair {g:.2f} us"
+        item("T=1 a2ad eager pair - graph pair (us)", f"<= {TARGET_EAGER_OVERHEAD_T1_US:g}", m,
+             m is not None and m <= TARGET_EAGER_OVERHEAD_T1_US, detail)
+        both = [(t, _ratio(_med(fe[t]), _med(ae[t]))) for t in sorted(set(ae) & set(fe))]
+        both = [(t, x) for t, x in both if x is not None]
+        m = min(x for _, x in both) if both else None
+        item("a2ad eager pair faster than FlashInfer's eager pair, every T (min FI/a2ad)", "> 1x", m,
+             m is not None and m > 1.0,
+             ", ".join(f"T={t}: {x:.2f}x" for t, x in both) if both else "needs flashinfer-eager rows")
     return out
 
 
@@ -486,8 +600,12 @@ def _bw(x) -> str:
     return f"{x:.1f}" if x >= 100 else f"{x:.3g}"
 
 
-TABLE_COLUMNS = ("impl", "T", "hidden", "disp us", "comb us", "total us", "total p10-p90",
-                 "remote GB/s d/c", "logical GB/s d/c", "vs NCCL", "check")
+TABLE_COLUMNS = ("impl", "mode", "T", "hidden", "disp us", "comb us", "total us", "total p10-p90",
+                 "remote GB/s d/c", "logical GB/s d/c", "vs NCCL*", "check", "note")
+#: Footnote of every table with the "vs NCCL*" column.
+VS_NCCL_NOTE = ("* vs NCCL: NCCL's median dispatch+combine over this row's, same T and hidden. NCCL's Megatron "
+                "path cannot be captured (its splits need a host sync), so for graph rows this compares a CUDA "
+                "graph with an eager baseline; the eager-vs-eager table compares like with like.")
 
 
 def table_cells(r: dict) -> list[str]:
@@ -495,8 +613,13 @@ def table_cells(r: dict) -> list[str]:
     t = r.get("total_us")
     chk = r.get("check") or {}
     check = "ok" if chk.get("ok") else ("FAIL" if chk.get("ok") is False else "-")
+    note = IMPL_NOTES.get(r["impl"], "")
+    if r["impl"] == "a2ad" and r.get("capture"):
+        note = f"{r['capture']} capture" + (" (fallback)" if r.get("capture_fallback") or
+                                            "failed" in (r.get("capture_why") or "") else "")
     return [
         r["impl"],
+        r.get("mode") or IMPL_MODE.get(r["impl"], "-"),
         str(r["tokens"]),
         str(r["hidden"]),
         _f(med("dispatch_us"), "{:.2f}"),
@@ -507,6 +630,7 @@ def table_cells(r: dict) -> list[str]:
         f"{_bw(r['logical_gbps']['dispatch'])}/{_bw(r['logical_gbps']['combine'])}",
         _f(r.get("speedup_vs_nccl"), "{:.2f}x"),
         check,
+        note,
     ]
 
 
@@ -515,23 +639,103 @@ def sort_rows(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (-r["hidden"], r["tokens"], order.get(r["impl"], 99), r["impl"]))
 
 
-def format_table(rows: list[dict]) -> str:
-    """Aligned plain-text table, one row per implementation x tokens x hidden."""
-    body = [table_cells(r) for r in sort_rows(rows)]
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(TABLE_COLUMNS)]
-    right = {1, 2, 3, 4, 5, 6, 7, 8, 9}
+def _grid(headers, body: list[list[str]], left: int, md: bool) -> str:
+    """A table: aligned plain text, or markdown; the first ``left`` columns are left-aligned."""
+    if md:
+        lines = ["| " + " | ".join(headers) + " |",
+                 "|" + "|".join("---" if i < left or h == "note" else "--:" for i, h in enumerate(headers)) + "|"]
+        lines += ["| " + " | ".join(b) + " |" for b in body]
+        return "\n".join(lines)
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(headers)]
+    lefts = {i for i, h in enumerate(headers) if i < left or h == "note"}
     fmt = lambda cells: "  ".join(  # noqa: E731
-        c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        c.ljust(w) if i in lefts else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
     ).rstrip()
-    lines = [fmt(list(TABLE_COLUMNS)), fmt(["-" * w for w in widths])]
+    lines = [fmt(list(headers)), fmt(["-" * w for w in widths])]
     lines += [fmt(b) for b in body]
     return "\n".join(lines)
 
 
+def format_table(rows: list[dict]) -> str:
+    """Aligned plain-text table, one row per implementation x tokens x hidden."""
+    return _grid(TABLE_COLUMNS, [table_cells(r) for r in sort_rows(rows)], 2, md=False)
+
+
 def format_markdown_table(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "|".join(["---"] * 3 + ["--:"] * 8) + "|"]
-    for r in sort_rows(rows):
-        lines.append("| " + " | ".join(table_cells(r)) + " |")
+    return _grid(TABLE_COLUMNS, [table_cells(r) for r in sort_rows(rows)], 2, md=True)
+
+
+GRAPH_COLUMNS = ("T", "hidden", "a2ad disp", "a2ad comb", "a2ad pair", "FI disp", "FI comb", "FI pair",
+                 "FI/a2ad disp", "FI/a2ad comb", "FI/a2ad pair")
+EAGER_COLUMNS = ("T", "hidden", "a2ad-eager pair", "FI-eager pair", "FI/a2ad", "nccl pair", "nccl/a2ad",
+                 "agrs pair", "agrs/a2ad", "a2ad eager-graph", "FI eager-graph")
+
+
+def _us(x) -> str:
+    return _f(x, "{:.2f}")
+
+
+def _x(x) -> str:
+    return _f(x, "{:.2f}")
+
+
+def format_graph_comparison(comp: dict, md: bool = False) -> str:
+    """Graph vs graph: a2ad and FlashInfer from CUDA graphs of their public API (us, medians)."""
+    body = []
+    for e in comp.get("graph_vs_graph") or []:
+        a, f, q = e.get("a2ad") or {}, e.get("flashinfer") or {}, e.get("fi_over_a2ad") or {}
+        body.append([str(e["tokens"]), str(e["hidden"]),
+                     *(_us(a.get(k)) for k in ("dispatch", "combine", "total")),
+                     *(_us(f.get(k)) for k in ("dispatch", "combine", "total")),
+                     *(_x(q.get(k)) for k in ("dispatch", "combine", "total"))])
+    return _grid(GRAPH_COLUMNS, body, 0, md) if body else "(no graph rows)"
+
+
+def format_eager_comparison(comp: dict, md: bool = False) -> str:
+    """Eager vs eager: every eager implementation's pair (us, medians), its ratio over a2ad-eager,
+    and the eager overhead (eager pair - graph pair) of a2ad and FlashInfer."""
+    body = []
+    for e in comp.get("eager_vs_eager") or []:
+        over = e.get("over_a2ad_eager") or {}
+        pair = lambda i: (e.get(i) or {}).get("total")  # noqa: E731
+        body.append([str(e["tokens"]), str(e["hidden"]), _us(pair("a2ad-eager")), _us(pair("flashinfer-eager")),
+                     _x(over.get("flashinfer-eager")), _us(pair("nccl")), _x(over.get("nccl")),
+                     _us(pair("agrs")), _x(over.get("agrs")),
+                     _f(e.get("a2ad_eager_overhead_us"), "{:+.2f}"), _f(e.get("fi_eager_overhead_us"), "{:+.2f}")])
+    return _grid(EAGER_COLUMNS, body, 0, md) if body else "(no eager rows)"
+
+
+def capture_summary(rows: list[dict], requested: str | None) -> dict:
+    """How the a2ad graphs were built over the run: through the public API or the plane, and why."""
+    a = [r for r in rows if r["impl"] == "a2ad"]
+    out = {"requested": requested, "api_points": sum(1 for r in a if r.get("capture") == "api"),
+           "plane_points": sum(1 for r in a if r.get("capture") == "plane"), "fallbacks": [], "why": []}
+    for r in a:
+        if r.get("capture_fallback"):
+            out["fallbacks"].append({"tokens": r["tokens"], "hidden": r["hidden"], "exception": r["capture_fallback"]})
+        w = r.get("capture_why")
+        if w and w not in out["why"]:
+            out["why"].append(w)
+    return out
+
+
+def format_capture(summary: dict) -> str:
+    n_api, n_plane = summary.get("api_points", 0), summary.get("plane_points", 0)
+    if not n_api and not n_plane:
+        return "a2ad graphs: none built in this run"
+    if n_plane == 0:
+        head = f"a2ad graphs: the public API (MoeAlltoAll.dispatch/combine) captured at all {n_api} point(s)"
+    elif n_api == 0:
+        head = f"a2ad graphs: MoeAlltoAll's CUDA-plane kernels (plane capture) at all {n_plane} point(s)"
+    else:
+        head = (f"a2ad graphs: the public API captured at {n_api} point(s), the CUDA-plane kernels at "
+                f"{n_plane} point(s)")
+    lines = [head + f" (--capture {summary.get('requested')})"]
+    for f in summary.get("fallbacks") or []:
+        lines.append(f"  capturing the API failed at T={f['tokens']} hidden={f['hidden']}, fell back to the plane: "
+                     f"{f['exception']}")
+    for w in summary.get("why") or []:
+        lines.append(f"  - {w}")
     return "\n".join(lines)
 
 
@@ -566,7 +770,7 @@ def format_targets(targets: list[dict]) -> str:
             ms = "-"
         elif "remote GB/s /" in t["name"]:
             ms = f"{m:.0%}"
-        elif "speedup" in t["name"]:
+        elif "speedup" in t["name"] or "FI/a2ad" in t["name"]:
             ms = f"{m:.2f}x"
         else:
             ms = f"{m:.2f}"
@@ -576,7 +780,34 @@ def format_targets(targets: list[dict]) -> str:
 
 
 def _skip_what(s: dict) -> str:
+    if s.get("tokens") is None and s.get("impl"):
+        return f"{s['impl']} (every point)"
     return f"T={s.get('tokens')} hidden={s.get('hidden')}" + (f" {s['impl']}" if s.get("impl") else "")
+
+
+def _graph_caveat(result: dict) -> str:
+    """Said next to the graph-vs-graph table when a2ad's graphs did not capture its API everywhere."""
+    cap = result.get("capture") or capture_summary(result["rows"], None)
+    n = cap.get("plane_points", 0)
+    if not n:
+        return ""
+    return (f" NOTE: at {n} point(s) a2ad's graphs hold its CUDA-plane kernels, not its public API "
+            "(see how the a2ad graphs were built).")
+
+
+def _fi_line(result: dict) -> str:
+    fi = result.get("flashinfer") or {}
+    archive = (result.get("config") or {}).get("flashinfer_archive")
+    where = f"--flashinfer-archive {Path(archive).name}" if archive else "the installed package"
+    if fi.get("available"):
+        return f"{fi.get('version') or '?'} ({where})"
+    return f"not run: {fi.get('reason', '?')}"
+
+
+def _eager_how(result: dict) -> str:
+    cfg = result.get("config") or {}
+    return (f"{cfg.get('eager_pairs', '?')} dispatch+combine pairs back to back, one synchronize, per sample; "
+            f"median of {cfg.get('eager_batches', '?')} samples")
 
 
 def make_report(result: dict) -> str:
@@ -588,8 +819,17 @@ def make_report(result: dict) -> str:
     if hw:
         parts.append(f"hardware: {hw.get('device_count')} x {hw.get('device_name')}, torch {hw.get('torch')}, "
                      f"CUDA {hw.get('cuda')}, NCCL {hw.get('nccl')}, driver {hw.get('driver')}")
-    parts += ["", "ceilings:", format_ceilings(result.get("ceilings") or {}), "", format_table(result["rows"]), ""]
-    parts += ["targets (a2ad CUDA-graph rows):", format_targets(result.get("targets") or [])]
+    if result.get("flashinfer"):
+        parts.append(f"flashinfer: {_fi_line(result)}")
+    parts += ["", "ceilings:", format_ceilings(result.get("ceilings") or {}), "", format_table(result["rows"]),
+              VS_NCCL_NOTE, ""]
+    comp = result.get("comparisons") or comparisons(result["rows"])
+    parts += [format_capture(result.get("capture") or capture_summary(result["rows"], None)), ""]
+    parts += ["graph vs graph (us, medians; CUDA graphs of each public API; FI/a2ad > 1: a2ad faster):"
+              + _graph_caveat(result), format_graph_comparison(comp), ""]
+    parts += [f"eager vs eager (us, medians of the pair; {_eager_how(result)}; x/a2ad > 1: a2ad faster; "
+              "eager-graph = eager pair - graph pair):", format_eager_comparison(comp), ""]
+    parts += ["targets (a2ad rows; the eager ones from the eager rows):", format_targets(result.get("targets") or [])]
     for s in result.get("skipped") or []:
         parts.append(f"skipped: {_skip_what(s)}: {s['reason']}")
     for n in result.get("notes") or []:
@@ -641,12 +881,31 @@ def plot(result: dict, path) -> str | None:
     if not hiddens:
         return "no rows to plot"
     impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
-    colors = {i: c for i, c in zip(IMPLS, ("tab:red", "tab:orange", "tab:blue", "tab:green"))}
-    fig, axes = plt.subplots(len(hiddens), 2, figsize=(13, 4.2 * len(hiddens)), squeeze=False)
+    colors = {"a2ad": "tab:red", "a2ad-eager": "tab:orange", "flashinfer": "tab:purple",
+              "flashinfer-eager": "tab:pink", "nccl": "tab:blue", "agrs": "tab:green"}
+    comp = comparisons(rows)
+    with_ratio = any(e.get("fi_over_a2ad") for k in ("graph_vs_graph", "eager_vs_eager") for e in comp[k])
+    ncols = 3 if with_ratio else 2
+    fig, axes = plt.subplots(len(hiddens), ncols, figsize=(6.5 * ncols, 4.2 * len(hiddens)), squeeze=False)
     ce = ce_per_gpu_gbps(result.get("ceilings") or {})
     sm = ((result.get("ceilings") or {}).get("sm_store_two_way") or {}).get("per_gpu_gbps")
     for row_i, h in enumerate(hiddens):
-        ax_l, ax_b = axes[row_i]
+        ax_l, ax_b = axes[row_i][:2]
+        if with_ratio:
+            ax_r = axes[row_i][2]
+            for key, label, color in (("graph_vs_graph", "graph vs graph", "tab:purple"),
+                                      ("eager_vs_eager", "eager vs eager", "tab:pink")):
+                pts = [(e["tokens"], e["fi_over_a2ad"]["total"]) for e in comp[key]
+                       if e["hidden"] == h and e.get("fi_over_a2ad") and e["fi_over_a2ad"].get("total")]
+                if pts:
+                    ax_r.plot(*zip(*pts), "-", color=color, marker="o", ms=3, label=f"FI/a2ad pair, {label}")
+            ax_r.axhline(1.0, color="gray", ls=":", lw=1)
+            ax_r.set_xscale("log", base=2)
+            ax_r.set_xlabel("tokens per rank")
+            ax_r.set_ylabel("FlashInfer / a2ad (median pair)")
+            ax_r.set_title(f"hidden {h}: FI/a2ad above 1 means a2ad is faster", fontsize=9)
+            ax_r.grid(True, which="both", alpha=0.3)
+            ax_r.legend(fontsize=7, loc="best")
         for impl in impls:
             rs = sorted((r for r in rows if r["impl"] == impl and r["hidden"] == h), key=lambda r: r["tokens"])
             for key, style, lw in (("total_us", "-", 2.0), ("dispatch_us", "--", 1.0), ("combine_us", ":", 1.0)):
@@ -686,6 +945,7 @@ def plot(result: dict, path) -> str | None:
 def perf_doc(result: dict, plot_rel: str | None) -> str:
     hw = result.get("hardware") or {}
     cfg = result["config"]
+    comp = result.get("comparisons") or comparisons(result["rows"])
     lines = [
         "# a2ad performance",
         "",
@@ -698,8 +958,10 @@ def perf_doc(result: dict, plot_rel: str | None) -> str:
         f" NCCL {hw.get('nccl', '?')})",
         f"- mode: {cfg.get('mode')}; ep={cfg.get('ep')}, top_k={cfg.get('top_k')}, {cfg.get('num_experts')} experts,"
         f" {cfg.get('routing')} routing; payloads bf16 hidden + int32 expert ids + fp32 scales",
-        f"- replays per figure: {cfg.get('replays')} (after {cfg.get('warmup')} warm-up), "
+        f"- graph replays per figure: {cfg.get('replays')} (after {cfg.get('warmup')} warm-up), "
         f"{cfg.get('input_sets')} rotating input sets, L2 flushed between replays: {cfg.get('l2_flush')}",
+        f"- eager figures: {_eager_how(result)}",
+        f"- FlashInfer: {_fi_line(result)}",
         "",
         "Command:",
         "",
@@ -707,7 +969,7 @@ def perf_doc(result: dict, plot_rel: str | None) -> str:
         result.get("command", "?"),
         "```",
         "",
-        "## Targets (issue 5)",
+        "## Targets",
         "",
         "```",
         format_targets(result.get("targets") or []),
@@ -719,14 +981,39 @@ def perf_doc(result: dict, plot_rel: str | None) -> str:
         format_ceilings(result.get("ceilings") or {}),
         "```",
         "",
-        "## Results",
+        "## How the a2ad graphs were built",
         "",
-        "Latency is the median over replays of the slowest rank's time (us); p10-p90 of the total.",
-        "`remote GB/s` counts per GPU only the bytes that crossed to another GPU; `logical GB/s` is",
-        "TensorRT-LLM's convention (tokens x min(ep, top_k) x bytes per token / time). `vs NCCL` is",
-        "NCCL's median dispatch+combine over this row's, same tokens and hidden.",
+        "```",
+        format_capture(result.get("capture") or capture_summary(result["rows"], cfg.get("capture"))),
+        "```",
+        "",
+        "## Graph vs graph",
+        "",
+        "a2ad and FlashInfer, each from CUDA graphs of its public `dispatch`/`combine` (same inputs,",
+        "same checks); medians in us; FI/a2ad above 1 means a2ad is faster." + _graph_caveat(result),
+        "",
+        format_graph_comparison(comp, md=True),
+        "",
+        "## Eager vs eager",
+        "",
+        f"Every implementation called eagerly ({_eager_how(result)}); pair medians in us;",
+        "`x/a2ad` is that implementation's pair over a2ad-eager's (above 1: a2ad is faster).",
+        "`eager-graph` is the eager pair minus the graph pair of the same implementation: what calling the",
+        "API eagerly costs over replaying it from a graph. NCCL's Megatron path cannot be captured (its",
+        "splits need a host sync), so it appears here only.",
+        "",
+        format_eager_comparison(comp, md=True),
+        "",
+        "## All results",
+        "",
+        "Latency is the median over replays (graph rows) or samples (eager rows) of the slowest rank's",
+        "time (us); p10-p90 of the total. `remote GB/s` counts per GPU only the bytes that crossed to",
+        "another GPU; `logical GB/s` is TensorRT-LLM's convention (tokens x min(ep, top_k) x bytes per",
+        "token / time).",
         "",
         format_markdown_table(result["rows"]),
+        "",
+        VS_NCCL_NOTE,
         "",
     ]
     if plot_rel:
@@ -765,6 +1052,17 @@ class Clock:
     def us(self, a, b) -> float:
         return a.elapsed_time(b) * 1e3 if self.cuda else (b - a) * 1e6
 
+    def pool(self, n: int) -> list:
+        """``n`` timing events made ahead (so that making them is not timed); None on CPU."""
+        return [torch.cuda.Event(enable_timing=True) for _ in range(n)] if self.cuda else [None] * n
+
+    def at(self, event):
+        """Record a pooled event now (the time now on CPU)."""
+        if self.cuda:
+            event.record()
+            return event
+        return time.perf_counter()
+
 
 class Ctx:
     """One rank's context: config, device, process groups, clock, L2 flush buffer."""
@@ -781,7 +1079,8 @@ class Ctx:
         self.cycles_per_us = 1000.0
         self.enqueue_us = 60.0  # CPU time to enqueue one graph-mode iteration (measured as we go)
         self.sleep_base_us = 500.0
-        self.capture_override: str | None = None
+        #: set once capturing MoeAlltoAll's API failed: later points capture through the plane
+        self.capture_fallback: str | None = None
         self.notes: list[str] = []
 
     # --- collectives on the gloo group (CPU; never NCCL) ---------------------------
@@ -910,7 +1209,8 @@ def run_timed(ctx: Ctx, prepare, step, *, graph: bool) -> tuple[list[list[float]
 
 
 def _received_a2ad(recv: list[torch.Tensor], sources: list[Inputs], me: int, num_experts: int, ep: int) -> list[Inputs]:
-    """The first n_s slots of every source s in a2ad's ``[ep, rt, ...]`` dispatch outputs."""
+    """The first n_s slots of every source s in ``[ep, rt, ...]`` dispatch outputs (a2ad's and
+    FlashInfer's layout alike: source s's tokens for this rank fill slots 0..n_s-1, in any order)."""
     out = []
     for s, src in enumerate(sources):
         n = int(target_mask(src.experts, num_experts, ep)[:, me].sum().item())
@@ -930,26 +1230,35 @@ class A2adJob:
     """One MoeAlltoAll (one daemon job) per hidden size, reopened under a new name after a failure."""
 
     def __init__(self, ctx: Ctx, hidden: int, gen: int):
+        self.hidden = hidden
+        self.name = f"{ctx.cfg['run_id']}-h{hidden}-{gen}"
+        self.reopened = 0
+        self.a2a = self._open(ctx, self.name)
+
+    def _open(self, ctx: Ctx, name: str):
         from types import SimpleNamespace
 
         from a2ad.client import MoeAlltoAll
 
         cfg = ctx.cfg
-        self.hidden = hidden
-        self.name = f"{cfg['run_id']}-h{hidden}-{gen}"
-        self.a2a = MoeAlltoAll(
+        return MoeAlltoAll(
             SimpleNamespace(moe_ep_rank=ctx.rank, moe_ep_size=ctx.ep),
             max(cfg["tokens"]),
             cfg["top_k"],
             cfg["num_experts"],
-            hidden_size=hidden,
-            job=self.name,
+            hidden_size=self.hidden,
+            job=name,
             runtime_dir=cfg["runtime_dir"],
             device=ctx.device if ctx.cuda else None,
             timeout=cfg["a2ad_timeout"],
         )
-        self.capture: str | None = None
-        self.capture_why = ""
+
+    def reopen(self, ctx: Ctx) -> None:
+        """Every rank leaves the job and joins a fresh one (after a failed capture the ranks'
+        rounds may disagree); collective."""
+        self.close()
+        self.reopened += 1
+        self.a2a = self._open(ctx, f"{self.name}-r{self.reopened}")
 
     def close(self) -> None:
         try:
@@ -957,48 +1266,90 @@ class A2adJob:
         except Exception:
             pass
 
-    def capture_mode(self, ctx: Ctx, static: Inputs, T: int) -> str:
-        """``api`` when MoeAlltoAll.dispatch/combine never synchronize the host (then they can be
-        captured as they are), else ``plane`` (capture the same kernels through the CUDA plane).
 
-        Probed with one eager round under ``torch.cuda.set_sync_debug_mode("error")``; every
-        rank must agree.
-        """
-        if self.capture is not None:
-            return self.capture
-        forced = ctx.cfg["capture"]
-        if forced == "auto" and ctx.capture_override:
-            self.capture, self.capture_why = ctx.capture_override, "capturing MoeAlltoAll itself failed earlier"
-            return self.capture
-        if forced != "auto":
-            self.capture, self.capture_why = forced, "forced by --capture"
-            return forced
-        if not ctx.cuda:
-            self.capture, self.capture_why = "plane", "CPU run: stand-in graphs through the plane"
-            return self.capture
-        a2a = self.a2a
-        ok, why, recv = True, "", None
+def exception_text(exc: BaseException, limit: int = 300) -> str:
+    """``Type: first line`` of an exception, and of the one it was raised while handling
+    (``torch.cuda.graph`` ends a failed capture in ``__exit__``, which may raise again)."""
+    def one(e):
+        text = str(e).strip().splitlines()
+        return f"{type(e).__name__}: {text[0][:limit] if text else ''}".rstrip(": ")
+    out = one(exc)
+    ctx_exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    if ctx_exc is not None:
+        out += f" (while handling {one(ctx_exc)})"
+    return out
+
+
+def _api_calls(a2a, static: Inputs, T: int):
+    """``(dispatch, combine)`` closures calling the public API exactly as a user does."""
+    payloads = static.payloads()
+
+    def d():
+        return a2a.dispatch(static.experts, payloads, T)
+
+    def c(recv):
+        return a2a.combine(recv[0], T)
+
+    return d, c
+
+
+def _capture_three(ctx: Ctx, d, c):
+    """Dispatch, combine and dispatch + no-op expert + combine, each captured in its own graph."""
+    ctx.barrier()
+    g_d, recv_d = _capture(ctx, d)
+    g_c, out_c = _capture(ctx, lambda: c(recv_d))
+    g_p, (recv_p, out_p) = _capture(ctx, lambda: _pair(d, c))
+    ctx.sync()
+    return {"d": g_d, "c": g_c, "p": g_p, "recv_d": recv_d, "out_c": out_c, "recv_p": recv_p, "out_p": out_p}
+
+
+def a2ad_graphs(ctx: Ctx, job: A2adJob, static: Inputs, T: int) -> tuple[str, str, str | None, dict]:
+    """Build a2ad's three graphs for one point: ``(mode, why, fallback, graphs)``.
+
+    ``--capture api`` (the default) captures ``MoeAlltoAll.dispatch``/``combine`` themselves.
+    When that raises on any rank, every rank reopens its job (the failed capture may have left
+    the ranks' rounds apart), captures MoeAlltoAll's CUDA-plane kernels instead (``plane``), and
+    ``fallback`` holds the exceptions; later points of the run go to the plane directly.
+    ``--capture plane`` goes to the plane from the start."""
+    requested = ctx.cfg["capture"]
+    fallback = None
+    if requested == "plane":
+        mode, why = "plane", "--capture plane: MoeAlltoAll's CUDA-plane kernels, launched with the arguments it passes"
+    elif ctx.capture_fallback:
+        mode, why = "plane", f"capturing MoeAlltoAll's API failed earlier in this run ({ctx.capture_fallback})"
+    else:
+        mode, why = "api", "the public MoeAlltoAll.dispatch/combine captured as a user calls them"
+    if mode == "api":
+        err, graphs, stage = None, None, "the eager round before capture"
+        stream = torch.cuda.current_stream(ctx.device) if ctx.cuda else None
         try:
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                recv = a2a.dispatch(static.experts, static.payloads(), T)
-                a2a.combine(recv[0], T)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        except Exception as exc:  # the sync-debug error, or anything else the API raised
-            ok, why = False, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
-        if a2a.phase == "dispatched":  # dispatch ran, combine raised: finish the round normally
-            a2a.combine(recv[0], T)
-        ctx.sync()
-        votes = ctx.gather((ok, why))
-        if all(v[0] for v in votes):
-            self.capture, self.capture_why = "api", "MoeAlltoAll.dispatch/combine do not synchronize the host"
-        else:
-            self.capture = "plane"
-            self.capture_why = ("MoeAlltoAll.dispatch synchronizes the host, so it cannot be captured as is "
-                                f"({next(v[1] for v in votes if not v[0])}); the graphs hold its CUDA-plane "
-                                "kernels launched with the arguments it passed in an eager round")
-        return self.capture
+            d, c = _api_calls(job.a2a, static, T)
+            ctx.barrier()
+            c(d())  # one eager round first, as a user would before capturing
+            ctx.sync()
+            stage = "capture"
+            graphs = _capture_three(ctx, d, c)
+        except Exception as exc:
+            err = f"{stage}: {exception_text(exc)}"
+            log(f"rank {ctx.rank}: T={T} hidden={job.hidden}: capturing MoeAlltoAll's API failed: {err}")
+            if ctx.cuda:
+                # torch.cuda.graph leaves its capture stream current when ending a failed capture raises
+                torch.cuda.set_stream(stream)
+                try:
+                    torch.cuda.synchronize(ctx.device)
+                except Exception:
+                    pass
+        votes = ctx.gather(err)
+        failed = [f"rank {r}: {e}" for r, e in enumerate(votes) if e]
+        if not failed:
+            return mode, why, None, graphs
+        graphs = None
+        fallback = "; ".join(failed)
+        ctx.capture_fallback = f"at T={T} hidden={job.hidden}: {fallback}"
+        job.reopen(ctx)
+        mode, why = "plane", f"capturing MoeAlltoAll's API raised ({fallback}); fell back to its CUDA-plane kernels"
+    d, c = _plane_calls(ctx, job.a2a, static, T)
+    return mode, why, fallback, _capture_three(ctx, d, c)
 
 
 class _PlaneRecorder:
@@ -1100,40 +1451,17 @@ def _pair(d, c):
     return recv, c(recv)
 
 
-def impl_a2ad(ctx: Ctx, job: A2adJob | None, pt: dict) -> tuple[dict, torch.Tensor]:
-    """a2ad from CUDA graphs: dispatch, combine and the pair, each captured in its own graph.
+def time_graphs(ctx: Ctx, pt: dict, graphs: dict, after=None) -> dict:
+    """Time and check the three graphs of :func:`_capture_three` (a2ad's and FlashInfer's alike).
 
-    On CPU (dry runs) the graphs are _CpuGraph stand-ins: the rows check the code path only."""
-    if job is None:
-        raise Skip("a2ad is not available")
+    Dispatch and combine are timed in one loop (their alternation is one round each replay),
+    the pair in a loop of its own. ``after()`` runs once the timing is over (a2ad: raise what a
+    wait that gave up inside a replay left). The checks replay on fresh inputs (the check set is
+    never timed) into poisoned outputs."""
     cfg = ctx.cfg
     T, E, ep, me = pt["T"], cfg["num_experts"], ctx.ep, ctx.rank
     static: Inputs = pt["static"]
-    payloads = static.payloads()
-    a2a = job.a2a
-    mode = job.capture_mode(ctx, static, T)
-    if mode == "api":
-        def d():
-            return a2a.dispatch(static.experts, payloads, T)
-
-        def c(recv):
-            return a2a.combine(recv[0], T)
-
-        ctx.barrier()
-        c(d())  # one eager round through the captured path
-        ctx.sync()
-    else:
-        d, c = _plane_calls(ctx, a2a, static, T)
-    ctx.barrier()
-    try:
-        g_d, recv_d = _capture(ctx, d)
-        g_c, out_c = _capture(ctx, lambda: c(recv_d))
-        g_p, (recv_p, out_p) = _capture(ctx, lambda: _pair(d, c))
-    except Exception:
-        if mode == "api":  # the probe missed something: later points capture through the plane
-            ctx.capture_override = "plane"
-        raise
-    ctx.sync()
+    g_d, g_c, g_p = graphs["d"], graphs["c"], graphs["p"]
     mark = ctx.clock.mark
 
     def step_split():
@@ -1150,12 +1478,12 @@ def impl_a2ad(ctx: Ctx, job: A2adJob | None, pt: dict) -> tuple[dict, torch.Tens
 
     split, n1 = run_timed(ctx, pt["prepare"], step_split, graph=True)
     pair, n2 = run_timed(ctx, pt["prepare"], step_pair, graph=True)
-    if hasattr(a2a, "_plane"):
-        a2a._plane.check()  # a wait that gave up inside a replay raises here
-    # checks: fresh inputs (the check set was never timed), poisoned outputs
+    if after is not None:
+        after()
     own, sources = pt["own"], pt["sources"]
     checks = []
-    for g, recv, out, both in ((g_d, recv_d, out_c, g_c), (g_p, recv_p, out_p, None)):
+    for g, recv, out, both in ((g_d, graphs["recv_d"], graphs["out_c"], g_c),
+                               (g_p, graphs["recv_p"], graphs["out_p"], None)):
         static.copy_from(own)
         _poison_recv(recv)
         out.fill_(float("nan"))
@@ -1167,53 +1495,212 @@ def impl_a2ad(ctx: Ctx, job: A2adJob | None, pt: dict) -> tuple[dict, torch.Tens
         if both is not None:
             both.replay()
             ctx.sync()
-        checks.append((ok, why, check_combine(out, own, E, ep)))
+        checks.append((ok, why, check_combine(out, own, E, ep, pt.get("a2ad_out"))))
     ok = all(ck[0] and ck[2]["ok"] for ck in checks)
     why = "; ".join(x for ck in checks for x in (ck[1], ck[2].get("why", "")) if x)
-    result = {
-        "timing": f"cuda-graph ({mode} capture)" if ctx.cuda else f"cpu stand-in graph ({mode})",
-        "dispatch": [s[0] for s in split],
-        "combine": [s[1] for s in split],
-        "total": [s[0] for s in pair],
+    return {
+        "dispatch": [x[0] for x in split],
+        "combine": [x[1] for x in split],
+        "total": [x[0] for x in pair],
         "check": {"ok": ok, "why": why, "dispatch_ok": checks[0][0] and checks[1][0], "combine": checks[0][2],
                   "pair_combine": checks[1][2]},
-        "notes": n1 + n2 + [f"a2ad graphs: {job.capture_why}"],
+        "notes": n1 + n2,
     }
-    return result, out_c.clone()
+
+
+def impl_a2ad(ctx: Ctx, job: A2adJob | None, pt: dict) -> tuple[dict, torch.Tensor]:
+    """a2ad from CUDA graphs of its public API (dispatch, combine and the pair, each captured in
+    its own graph), or of its CUDA-plane kernels when capturing the API failed (:func:`a2ad_graphs`).
+
+    On CPU (dry runs) the graphs are _CpuGraph stand-ins: the rows check the code path only."""
+    if job is None:
+        raise Skip("a2ad is not available")
+    mode, why, fallback, graphs = a2ad_graphs(ctx, job, pt["static"], pt["T"])
+    plane = getattr(job.a2a, "_plane", None)
+    result = time_graphs(ctx, pt, graphs, after=getattr(plane, "check", None))  # a wait that gave up raises here
+    label = "public API" if mode == "api" else "CUDA-plane kernels"
+    result.update(timing=f"cuda-graph ({mode} capture: {label})" if ctx.cuda else f"cpu stand-in graph ({mode})",
+                  capture=mode, capture_why=why, capture_fallback=fallback)
+    return result, graphs["out_c"].clone()
+
+
+def run_eager(ctx: Ctx, prepare, dispatch, combine):
+    """Time an eager implementation as a user runs it: per sample, ``eager_pairs`` dispatch +
+    combine pairs issued back to back, then one synchronize.
+
+    Two loops, one sample of each per input set in turn: *split* records an event before every
+    call (per sample, the mean dispatch and combine intervals) and *pair* records one event
+    before the first and one after the last pair (per sample, the interval over the number of
+    pairs: the pair figure). Every sample starts from an idle device after a barrier, with the
+    next input set copied in and L2 flushed; warm-up pairs run first. Returns
+    ``(split samples [(dispatch, combine)], pair samples, the last dispatch's state)``."""
+    cfg = ctx.cfg
+    n, batches = cfg["eager_pairs"], cfg["eager_batches"]
+    clock = ctx.clock
+    st = None
+
+    def start(i):
+        prepare(i)
+        ctx.sync()
+        ctx.barrier()
+
+    start(0)
+    for _ in range(max(1, cfg["warmup"])):
+        st = dispatch()
+        combine(st)
+    ctx.sync()
+    split, pair = [], []
+    for b in range(batches):
+        ev = clock.pool(2 * n + 1)
+        start(b)
+        marks = []
+        for j in range(n):
+            marks.append(clock.at(ev[2 * j]))
+            st = dispatch()
+            marks.append(clock.at(ev[2 * j + 1]))
+            combine(st)
+        marks.append(clock.at(ev[2 * n]))
+        ctx.sync()
+        split.append((sum(clock.us(marks[2 * j], marks[2 * j + 1]) for j in range(n)) / n,
+                      sum(clock.us(marks[2 * j + 1], marks[2 * j + 2]) for j in range(n)) / n))
+        ev = clock.pool(2)
+        start(b)
+        m0 = clock.at(ev[0])
+        for _ in range(n):
+            st = dispatch()
+            combine(st)
+        m1 = clock.at(ev[1])
+        ctx.sync()
+        pair.append(clock.us(m0, m1) / n)
+    return split, pair, st
+
+
+def _eager_result(timing: str, split, pair, ok: bool, why: str, comb: dict) -> dict:
+    """The result of an eagerly timed implementation: per-sample figures and its checks."""
+    return {
+        "timing": timing,
+        "dispatch": [x[0] for x in split],
+        "combine": [x[1] for x in split],
+        "total": list(pair),
+        "check": {"ok": ok and comb["ok"], "why": "; ".join(x for x in (why, comb.get("why", "")) if x),
+                  "dispatch_ok": ok, "combine": comb},
+        "notes": [],
+    }
+
+
+def _eager_impl(ctx: Ctx, pt: dict, dispatch, combine, received, *, timing: str, full: bool = False,
+                poison=None):
+    """Time an eager implementation (:func:`run_eager`) and check it as a2ad is checked:
+    ``dispatch(inputs)`` returns a state, ``received(state)`` lists the rows it delivered per
+    source, ``combine(state)`` returns the combine output. ``poison(state)`` (when given)
+    spoils the last timed dispatch's outputs before the checked one."""
+    E, ep, me = ctx.cfg["num_experts"], ctx.ep, ctx.rank
+    static: Inputs = pt["static"]
+    split, pair, last = run_eager(ctx, pt["prepare"], lambda: dispatch(static), combine)
+    own = pt["own"]
+    static.copy_from(own)
+    if poison is not None and last is not None:
+        poison(last)
+    ctx.sync()
+    ctx.barrier()
+    st = dispatch(static)
+    ctx.sync()
+    ok, why = check_received(received(st), pt["sources"], me, E, ep, full=full)
+    out = combine(st)
+    ctx.sync()
+    comb = check_combine(out, own, E, ep, pt.get("a2ad_out"))
+    how = f"eager ({ctx.cfg['eager_pairs']} pairs back to back, one synchronize)"
+    return _eager_result(f"{how}{': ' + timing if timing else ''}", split, pair, ok, why, comb), out
+
+
+def _api_eager(ctx: Ctx, pt: dict, a2a, label: str):
+    """A MoeAlltoAll (a2ad's or FlashInfer's) called eagerly through its public API."""
+    T, E, ep, me = pt["T"], ctx.cfg["num_experts"], ctx.ep, ctx.rank
+    return _eager_impl(
+        ctx, pt,
+        lambda inp: a2a.dispatch(inp.experts, inp.payloads(), T),
+        lambda recv: a2a.combine(recv[0], T),
+        lambda recv: _received_a2ad(recv, pt["sources"], me, E, ep),
+        timing=label, poison=_poison_recv)
 
 
 def impl_a2ad_eager(ctx: Ctx, job: A2adJob | None, pt: dict) -> tuple[dict, torch.Tensor]:
-    """The public MoeAlltoAll API called eagerly (checks, launches and host syncs included)."""
+    """The public MoeAlltoAll API called eagerly (input checks and launches included)."""
     if job is None:
         raise Skip("a2ad is not available")
-    cfg = ctx.cfg
-    T, E, ep, me = pt["T"], cfg["num_experts"], ctx.ep, ctx.rank
-    static: Inputs = pt["static"]
-    a2a = job.a2a
-    mark = ctx.clock.mark
-    last = {}
+    return _api_eager(ctx, pt, job.a2a, "public API")
 
-    def step():
-        m0 = mark()
-        recv = a2a.dispatch(static.experts, static.payloads(), T)
-        m1 = mark()
-        a2a.combine(recv[0], T)
-        last["recv"] = recv
-        return (m0, m1, mark())
 
-    samples, notes = run_timed(ctx, pt["prepare"], step, graph=False)
-    own, sources = pt["own"], pt["sources"]
-    static.copy_from(own)
-    _poison_recv(last["recv"])  # same offsets for the same runtime_max_tokens_per_rank
-    ctx.sync()
+# --- FlashInfer --------------------------------------------------------------------
+def flashinfer_probe(cuda: bool) -> dict:
+    """Whether FlashInfer's MoeAlltoAll can run here: ``available``, else ``reason``; its
+    ``version`` and where it was imported from (``source``)."""
+    import importlib
+
+    info: dict = {"available": False, "module": FLASHINFER_MODULE}
+    try:
+        mod = importlib.import_module(FLASHINFER_MODULE)
+    except Exception as exc:  # ImportError, or a kernel library that fails to load
+        info["reason"] = (f"{FLASHINFER_MODULE} does not import ({exception_text(exc, 200)}); install it "
+                          "(pip install flashinfer-python) or pass --flashinfer-archive")
+        return info
+    top = sys.modules.get("flashinfer")
+    info["version"] = getattr(top, "__version__", None)
+    info["source"] = str(Path(getattr(top, "__file__", "") or "?").parent)
+    if not hasattr(mod, "MoeAlltoAll"):
+        info["reason"] = f"{FLASHINFER_MODULE} has no MoeAlltoAll"
+        return info
+    if not cuda and not getattr(mod, "A2AD_BENCH_CPU_STANDIN", False):
+        info["reason"] = "FlashInfer's MoeAlltoAll needs CUDA GPUs (CPU run)"
+        return info
+    info["available"] = True
+    return info
+
+
+class FiJob:
+    """One FlashInfer MoeAlltoAll per hidden size (its workspace sized for the largest T).
+
+    FlashInfer's MnnvlMemory exchanges its workspace handles through a CommBackend; the bench
+    gives it ``TorchDistBackend`` over the ranks' gloo group (no MPI needed)."""
+
+    def __init__(self, ctx: Ctx, hidden: int):
+        import importlib
+
+        fi = importlib.import_module(FLASHINFER_MODULE)
+        from flashinfer.comm.mapping import Mapping
+        from flashinfer.comm.mnnvl import MnnvlMemory, TorchDistBackend
+
+        cfg, ep = ctx.cfg, ctx.ep
+        if MnnvlMemory.comm is None:
+            MnnvlMemory.comm = TorchDistBackend(group=ctx.gloo)
+        mapping = Mapping(world_size=ep, rank=ctx.rank, gpus_per_node=ep, tp_size=ep, moe_ep_size=ep)
+        self.hidden = hidden
+        self.a2a = fi.MoeAlltoAll(mapping, max(cfg["tokens"]), cfg["top_k"], cfg["num_experts"], hidden_size=hidden)
+
+    def close(self) -> None:
+        pass  # FlashInfer keeps its workspaces cached for the process's lifetime
+
+
+def impl_flashinfer(ctx: Ctx, job: FiJob | None, pt: dict) -> tuple[dict, torch.Tensor]:
+    """FlashInfer's MoeAlltoAll from CUDA graphs of its public dispatch/combine, timed and
+    checked exactly as a2ad's graphs are."""
+    if job is None:
+        raise Skip("FlashInfer is not available")
+    d, c = _api_calls(job.a2a, pt["static"], pt["T"])
     ctx.barrier()
-    recv = a2a.dispatch(static.experts, static.payloads(), T)
+    c(d())  # one eager round first (loads its kernels)
     ctx.sync()
-    ok, why = check_received(_received_a2ad(recv, sources, me, E, ep), sources, me, E, ep)
-    out = a2a.combine(recv[0], T)
-    ctx.sync()
-    comb = check_combine(out, own, E, ep, pt.get("a2ad_out"))
-    return _eager_result("eager (public API)", samples, notes, ok, why, comb), out
+    graphs = _capture_three(ctx, d, c)
+    result = time_graphs(ctx, pt, graphs)
+    result["timing"] = "cuda-graph (public API)" if ctx.cuda else "cpu stand-in graph (public API)"
+    return result, graphs["out_c"].clone()
+
+
+def impl_flashinfer_eager(ctx: Ctx, job: FiJob | None, pt: dict) -> tuple[dict, torch.Tensor]:
+    """FlashInfer's public dispatch/combine called eagerly, timed as a2ad-eager."""
+    if job is None:
+        raise Skip("FlashInfer is not available")
+    return _api_eager(ctx, pt, job.a2a, "public API")
 
 
 def impl_nccl(ctx: Ctx, job, pt: dict) -> tuple[dict, torch.Tensor]:
@@ -1254,46 +1741,7 @@ def impl_nccl(ctx: Ctx, job, pt: dict) -> tuple[dict, torch.Tensor]:
             off += n
         return per_source
 
-    return _eager_baseline(ctx, pt, dispatch, combine, received, timing="eager (host sync for the splits)")
-
-
-def _eager_result(timing: str, samples, notes, ok: bool, why: str, comb: dict) -> dict:
-    """The result row of an eagerly timed implementation: per-replay samples and its checks."""
-    return {
-        "timing": timing,
-        "dispatch": [s[0] for s in samples],
-        "combine": [s[1] for s in samples],
-        "total": [s[0] + s[1] for s in samples],
-        "check": {"ok": ok and comb["ok"], "why": "; ".join(x for x in (why, comb.get("why", "")) if x),
-                  "dispatch_ok": ok, "combine": comb},
-        "notes": notes,
-    }
-
-
-def _eager_baseline(ctx: Ctx, pt: dict, dispatch, combine, received, *, timing: str, full: bool = False):
-    """Time an eager baseline (dispatch then combine, per replay) and check it as a2ad is
-    checked; ``received(state)`` lists the rows its dispatch delivered, per source."""
-    E, ep, me = ctx.cfg["num_experts"], ctx.ep, ctx.rank
-    static: Inputs = pt["static"]
-    mark = ctx.clock.mark
-
-    def step():
-        m0 = mark()
-        st = dispatch(static)
-        m1 = mark()
-        combine(st)
-        return (m0, m1, mark())
-
-    samples, notes = run_timed(ctx, pt["prepare"], step, graph=False)
-    own = pt["own"]
-    static.copy_from(own)
-    ctx.sync()
-    st = dispatch(static)
-    ok, why = check_received(received(st), pt["sources"], me, E, ep, full=full)
-    out = combine(st)
-    ctx.sync()
-    comb = check_combine(out, own, E, ep, pt.get("a2ad_out"))
-    return _eager_result(timing, samples, notes, ok, why, comb), out
+    return _eager_impl(ctx, pt, dispatch, combine, received, timing="a host sync for the splits in every dispatch")
 
 
 def _all_gather_into(out: torch.Tensor, inp: torch.Tensor) -> None:
@@ -1337,10 +1785,11 @@ def impl_agrs(ctx: Ctx, job, pt: dict) -> tuple[dict, torch.Tensor]:
         return [Inputs(rows.experts[s * T : (s + 1) * T], rows.hidden[s * T : (s + 1) * T],
                        rows.scales[s * T : (s + 1) * T]) for s in range(ep)]
 
-    return _eager_baseline(ctx, pt, dispatch, combine, received, timing="eager", full=True)
+    return _eager_impl(ctx, pt, dispatch, combine, received, timing="", full=True)
 
 
-IMPL_FUNCS = {"a2ad": impl_a2ad, "a2ad-eager": impl_a2ad_eager, "nccl": impl_nccl, "agrs": impl_agrs}
+IMPL_FUNCS = {"a2ad": impl_a2ad, "a2ad-eager": impl_a2ad_eager, "flashinfer": impl_flashinfer,
+              "flashinfer-eager": impl_flashinfer_eager, "nccl": impl_nccl, "agrs": impl_agrs}
 
 
 # --- ceilings ----------------------------------------------------------------------
@@ -1556,13 +2005,17 @@ def _run_point(ctx: Ctx, job_box: dict, T: int, H: int, weights) -> dict:
           "a2ad_out": None}
     out = {"rows": [], "skipped": [], "errors": [], "notes": []}
     remote = _remote_accounting(ctx, T, H, weights) if ctx.rank == 0 else None
-    for impl in cfg["impls"]:
+    for impl in job_box.get("impls", cfg["impls"]):
         t0 = time.monotonic()
-        job = job_box.get("job") if impl.startswith("a2ad") else None
+        job, missing = None, None
+        if impl.startswith("a2ad"):
+            job, missing = job_box.get("job"), job_box.get("why") or "a2ad is not available"
+        elif impl.startswith("flashinfer"):
+            job, missing = job_box.get("fi"), job_box.get("fi_why") or "FlashInfer is not available"
         res, err, skip, tb = None, None, None, None
         try:
-            if impl.startswith("a2ad") and job is None:
-                raise Skip(job_box.get("why") or "a2ad is not available")
+            if missing and job is None:
+                raise Skip(missing)
             res, comb_out = IMPL_FUNCS[impl](ctx, job, pt)
             if impl.startswith("a2ad") and pt["a2ad_out"] is None:
                 pt["a2ad_out"] = comb_out
@@ -1588,6 +2041,9 @@ def _run_point(ctx: Ctx, job_box: dict, T: int, H: int, weights) -> dict:
                 if job_box["job"] is not None:
                     job_box["job"].close()
                 job_box["job"], job_box["why"] = None, f"reopening the a2ad job failed: {[r for r in reopen if r]}"
+        if errs and impl.startswith("flashinfer") and job is not None:
+            # FlashInfer has no way to re-arm its ranks' rounds: no more FlashInfer at this hidden size
+            job_box["fi"], job_box["fi_why"] = None, f"FlashInfer failed earlier at hidden={H} (T={T} {impl})"
         if ctx.rank != 0:
             continue
         dt = time.monotonic() - t0
@@ -1614,6 +2070,9 @@ def _run_point(ctx: Ctx, job_box: dict, T: int, H: int, weights) -> dict:
             check={"ok": all(p["check"]["ok"] for p in per),
                    "why": "; ".join(f"rank {r}: {p['check']['why']}" for r, p in enumerate(per) if p["check"]["why"]),
                    "ranks": [{kk: vv for kk, vv in p["check"].items() if kk != "why"} for p in per]},
+            mode=IMPL_MODE.get(impl, "eager"),
+            **{k: per[0][k] for k in ("capture", "capture_why", "capture_fallback") if k in per[0]},
+            **({"eager_pairs": cfg["eager_pairs"]} if IMPL_MODE.get(impl) == "eager" else {}),
             per_rank_median_us={key: [percentile(p[key], 50) for p in per] for key in ("dispatch", "combine", "total")},
             samples_us={key: [round(x, 3) for x in step_latencies([p[key] for p in per])]
                         for key in ("dispatch", "combine", "total")},
@@ -1625,7 +2084,7 @@ def _run_point(ctx: Ctx, job_box: dict, T: int, H: int, weights) -> dict:
                     out["notes"].append(n)
         out["rows"].append(_finite(row))
         t = row["total_us"]
-        log(f"T={T} hidden={H} {impl:<10} dispatch {row['dispatch_us']['median']:9.2f} us  combine "
+        log(f"T={T} hidden={H} {impl:<16} dispatch {row['dispatch_us']['median']:9.2f} us  combine "
             f"{row['combine_us']['median']:9.2f} us  total {t['median']:9.2f} us  "
             f"check {'ok' if row['check']['ok'] else 'FAIL: ' + row['check']['why']}  ({dt:.1f} s)")
     return out
@@ -1642,6 +2101,28 @@ def _run_rank(ctx: Ctx) -> None:
     points = run_dir / "points.jsonl"
     _setup_device(ctx)
     meta: dict = {}
+    impls = list(cfg["impls"])
+    want_fi = any(i.startswith("flashinfer") for i in impls)
+    if want_fi:
+        if cfg.get("flashinfer_paths") and ctx.cuda:  # the archive's kernels are built for this GPU's arch
+            major, minor = torch.cuda.get_device_capability(ctx.device)
+            os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", f"{major}.{minor}")
+        probe = flashinfer_probe(ctx.cuda)
+        probes = ctx.gather(probe)
+        bad = [(r, p) for r, p in enumerate(probes) if not p["available"]]
+        meta["flashinfer"] = probe if not bad else {**probe, "available": False,
+                                                    "reason": f"rank {bad[0][0]}: {bad[0][1]['reason']}"}
+        if bad:
+            impls = [i for i in impls if not i.startswith("flashinfer")]
+            want_fi = False
+            if ctx.rank == 0:
+                log(f"flashinfer: skipped: {meta['flashinfer']['reason']}")
+                _append_jsonl(points, {"skipped": [{"impl": i, "reason": meta["flashinfer"]["reason"]}
+                                                   for i in cfg["impls"] if i.startswith("flashinfer")]})
+        elif ctx.rank == 0:
+            log(f"flashinfer: {probe.get('version')} from {probe.get('source')}")
+    else:
+        meta["flashinfer"] = {"available": False, "reason": "not requested (--impls)"}
     if ctx.rank == 0:
         meta["hardware"] = hardware_info(ctx)
     if cfg["ceilings"]:
@@ -1651,11 +2132,23 @@ def _run_rank(ctx: Ctx) -> None:
         if meta.get("ceilings"):
             log(format_ceilings(meta["ceilings"]))
     weights = expert_weights(cfg["num_experts"], cfg["routing"], cfg["zipf_s"], cfg["seed"])
-    want_a2ad = any(i.startswith("a2ad") for i in cfg["impls"])
+    want_a2ad = any(i.startswith("a2ad") for i in impls)
     durations: dict[int, float] = {}
     last = None
     for H in cfg["hidden"]:
-        job_box: dict = {"gen": 0}
+        job_box: dict = {"gen": 0, "impls": impls}
+        if want_fi:
+            try:
+                job_box["fi"], err = FiJob(ctx, H), None
+            except Exception as exc:
+                job_box["fi"], err = None, f"rank {ctx.rank}: {exception_text(exc)}"
+                log(f"hidden={H}: FlashInfer's MoeAlltoAll failed:\n{traceback.format_exc()}")
+            errs = [e for e in ctx.gather(err) if e]
+            if errs:
+                job_box["fi"], job_box["fi_why"] = None, "constructing FlashInfer's MoeAlltoAll failed: " + " | ".join(errs)
+                job_box["impls"] = [i for i in impls if not i.startswith("flashinfer")]
+                if ctx.rank == 0:
+                    _append_jsonl(points, {"errors": [f"hidden={H}: {job_box['fi_why']}"]})
         if want_a2ad:
             try:
                 job_box["job"], err = A2adJob(ctx, H, 0), None
@@ -1702,6 +2195,12 @@ def _run_rank(ctx: Ctx) -> None:
 def _worker(rank: int, cfg: dict) -> None:
     """Entry point of one rank's process (spawned)."""
     for k, v in NO_MULTICAST_ENV.items():
+        os.environ.setdefault(k, v)
+    # --flashinfer-archive: spawn hands the children the launcher's sys.path, so add the paths here
+    for path in reversed(cfg.get("flashinfer_paths") or []):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    for k, v in (cfg.get("flashinfer_env") or {}).items():
         os.environ.setdefault(k, v)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
@@ -1785,8 +2284,15 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--warmup", type=int, default=None, help="untimed replays before every chunk of replays (default 3)")
     m.add_argument("--input-sets", type=int, default=4, help="input sets rotated between replays (default 4)")
     m.add_argument("--no-l2-flush", action="store_true", help="do not overwrite 2 x L2 between replays")
-    m.add_argument("--capture", choices=["auto", "api", "plane"], default="auto",
-                   help="how a2ad is put in CUDA graphs: through MoeAlltoAll (api) or its CUDA plane (default auto)")
+    m.add_argument("--capture", choices=["api", "plane", "auto"], default="api",
+                   help="how a2ad is put in CUDA graphs: its public dispatch/combine (api, the default; falls back "
+                        "to the plane, with the reason in the report, when capturing raises) or its CUDA-plane "
+                        "kernels (plane); auto is api")
+    m.add_argument("--eager-pairs", type=int, default=None,
+                   help="eager rows: dispatch+combine pairs issued back to back per sample, one synchronize "
+                        "(default 50; 5 with --dry-run)")
+    m.add_argument("--eager-batches", type=int, default=None,
+                   help="eager rows: samples per figure (default 20; 3 with --dry-run)")
     m.add_argument("--no-ceilings", action="store_true", help="skip the NVLink ceiling measurements")
     m.add_argument("--ceiling-bytes", type=_size, default=None, help="bytes per direction of the ceilings (default 1G)")
     m.add_argument("--seed", type=int, default=1234)
@@ -1797,6 +2303,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cpu: gloo instead of NCCL and the host backend instead of CUDA (timings meaningless)")
     r.add_argument("--dry-run", action="store_true", help="--device cpu with a tiny grid: checks the whole pipeline")
     r.add_argument("--runtime-dir", help="use the a2ad daemon already serving this runtime folder")
+    r.add_argument("--flashinfer-archive", metavar="PATH",
+                   help="a FlashInfer archive (.tgz, or the folder it was extracted to) holding the flashinfer "
+                        "package and the wheels it needs: extracted and installed in the scratch folder for the "
+                        "ranks only (not needed after pip install flashinfer-python)")
     r.add_argument("--a2ad-timeout", type=float, default=30.0, help="MoeAlltoAll rendezvous/peer wait timeout, s")
     r.add_argument("--keep-run-dir", action="store_true", help="keep the scratch folder (daemon log, raw points)")
     o = p.add_argument_group("output")
@@ -1839,6 +2349,12 @@ def resolve_config(args, visible_gpus: int) -> dict:
         raise ValueError("--replays >= 1, --warmup >= 0 and --input-sets >= 1 please")
     if args.budget <= 0:
         raise ValueError("--budget must be > 0 seconds")
+    eager_batches = args.eager_batches if args.eager_batches is not None else (3 if args.dry_run else 20)
+    eager_pairs = args.eager_pairs if args.eager_pairs is not None else (5 if args.dry_run else 50)
+    if eager_pairs < 1 or eager_batches < 1:
+        raise ValueError("--eager-pairs >= 1 and --eager-batches >= 1 please")
+    if args.flashinfer_archive and not Path(args.flashinfer_archive).exists():
+        raise ValueError(f"--flashinfer-archive {args.flashinfer_archive}: no such file or folder")
     impls = args.impls or list(IMPLS)
     return {
         "mode": "cpu" if cpu else "gpu",
@@ -1856,7 +2372,10 @@ def resolve_config(args, visible_gpus: int) -> dict:
         "chunk": 25,
         "input_sets": args.input_sets,
         "l2_flush": not (cpu or args.no_l2_flush),
-        "capture": args.capture,
+        "capture": "api" if args.capture == "auto" else args.capture,
+        "eager_pairs": eager_pairs,
+        "eager_batches": eager_batches,
+        "flashinfer_archive": args.flashinfer_archive,
         "ceilings": not args.no_ceilings,
         "ceiling_bytes": args.ceiling_bytes or ((16 << 20) if cpu else (1 << 30)),
         "seed": args.seed,
@@ -1892,6 +2411,49 @@ class Daemon:
         self._launcher.stop(timeout=15.0)
 
 
+def prepare_flashinfer_archive(archive, dest, python: str | None = None) -> tuple[list[str], dict]:
+    """Make a FlashInfer archive importable by the ranks, as a user's ``pip install`` would:
+    extract it (a ``.tgz``; a folder is used as it is) into ``dest``, install the wheels it
+    carries (apache-tvm-ffi) with ``pip install --no-index --no-deps --target``, and return
+    ``(paths for sys.path / PYTHONPATH, environment variables to set where unset)``.
+    Raises ValueError with the reason when that cannot be done."""
+    import tarfile
+
+    archive, dest = Path(archive), Path(dest)
+    if archive.is_dir():
+        root = archive.resolve()
+    else:
+        root = dest / "flashinfer-archive"
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            with tarfile.open(archive) as tf:
+                try:
+                    tf.extractall(root, filter="data")
+                except TypeError:  # a Python without extraction filters
+                    tf.extractall(root)
+        except (OSError, tarfile.TarError) as exc:
+            raise ValueError(f"cannot extract {archive}: {exc}") from None
+    if not (root / "flashinfer" / "__init__.py").is_file():
+        raise ValueError(f"{archive} holds no flashinfer package at its top")
+    paths = [str(root)]
+    wheels = sorted(str(w) for w in root.glob("*.whl"))
+    if wheels:
+        site = dest / "flashinfer-site"
+        cmd = [python or sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+               "--disable-pip-version-check", "--target", str(site), *wheels]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise ValueError(f"installing {', '.join(Path(w).name for w in wheels)} failed: {exc}") from None
+        if r.returncode != 0:
+            tail = (r.stderr or r.stdout).strip().splitlines()
+            raise ValueError(f"pip could not install {', '.join(Path(w).name for w in wheels)}: "
+                             f"{tail[-1] if tail else 'exit ' + str(r.returncode)}")
+        paths.append(str(site))
+    env = {"FLASHINFER_WORKSPACE_BASE": str(dest / "flashinfer-workspace")}
+    return paths, env
+
+
 def _command_line(argv: list[str]) -> str:
     prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
     head = "a2ad-bench" if prog == "a2ad-bench" else "python -m a2ad.bench"
@@ -1900,12 +2462,13 @@ def _command_line(argv: list[str]) -> str:
 
 def _collect(run_dir: Path) -> dict:
     """What the ranks left in the run folder."""
-    out = {"hardware": {}, "ceilings": {}, "rows": [], "skipped": [], "errors": [], "notes": [],
+    out = {"hardware": {}, "ceilings": {}, "flashinfer": {}, "rows": [], "skipped": [], "errors": [], "notes": [],
            "complete": (run_dir / "done").exists()}
     meta = run_dir / "meta.json"
     if meta.exists():
         m = json.loads(meta.read_text())
         out["hardware"], out["ceilings"] = m.get("hardware") or {}, m.get("ceilings") or {}
+        out["flashinfer"] = m.get("flashinfer") or {}
     pts = run_dir / "points.jsonl"
     if pts.exists():
         for line in pts.read_text().splitlines():
@@ -1995,7 +2558,21 @@ def main(argv: list[str] | None = None) -> int:
     cfg["run_id"] = f"bench{os.getpid()}"
     errors_: list[str] = []
     notes: list[str] = []
+    skipped: list[dict] = []
+    fi_info: dict = {}
     daemon = None
+    if cfg["flashinfer_archive"] and any(i.startswith("flashinfer") for i in cfg["impls"]):
+        try:
+            paths, env = prepare_flashinfer_archive(cfg["flashinfer_archive"], run_dir)
+            cfg["flashinfer_paths"], cfg["flashinfer_env"] = paths, env
+            os.environ["PYTHONPATH"] = os.pathsep.join(paths + [x for x in [os.environ.get("PYTHONPATH")] if x])
+            log(f"flashinfer: {cfg['flashinfer_archive']} ready for the ranks")
+        except ValueError as exc:
+            reason = f"--flashinfer-archive: {exc}"
+            log(f"flashinfer: skipped: {reason}")
+            fi_info = {"available": False, "reason": reason}
+            skipped += [{"impl": i, "reason": reason} for i in cfg["impls"] if i.startswith("flashinfer")]
+            cfg["impls"] = [i for i in cfg["impls"] if not i.startswith("flashinfer")]
     log(f"{cfg['mode']} run: ep={cfg['ep']} tokens={cfg['tokens']} hidden={cfg['hidden']} impls={cfg['impls']} "
         f"replays={cfg['replays']} budget={args.budget:.0f} s; scratch {run_dir}")
     try:
@@ -2038,7 +2615,9 @@ def main(argv: list[str] | None = None) -> int:
     got = _collect(run_dir)
     rows = got["rows"]
     add_speedups(rows)
-    public_cfg = {k: v for k, v in cfg.items() if k not in ("run_dir", "deadline", "runtime_dir", "run_id")}
+    add_comparisons(rows)
+    public_cfg = {k: v for k, v in cfg.items()
+                  if k not in ("run_dir", "deadline", "runtime_dir", "run_id", "flashinfer_paths", "flashinfer_env")}
     result = {
         "schema": SCHEMA,
         "command": command,
@@ -2047,8 +2626,11 @@ def main(argv: list[str] | None = None) -> int:
         "config": public_cfg,
         "hardware": got["hardware"],
         "ceilings": got["ceilings"],
+        "flashinfer": fi_info or got["flashinfer"],
+        "capture": capture_summary(rows, cfg["capture"]),
+        "comparisons": comparisons(rows),
         "rows": sort_rows(rows),
-        "skipped": got["skipped"],
+        "skipped": skipped + got["skipped"],
         "errors": errors_ + got["errors"],
         "notes": notes + got["notes"],
         "complete": got["complete"],
