@@ -54,3 +54,34 @@ try:  # the data plane (written alongside); absent only in a partial checkout
 except ImportError as _exc:  # pragma: no cover
     if "moe_alltoall" not in str(_exc):
         raise
+
+# FlashInfer's module-level API (flashinfer.comm.trtllm_moe_alltoall): the functional ops
+# (also registered as torch.ops.a2ad.moe_a2a_*), the workspace helpers and the metainfo
+# index names, so that switching is a change of import.
+from a2ad.layout import (  # noqa: E402,F401
+    BLOCK_COUNTERS_OFFSET_INDEX,
+    COMBINE_COMPLETION_FLAGS_OFFSET_INDEX,
+    DISPATCH_COMPLETION_FLAGS_OFFSET_INDEX,
+    FLAG_VAL_OFFSET_INDEX,
+    LOCAL_TOKEN_COUNTER_OFFSET_INDEX,
+    METAINFO_INDEX as _METAINFO_INDEX,
+    NUM_METAINFO_FIELDS,
+    PAYLOAD_DATA_OFFSET_INDEX,
+    RECV_COUNTERS_OFFSET_INDEX,
+    SEND_COUNTERS_OFFSET_INDEX,
+    TOPK_SEND_INDICES_OFFSET_INDEX,
+    TOPK_TARGET_RANKS_OFFSET_INDEX,
+)
+
+from .moe_alltoall import moe_a2a_get_workspace_size_per_rank, moe_a2a_wrap_payload_tensor_in_workspace  # noqa: E402,F401
+from .ops import moe_a2a_combine, moe_a2a_dispatch, moe_a2a_sanitize_expert_ids  # noqa: E402,F401
+
+__all__ += [
+    "moe_a2a_combine",
+    "moe_a2a_dispatch",
+    "moe_a2a_get_workspace_size_per_rank",
+    "moe_a2a_sanitize_expert_ids",
+    "moe_a2a_wrap_payload_tensor_in_workspace",
+    "NUM_METAINFO_FIELDS",
+    *_METAINFO_INDEX,
+]
