@@ -39,6 +39,8 @@ class ControlBlock:
         self._mv = memoryview(buf).cast("B")
         if len(self._mv) < L.CONTROL_BLOCK_SIZE:
             raise ValueError(f"control block needs {L.CONTROL_BLOCK_SIZE} bytes, got {len(self._mv)}")
+        #: the block as u32 words, for the cheap checks made on every data-plane call
+        self._words = self._mv[: L.CONTROL_BLOCK_SIZE].cast("I")
         self._owner = owner  # keeps the mmap alive
 
     @classmethod
@@ -53,6 +55,9 @@ class ControlBlock:
         return ctypes.addressof(ctypes.c_char.from_buffer(self._mv))
 
     def close(self) -> None:
+        words, self._words = getattr(self, "_words", None), None
+        if words is not None:
+            words.release()
         mv, self._mv = self._mv, None
         if mv is not None:
             mv.release()
@@ -62,6 +67,18 @@ class ControlBlock:
             except BufferError:
                 pass  # another view (e.g. a registered pointer's buffer) still holds it
             self._owner = None
+
+    def quiet(self, rank: int) -> bool:
+        """True when nothing is to be raised for ``rank``: no abort, no failed wait, no input
+        error. Three word reads: what every data-plane call checks first."""
+        w = self._words
+        return (w[L.CB_ABORT >> 2] == 0 and w[(L.status_offset(rank) + L.STATUS_CODE) >> 2] == 0
+                and w[(L.input_offset(rank) + L.INPUT_CODE) >> 2] == 0)
+
+    def failed(self, rank: int) -> bool:
+        """True when the job was aborted or ``rank``'s last wait failed (raise_for raises)."""
+        w = self._words
+        return w[L.CB_ABORT >> 2] != 0 or w[(L.status_offset(rank) + L.STATUS_CODE) >> 2] != 0
 
     # --- raw fields ---------------------------------------------------------
     def _get(self, st: struct.Struct, off: int) -> int:
@@ -138,6 +155,46 @@ class ControlBlock:
     def clear_status(self, rank: int) -> None:
         off = L.status_offset(rank)
         self._mv[off : off + L.STATUS_RECORD_SIZE] = bytes(L.STATUS_RECORD_SIZE)
+
+    # --- input records -------------------------------------------------------
+    def raise_input_error(self, rank: int, job: str = "?", num_experts: int | None = None) -> None:
+        """Raise InputError for what ``rank``'s kernels found wrong in its input (an expert id
+        out of range, a runtime_max_tokens_per_rank that differs from a peer's), then clear
+        the record: the round it happened in completed for every rank, and the job goes on."""
+        off = L.input_offset(rank)
+        code = self._get(_U32, off + L.INPUT_CODE)
+        if code == L.INPUT_OK:
+            return
+        index = self._get(_I32, off + L.INPUT_INDEX)
+        value = self._get(_I32, off + L.INPUT_VALUE)
+        rnd = self._get(_U32, off + L.INPUT_ROUND)
+        self.clear_input_error(rank)
+        if code == L.INPUT_BAD_EXPERT:
+            bound = f"[0, num_experts={num_experts})" if num_experts is not None else "[0, num_experts)"
+            raise errors.InputError(
+                f"job {job} rank {rank}: token_selected_experts held expert id {value} (token {index}) in round "
+                f"{rnd}, outside {bound}; that (token, k) was routed nowhere, the round completed",
+                argument="token_selected_experts", token=index, expert_id=value, round=rnd,
+            )
+        if code == L.INPUT_RT_MISMATCH:
+            raise errors.InputError(
+                f"job {job} rank {rank}: rank {index} passed runtime_max_tokens_per_rank={value} in round {rnd}, "
+                "this rank another value; every rank must pass the same: that round moved no data (its combine "
+                "returned zeros) on every rank",
+                argument="runtime_max_tokens_per_rank", peer=index, peer_value=value, round=rnd,
+            )
+        raise errors.InternalError(f"rank {rank}: unknown input error code {code} in the control block")
+
+    def record_input_error(self, rank: int, code: int, index: int, value: int, round: int) -> None:
+        off = L.input_offset(rank)
+        self._set(_I32, off + L.INPUT_INDEX, index)
+        self._set(_I32, off + L.INPUT_VALUE, value)
+        self._set(_U32, off + L.INPUT_ROUND, round & 0xFFFFFFFF)
+        self._set(_U32, off + L.INPUT_CODE, code)
+
+    def clear_input_error(self, rank: int) -> None:
+        off = L.input_offset(rank)
+        self._mv[off : off + L.INPUT_RECORD_SIZE] = bytes(L.INPUT_RECORD_SIZE)
 
     @property
     def destroyed(self) -> bool:

@@ -163,7 +163,10 @@ class StateError(A2ADError, RuntimeError):
 
 
 class InputError(A2ADError, ValueError):
-    """Bad input to dispatch/combine, caught before anything is written to a peer."""
+    """Bad input to dispatch/combine. Checks of shapes, dtypes and devices raise before
+    anything is written to a peer; what only the GPU can see without a host sync (an expert
+    id out of range, ranks passing different runtime_max_tokens_per_rank) is found by the
+    kernels, which still complete the round for every rank, and raised by a later call."""
 
     code = "input_error"
 

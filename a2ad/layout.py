@@ -31,9 +31,11 @@ aligned; all int32)::
                                                    [j * COMBINE_SLICE_ROWS, +COMBINE_SLICE_ROWS) of
                                                    t's combine region for this rank are staged
                                                    (early readiness; optional, CUDA kernels only)
+    RECV_RTS                    [ep_size]          written by source s: the runtime_max_tokens_per_rank
+                                                   of its current dispatch (every rank must pass the same)
     PAYLOAD_DATA                                   start of the payload area
 
-``slices`` is ``ceil(max_tokens / COMBINE_SLICE_ROWS)``. The two last fields are
+``slices`` is ``ceil(max_tokens / COMBINE_SLICE_ROWS)``. The three last fields are
 not in the seed's metainfo list; they only move PAYLOAD_DATA, and a client checks
 the daemon's metainfo against its own, so a daemon and client that disagree on the
 layout refuse each other at join.
@@ -70,6 +72,12 @@ GPU access on the CUDA backend)::
                                  rank's own kernels/host waits when a wait fails:
                                  +0 u32 code (STATUS_*), +4 i32 peer, +8 u32 round,
                                  +12 u32 phase (PHASE_*), +16 u64 waited ns
+    2560 input record [64]       one per rank, INPUT_RECORD_SIZE bytes each, written by that
+                                 rank's dispatch kernel when its input was wrong (the round
+                                 still completed for every rank): +0 u32 code (INPUT_*),
+                                 +4 i32 index (the token, or the peer), +8 i32 value (the
+                                 expert id, or the peer's runtime_max_tokens_per_rank),
+                                 +12 u32 round. The client raises InputError and clears it.
 """
 
 from __future__ import annotations
@@ -144,6 +152,8 @@ class AuxLayout:
     combine_slice_flags: int
     #: Number of slice flags per target: ceil(max_num_tokens / COMBINE_SLICE_ROWS).
     combine_slices: int
+    #: [ep_size] int32, written by source s: its runtime_max_tokens_per_rank this round.
+    recv_rts: int
     payload_data: int
     #: Bytes the daemon zeroes (everything before PAYLOAD_DATA).
     aux_bytes: int
@@ -196,6 +206,7 @@ def aux_layout(ep_size: int, max_num_tokens: int) -> AuxLayout:
     slot_tokens = take(4 * ep_size * max_num_tokens)
     slices = combine_slices(max_num_tokens)
     slice_flags = take(4 * ep_size * slices)
+    recv_rts = take(4 * ep_size)
     payload_data = off
     return AuxLayout(
         ep_size=ep_size,
@@ -212,6 +223,7 @@ def aux_layout(ep_size: int, max_num_tokens: int) -> AuxLayout:
         slot_tokens=slot_tokens,
         combine_slice_flags=slice_flags,
         combine_slices=slices,
+        recv_rts=recv_rts,
         payload_data=payload_data,
         aux_bytes=payload_data,
         aux_data_size=payload_data + ALIGN_SLACK,
@@ -356,6 +368,20 @@ STATUS_PEER = 4
 STATUS_ROUND = 8
 STATUS_PHASE = 12
 STATUS_WAITED_NS = 16
+CB_INPUT = CB_STATUS + MAX_EP_SIZE * STATUS_RECORD_SIZE
+INPUT_RECORD_SIZE = 16
+INPUT_CODE = 0
+INPUT_INDEX = 4
+INPUT_VALUE = 8
+INPUT_ROUND = 12
+
+# Input errors a rank's kernels found (the input record's code).
+INPUT_OK = 0
+#: token_selected_experts held an id outside [0, num_experts): that (token, k) went nowhere.
+INPUT_BAD_EXPERT = 1
+#: A peer passed another runtime_max_tokens_per_rank in the same round: the round completed
+#: without data (combine returned zeros) on every rank.
+INPUT_RT_MISMATCH = 2
 
 # Abort reasons (the abort word).
 ABORT_NONE = 0
@@ -399,9 +425,13 @@ PHASE_DISPATCH = 1
 PHASE_COMBINE = 2
 PHASE_NAMES = {PHASE_DISPATCH: "dispatch", PHASE_COMBINE: "combine"}
 
-assert CB_STATUS + MAX_EP_SIZE * STATUS_RECORD_SIZE <= CONTROL_BLOCK_SIZE
+assert CB_INPUT + MAX_EP_SIZE * INPUT_RECORD_SIZE <= CONTROL_BLOCK_SIZE
 assert CB_RANK_STATE + 4 * MAX_EP_SIZE <= CB_STATUS
 
 
 def status_offset(rank: int) -> int:
     return CB_STATUS + rank * STATUS_RECORD_SIZE
+
+
+def input_offset(rank: int) -> int:
+    return CB_INPUT + rank * INPUT_RECORD_SIZE

@@ -87,7 +87,6 @@ class _Shared:
     aux: L.AuxLayout
     control: ControlBlock
     generation: int
-    control_device_ptr: int | None = None
     _mapping: object = None
     _lease_sock: socket.socket | None = None
     _lease: bytes | None = None
@@ -190,20 +189,8 @@ class _Shared:
             reply = self._client.request(
                 "renew", wait=timeout, job=self.job, ep_rank=self.ep_rank, lease=self._lease, pid=os.getpid()
             )
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-            try:
-                sock.settimeout(timeout)
-                sock.connect(str(self._client.fd_path))
-                fdpass.send_frame(sock, {"v": protocol.PROTOCOL_VERSION, "ticket": reply["ticket"]})
-                answer, fds = fdpass.recv_frame(sock, timeout=timeout)
-                for fd in fds:
-                    os.close(fd)
-                if not isinstance(answer, dict) or not answer.get("ok"):
-                    raise errors.from_reply(answer.get("code", "protocol_error"), answer.get("message", "renew refused"))
-                sock.settimeout(None)
-            except BaseException:
-                sock.close()
-                raise
+            sock, fds = redeem_ticket(self._client, reply["ticket"], 0, timeout)
+            fdpass.close_all(fds)
             if self._lease_sock is not None:
                 self._lease_sock.close()
             self._lease_sock = sock
@@ -279,14 +266,6 @@ class _Shared:
                 self._lease_sock.close()
                 self._lease_sock = None
             self.workspace = None
-            if self.control_device_ptr is not None:
-                try:
-                    from .cuda_map import unregister_host_memory
-
-                    unregister_host_memory(self.control.address())
-                except Exception:
-                    pass
-                self.control_device_ptr = None
             if self._mapping is not None:
                 self._mapping.close()
                 self._mapping = None
@@ -325,7 +304,6 @@ class Attachment:
     row_stride = property(lambda self: self._shared.row_stride)
     aux = property(lambda self: self._shared.aux)
     control = property(lambda self: self._shared.control)
-    control_device_ptr = property(lambda self: self._shared.control_device_ptr)
 
     @property
     def workspace(self) -> torch.Tensor | None:
@@ -598,28 +576,43 @@ def _join(job, ep_rank, ep_size, spec, runtime_dir, device, timeout) -> _Shared:
         raise
 
 
-def _redeem(client: DaemonClient, reply: dict, aux: L.AuxLayout, tdev: torch.device) -> _Shared:
-    ep_size = reply["ep_size"]
+def redeem_ticket(client: DaemonClient, ticket: bytes, nfds: int, timeout: float) -> tuple[socket.socket, list[int]]:
+    """Present ``ticket`` on the daemon's fd socket; returns the connection (from then on the
+    rank's lease) and the ``nfds`` file descriptors that came with the answer (the caller owns
+    them). Join and lease renewal both come here. Bounded by ``timeout`` seconds; the
+    daemon's refusal raises its error, a missing or silent daemon DaemonUnavailable."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     fds: list[int] = []
-    mapping = control = None
     try:
-        sock.settimeout(10.0)
+        sock.settimeout(timeout)
         try:
             sock.connect(str(client.fd_path))
         except OSError as exc:
             raise errors.DaemonUnavailable(f"cannot connect to {client.fd_path}: {exc}") from None
-        fdpass.send_frame(sock, {"v": protocol.PROTOCOL_VERSION, "ticket": reply["ticket"]})
+        fdpass.send_frame(sock, {"v": protocol.PROTOCOL_VERSION, "ticket": ticket})
         try:
-            answer, fds = fdpass.recv_frame(sock, timeout=10.0)
+            answer, fds = fdpass.recv_frame(sock, timeout=timeout)
         except (TimeoutError, ConnectionError, OSError) as exc:
-            raise errors.DaemonUnavailable(f"no handles came from {client.fd_path}: {exc}") from None
+            raise errors.DaemonUnavailable(f"no answer to the ticket from {client.fd_path}: {exc}") from None
         if not isinstance(answer, dict) or not answer.get("ok"):
             code = answer.get("code", "protocol_error") if isinstance(answer, dict) else "protocol_error"
             msg = answer.get("message", "bad answer") if isinstance(answer, dict) else "bad answer"
             raise errors.from_reply(code, msg)
-        if len(fds) != ep_size + 1:
-            raise errors.ProtocolError(f"expected {ep_size + 1} file descriptors, received {len(fds)}")
+        if len(fds) != nfds:
+            raise errors.ProtocolError(f"expected {nfds} file descriptors, received {len(fds)}")
+        sock.settimeout(None)
+        return sock, fds
+    except BaseException:
+        fdpass.close_all(fds)
+        sock.close()
+        raise
+
+
+def _redeem(client: DaemonClient, reply: dict, aux: L.AuxLayout, tdev: torch.device) -> _Shared:
+    ep_size = reply["ep_size"]
+    sock, fds = redeem_ticket(client, reply["ticket"], ep_size + 1, 10.0)
+    mapping = control = None
+    try:
         size, stride = reply["size_per_rank"], reply["row_stride"]
         if reply["backend"] == "host":
             from .host_map import HostMapping
@@ -630,7 +623,6 @@ def _redeem(client: DaemonClient, reply: dict, aux: L.AuxLayout, tdev: torch.dev
 
             mapping = CudaMapping(fds[:ep_size], size, stride, tdev.index)
         control = ControlBlock.map_fd(fds[ep_size])
-        sock.settimeout(None)
         att = _Shared(
             job=reply["job"],
             ep_rank=reply["ep_rank"],

@@ -285,36 +285,3 @@ class CudaMapping:
             f"CudaMapping(ep_size={self.ep_size}, size_per_rank={self.size_per_rank}, "
             f"row_stride={self.row_stride}, device=cuda:{self.device_ordinal}, {state})"
         )
-
-
-# ---------------------------------------------------------------------------
-# Host memory (the job's control block)
-# ---------------------------------------------------------------------------
-def register_host_memory(ptr: int, size: int, device_ordinal: int | None = None) -> int:
-    """Page-lock host memory for GPU access (PORTABLE|DEVICEMAP); returns its device pointer.
-
-    For the control block: a memfd mapped with mmap in this process. PORTABLE
-    makes the registration valid in every context; the device pointer equals
-    ``ptr`` on systems with unified addressing, but use the returned one.
-    """
-    if device_ordinal is None:
-        device_ordinal = torch.cuda.current_device()
-    with cd.on_device(int(device_ordinal)):
-        cd.host_register(ptr, size, cd.CU_MEMHOSTREGISTER_PORTABLE | cd.CU_MEMHOSTREGISTER_DEVICEMAP)
-        try:
-            return cd.host_device_pointer(ptr)
-        except BaseException:
-            cd.host_unregister(ptr)
-            raise
-
-
-def unregister_host_memory(ptr: int, device_ordinal: int | None = None) -> None:
-    if device_ordinal is None:
-        device_ordinal = torch.cuda.current_device()
-    with cd.on_device(int(device_ordinal)):
-        cd.host_unregister(ptr)
-
-
-def host_tensor_on_device(device_ptr: int, size: int, device_ordinal: int, owner=None) -> torch.Tensor:
-    """A uint8 CUDA tensor over registered host memory (its device pointer), for kernels and tests."""
-    return _tensor_from_pointer(device_ptr, size, kDLCUDA, int(device_ordinal), owner)

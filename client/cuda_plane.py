@@ -10,7 +10,14 @@ Failures: a kernel whose wait on a peer gives up (timeout, or the control
 block's abort word) writes this rank's status record in the control block
 (host memory) and returns. :meth:`CudaPlane.check` reads that record without
 synchronizing and raises the typed error; ``MoeAlltoAll`` calls it at the start
-of every call.
+of every call. Input the host cannot check without a sync (expert ids out of
+range, a peer passing another ``runtime_max_tokens_per_rank``) is found by the
+dispatch kernel, which completes the round anyway and writes this rank's input
+record; :meth:`CudaPlane.check_input` raises it as InputError.
+
+Everything fixed for this rank (the workspace, aux offsets, control block, timeout,
+kernel variant) is packed once into a *plan* (``torch.ops.a2ad.make_plan``); each
+call passes tensors, the plan and the per-call numbers.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import torch
 from a2ad import errors, layout as L
 
 from . import _ext
+from .plane import Plane
 
 
 def aux_offsets(aux: L.AuxLayout) -> list[int]:
@@ -43,12 +51,14 @@ def aux_offsets(aux: L.AuxLayout) -> list[int]:
         aux.combine_slice_flags,
         aux.combine_slices,
         L.COMBINE_SLICE_ROWS,
+        aux.recv_rts,
     ]
 
 
 def control_fields(ep_rank: int) -> list[int]:
     """The ``control_fields`` list of the ops for ``ep_rank``'s status record."""
     rec = L.status_offset(ep_rank)
+    inp = L.input_offset(ep_rank)
     return [
         L.CB_ABORT,
         rec + L.STATUS_CODE,
@@ -60,6 +70,12 @@ def control_fields(ep_rank: int) -> list[int]:
         L.STATUS_ABORTED,
         L.PHASE_DISPATCH,
         L.PHASE_COMBINE,
+        inp + L.INPUT_CODE,
+        inp + L.INPUT_INDEX,
+        inp + L.INPUT_VALUE,
+        inp + L.INPUT_ROUND,
+        L.INPUT_BAD_EXPERT,
+        L.INPUT_RT_MISMATCH,
     ]
 
 
@@ -140,7 +156,7 @@ def sm_count(device: torch.device | int | None = None) -> int:
     return int(_ext.load().sm_count(index))
 
 
-class CudaPlane:
+class CudaPlane(Plane):
     """Dispatch/combine kernels for one rank of an attached job.
 
     ``att`` is an :class:`a2ad.client.Attachment` (or any object with its
@@ -150,6 +166,8 @@ class CudaPlane:
     (in-process tests) must split the SMs between them, since combine's blocks
     wait for each other and its grid is sized to be co-resident.
     """
+
+    checks_ids_on_host = False
 
     def __init__(self, att, timeout: float, *, sm_budget: int = 0, variant: int | None = None):
         if not isinstance(att.workspace, torch.Tensor) or att.workspace.device.type != "cuda":
@@ -161,56 +179,51 @@ class CudaPlane:
         self.ep_rank = int(att.ep_rank)
         self.ep_size = int(att.ep_size)
         self.top_k = int(att.spec["top_k"])
+        self.num_experts = int(att.spec["num_experts"])
         self.timeout = float(timeout)
         self.timeout_ns = max(1, int(self.timeout * 1e9))
         self.sm_budget = int(sm_budget)
         self.variant = kernel_variant() if variant is None else int(variant)
         self.diag = kernel_diag()  # timing only; 0 unless A2AD_KERNEL_DIAG is set
-        self._aux = aux_offsets(att.aux)
-        self._fields = control_fields(self.ep_rank)
-        self._registered: int | None = None  # host address this plane registered itself
-        if att.control_device_ptr is not None:
-            self.control_ptr = int(att.control_device_ptr)
-        else:
-            host = att.control.address()
-            with torch.cuda.device(att.workspace.device):
-                self.control_ptr = int(self._ops.host_register(host, L.CONTROL_BLOCK_SIZE))
-            self._registered = host
+        host = att.control.address()
+        with torch.cuda.device(att.workspace.device):
+            # reference counted: several planes of one process may register the same block
+            self.control_ptr = int(self._ops.host_register(host, L.CONTROL_BLOCK_SIZE))
+        self._registered: int | None = host
+        try:
+            self.plan = self._ops.make_plan(
+                att.workspace, self.ep_rank, self.ep_size, self.top_k, self.num_experts, aux_offsets(att.aux),
+                self.control_ptr, control_fields(self.ep_rank), self.timeout_ns, self.sm_budget,
+                self.variant | (self.diag << DIAG_SHIFT),
+            )
+        except BaseException:
+            self.close()
+            raise
+        self._dispatch_op = self._ops.dispatch
+        self._combine_op = self._ops.combine
+        self._sanitize_op = self._ops.sanitize
 
     # --- data plane ---------------------------------------------------------------
     def dispatch(self, experts: torch.Tensor, payloads: list[torch.Tensor], rt: int, pl: L.PayloadLayout,
                  num_experts: int) -> None:
         """Route and send this rank's tokens; returns once every peer's tokens are here (on the stream).
 
-        experts: ``[T, top_k]`` int32, contiguous, on the workspace's device.
-        payloads: ``[T, bytes_i]`` uint8 contiguous byte views, one per payload.
-        The received payload i is ``workspace[ep_rank]`` at ``pl.dispatch_offsets[i]``,
-        ``[ep_size, rt, bytes_i]``.
+        experts: ``[T, top_k]`` int32, contiguous, on the workspace's device; an id outside
+        ``[0, num_experts)`` is routed nowhere and reported by :meth:`check_input`.
+        payloads: ``[T, ...]`` contiguous tensors of any dtype (``pl.dispatch_bytes_per_token[i]``
+        bytes per token). The received payload i is ``workspace[ep_rank]`` at
+        ``pl.dispatch_offsets[i]``, ``[ep_size, rt, bytes_i]``.
         """
-        self._ops.dispatch(
-            experts,
-            list(payloads),
-            self.att.workspace,
-            self.ep_rank,
-            self.ep_size,
-            self.top_k,
-            int(num_experts),
-            int(rt),
-            self._aux,
-            [int(o) for o in pl.dispatch_offsets],
-            self.control_ptr,
-            self._fields,
-            self.timeout_ns,
-            self.sm_budget,
-            self.variant | (self.diag << DIAG_SHIFT),
-        )
+        if num_experts != self.num_experts:
+            raise errors.InputError(f"num_experts {num_experts} differs from the job's {self.num_experts}")
+        self._dispatch_op(experts, payloads, self.att.workspace, self.plan, rt, pl.dispatch_offsets)
 
     def sanitize(self, recv_ids: torch.Tensor, rt: int, invalid_id: int) -> None:
         """Set every id of every slot that received no token to ``invalid_id``.
 
         recv_ids: ``[ep_size, rt, top_k]`` int32 view of this rank's received expert ids.
         """
-        self._ops.sanitize(recv_ids, self.att.workspace, self.ep_rank, self.ep_size, self._aux, int(rt), int(invalid_id))
+        self._sanitize_op(recv_ids, self.att.workspace, self.plan, rt, invalid_id)
 
     def combine(self, payload: torch.Tensor, local_num_tokens: int, rt: int, pl: L.PayloadLayout,
                 payload_in_workspace: bool) -> torch.Tensor:
@@ -221,23 +234,8 @@ class CudaPlane:
         ``payload_in_workspace`` it must be this rank's combine region.
         Returns ``[local_num_tokens, hidden]`` of the payload's dtype.
         """
-        return self._ops.combine(
-            payload,
-            self.att.workspace,
-            self.ep_rank,
-            self.ep_size,
-            self._aux,
-            int(local_num_tokens),
-            self.top_k,
-            int(rt),
-            int(pl.combine_offset),
-            bool(payload_in_workspace),
-            self.control_ptr,
-            self._fields,
-            self.timeout_ns,
-            self.sm_budget,
-            self.variant | (self.diag << DIAG_SHIFT),
-        )
+        return self._combine_op(payload, self.att.workspace, self.plan, local_num_tokens, rt, pl.combine_offset,
+                                payload_in_workspace)
 
     # --- failures -----------------------------------------------------------------
     def check(self) -> None:
@@ -248,6 +246,11 @@ class CudaPlane:
         """
         self.att.control.raise_for(self.ep_rank, self.att.job)
 
+    def check_input(self) -> None:
+        """Raise InputError for what a dispatch kernel found wrong in this rank's input (and
+        clear it). Never synchronizes: a kernel still in flight reports at a later call."""
+        self.att.control.raise_input_error(self.ep_rank, self.att.job, self.num_experts)
+
     def reset_status(self) -> None:
         """Clear this rank's status record and the kernels' record claim (call only when the job is re-armed).
 
@@ -255,11 +258,12 @@ class CudaPlane:
         call can record a new failure.
         """
         self.att.control.clear_status(self.ep_rank)
+        self.att.control.clear_input_error(self.ep_rank)
         off = self.att.aux.block_counters + 4 * STATUS_CLAIM_SLOT
         self.att.workspace[self.ep_rank, off : off + 4].zero_()
 
     def close(self) -> None:
-        """Unregister the control block if this plane registered it. Idempotent.
+        """Unregister the control block (reference counted). Idempotent.
 
         Call it before the attachment closes (the control block must still be
         mapped), and only once no kernel of this plane is in flight.

@@ -31,6 +31,8 @@ import torch
 
 from a2ad import errors, layout as L
 
+from .plane import Plane
+
 _FIRST_SLEEP = 20e-6
 _MAX_SLEEP = 1e-3
 
@@ -58,13 +60,15 @@ def route(experts: torch.Tensor, num_experts: int, ep_size: int):
     return target, slot, sent
 
 
-class HostPlane:
+class HostPlane(Plane):
     """Dispatch/combine for one rank of a job on the host backend.
 
     ``att`` is an :class:`a2ad.client.Attachment` whose ``workspace`` is the shared
     ``[ep_size, size_per_rank]`` uint8 CPU tensor; ``timeout`` (seconds) bounds every
     wait on a peer.
     """
+
+    checks_ids_on_host = True
 
     def __init__(self, att, timeout: float):
         if not isinstance(att.workspace, torch.Tensor) or att.workspace.device.type != "cpu":
@@ -93,6 +97,7 @@ class HostPlane:
         self._local_count = field(aux.local_token_counter, 1)[me]
         self._send_counters = field(aux.send_counters, ep)[me]
         self._recv_counters = field(aux.recv_counters, ep)  # [row q, source s]
+        self._recv_rts = field(aux.recv_rts, ep)  # [row q, source s]
         self._dispatch_flags = field(aux.dispatch_completion_flags, ep)
         self._combine_flags = field(aux.combine_completion_flags, ep)
         topk = self.max_num_tokens * L.MAX_TOP_K
@@ -106,7 +111,10 @@ class HostPlane:
         """Route and send this rank's tokens; returns once every peer's tokens are here.
 
         experts: ``[T, top_k]`` int32, contiguous, ids in ``[0, num_experts)``.
-        payloads: ``[T, bytes_i]`` uint8 contiguous byte views, one per payload.
+        payloads: ``[T, ...]`` contiguous tensors (``pl.dispatch_bytes_per_token[i]`` bytes
+        per token). Every rank must pass the same ``rt``: a peer that passed another one
+        makes this raise InputError on every rank, after the round was completed without
+        data (so that the next round starts in step).
         The received payload i is ``workspace[ep_rank]`` at ``pl.dispatch_offsets[i]``,
         ``[ep_size, rt, bytes_i]``.
         """
@@ -121,6 +129,9 @@ class HostPlane:
         self._topk_target[:num_tokens, :top_k].copy_(target)
         self._topk_send[:num_tokens, :top_k].copy_(slot)
         # 3. payload rows to every target, slots in token order
+        if num_tokens:  # byte views [T, bytes_per_token] (a reshape of 0 elements has no width)
+            payloads = [p if p.dtype == torch.uint8 and p.dim() == 2 else p.reshape(num_tokens, -1).view(torch.uint8)
+                        for p in payloads]
         for q in range(ep):
             tokens = sent[:, q].nonzero().squeeze(1)
             n = tokens.numel()
@@ -131,13 +142,35 @@ class HostPlane:
                 start = pl.dispatch_offsets[i] + me * rt * nbytes
                 dst = self.ws[q, start : start + n * nbytes].view(n, nbytes)
                 torch.index_select(payload, 0, tokens, out=dst)
-        # 4. every target learns how many tokens came from this rank
+        # 4. every target learns how many tokens came from this rank, and with which rt
         self._recv_counters[:, me].copy_(counts)
+        self._recv_rts[:, me].fill_(rt)
         # 5. the copies above have completed; then the flags
         self._dispatch_flags[:, me].fill_(rnd)
         # 6. every source's data is here
         self._wait(self._dispatch_flags[me], rnd, L.PHASE_DISPATCH)
+        rts = self._recv_rts[me]
+        wrong = (rts != rt).nonzero()
+        if wrong.numel():
+            peer = int(wrong[0, 0])
+            peer_rt = int(rts[peer])
+            self._skip_round(rnd)
+            raise errors.InputError(
+                f"job {self.att.job} rank {me}: rank {peer} passed runtime_max_tokens_per_rank={peer_rt} in round "
+                f"{rnd}, this rank {rt}; every rank must pass the same: the round moved no data on every rank",
+                argument="runtime_max_tokens_per_rank", peer=peer, peer_value=peer_rt, round=rnd,
+            )
         self._round = rnd
+
+    def _skip_round(self, rnd: int) -> None:
+        """Complete round ``rnd`` without data (every rank does the same when their rts differ):
+        the combine flags go round and the round number moves on, so the next round starts
+        in step on every rank."""
+        me = self.ep_rank
+        self._combine_flags[:, me].fill_(rnd)
+        self._wait(self._combine_flags[me], rnd, L.PHASE_COMBINE)
+        self._flag_val.fill_(rnd + 1)
+        self._round = None
 
     def sanitize(self, recv_ids: torch.Tensor, rt: int, invalid_id: int) -> None:
         """Set every id of every slot that received no token to ``invalid_id``.
@@ -218,6 +251,9 @@ class HostPlane:
     def check(self) -> None:
         """Raise PeerLost/PeerTimeout if the abort word or this rank's status record says so."""
         self.att.control.raise_for(self.ep_rank, self.att.job)
+
+    def check_input(self) -> None:
+        """Nothing to report later: the host plane raises InputError in the call itself."""
 
     def reset_status(self) -> None:
         """Clear this rank's status record (call only when the job is re-armed)."""

@@ -154,6 +154,8 @@ class MoeAlltoAll:
     ``workspace_size_per_rank``: bytes per rank; when None it is
     :meth:`get_moe_workspace_size_per_rank` for ``hidden_size`` (bf16 hidden states,
     int32 expert ids and float32 scales per token, bf16 combine).
+    ``mnnvl_config``: accepted so that FlashInfer code runs unchanged, and ignored: the
+    daemon allocates the workspace and picks the handle type.
     ``job``: the job name every rank of the group uses. ``runtime_dir``: the daemon's
     runtime folder (default: the daemon's default). ``device``: this rank's device
     (cuda backend: a CUDA device; default the current one). ``timeout``: seconds for
@@ -183,12 +185,15 @@ class MoeAlltoAll:
         num_experts: int,
         workspace_size_per_rank: int | None = None,
         hidden_size: int | None = None,
+        mnnvl_config=None,
         *,
         job: str,
         runtime_dir=None,
         device=None,
         timeout: float = 60.0,
     ):
+        # mnnvl_config: accepted for FlashInfer compatibility and ignored (the daemon owns
+        # the workspace and chooses its memory handles)
         self._att = None
         self._plane = None
         self._token = None
@@ -244,6 +249,14 @@ class MoeAlltoAll:
         #: marks the round this object dispatched.
         self._token = object()
         self._metainfo = torch.tensor(self._att.aux.metainfo(), dtype=torch.int64)
+        # Per-call work that depends only on the round's shape is done once and kept:
+        # (rt, bytes per token of each payload) -> PayloadLayout; (that, dtypes, shapes) ->
+        # the received views; (dispatch layout, combine bytes) -> the combine layout.
+        self._layouts: dict = {}
+        self._views: dict = {}
+        self._combine_layouts: dict = {}
+        self._device = self._att.device
+        self._host_ids = self._plane.checks_ids_on_host
 
     @staticmethod
     def get_moe_workspace_size_per_rank(
@@ -333,45 +346,78 @@ class MoeAlltoAll:
         there), so copy what must outlive combine. Afterwards the state is "dispatched":
         call :meth:`combine`.
 
-        Raises InputError (bad input; nothing was written anywhere, the state is unchanged),
-        StateError (not idle, or closed), PeerTimeout / PeerLost (a peer did not arrive or
-        was lost; every later call raises it again until the job is re-armed).
+        Raises InputError (bad shapes, dtypes or devices; nothing was written anywhere, the
+        state is unchanged), StateError (not idle, or closed), PeerTimeout / PeerLost (a peer
+        did not arrive or was lost; every later call raises it again until the job is re-armed).
+
+        No call synchronizes with the GPU. What only the data can tell is found by the
+        dispatch kernel, which completes the round for every rank anyway: an expert id outside
+        ``[0, num_experts)`` is routed nowhere, and ranks that passed different
+        ``runtime_max_tokens_per_rank`` get a round without data (combine returns zeros). Each
+        is raised as InputError by a later call of this rank (the combine of the round or a
+        later one, the next dispatch, or :meth:`check`), naming the token and id or the peer
+        and its value; the job goes on. On the host backend both raise at once.
         """
         att = self._live()
-        self._check_peers()
-        if self._round is not None:
-            raise errors.StateError("dispatch called twice: combine the previous dispatch first")
-        if att.rounds.owner is not None:
+        self._check_peers(inputs=True)
+        rounds = att.rounds
+        if rounds.owner is not None:
+            if rounds.owner is self._token:
+                raise errors.StateError("dispatch called twice: combine the previous dispatch first")
             raise errors.StateError(
                 f"another MoeAlltoAll of job {att.job!r} rank {att.ep_rank} in this process has dispatched and not "
                 "combined yet: they share this rank's workspace, which holds one round at a time; combine that one first"
             )
-        rt, experts, payloads, layout, ids_index, invalid_id = self._check_dispatch(
-            att,
-            token_selected_experts,
-            input_payloads,
-            runtime_max_tokens_per_rank,
-            invalid_token_expert_id,
-            expert_id_payload_index,
-        )
+        rt = runtime_max_tokens_per_rank
+        if type(rt) is not int or not 1 <= rt <= self.max_num_tokens:
+            rt = _int_arg("runtime_max_tokens_per_rank", rt, 1, self.max_num_tokens)
+        experts = self._check_experts(token_selected_experts, rt)
         num_tokens = experts.shape[0]
-        self._plane.dispatch(experts, [p[1] for p in payloads], rt, layout, self.num_experts)
-        att.rounds.owner, att.rounds.round = self._token, _Round(rt, num_tokens, layout)
-        ep, me = att.ep_size, att.ep_rank
-        received = []
-        for (src, _), off, nbytes in zip(payloads, layout.dispatch_offsets, layout.dispatch_bytes_per_token):
-            view = att.workspace[me, off : off + ep * rt * nbytes].view(src.dtype)
-            received.append(view.view(ep, rt, -1))
+        payloads, nbytes = self._check_payloads(input_payloads, num_tokens)
+        key = (rt, nbytes)
+        layout = self._layouts.get(key)
+        if layout is None:
+            try:
+                layout = L.payload_layout(att.aux, att.size_per_rank, rt, nbytes)
+            except L.LayoutError as exc:
+                raise errors.InputError(str(exc), argument="input_payloads") from None
+            self._layouts[key] = layout
+        if layout.dispatch_end > rounds.combine_floor:
+            raise errors.InputError(
+                f"these payloads need bytes [{att.aux.payload_data}, {layout.dispatch_end}) of every row at "
+                f"runtime_max_tokens_per_rank={rt}, which overlap the previous round's combine region (from "
+                f"{rounds.combine_floor}) that peers may still be reading; size the workspace for the dispatch "
+                f"and combine payloads together (get_moe_workspace_size_per_rank)",
+                argument="input_payloads",
+            )
+        ids_index = None
+        if invalid_token_expert_id is not None or expert_id_payload_index is not None:
+            ids_index, invalid_id = self._check_sanitize_args(payloads, invalid_token_expert_id, expert_id_payload_index)
+        self._plane.dispatch(experts, payloads, rt, layout, self.num_experts)
+        rounds.owner, rounds.round = self._token, _Round(rt, num_tokens, layout)
+        vkey = (key, tuple((p.dtype, p.shape[1:]) for p in payloads))
+        received = self._views.get(vkey)
+        if received is None:
+            ep, me = att.ep_size, att.ep_rank
+            received = []
+            for src, off, nb in zip(payloads, layout.dispatch_offsets, nbytes):
+                view = att.workspace[me, off : off + ep * rt * nb].view(src.dtype)
+                received.append(view.view(ep, rt, -1))
+            if len(self._views) > 256:
+                self._views.clear()
+            self._views[vkey] = received
+        received = list(received)
         if ids_index is not None:
             self._plane.sanitize(received[ids_index], rt, invalid_id)
         return received
 
-    def _check_dispatch(self, att, experts, payloads, rt, invalid_id, ids_index):
-        rt = _int_arg("runtime_max_tokens_per_rank", rt, 1, self.max_num_tokens)
-        experts = _tensor_arg("token_selected_experts", experts, att.device)
-        if experts.dtype not in (torch.int32, torch.int64):
+    def _check_experts(self, experts, rt: int) -> torch.Tensor:
+        if not isinstance(experts, torch.Tensor) or experts.device != self._device:
+            _tensor_arg("token_selected_experts", experts, self._device)
+        dtype = experts.dtype
+        if dtype is not torch.int32 and dtype is not torch.int64:
             raise errors.InputError(
-                f"token_selected_experts must be int32 (or int64), got {experts.dtype}", argument="token_selected_experts"
+                f"token_selected_experts must be int32 (or int64), got {dtype}", argument="token_selected_experts"
             )
         if experts.dim() != 2 or experts.shape[1] != self.top_k:
             raise errors.InputError(
@@ -383,65 +429,62 @@ class MoeAlltoAll:
             raise errors.InputError(
                 f"local_num_tokens ({num_tokens}) exceeds runtime_max_tokens_per_rank ({rt})", argument="token_selected_experts"
             )
-        # The range check reads the ids back to the host. Inside CUDA-graph capture it cannot
-        # (and must not: a replay checks nothing on the host): there the kernels themselves
-        # treat an id outside [0, num_experts) as routed nowhere, so nothing is written out of
-        # bounds either way.
-        capturing = experts.is_cuda and torch.cuda.is_current_stream_capturing()
-        outside = None if capturing else (experts < 0) | (experts >= self.num_experts)  # before int64 -> int32
-        if num_tokens and outside is not None and bool(outside.any()):
-            raise errors.InputError(
-                f"token_selected_experts holds expert id {experts[outside][0].item()}, "
-                f"outside [0, num_experts={self.num_experts})",
-                argument="token_selected_experts",
-            )
-        experts = experts.to(torch.int32).contiguous()
+        if self._host_ids and num_tokens:
+            # host tensors: checked here, at once. On CUDA the kernel routes a bad id nowhere
+            # and reports it (check_input) so that no call reads the ids back (a host sync).
+            outside = (experts < 0) | (experts >= self.num_experts)  # before int64 -> int32
+            if bool(outside.any()):
+                raise errors.InputError(
+                    f"token_selected_experts holds expert id {experts[outside][0].item()}, "
+                    f"outside [0, num_experts={self.num_experts})",
+                    argument="token_selected_experts",
+                )
+        if dtype is torch.int64:
+            if not self._host_ids:  # an id outside int32 must stay outside [0, num_experts) when narrowed
+                experts = experts.clamp(-1, self.num_experts)
+            experts = experts.to(torch.int32)
+        return experts if experts.is_contiguous() else experts.contiguous()
+
+    def _check_payloads(self, payloads, num_tokens: int) -> tuple[list[torch.Tensor], tuple[int, ...]]:
         if not isinstance(payloads, (list, tuple)):
             raise errors.InputError("input_payloads must be a list of tensors", argument="input_payloads")
         if not 1 <= len(payloads) <= L.MAX_PAYLOADS:
             raise errors.InputError(
                 f"input_payloads must hold 1 to {L.MAX_PAYLOADS} tensors, got {len(payloads)}", argument="input_payloads"
             )
-        checked = []
+        out, nbytes = [], []
+        device = self._device
         for i, p in enumerate(payloads):
-            name = f"input_payloads[{i}]"
-            p = _tensor_arg(name, p, att.device)
-            if p.dim() < 1 or p.shape[0] != num_tokens:
+            if not isinstance(p, torch.Tensor) or p.device != device:
+                _tensor_arg(f"input_payloads[{i}]", p, device)
+            shape = p.shape
+            if len(shape) < 1 or shape[0] != num_tokens:
                 raise errors.InputError(
-                    f"{name} must be [local_num_tokens={num_tokens}, ...], got {list(p.shape)}", argument=name
+                    f"input_payloads[{i}] must be [local_num_tokens={num_tokens}, ...], got {list(shape)}",
+                    argument=f"input_payloads[{i}]",
                 )
-            elements = math.prod(p.shape[1:])
-            nbytes = elements * p.element_size()
-            if nbytes == 0:
-                raise errors.InputError(f"{name} has no bytes per token (shape {list(p.shape)})", argument=name)
-            checked.append((p, p.contiguous().reshape(num_tokens, elements).view(torch.uint8)))
-        try:
-            layout = L.payload_layout(att.aux, att.size_per_rank, rt, [nb.shape[1] for _, nb in checked])
-        except L.LayoutError as exc:
-            raise errors.InputError(str(exc), argument="input_payloads") from None
-        floor = att.rounds.combine_floor
-        if layout.dispatch_end > floor:
-            raise errors.InputError(
-                f"these payloads need bytes [{att.aux.payload_data}, {layout.dispatch_end}) of every row at "
-                f"runtime_max_tokens_per_rank={rt}, which overlap the previous round's combine region (from "
-                f"{floor}) that peers may still be reading; size the workspace for the dispatch "
-                f"and combine payloads together (get_moe_workspace_size_per_rank)",
-                argument="input_payloads",
-            )
+            nb = math.prod(shape[1:]) * p.element_size()
+            if nb == 0:
+                raise errors.InputError(f"input_payloads[{i}] has no bytes per token (shape {list(shape)})",
+                                        argument=f"input_payloads[{i}]")
+            out.append(p if p.is_contiguous() else p.contiguous())
+            nbytes.append(nb)
+        return out, tuple(nbytes)
+
+    def _check_sanitize_args(self, payloads, invalid_id, ids_index) -> tuple[int, int]:
         if (invalid_id is None) != (ids_index is None):
             raise errors.InputError(
                 "give both invalid_token_expert_id and expert_id_payload_index, or neither", argument="invalid_token_expert_id"
             )
-        if ids_index is not None:
-            ids_index = _int_arg("expert_id_payload_index", ids_index, 0, len(checked) - 1)
-            invalid_id = _int_arg("invalid_token_expert_id", invalid_id, -(1 << 31), (1 << 31) - 1)
-            if checked[ids_index][0].dtype != torch.int32:
-                raise errors.InputError(
-                    f"the expert-id payload (input_payloads[{ids_index}]) must be int32 to be sanitized, "
-                    f"got {checked[ids_index][0].dtype}",
-                    argument="expert_id_payload_index",
-                )
-        return rt, experts, checked, layout, ids_index, invalid_id
+        ids_index = _int_arg("expert_id_payload_index", ids_index, 0, len(payloads) - 1)
+        invalid_id = _int_arg("invalid_token_expert_id", invalid_id, -(1 << 31), (1 << 31) - 1)
+        if payloads[ids_index].dtype != torch.int32:
+            raise errors.InputError(
+                f"the expert-id payload (input_payloads[{ids_index}]) must be int32 to be sanitized, "
+                f"got {payloads[ids_index].dtype}",
+                argument="expert_id_payload_index",
+            )
+        return ids_index, invalid_id
 
     # --- combine --------------------------------------------------------------------
     def get_combine_payload_tensor_in_workspace(
@@ -479,22 +522,24 @@ class MoeAlltoAll:
         Afterwards the state is "idle" (also when a wait on a peer failed).
         """
         att = self._live()
-        self._check_peers()
+        self._check_peers(inputs=False)
         rnd = self._require_dispatched("combine")
-        rt = self._check_rt(runtime_max_tokens_per_rank, rnd)
-        payload = _tensor_arg("payload", payload, att.device)
+        rt = rnd.rt
+        if type(runtime_max_tokens_per_rank) is not int or runtime_max_tokens_per_rank != rt:
+            rt = self._check_rt(runtime_max_tokens_per_rank, rnd)
+        if not isinstance(payload, torch.Tensor) or payload.device != self._device:
+            _tensor_arg("payload", payload, self._device)
         if payload.dtype not in COMBINE_DTYPES:
             raise errors.InputError(f"payload must be bfloat16, float16 or float32, got {payload.dtype}", argument="payload")
-        if payload.dim() != 3 or payload.shape[0] != att.ep_size or payload.shape[1] != rt or payload.shape[2] < 1:
+        shape = payload.shape
+        if len(shape) != 3 or shape[0] != att.ep_size or shape[1] != rt or shape[2] < 1:
             raise errors.InputError(
                 f"payload must be [ep_size={att.ep_size}, runtime_max_tokens_per_rank={rt}, hidden], "
-                f"got {list(payload.shape)}",
+                f"got {list(shape)}",
                 argument="payload",
             )
-        layout = self._combine_layout(att, rnd, payload.shape[2] * payload.element_size())
-        if not isinstance(payload_in_workspace, bool):
-            raise errors.InputError("payload_in_workspace must be a bool", argument="payload_in_workspace")
-        if payload_in_workspace:
+        layout = self._combine_layout(att, rnd, shape[2] * payload.element_size())
+        if payload_in_workspace is True:
             expected = att.workspace[att.ep_rank, layout.combine_offset :]
             if not payload.is_contiguous() or payload.data_ptr() != expected.data_ptr():
                 raise errors.InputError(
@@ -502,25 +547,37 @@ class MoeAlltoAll:
                     "(use get_combine_payload_tensor_in_workspace)",
                     argument="payload",
                 )
+        elif payload_in_workspace is False:
+            if not payload.is_contiguous():
+                payload = payload.contiguous()
         else:
-            payload = payload.contiguous()
+            raise errors.InputError("payload_in_workspace must be a bool", argument="payload_in_workspace")
         att.rounds.combine_floor = layout.combine_offset
         try:
             out = self._plane.combine(payload, rnd.local_num_tokens, rt, layout, payload_in_workspace)
         finally:
             self._end_round()
+        # the round is complete on every rank: now input errors the kernels found may surface
+        self._plane.check_input()
         return out
 
-    def _check_peers(self) -> None:
-        """Raise what the plane knows about a lost or silent peer; the round is then over."""
-        self._att.maintain()  # reconnect the lease if the daemon restarted (rate-limited, never raises)
+    def _check_peers(self, inputs: bool) -> None:
+        """Raise what the plane knows about a lost or silent peer (the round is then over),
+        and with ``inputs``, what the kernels found wrong in an earlier call's input (raised
+        only where no round is open, so that every rank completes its rounds). Never syncs."""
+        att = self._att
+        att.maintain()  # reconnect the lease if the daemon restarted (rate-limited, never raises)
+        if att.control.quiet(att.ep_rank):
+            return
         try:
             self._plane.check()
         except (errors.PeerTimeout, errors.PeerLost, errors.JobDestroyed):
             # the rank's round is over, whichever object sharing the attachment dispatched it
-            rounds = self._att.rounds
+            rounds = att.rounds
             rounds.owner = rounds.round = None
             raise
+        if inputs:
+            self._plane.check_input()
 
     def _require_dispatched(self, what: str) -> _Round:
         if self._round is None:
@@ -538,10 +595,19 @@ class MoeAlltoAll:
 
     def _combine_layout(self, att, rnd: _Round, bytes_per_token: int) -> L.PayloadLayout:
         """The round's layout with its combine region at the end of the row (see the module doc)."""
-        try:
-            return L.payload_layout(att.aux, att.size_per_rank, rnd.rt, rnd.layout.dispatch_bytes_per_token, bytes_per_token)
-        except L.LayoutError as exc:
-            raise errors.InputError(str(exc), argument="payload") from None
+        key = (rnd.layout, bytes_per_token)
+        layout = self._combine_layouts.get(key)
+        if layout is None:
+            try:
+                layout = L.payload_layout(
+                    att.aux, att.size_per_rank, rnd.rt, rnd.layout.dispatch_bytes_per_token, bytes_per_token
+                )
+            except L.LayoutError as exc:
+                raise errors.InputError(str(exc), argument="payload") from None
+            if len(self._combine_layouts) > 256:
+                self._combine_layouts.clear()
+            self._combine_layouts[key] = layout
+        return layout
 
     # --- failures -------------------------------------------------------------------
     def check(self) -> None:
@@ -551,7 +617,10 @@ class MoeAlltoAll:
         call that launched it returned: synchronize the stream, then call check() to learn
         about it at once rather than at the next dispatch."""
         self._live()
-        self._check_peers()
+        if self._round is None and self._att.rounds.owner is None:
+            self._check_peers(inputs=True)
+        else:
+            self._check_peers(inputs=False)
 
     def recover(self, timeout: float | None = None) -> int:
         """After PeerLost or PeerTimeout: quiesce, then wait for the job-wide re-arm.
@@ -576,8 +645,7 @@ class MoeAlltoAll:
         generation, rearmed = att._recover(self.timeout if timeout is None else timeout)
         if rearmed:
             att.rounds.reset(att.size_per_rank)
-            if hasattr(self._plane, "reset_status"):
-                self._plane.reset_status()
+            self._plane.reset_status()
         return generation
 
     @property
@@ -593,7 +661,7 @@ class MoeAlltoAll:
         self._closed = True
         self._end_round()
         try:
-            if self._plane is not None and hasattr(self._plane, "close"):
+            if self._plane is not None:
                 self._plane.close()
         finally:
             self._att.close()

@@ -2,8 +2,13 @@
 //
 // Registers the ops of namespace `a2ad` (torch.ops.a2ad.*). Tensors are checked
 // here, with messages naming the argument; the kernels get raw pointers and
-// the offsets that a2ad/layout.py computed (passed down as int lists, in the
-// orders documented at `aux_offsets` and `control_fields` below).
+// the offsets that a2ad/layout.py computed.
+//
+// Everything that is fixed for a rank of a job (the workspace, the aux offsets, the
+// control block, timeouts, the kernel variant) is checked once by `make_plan`, which
+// packs it into a small CPU tensor, the plan; every data-plane call then passes
+// tensors, the plan and the few per-call numbers. The plan's layout is private to
+// this file.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -12,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -73,13 +79,17 @@ template <typename... A>
 //       dispatch_completion_flags, combine_completion_flags, topk_target_ranks,
 //       topk_send_indices, block_counters, topk_stride (MAX_TOP_K),
 //       block_counter_slots (BLOCK_COUNTER_SLOTS), slot_tokens, max_num_tokens,
-//       combine_slice_flags, combine_slices, combine_slice_rows (COMBINE_SLICE_ROWS)]
-constexpr size_t kAuxFields = 16;
+//       combine_slice_flags, combine_slices, combine_slice_rows (COMBINE_SLICE_ROWS),
+//       recv_rts]
+constexpr size_t kAuxFields = 17;
 // control_fields: [abort, status_code, status_peer, status_round, status_phase,
 //                  status_waited_ns (absolute offsets in the control block, for
 //                  this rank's record), STATUS_TIMEOUT, STATUS_ABORTED,
-//                  PHASE_DISPATCH, PHASE_COMBINE]
-constexpr size_t kControlFields = 10;
+//                  PHASE_DISPATCH, PHASE_COMBINE,
+//                  input_code, input_index, input_value, input_round (this rank's
+//                  input record), INPUT_BAD_EXPERT, INPUT_RT_MISMATCH]
+constexpr size_t kControlFields = 16;
+constexpr int64_t kControlBlockBytes = 4096;  // layout.CONTROL_BLOCK_SIZE (checked by make_plan's caller too)
 
 void check_workspace(const Tensor& ws, int64_t ep_rank, int64_t ep_size) {
   A2AD_CHECK(ws.is_cuda(), "a2ad: workspace must be a CUDA tensor, got device ", ws.device());
@@ -119,7 +129,7 @@ a2ad::AuxOffsets make_aux(IntArrayRef aux, const Tensor& ws, int64_t ep_size) {
     A2AD_CHECK(aux[i] + 4 * ep_size <= row, "a2ad: aux field ", i, " of ", ep_size, " counters overruns the row");
   }
   A2AD_CHECK(aux[9] >= 1 && aux[9] <= 1024, "a2ad: aux topk_stride must be in [1, 1024], got ", aux[9]);
-  A2AD_CHECK(aux[10] >= 5, "a2ad: aux block_counter_slots must be >= 5, got ", aux[10]);
+  A2AD_CHECK(aux[10] >= 11, "a2ad: aux block_counter_slots must be >= 11, got ", aux[10]);
   A2AD_CHECK(aux[8] + 4 * aux[10] <= row, "a2ad: aux block counters overrun the row");
   A2AD_CHECK(aux[12] >= 1 && aux[12] <= INT32_MAX, "a2ad: aux max_num_tokens must be >= 1, got ", aux[12]);
   A2AD_CHECK(aux[15] >= 1 && aux[15] <= 1024, "a2ad: aux combine_slice_rows must be in [1, 1024], got ", aux[15]);
@@ -130,6 +140,8 @@ a2ad::AuxOffsets make_aux(IntArrayRef aux, const Tensor& ws, int64_t ep_size) {
   }
   A2AD_CHECK(aux[11] + 4 * ep_size * aux[12] <= row, "a2ad: aux slot_tokens overruns the row");
   A2AD_CHECK(aux[13] + 4 * ep_size * aux[14] <= row, "a2ad: aux combine_slice_flags overrun the row");
+  A2AD_CHECK(aux[16] >= 0 && aux[16] % 4 == 0 && aux[16] + 4 * ep_size <= row,
+             "a2ad: aux recv_rts (", aux[16], ") is not an aligned field inside the row");
   a2ad::AuxOffsets a;
   a.flag_val = aux[0];
   a.local_token_counter = aux[1];
@@ -147,6 +159,7 @@ a2ad::AuxOffsets make_aux(IntArrayRef aux, const Tensor& ws, int64_t ep_size) {
   a.combine_slice_flags = aux[13];
   a.combine_slices = static_cast<int>(aux[14]);
   a.combine_slice_rows = static_cast<int>(aux[15]);
+  a.recv_rts = aux[16];
   return a;
 }
 
@@ -160,8 +173,9 @@ a2ad::Control make_control(int64_t control, IntArrayRef f, int64_t timeout_ns) {
   A2AD_CHECK(control != 0, "a2ad: control (the control block's device pointer) must be set");
   A2AD_CHECK(f.size() == kControlFields, "a2ad: control_fields must hold ", kControlFields, " values, got ",
               f.size());
-  for (size_t i = 0; i < 6; ++i) {
-    A2AD_CHECK(f[i] >= 0 && f[i] % 4 == 0, "a2ad: control field offset ", i, " (", f[i], ") must be 4-aligned");
+  for (size_t i : {0, 1, 2, 3, 4, 5, 10, 11, 12, 13}) {
+    A2AD_CHECK(f[i] >= 0 && f[i] % 4 == 0 && f[i] + 4 <= kControlBlockBytes, "a2ad: control field offset ", i, " (",
+               f[i], ") must be a 4-aligned offset inside the control block");
   }
   A2AD_CHECK(f[5] % 8 == 0, "a2ad: status_waited_ns offset (", f[5], ") must be 8-aligned");
   A2AD_CHECK(timeout_ns > 0, "a2ad: timeout_ns must be > 0, got ", timeout_ns);
@@ -178,66 +192,138 @@ a2ad::Control make_control(int64_t control, IntArrayRef f, int64_t timeout_ns) {
   c.phase_dispatch = static_cast<uint32_t>(f[8]);
   c.phase_combine = static_cast<uint32_t>(f[9]);
   c.timeout_ns = static_cast<uint64_t>(timeout_ns);
+  c.input_code = f[10];
+  c.input_index = f[11];
+  c.input_value = f[12];
+  c.input_round = f[13];
+  c.code_bad_expert = static_cast<uint32_t>(f[14]);
+  c.code_rt_mismatch = static_cast<uint32_t>(f[15]);
   return c;
 }
 
 cudaStream_t current_stream(const Tensor& ws) { return c10::cuda::getCurrentCUDAStream(ws.device().index()).stream(); }
 
+// --- the plan ----------------------------------------------------------------------
+
+constexpr int64_t kPlanMagic = 0x61326164706c616eLL;  // "a2adplan"
+
+struct Plan {
+  int64_t magic;
+  // the workspace the plan was made for: a call with another one is refused
+  const void* ws_base;
+  int64_t ws_row_stride;
+  int64_t ws_rows;
+  int64_t ws_row_bytes;
+  int device;
+  int ep_rank;
+  int ep_size;
+  int top_k;
+  int num_experts;
+  int sm_budget;
+  int variant;
+  a2ad::AuxOffsets aux;
+  a2ad::Control ctl;
+};
+
+Tensor make_plan(const Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t top_k, int64_t num_experts,
+                 IntArrayRef aux, int64_t control, IntArrayRef control_fields, int64_t timeout_ns, int64_t sm_budget,
+                 int64_t variant) {
+  check_workspace(workspace, ep_rank, ep_size);
+  A2AD_CHECK(top_k >= 1 && top_k <= a2ad::kMaxTopK, "a2ad: top_k must be in [1, ", a2ad::kMaxTopK, "], got ", top_k);
+  A2AD_CHECK(num_experts >= ep_size && num_experts <= INT32_MAX, "a2ad: num_experts (", num_experts,
+             ") must be in [ep_size=", ep_size, ", 2^31)");
+  A2AD_CHECK(sm_budget >= 0 && sm_budget <= INT32_MAX, "a2ad: sm_budget must be >= 0, got ", sm_budget);
+  A2AD_CHECK(variant >= 0 && variant <= INT32_MAX, "a2ad: variant must be >= 0, got ", variant);
+  Plan p{};
+  p.magic = kPlanMagic;
+  p.ws_base = workspace.data_ptr();
+  p.ws_row_stride = workspace.stride(0);
+  p.ws_rows = workspace.size(0);
+  p.ws_row_bytes = workspace.size(1);
+  p.device = workspace.device().index();
+  p.ep_rank = static_cast<int>(ep_rank);
+  p.ep_size = static_cast<int>(ep_size);
+  p.top_k = static_cast<int>(top_k);
+  p.num_experts = static_cast<int>(num_experts);
+  p.sm_budget = static_cast<int>(sm_budget);
+  p.variant = static_cast<int>(variant);
+  p.aux = make_aux(aux, workspace, ep_size);
+  A2AD_CHECK(top_k <= p.aux.topk_stride, "a2ad: top_k (", top_k, ") exceeds the routing arrays' width ",
+             p.aux.topk_stride);
+  p.ctl = make_control(control, control_fields, timeout_ns);
+  Tensor t = at::empty({static_cast<int64_t>(sizeof(Plan))}, at::TensorOptions().dtype(at::kByte));
+  std::memcpy(t.data_ptr(), &p, sizeof(Plan));
+  return t;
+}
+
+// The plan of a call, checked against the workspace it comes with.
+const Plan& plan_of(const Tensor& plan, const Tensor& ws) {
+  A2AD_CHECK(plan.device().is_cpu() && plan.scalar_type() == at::kByte && plan.dim() == 1 &&
+                 plan.size(0) == static_cast<int64_t>(sizeof(Plan)) && plan.is_contiguous(),
+             "a2ad: plan must be the CPU tensor make_plan returned");
+  const Plan& p = *static_cast<const Plan*>(plan.data_ptr());
+  A2AD_CHECK(p.magic == kPlanMagic, "a2ad: plan is not one make_plan returned");
+  A2AD_CHECK(ws.is_cuda() && ws.data_ptr() == p.ws_base && ws.stride(0) == p.ws_row_stride && ws.stride(1) == 1 &&
+                 ws.size(0) == p.ws_rows && ws.size(1) == p.ws_row_bytes && ws.device().index() == p.device,
+             "a2ad: the workspace is not the one this plan was made for");
+  return p;
+}
+
+a2ad::Workspace plan_workspace(const Plan& p, const Tensor& ws) {
+  a2ad::Workspace w;
+  w.base = static_cast<uint8_t*>(ws.data_ptr());
+  w.row_stride = p.ws_row_stride;
+  w.ep_rank = p.ep_rank;
+  w.ep_size = p.ep_size;
+  return w;
+}
+
 // --- ops -------------------------------------------------------------------------
 
-void dispatch_cuda(const Tensor& experts, TensorList payloads, Tensor& workspace, int64_t ep_rank, int64_t ep_size,
-                   int64_t top_k, int64_t num_experts, int64_t rt, IntArrayRef aux, IntArrayRef payload_offsets,
-                   int64_t control, IntArrayRef control_fields, int64_t timeout_ns, int64_t sm_budget,
-                   int64_t variant) {
-  check_workspace(workspace, ep_rank, ep_size);
+void dispatch_cuda(const Tensor& experts, TensorList payloads, Tensor& workspace, const Tensor& plan, int64_t rt,
+                   IntArrayRef payload_offsets) {
+  const Plan& pl = plan_of(plan, workspace);
   c10::cuda::CUDAGuard guard(workspace.device());
   check_same_device(experts, workspace, "token_selected_experts");
   A2AD_CHECK(experts.scalar_type() == at::kInt, "a2ad: token_selected_experts must be int32, got ",
               experts.scalar_type());
-  A2AD_CHECK(experts.dim() == 2, "a2ad: token_selected_experts must be [num_tokens, top_k], got ", experts.sizes());
+  A2AD_CHECK(experts.dim() == 2 && experts.size(1) == pl.top_k, "a2ad: token_selected_experts must be [num_tokens, top_k=",
+             pl.top_k, "], got ", experts.sizes());
   A2AD_CHECK(experts.is_contiguous(), "a2ad: token_selected_experts must be contiguous");
-  A2AD_CHECK(top_k >= 1 && top_k <= a2ad::kMaxTopK, "a2ad: top_k must be in [1, ", a2ad::kMaxTopK, "], got ", top_k);
-  A2AD_CHECK(experts.size(1) == top_k, "a2ad: token_selected_experts has ", experts.size(1), " columns, top_k is ",
-              top_k);
-  A2AD_CHECK(num_experts >= ep_size, "a2ad: num_experts (", num_experts, ") must be >= ep_size (", ep_size, ")");
-  A2AD_CHECK(num_experts <= INT32_MAX, "a2ad: num_experts too large: ", num_experts);
   const int64_t tokens = experts.size(0);
-  A2AD_CHECK(rt >= 1 && rt <= INT32_MAX, "a2ad: runtime_max_tokens_per_rank must be >= 1, got ", rt);
+  A2AD_CHECK(rt >= 1 && rt <= pl.aux.max_num_tokens, "a2ad: runtime_max_tokens_per_rank must be in [1, ",
+             pl.aux.max_num_tokens, "], got ", rt);
   A2AD_CHECK(tokens <= rt, "a2ad: token_selected_experts has ", tokens,
               " tokens, more than runtime_max_tokens_per_rank=", rt);
-  const a2ad::AuxOffsets a = make_aux(aux, workspace, ep_size);
-  A2AD_CHECK(top_k <= a.topk_stride, "a2ad: top_k (", top_k, ") exceeds the routing arrays' width ", a.topk_stride);
-  check_topk_rows(a, workspace, tokens);
   A2AD_CHECK(payloads.size() <= static_cast<size_t>(a2ad::kMaxPayloads), "a2ad: at most ", a2ad::kMaxPayloads,
               " payloads, got ", payloads.size());
   A2AD_CHECK(payload_offsets.size() == payloads.size(), "a2ad: ", payloads.size(), " payloads but ",
               payload_offsets.size(), " payload offsets");
 
   a2ad::DispatchParams p{};
-  p.ws = make_workspace(workspace, ep_rank, ep_size);
-  p.aux = a;
-  p.ctl = make_control(control, control_fields, timeout_ns);
-  p.lim.sm_budget = static_cast<int>(sm_budget);
-  p.variant = static_cast<int>(variant);
+  p.ws = plan_workspace(pl, workspace);
+  p.aux = pl.aux;
+  p.ctl = pl.ctl;
+  p.lim.sm_budget = pl.sm_budget;
+  p.variant = pl.variant;
   p.experts = experts.data_ptr<int32_t>();
   p.local_num_tokens = static_cast<int>(tokens);
-  p.top_k = static_cast<int>(top_k);
-  p.num_experts = static_cast<int>(num_experts);
+  p.top_k = pl.top_k;
+  p.num_experts = pl.num_experts;
   p.rt = static_cast<int>(rt);
   p.num_payloads = static_cast<int>(payloads.size());
   for (size_t i = 0; i < payloads.size(); ++i) {
     const Tensor& t = payloads[i];
     check_same_device(t, workspace, "input_payloads[i]");
-    A2AD_CHECK(t.scalar_type() == at::kByte, "a2ad: input_payloads[", i, "] must be a uint8 byte view, got ",
-                t.scalar_type());
-    A2AD_CHECK(t.dim() == 2 && t.size(0) == tokens, "a2ad: input_payloads[", i, "] must be [", tokens,
-                ", bytes_per_token], got ", t.sizes());
+    A2AD_CHECK(t.dim() >= 1 && t.size(0) == tokens, "a2ad: input_payloads[", i, "] must be [", tokens, ", ...], got ",
+               t.sizes());
     A2AD_CHECK(t.is_contiguous(), "a2ad: input_payloads[", i, "] must be contiguous");
-    const int64_t nb = t.size(1);
+    int64_t nb = t.element_size();  // bytes per token
+    for (int64_t d = 1; d < t.dim(); ++d) nb *= t.size(d);
     A2AD_CHECK(nb > 0, "a2ad: input_payloads[", i, "] has 0 bytes per token");
     const int64_t off = payload_offsets[i];
-    A2AD_CHECK(off >= 0 && off + ep_size * rt * nb <= workspace.size(1), "a2ad: input_payloads[", i, "] region [",
-                off, ", +", ep_size * rt * nb, ") does not fit a row of ", workspace.size(1), " bytes");
+    A2AD_CHECK(off >= pl.aux.block_counters && off + pl.ep_size * rt * nb <= workspace.size(1), "a2ad: input_payloads[", i,
+               "] region [", off, ", +", pl.ep_size * rt * nb, ") does not fit a row of ", workspace.size(1), " bytes");
     p.payload[i] = static_cast<const uint8_t*>(t.data_ptr());
     p.payload_bytes[i] = nb;
     p.payload_offset[i] = off;
@@ -245,20 +331,19 @@ void dispatch_cuda(const Tensor& experts, TensorList payloads, Tensor& workspace
   A2AD_CHECK_CUDA(a2ad::launch_dispatch(p, current_stream(workspace)), "dispatch launch");
 }
 
-void sanitize_cuda(Tensor& recv_ids, const Tensor& workspace, int64_t ep_rank, int64_t ep_size, IntArrayRef aux,
-                   int64_t rt, int64_t invalid_id) {
-  check_workspace(workspace, ep_rank, ep_size);
+void sanitize_cuda(Tensor& recv_ids, const Tensor& workspace, const Tensor& plan, int64_t rt, int64_t invalid_id) {
+  const Plan& pl = plan_of(plan, workspace);
   c10::cuda::CUDAGuard guard(workspace.device());
   check_same_device(recv_ids, workspace, "recv_ids");
   A2AD_CHECK(recv_ids.scalar_type() == at::kInt, "a2ad: recv_ids must be int32, got ", recv_ids.scalar_type());
-  A2AD_CHECK(recv_ids.dim() == 3 && recv_ids.size(0) == ep_size && recv_ids.size(1) == rt,
-              "a2ad: recv_ids must be [ep_size=", ep_size, ", runtime_max_tokens_per_rank=", rt, ", top_k], got ",
+  A2AD_CHECK(recv_ids.dim() == 3 && recv_ids.size(0) == pl.ep_size && recv_ids.size(1) == rt,
+              "a2ad: recv_ids must be [ep_size=", pl.ep_size, ", runtime_max_tokens_per_rank=", rt, ", top_k], got ",
               recv_ids.sizes());
   A2AD_CHECK(recv_ids.size(2) >= 1, "a2ad: recv_ids has no expert columns");
   A2AD_CHECK(invalid_id >= INT32_MIN && invalid_id <= INT32_MAX, "a2ad: invalid_token_expert_id does not fit int32");
   a2ad::SanitizeParams p{};
-  p.ws = make_workspace(workspace, ep_rank, ep_size);
-  p.aux = make_aux(aux, workspace, ep_size);
+  p.ws = plan_workspace(pl, workspace);
+  p.aux = pl.aux;
   p.ids = recv_ids.data_ptr<int32_t>();
   p.ids_stride_src = recv_ids.stride(0);
   p.ids_stride_slot = recv_ids.stride(1);
@@ -269,11 +354,9 @@ void sanitize_cuda(Tensor& recv_ids, const Tensor& workspace, int64_t ep_rank, i
   A2AD_CHECK_CUDA(a2ad::launch_sanitize(p, current_stream(workspace)), "sanitize launch");
 }
 
-Tensor combine_cuda(const Tensor& payload, Tensor& workspace, int64_t ep_rank, int64_t ep_size, IntArrayRef aux,
-                    int64_t local_num_tokens, int64_t top_k, int64_t rt, int64_t combine_offset,
-                    bool payload_in_workspace, int64_t control, IntArrayRef control_fields, int64_t timeout_ns,
-                    int64_t sm_budget, int64_t variant) {
-  check_workspace(workspace, ep_rank, ep_size);
+Tensor combine_cuda(const Tensor& payload, Tensor& workspace, const Tensor& plan, int64_t local_num_tokens, int64_t rt,
+                    int64_t combine_offset, bool payload_in_workspace) {
+  const Plan& pl = plan_of(plan, workspace);
   c10::cuda::CUDAGuard guard(workspace.device());
   check_same_device(payload, workspace, "payload");
   a2ad::DType dtype;
@@ -283,24 +366,22 @@ Tensor combine_cuda(const Tensor& payload, Tensor& workspace, int64_t ep_rank, i
     case at::kBFloat16: dtype = a2ad::DType::kBFloat16; break;
     default: A2AD_CHECK(false, "a2ad: payload must be bfloat16, float16 or float32, got ", payload.scalar_type());
   }
-  A2AD_CHECK(rt >= 1 && rt <= INT32_MAX, "a2ad: runtime_max_tokens_per_rank must be >= 1, got ", rt);
-  A2AD_CHECK(payload.dim() == 3 && payload.size(0) == ep_size && payload.size(1) == rt,
-              "a2ad: payload must be [ep_size=", ep_size, ", runtime_max_tokens_per_rank=", rt, ", hidden], got ",
+  A2AD_CHECK(rt >= 1 && rt <= pl.aux.max_num_tokens, "a2ad: runtime_max_tokens_per_rank must be in [1, ",
+             pl.aux.max_num_tokens, "], got ", rt);
+  A2AD_CHECK(payload.dim() == 3 && payload.size(0) == pl.ep_size && payload.size(1) == rt,
+              "a2ad: payload must be [ep_size=", pl.ep_size, ", runtime_max_tokens_per_rank=", rt, ", hidden], got ",
               payload.sizes());
   const int64_t hidden = payload.size(2);
   A2AD_CHECK(hidden >= 1, "a2ad: payload has hidden size 0");
   A2AD_CHECK(local_num_tokens >= 0 && local_num_tokens <= rt, "a2ad: local_num_tokens must be in [0, ", rt,
               "], got ", local_num_tokens);
-  A2AD_CHECK(top_k >= 1 && top_k <= a2ad::kMaxTopK, "a2ad: top_k must be in [1, ", a2ad::kMaxTopK, "], got ", top_k);
-  const a2ad::AuxOffsets a = make_aux(aux, workspace, ep_size);
-  A2AD_CHECK(top_k <= a.topk_stride, "a2ad: top_k (", top_k, ") exceeds the routing arrays' width ", a.topk_stride);
-  check_topk_rows(a, workspace, local_num_tokens);
-  const int64_t region = ep_size * rt * hidden * payload.element_size();
-  A2AD_CHECK(combine_offset >= 0 && combine_offset + region <= workspace.size(1), "a2ad: combine region [",
-              combine_offset, ", +", region, ") does not fit a row of ", workspace.size(1), " bytes");
+  const int64_t region = pl.ep_size * rt * hidden * payload.element_size();
+  A2AD_CHECK(combine_offset >= pl.aux.block_counters && combine_offset + region <= workspace.size(1),
+             "a2ad: combine region [", combine_offset, ", +", region, ") does not fit a row of ", workspace.size(1),
+             " bytes");
   A2AD_CHECK(payload.is_contiguous(), "a2ad: payload must be contiguous [ep_size, rt, hidden]");
   if (payload_in_workspace) {
-    const auto* expect = static_cast<const uint8_t*>(workspace.data_ptr()) + ep_rank * workspace.stride(0) +
+    const auto* expect = static_cast<const uint8_t*>(workspace.data_ptr()) + pl.ep_rank * workspace.stride(0) +
                          combine_offset;
     A2AD_CHECK(static_cast<const uint8_t*>(payload.data_ptr()) == expect,
                 "a2ad: payload_in_workspace=True but payload is not this rank's combine region "
@@ -308,20 +389,20 @@ Tensor combine_cuda(const Tensor& payload, Tensor& workspace, int64_t ep_rank, i
   }
   Tensor out = at::empty({local_num_tokens, hidden}, payload.options().memory_format(at::MemoryFormat::Contiguous));
   a2ad::CombineParams p{};
-  p.ws = make_workspace(workspace, ep_rank, ep_size);
-  p.aux = a;
-  p.ctl = make_control(control, control_fields, timeout_ns);
-  p.lim.sm_budget = static_cast<int>(sm_budget);
+  p.ws = plan_workspace(pl, workspace);
+  p.aux = pl.aux;
+  p.ctl = pl.ctl;
+  p.lim.sm_budget = pl.sm_budget;
   p.payload = static_cast<const uint8_t*>(payload.data_ptr());
   p.payload_in_workspace = payload_in_workspace;
   p.out = out.data_ptr();
   p.dtype = dtype;
   p.hidden = hidden;
   p.local_num_tokens = static_cast<int>(local_num_tokens);
-  p.top_k = static_cast<int>(top_k);
+  p.top_k = pl.top_k;
   p.rt = static_cast<int>(rt);
   p.combine_offset = combine_offset;
-  p.variant = static_cast<int>(variant);
+  p.variant = pl.variant;
   A2AD_CHECK_CUDA(a2ad::launch_combine(p, current_stream(workspace)), "combine launch");
   return out;
 }
@@ -343,13 +424,11 @@ void initialize_cuda(Tensor& workspace, int64_t rank, int64_t aux_bytes, int64_t
 
 // --- fake (meta) implementations: shapes only, for torch.compile and graph capture ---
 
-void dispatch_meta(const Tensor&, TensorList, Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, IntArrayRef,
-                   IntArrayRef, int64_t, IntArrayRef, int64_t, int64_t, int64_t) {}
+void dispatch_meta(const Tensor&, TensorList, Tensor&, const Tensor&, int64_t, IntArrayRef) {}
 
-void sanitize_meta(Tensor&, const Tensor&, int64_t, int64_t, IntArrayRef, int64_t, int64_t) {}
+void sanitize_meta(Tensor&, const Tensor&, const Tensor&, int64_t, int64_t) {}
 
-Tensor combine_meta(const Tensor& payload, Tensor&, int64_t, int64_t, IntArrayRef, int64_t local_num_tokens, int64_t,
-                    int64_t, int64_t, bool, int64_t, IntArrayRef, int64_t, int64_t, int64_t) {
+Tensor combine_meta(const Tensor& payload, Tensor&, const Tensor&, int64_t local_num_tokens, int64_t, int64_t, bool) {
   A2AD_CHECK(payload.dim() == 3, "a2ad: payload must be [ep_size, rt, hidden], got ", payload.sizes());
   return at::empty({local_num_tokens, payload.size(2)}, payload.options());
 }
@@ -407,16 +486,14 @@ int64_t sm_count(int64_t device) {
 
 TORCH_LIBRARY(a2ad, m) {
   m.def(
-      "dispatch(Tensor experts, Tensor[] payloads, Tensor(a!) workspace, int ep_rank, int ep_size, int top_k, "
-      "int num_experts, int rt, int[] aux, int[] payload_offsets, int control, int[] control_fields, "
-      "int timeout_ns, int sm_budget, int variant=0) -> ()");
+      "make_plan(Tensor workspace, int ep_rank, int ep_size, int top_k, int num_experts, int[] aux, int control, "
+      "int[] control_fields, int timeout_ns, int sm_budget, int variant) -> Tensor",
+      &make_plan);
+  m.def("dispatch(Tensor experts, Tensor[] payloads, Tensor(a!) workspace, Tensor plan, int rt, int[] payload_offsets) -> ()");
+  m.def("sanitize(Tensor(a!) recv_ids, Tensor workspace, Tensor plan, int rt, int invalid_id) -> ()");
   m.def(
-      "sanitize(Tensor(a!) recv_ids, Tensor workspace, int ep_rank, int ep_size, int[] aux, int rt, "
-      "int invalid_id) -> ()");
-  m.def(
-      "combine(Tensor payload, Tensor(a!) workspace, int ep_rank, int ep_size, int[] aux, int local_num_tokens, "
-      "int top_k, int rt, int combine_offset, bool payload_in_workspace, int control, int[] control_fields, "
-      "int timeout_ns, int sm_budget, int variant=0) -> Tensor");
+      "combine(Tensor payload, Tensor(a!) workspace, Tensor plan, int local_num_tokens, int rt, int combine_offset, "
+      "bool payload_in_workspace) -> Tensor");
   m.def("initialize(Tensor(a!) workspace, int rank, int aux_bytes, int flag_offset, int initial_round) -> ()");
   m.def("host_register(int ptr, int size) -> int", &host_register);
   m.def("host_unregister(int ptr) -> ()", &host_unregister);

@@ -35,7 +35,9 @@ constexpr int kSlotCombine = 1;         // arrival counter of combine
 constexpr int kSlotDispatchGiveUp = 2;  // round whose dispatch wait the poller gave up on
 constexpr int kSlotCombineGiveUp = 3;   // round whose combine wait the poller gave up on
 constexpr int kSlotPullWork = 4;        // combine (kVariantOverlap): next pull item; dispatch zeroes it
-constexpr int kMinBlockCounterSlots = 5;  // ... and the last slot: the status-record claim
+constexpr int kSlotBadExpert = 6;       // slots 6-7, u64: ~((token << 32) | id) of the smallest bad (token, id)
+constexpr int kSlotRtMismatch = 8;      // round whose dispatch saw a peer pass another rt (its combine moves nothing)
+constexpr int kMinBlockCounterSlots = 10;  // ... and the last slot: the status-record claim
 // The abort word lives in host memory: read it once every this many polls.
 constexpr uint32_t kAbortPollEvery = 64;
 // kVariantOverlap: staged bytes and row width below which the launcher keeps the plain path
@@ -102,6 +104,17 @@ __device__ void write_status(const Control& c, uint32_t code, int peer, int roun
   *reinterpret_cast<volatile uint64_t*>(b + c.status_waited_ns) = waited;
   __threadfence_system();  // the host must never see the code before the fields
   *reinterpret_cast<volatile uint32_t*>(b + c.status_code) = code;
+  __threadfence_system();
+}
+
+// This rank's input record: fields first, the code last, each system-visible in that order.
+__device__ void write_input(const Control& c, uint32_t code, int index, int value, int round) {
+  uint8_t* b = c.block;
+  *reinterpret_cast<volatile int32_t*>(b + c.input_index) = index;
+  *reinterpret_cast<volatile int32_t*>(b + c.input_value) = value;
+  *reinterpret_cast<volatile uint32_t*>(b + c.input_round) = static_cast<uint32_t>(round);
+  __threadfence_system();
+  *reinterpret_cast<volatile uint32_t*>(b + c.input_code) = code;
   __threadfence_system();
 }
 
@@ -339,6 +352,33 @@ __device__ __forceinline__ void decode_item(int item, int per_token, const int (
   *c = cc;
 }
 
+// After a completed dispatch wait (thread 0 of the last block): tell the host what was wrong
+// with the input, without stopping the round. A peer that passed another rt wins over a bad
+// expert id; the combine of a round with such a peer moves no data (kSlotRtMismatch).
+__device__ void report_input(const DispatchParams& p, uint8_t* my_row, int* block_counters, int round) {
+  const int* rts = at<int>(my_row, p.aux.recv_rts);
+  int peer = -1, peer_rt = 0;
+  for (int q = 0; q < p.ws.ep_size; ++q) {
+    const int r = ld_volatile(rts + q);  // written before q's flag, which the wait acquired
+    if (r != p.rt) {
+      peer = q;
+      peer_rt = r;
+      break;
+    }
+  }
+  auto* bad = reinterpret_cast<volatile unsigned long long*>(block_counters + kSlotBadExpert);
+  const unsigned long long inv = *bad;
+  if (peer >= 0) {
+    block_counters[kSlotRtMismatch] = round;
+    write_input(p.ctl, p.ctl.code_rt_mismatch, peer, peer_rt, round);
+  } else if (inv != 0) {
+    const unsigned long long key = ~inv;
+    write_input(p.ctl, p.ctl.code_bad_expert, static_cast<int>(key >> 32), static_cast<int>(static_cast<uint32_t>(key)),
+                round);
+  }
+  if (inv != 0) *bad = 0;
+}
+
 // Grid: any size >= 1. A block takes tiles of p.tile_tokens consecutive
 // tokens (grid-stride): warp w routes token w of the tile, then every warp of
 // the block copies (token, payload, chunk) items, so that a few tokens still
@@ -418,7 +458,13 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(const Dispat
       int target = -1;
       if (lane < p.top_k) {
         const int e = p.experts[(int64_t)t * p.top_k + lane];
-        if (e >= 0 && e < p.num_experts) target = expert_owner(e, p.num_experts, ep);
+        if (e >= 0 && e < p.num_experts) {
+          target = expert_owner(e, p.num_experts, ep);
+        } else {  // routed nowhere; the smallest (token, id) is reported after the round
+          const unsigned long long key =
+              (static_cast<unsigned long long>(static_cast<uint32_t>(t)) << 32) | static_cast<uint32_t>(e);
+          atomicMax(reinterpret_cast<unsigned long long*>(block_counters + kSlotBadExpert), ~key);
+        }
       }
       const unsigned same = __match_any_sync(kFullMask, target);
       const bool is_send = target >= 0 && __ffs(same) - 1 == lane;
@@ -475,13 +521,17 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(const Dispat
     }
     uint8_t* peer = row_of(p.ws, q);
     *reinterpret_cast<volatile int*>(peer + p.aux.recv_counters + 4 * (int64_t)me) = count;
+    *reinterpret_cast<volatile int*>(peer + p.aux.recv_rts + 4 * (int64_t)me) = p.rt;
     st_release_sys(at<int>(peer, p.aux.dispatch_completion_flags + 4 * (int64_t)me), round);
   }
   if (diag & kDiagNoWait) return;
   // Only this block waits, so it is the poller (no other block needs telling).
-  block_wait_flags(at<int>(my_row, p.aux.dispatch_completion_flags), ep, round, p.ctl, p.ctl.phase_dispatch,
-                   /*poller=*/true, block_counters + p.aux.block_counter_slots - 1, block_counters + kSlotDispatchGiveUp,
-                   low_latency);
+  if (!block_wait_flags(at<int>(my_row, p.aux.dispatch_completion_flags), ep, round, p.ctl, p.ctl.phase_dispatch,
+                        /*poller=*/true, block_counters + p.aux.block_counter_slots - 1,
+                        block_counters + kSlotDispatchGiveUp, low_latency)) {
+    return;
+  }
+  if (threadIdx.x == 0) report_input(p, my_row, block_counters, round);
 }
 
 // ---------------------------------------------------------------------------
@@ -789,6 +839,17 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const CombineP
   const int round = ld_volatile(at<int>(my_row, p.aux.flag_val));
   const int64_t row_bytes = p.hidden * (int64_t)sizeof(T);
   const int* recv = at<int>(my_row, p.aux.recv_counters);
+  // The dispatch of this round saw a peer pass another rt: the regions do not line up, so
+  // nothing is pulled and the output is zeros; the flags still go round so that every rank
+  // completes the round (every rank saw the mismatch).
+  const bool mismatch = ld_volatile(block_counters + kSlotRtMismatch) == round;
+  if (mismatch) {
+    uint8_t* out = static_cast<uint8_t*>(p.out);
+    const int64_t n = (int64_t)p.local_num_tokens * row_bytes;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+      out[i] = 0;
+    }
+  }
   const bool overlap = p.overlap_stage_blocks > 0;  // the launcher decides (kVariantOverlap, enough to stage)
   const int nstage = p.overlap_stage_blocks;
   // kVariantOverlap: this rank's send counts, as positions (read before arriving: the last block zeroes them).
@@ -841,7 +902,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const CombineP
   //    the last block waits here; the others wait per item (wait_slice).
   const PullGeometry g = pull_geometry<T, kVec, kVecs>(p.hidden);
   const uint32_t chunks = static_cast<uint32_t>(g.chunks);  // the launcher checks T * chunks < 2^31
-  const uint32_t items = static_cast<uint32_t>(p.local_num_tokens) * chunks;
+  const uint32_t items = mismatch ? 0u : static_cast<uint32_t>(p.local_num_tokens) * chunks;
   constexpr uint32_t warps = kCombineThreads / 32;
   const uint32_t first_item = blockIdx.x * warps;
   int* claim = block_counters + p.aux.block_counter_slots - 1;
@@ -866,7 +927,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const CombineP
     return;
   }
   const uint32_t ntok = static_cast<uint32_t>(p.local_num_tokens);
-  const uint32_t total = ntok + static_cast<uint32_t>(s_pos[ep]) * chunks;  // the launcher checks < 2^31
+  const uint32_t total = mismatch ? 0u : ntok + static_cast<uint32_t>(s_pos[ep]) * chunks;  // launcher: < 2^31
   const int* slot_tokens = at<int>(my_row, p.aux.slot_tokens);
 #pragma unroll 1
   for (;;) {

@@ -78,6 +78,7 @@ struct AuxOffsets {
   int64_t combine_slice_flags;  // [ep_size, combine_slices] int32, written by the targets
   int combine_slices;         // ceil(max_num_tokens / combine_slice_rows)
   int combine_slice_rows;     // layout.COMBINE_SLICE_ROWS
+  int64_t recv_rts;           // [ep_size] int32, written by source s: its runtime_max_tokens_per_rank
 };
 
 // The job's control block as the kernels see it (host memory registered for
@@ -97,6 +98,14 @@ struct Control {
   uint32_t phase_dispatch;    // layout.PHASE_DISPATCH
   uint32_t phase_combine;     // layout.PHASE_COMBINE
   uint64_t timeout_ns;        // every spin wait gives up after this long
+  // This rank's input record (layout.input_offset(ep_rank) + INPUT_*): what dispatch found
+  // wrong in the input while still completing the round for every rank.
+  int64_t input_code;         // u32, written last
+  int64_t input_index;        // i32: the token, or the peer
+  int64_t input_value;        // i32: the expert id, or the peer's runtime_max_tokens_per_rank
+  int64_t input_round;        // u32
+  uint32_t code_bad_expert;   // layout.INPUT_BAD_EXPERT
+  uint32_t code_rt_mismatch;  // layout.INPUT_RT_MISMATCH
 };
 
 // How many SMs a launch may assume are its own (0: the whole device). Kernels

@@ -337,10 +337,13 @@ def bad_inputs(rank: int, job: JobSpec) -> int:
         # state
         (errors.StateError, a2a.combine, torch.zeros(job.ep_size, 4, job.hidden, dtype=torch.bfloat16, device=dev), 4),
         (errors.StateError, a2a.get_combine_payload_tensor_in_workspace, 4, job.hidden, torch.bfloat16),
-        # expert ids
-        (errors.InputError, a2a.dispatch, torch.full((n, k), E, dtype=torch.int32, device=dev), good, 4),
-        (errors.InputError, a2a.dispatch, torch.full((n, k), -1, dtype=torch.int32, device=dev), good, 4),
-        (errors.InputError, a2a.dispatch, torch.full((n, k), (1 << 32) + 1, dtype=torch.int64, device=dev), good, 4),
+        # expert ids (their range on the host only: on CUDA the kernel checks it without a host
+        # sync, routes a bad id nowhere and reports it later; bad_expert_ids_then_rounds)
+        *([
+            (errors.InputError, a2a.dispatch, torch.full((n, k), E, dtype=torch.int32, device=dev), good, 4),
+            (errors.InputError, a2a.dispatch, torch.full((n, k), -1, dtype=torch.int32, device=dev), good, 4),
+            (errors.InputError, a2a.dispatch, torch.full((n, k), (1 << 32) + 1, dtype=torch.int64, device=dev), good, 4),
+        ] if dev.type == "cpu" else []),
         (errors.InputError, a2a.dispatch, experts.float(), good, 4),
         (errors.InputError, a2a.dispatch, experts[:, :1].contiguous() if k > 1 else experts.repeat(1, 2), good, 4),
         (errors.InputError, a2a.dispatch, experts.cpu() if dev.type == "cuda" else experts.to(other_dev), good, 4),
@@ -478,3 +481,184 @@ def peer_dies(rank: int, job: JobSpec, die_after: float) -> dict:
         return {"rank": lost.rank, "waited": time.monotonic() - t0, "generation": lost.generation}
     finally:
         close_job(rank, job.name)
+
+
+# ---------------------------------------------------------------------------
+# The hot path: no host sync, input errors found by the kernels, CUDA graphs
+# ---------------------------------------------------------------------------
+def _round_of(a2a, job: JobSpec, plan: Plan, rnd: int, rank: int, dev):
+    """Everything one round needs on this rank: the inputs, the reference, what to compare."""
+    from a2ad.client import reference as ref
+
+    tokens, rt, inputs, payloads = _round_inputs(job, plan, rnd)
+    routings, received = ref.dispatch([i.experts for i in inputs], payloads, job.num_experts, rt, INVALID_ID, 1)
+    outputs = [
+        ref.toy_expert(r.payloads[0], r.payloads[1], r.payloads[2], q, job.num_experts, job.ep_size)
+        for q, r in enumerate(received)
+    ]
+    want = ref.combine(routings, outputs)[rank]
+    mine = [p.to(dev) for p in payloads[rank]]
+    return rt, inputs[rank].experts.to(dev), mine, want
+
+
+def sync_free_rounds(rank: int, job: JobSpec, plan: Plan) -> dict:
+    """Dispatch (with sanitize), the toy expert and combine, ``plan.rounds`` times, then check(),
+    all under ``torch.cuda.set_sync_debug_mode("error")``: any host sync raises. The results
+    are compared with the reference afterwards."""
+    from a2ad.client import reference as ref
+
+    a2a = _OPEN.get(job.name) or job.open(rank)
+    dev = job.device(rank)
+    rounds = [_round_of(a2a, job, plan, rnd, rank, dev) for rnd in range(plan.rounds)]
+    torch.cuda.synchronize(dev)
+    outs = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for rt, experts, mine, _ in rounds:
+            got = a2a.dispatch(experts, mine, rt, INVALID_ID, 1)
+            expert_out = ref.toy_expert(got[0], got[1], got[2], rank, job.num_experts, job.ep_size)
+            outs.append(a2a.combine(expert_out, rt))
+            a2a.check()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize(dev)
+    for rnd, (out, (_, _, _, want)) in enumerate(zip(outs, rounds)):
+        _assert_combined(out, want, job.backend, f"rank {rank} sync-free round {rnd}")
+    a2a.check()
+    return {"rounds": len(outs)}
+
+
+def bad_expert_ids_then_rounds(rank: int, job: JobSpec, plan: Plan) -> dict:
+    """Rank 0 passes expert ids outside [0, num_experts) in one round (every rank runs that
+    round). On CUDA the kernel routes them nowhere and the round completes for every rank;
+    rank 0's next call raises InputError naming the first bad token and id, the other ranks
+    raise nothing. On the host rank 0's dispatch raises at once and no rank runs the round.
+    Then ``plan.rounds`` rounds are exact on every rank."""
+    from a2ad.client import reference as ref
+
+    a2a = _OPEN.get(job.name) or job.open(rank)
+    dev = job.device(rank)
+    rt, experts, mine, _ = _round_of(a2a, job, plan, 1000, rank, dev)
+    bad_token, bad_id = 1, job.num_experts + 3
+    info = {}
+    if dev.type == "cuda":
+        if rank == 0:
+            assert experts.shape[0] > bad_token + 1
+            experts = experts.clone()
+            experts[bad_token, 0] = bad_id
+            experts[bad_token + 1, 1] = -5  # a later token: the first one is reported
+        got = a2a.dispatch(experts, mine, rt, INVALID_ID, 1)
+        expert_out = ref.toy_expert(got[0], got[1], got[2], rank, job.num_experts, job.ep_size)
+        a2a.combine(expert_out, rt)
+        torch.cuda.synchronize(dev)
+        if rank == 0:
+            msg = _expect(errors.InputError, a2a.check)
+            assert f"expert id {bad_id}" in msg and f"token {bad_token}" in msg, msg
+            info["message"] = msg
+        a2a.check()  # reported once; every other rank has nothing to report
+    elif rank == 0:
+        experts = experts.clone()
+        experts[bad_token, 0] = bad_id
+        info["message"] = _expect(errors.InputError, a2a.dispatch, experts, mine, rt)
+    info.update(run_rounds(rank, job, Plan(seed=plan.seed + 1, rounds=plan.rounds)))
+    return info
+
+
+def rt_mismatch_then_rounds(rank: int, job: JobSpec, plan: Plan) -> dict:
+    """Rank 0 passes another runtime_max_tokens_per_rank than its peers in one round: every
+    rank gets InputError naming the peer and its value (host: from dispatch; CUDA: from a
+    later call, after a round whose combine returned zeros), and never a silently wrong
+    result. Then ``plan.rounds`` rounds are exact on every rank."""
+    from a2ad.client import reference as ref
+
+    a2a = _OPEN.get(job.name) or job.open(rank)
+    dev = job.device(rank)
+    rt, experts, mine, _ = _round_of(a2a, job, plan, 2000, rank, dev)
+    my_rt = rt + 1 if rank == 0 else rt
+    assert my_rt <= job.max_num_tokens
+    if dev.type == "cuda":
+        got = a2a.dispatch(experts, mine, my_rt)
+        expert_out = ref.toy_expert(got[0], got[1], got[2], rank, job.num_experts, job.ep_size)
+        out = a2a.combine(expert_out, my_rt)
+        torch.cuda.synchronize(dev)
+        assert not bool(out.any()), f"rank {rank}: a round with mismatched rts returned data"
+        msg = _expect(errors.InputError, a2a.check)
+    else:
+        msg = _expect(errors.InputError, a2a.dispatch, experts, mine, my_rt)
+        assert a2a.phase == "idle"
+    assert "runtime_max_tokens_per_rank" in msg, msg
+    other = 1 if rank == 0 else 0
+    assert f"rank {other} passed runtime_max_tokens_per_rank={rt if rank == 0 else rt + 1}" in msg, msg
+    stats = run_rounds(rank, job, Plan(seed=plan.seed + 1, rounds=plan.rounds))
+    return {"message": msg, **stats}
+
+
+def graph_replays(rank: int, job: JobSpec, tokens: int, replays: int) -> dict:
+    """The public API (dispatch with sanitize, the toy expert, combine) captured in one CUDA
+    graph, replayed ``replays`` times with fresh inputs copied into its static buffers; every
+    replay is compared with the reference on every rank."""
+    from a2ad.client import reference as ref
+
+    a2a = _OPEN.get(job.name) or job.open(rank)
+    dev = job.device(rank)
+    plan = Plan(seed=4242, tokens=(tokens,) * job.ep_size, rt="max")
+    rt = job.max_num_tokens
+
+    def inputs(i):
+        _, _, ins, payloads = _round_inputs(job, plan, i)
+        routings, received = ref.dispatch([x.experts for x in ins], payloads, job.num_experts, rt, INVALID_ID, 1)
+        outputs = [
+            ref.toy_expert(r.payloads[0], r.payloads[1], r.payloads[2], q, job.num_experts, job.ep_size)
+            for q, r in enumerate(received)
+        ]
+        return ins[rank].experts, payloads[rank], ref.combine(routings, outputs)[rank]
+
+    experts0, payloads0, _ = inputs(0)
+    s_experts = experts0.to(dev)
+    s_payloads = [p.to(dev) for p in payloads0]
+    stream = torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            got = a2a.dispatch(s_experts, s_payloads, rt, INVALID_ID, 1)
+            expert_out = ref.toy_expert(got[0], got[1], got[2], rank, job.num_experts, job.ep_size)
+            s_out = a2a.combine(expert_out, rt)
+    torch.cuda.current_stream(dev).wait_stream(stream)
+    assert a2a.phase == "idle"
+    for i in range(replays):
+        experts, payloads, want = inputs(i + 1)
+        s_experts.copy_(experts)
+        for s, p in zip(s_payloads, payloads):
+            s.copy_(p)
+        graph.replay()
+        _assert_combined(s_out, want, job.backend, f"rank {rank} replay {i}")
+    a2a.check()
+    return {"replays": replays}
+
+
+def two_objects_one_rank(rank: int, job: JobSpec, plan: Plan) -> dict:
+    """Two MoeAlltoAll of one job and rank in one process (one per layer, as FlashInfer users
+    have them) share the attachment; their rounds alternate, each checked; closing one leaves
+    the other working."""
+    from a2ad.client import reference as ref
+
+    first = job.open(rank)
+    second = job.open(rank)  # the same job and rank: shares the first one's attachment
+    assert second.workspace.data_ptr() == first.workspace.data_ptr()
+    dev = job.device(rank)
+    done = 0
+    for rnd in range(plan.rounds):
+        a2a = first if rnd % 2 == 0 else second
+        rt, experts, mine, want = _round_of(a2a, job, plan, rnd, rank, dev)
+        got = a2a.dispatch(experts, mine, rt, INVALID_ID, 1)
+        out = a2a.combine(ref.toy_expert(got[0], got[1], got[2], rank, job.num_experts, job.ep_size), rt)
+        _assert_combined(out, want, job.backend, f"rank {rank} round {rnd} on object {rnd % 2}")
+        done += 1
+    first.close()
+    rt, experts, mine, want = _round_of(second, job, plan, plan.rounds, rank, dev)
+    got = second.dispatch(experts, mine, rt, INVALID_ID, 1)
+    out = second.combine(ref.toy_expert(got[0], got[1], got[2], rank, job.num_experts, job.ep_size), rt)
+    _assert_combined(out, want, job.backend, f"rank {rank} after closing the first object")
+    _OPEN[job.name] = second
+    return {"rounds": done + 1}

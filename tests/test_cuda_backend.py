@@ -769,31 +769,3 @@ def test_mapping_rejects_bad_geometry():
                 os.close(fd)
     finally:
         be.release(a)
-
-
-@_apply(gpu)
-def test_host_memory_registration_for_control_block():
-    from a2ad.client.cuda_map import host_tensor_on_device, register_host_memory, unregister_host_memory
-
-    fd = os.memfd_create("a2ad-test-cb", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, 4096)
-        mm = mmap.mmap(fd, 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    buf = (ctypes.c_char * 4096).from_buffer(mm)
-    addr = ctypes.addressof(buf)
-    dptr = register_host_memory(addr, 4096, 0)
-    try:
-        t = host_tensor_on_device(dptr, 4096, 0)
-        assert t.device == torch.device("cuda", 0)
-        t[128:256].fill_(0x3C)
-        torch.cuda.synchronize()
-        assert mm[128:256] == b"\x3c" * 128
-        mm[1000] = 0x77
-        assert int(t[1000].item()) == 0x77
-        del t
-    finally:
-        unregister_host_memory(addr, 0)
-    del buf
-    mm.close()

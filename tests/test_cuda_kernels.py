@@ -77,7 +77,6 @@ class Job:
             row_stride=self.row_stride,
             aux=self.aux,
             control=self.control,
-            control_device_ptr=self.control_ptr,
             generation=0,
         )
 
@@ -773,7 +772,7 @@ class TwoGpuJob:
                     spec={"max_num_tokens": max_tokens, "top_k": top_k, "num_experts": num_experts},
                     backend="cuda", device=torch.device("cuda", r), workspace=self.ws[r],
                     size_per_rank=self.size, row_stride=self.row_stride, aux=self.aux, control=self.control,
-                    control_device_ptr=self.control_ptr, generation=0,
+                    generation=0,
                 )
                 self.planes.append(CudaPlane(att, timeout))
                 initialize_row(self.ws[r], r, self.aux)

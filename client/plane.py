@@ -1,0 +1,57 @@
+"""The data-plane interface that ``MoeAlltoAll`` drives: one implementation per backend
+(``host_plane.HostPlane`` over shared host memory, ``cuda_plane.CudaPlane`` with CUDA
+kernels). ``MoeAlltoAll`` checks the inputs it can check from shapes, dtypes and devices,
+computes the payload layout (``a2ad.layout.payload_layout``) and calls a plane; the plane
+moves the data (docs/PROTOCOL.md) and reports failures."""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from a2ad import layout as L
+
+
+class Plane(abc.ABC):
+    #: Whether expert ids are checked on the host before a dispatch (host plane: the ids
+    #: are CPU tensors). Otherwise the kernels route a bad id nowhere and report it
+    #: through :meth:`check_input`, so that no call has to read the ids back.
+    checks_ids_on_host: bool = False
+
+    @abc.abstractmethod
+    def dispatch(self, experts: torch.Tensor, payloads: list[torch.Tensor], rt: int, pl: L.PayloadLayout,
+                 num_experts: int) -> None:
+        """Route and send this rank's tokens; complete once every peer's tokens are here.
+
+        experts: ``[T, top_k]`` int32, contiguous. payloads: ``[T, ...]`` contiguous tensors,
+        ``pl.dispatch_bytes_per_token[i]`` bytes per token. The received payload i is
+        ``workspace[ep_rank]`` at ``pl.dispatch_offsets[i]``, ``[ep_size, rt, bytes_i]``."""
+
+    @abc.abstractmethod
+    def sanitize(self, recv_ids: torch.Tensor, rt: int, invalid_id: int) -> None:
+        """Set every id of every slot that received no token to ``invalid_id``
+        (``recv_ids``: ``[ep_size, rt, top_k]`` int32 view of this rank's received ids)."""
+
+    @abc.abstractmethod
+    def combine(self, payload: torch.Tensor, local_num_tokens: int, rt: int, pl: L.PayloadLayout,
+                payload_in_workspace: bool) -> torch.Tensor:
+        """Sum every token's expert outputs from the ranks it was sent to; returns
+        ``[local_num_tokens, hidden]`` of the payload's dtype."""
+
+    @abc.abstractmethod
+    def check(self) -> None:
+        """Raise PeerLost / PeerTimeout / JobDestroyed if the job or this rank's last wait
+        failed. Never synchronizes."""
+
+    @abc.abstractmethod
+    def check_input(self) -> None:
+        """Raise InputError for input that was found wrong after the call that passed it
+        returned (and forget it). Never synchronizes."""
+
+    @abc.abstractmethod
+    def reset_status(self) -> None:
+        """Forget this rank's failure records (only once the job was re-armed)."""
+
+    def close(self) -> None:
+        """Release what the plane holds (idempotent)."""
