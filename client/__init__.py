@@ -22,6 +22,7 @@ from a2ad.errors import (
 
 from .attach import Attachment, attach
 from .connection import DaemonClient, ping
+from .moe_alltoall import MoeAlltoAll
 
 __all__ = [
     "A2ADError",
@@ -47,13 +48,7 @@ __all__ = [
     "ping",
 ]
 
-try:  # the data plane (written alongside); absent only in a partial checkout
-    from .moe_alltoall import MoeAlltoAll  # noqa: F401
-
-    __all__.append("MoeAlltoAll")
-except ImportError as _exc:  # pragma: no cover
-    if "moe_alltoall" not in str(_exc):
-        raise
+__all__.append("MoeAlltoAll")
 
 # FlashInfer's module-level API (flashinfer.comm.trtllm_moe_alltoall): the functional ops
 # (also registered as torch.ops.a2ad.moe_a2a_*), the workspace helpers and the metainfo

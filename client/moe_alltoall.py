@@ -257,6 +257,10 @@ class MoeAlltoAll:
         self._combine_layouts: dict = {}
         self._device = self._att.device
         self._host_ids = self._plane.checks_ids_on_host
+        # the functional ops (torch.ops.a2ad.moe_a2a_*) find this rank's plane by its workspace
+        from .ops import register_plane
+
+        register_plane(self, self._att, self._plane)
 
     @staticmethod
     def get_moe_workspace_size_per_rank(
@@ -660,6 +664,9 @@ class MoeAlltoAll:
             return
         self._closed = True
         self._end_round()
+        from .ops import unregister_plane
+
+        unregister_plane(self)
         try:
             if self._plane is not None:
                 self._plane.close()

@@ -120,19 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     p_serve = sub.add_parser("serve", help="run the daemon in the foreground")
     add_serve_args(p_serve)
     p_demo = sub.add_parser("demo", help="daemon + a group of client processes doing real dispatch/combine")
-    try:
-        from a2ad.tools import demo
-    except ImportError:
-        demo = None
-    if demo is not None:
-        demo.add_arguments(p_demo)
+    from a2ad.tools import demo
+
+    demo.add_arguments(p_demo)
     args = parser.parse_args(argv)
     raw = list(sys.argv[1:] if argv is None else argv)
     args.serve_argv = raw[raw.index("serve") + 1 :] if "serve" in raw else []
     if args.command == "serve":
         return serve(args)
-    if demo is None:
-        parser.error("the demo is not available in this build")
     return demo.run(args)
 
 
