@@ -549,19 +549,38 @@ def bad_expert_ids_then_rounds(rank: int, job: JobSpec, plan: Plan) -> dict:
             experts[bad_token + 1, 1] = -5  # a later token: the first one is reported
         got = a2a.dispatch(experts, mine, rt, INVALID_ID, 1)
         expert_out = ref.toy_expert(got[0], got[1], got[2], rank, job.num_experts, job.ep_size)
-        a2a.combine(expert_out, rt)
-        torch.cuda.synchronize(dev)
+        msg = _combine_then_check(a2a, dev, expert_out, rt)
         if rank == 0:
-            msg = _expect(errors.InputError, a2a.check)
-            assert f"expert id {bad_id}" in msg and f"token {bad_token}" in msg, msg
+            assert msg is not None and f"expert id {bad_id}" in msg and f"token {bad_token}" in msg, msg
             info["message"] = msg
-        a2a.check()  # reported once; every other rank has nothing to report
+        else:
+            assert msg is None, msg
+        a2a.check()  # reported once
     elif rank == 0:
         experts = experts.clone()
         experts[bad_token, 0] = bad_id
         info["message"] = _expect(errors.InputError, a2a.dispatch, experts, mine, rt)
     info.update(run_rounds(rank, job, Plan(seed=plan.seed + 1, rounds=plan.rounds)))
     return info
+
+
+def _combine_then_check(a2a, dev, payload, rt, zeros: bool = False) -> str | None:
+    """Combine, then check(): the InputError a kernel reported (raised by combine itself, after
+    launching it, when the dispatch had already finished; else by check() after a sync), or
+    None. With ``zeros``, a combine that returned must have returned zeros."""
+    try:
+        out = a2a.combine(payload, rt)
+    except errors.InputError as exc:
+        assert a2a.phase == "idle"
+        return str(exc)
+    torch.cuda.synchronize(dev)
+    if zeros:
+        assert not bool(out.any()), "a round with mismatched runtime_max_tokens_per_rank returned data"
+    try:
+        a2a.check()
+    except errors.InputError as exc:
+        return str(exc)
+    return None
 
 
 def rt_mismatch_then_rounds(rank: int, job: JobSpec, plan: Plan) -> dict:
@@ -579,10 +598,8 @@ def rt_mismatch_then_rounds(rank: int, job: JobSpec, plan: Plan) -> dict:
     if dev.type == "cuda":
         got = a2a.dispatch(experts, mine, my_rt)
         expert_out = ref.toy_expert(got[0], got[1], got[2], rank, job.num_experts, job.ep_size)
-        out = a2a.combine(expert_out, my_rt)
-        torch.cuda.synchronize(dev)
-        assert not bool(out.any()), f"rank {rank}: a round with mismatched rts returned data"
-        msg = _expect(errors.InputError, a2a.check)
+        msg = _combine_then_check(a2a, dev, expert_out, my_rt, zeros=True)
+        assert msg is not None, f"rank {rank}: mismatched runtime_max_tokens_per_rank raised nothing"
     else:
         msg = _expect(errors.InputError, a2a.dispatch, experts, mine, my_rt)
         assert a2a.phase == "idle"
