@@ -80,9 +80,12 @@ def _dl_delete(managed) -> None:
 
 _dl_deleter = _DLDeleter(_dl_delete)
 _CAPSULE_NAME = b"dltensor"
-_PyCapsule_New = ctypes.pythonapi.PyCapsule_New
-_PyCapsule_New.restype = ctypes.py_object
-_PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+# A function object of our own: ctypes.pythonapi.PyCapsule_New is one object shared by the
+# whole process, and other libraries set its restype to their liking (FlashInfer's sets
+# c_void_p, which would hand torch an int instead of a capsule).
+_PyCapsule_New = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
+    ("PyCapsule_New", ctypes.pythonapi)
+)
 
 
 def _tensor_from_pointer(ptr: int, nbytes: int, device_type: int, device_id: int, owner) -> torch.Tensor:

@@ -16,8 +16,8 @@ dispatch kernel, which completes the round anyway and writes this rank's input
 record; :meth:`CudaPlane.check_input` raises it as InputError.
 
 Everything fixed for this rank (the workspace, aux offsets, control block, timeout,
-kernel variant) is packed once into a *plan* (``torch.ops.a2ad.make_plan``); each
-call passes tensors, the plan and the per-call numbers.
+kernel variant) is checked and kept once, as a *plan* (``torch.ops.a2ad.make_plan``
+returns its handle); each call passes tensors, the handle and the per-call numbers.
 """
 
 from __future__ import annotations
@@ -182,26 +182,62 @@ class CudaPlane(Plane):
         self.num_experts = int(att.spec["num_experts"])
         self.timeout = float(timeout)
         self.timeout_ns = max(1, int(self.timeout * 1e9))
-        self.sm_budget = int(sm_budget)
-        self.variant = kernel_variant() if variant is None else int(variant)
-        self.diag = kernel_diag()  # timing only; 0 unless A2AD_KERNEL_DIAG is set
+        self._sm_budget = int(sm_budget)
+        self._variant = kernel_variant() if variant is None else int(variant)
+        self._diag = kernel_diag()  # timing only; 0 unless A2AD_KERNEL_DIAG is set
+        self.plan: int | None = None
         host = att.control.address()
         with torch.cuda.device(att.workspace.device):
             # reference counted: several planes of one process may register the same block
             self.control_ptr = int(self._ops.host_register(host, L.CONTROL_BLOCK_SIZE))
         self._registered: int | None = host
         try:
-            self.plan = self._ops.make_plan(
-                att.workspace, self.ep_rank, self.ep_size, self.top_k, self.num_experts, aux_offsets(att.aux),
-                self.control_ptr, control_fields(self.ep_rank), self.timeout_ns, self.sm_budget,
-                self.variant | (self.diag << DIAG_SHIFT),
-            )
+            self._make_plan()
         except BaseException:
             self.close()
             raise
         self._dispatch_op = self._ops.dispatch
         self._combine_op = self._ops.combine
         self._sanitize_op = self._ops.sanitize
+
+    def _make_plan(self) -> None:
+        old, self.plan = self.plan, None
+        if old is not None:
+            self._ops.free_plan(old)
+        self.plan = self._ops.make_plan(
+            self.att.workspace, self.ep_rank, self.ep_size, self.top_k, self.num_experts, aux_offsets(self.att.aux),
+            self.control_ptr, control_fields(self.ep_rank), self.timeout_ns, self._sm_budget,
+            self._variant | (self._diag << DIAG_SHIFT),
+        )
+
+    @property
+    def diag(self) -> int:
+        """Diagnostic bits (timing only, see DIAG_*); setting them makes a new plan."""
+        return self._diag
+
+    @diag.setter
+    def diag(self, value: int) -> None:
+        self._diag = int(value)
+        self._make_plan()
+
+    @property
+    def variant(self) -> int:
+        """The kernel variant bits (csrc/moe_a2a.cuh kVariant*); setting it makes a new plan."""
+        return self._variant
+
+    @variant.setter
+    def variant(self, value: int) -> None:
+        self._variant = int(value)
+        self._make_plan()
+
+    @property
+    def sm_budget(self) -> int:
+        return self._sm_budget
+
+    @sm_budget.setter
+    def sm_budget(self, value: int) -> None:
+        self._sm_budget = int(value)
+        self._make_plan()
 
     # --- data plane ---------------------------------------------------------------
     def dispatch(self, experts: torch.Tensor, payloads: list[torch.Tensor], rt: int, pl: L.PayloadLayout,
@@ -268,6 +304,9 @@ class CudaPlane(Plane):
         Call it before the attachment closes (the control block must still be
         mapped), and only once no kernel of this plane is in flight.
         """
+        if self.plan is not None:
+            plan, self.plan = self.plan, None
+            self._ops.free_plan(plan)
         if self._registered is not None:
             host, self._registered = self._registered, None
             self._ops.host_unregister(host)

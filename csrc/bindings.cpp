@@ -6,9 +6,9 @@
 //
 // Everything that is fixed for a rank of a job (the workspace, the aux offsets, the
 // control block, timeouts, the kernel variant) is checked once by `make_plan`, which
-// packs it into a small CPU tensor, the plan; every data-plane call then passes
-// tensors, the plan and the few per-call numbers. The plan's layout is private to
-// this file.
+// keeps it here and returns a handle (an int, so that the ops trace under torch.compile
+// like any op with int arguments); every data-plane call then passes tensors, the handle
+// and the few per-call numbers. `free_plan` drops it.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <unordered_map>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -225,9 +226,13 @@ struct Plan {
   a2ad::Control ctl;
 };
 
-Tensor make_plan(const Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t top_k, int64_t num_experts,
-                 IntArrayRef aux, int64_t control, IntArrayRef control_fields, int64_t timeout_ns, int64_t sm_budget,
-                 int64_t variant) {
+std::mutex g_plans_mutex;
+std::unordered_map<int64_t, Plan> g_plans;
+int64_t g_next_plan = 1;
+
+int64_t make_plan(const Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t top_k, int64_t num_experts,
+                  IntArrayRef aux, int64_t control, IntArrayRef control_fields, int64_t timeout_ns, int64_t sm_budget,
+                  int64_t variant) {
   check_workspace(workspace, ep_rank, ep_size);
   A2AD_CHECK(top_k >= 1 && top_k <= a2ad::kMaxTopK, "a2ad: top_k must be in [1, ", a2ad::kMaxTopK, "], got ", top_k);
   A2AD_CHECK(num_experts >= ep_size && num_experts <= INT32_MAX, "a2ad: num_experts (", num_experts,
@@ -251,17 +256,27 @@ Tensor make_plan(const Tensor& workspace, int64_t ep_rank, int64_t ep_size, int6
   A2AD_CHECK(top_k <= p.aux.topk_stride, "a2ad: top_k (", top_k, ") exceeds the routing arrays' width ",
              p.aux.topk_stride);
   p.ctl = make_control(control, control_fields, timeout_ns);
-  Tensor t = at::empty({static_cast<int64_t>(sizeof(Plan))}, at::TensorOptions().dtype(at::kByte));
-  std::memcpy(t.data_ptr(), &p, sizeof(Plan));
-  return t;
+  std::lock_guard<std::mutex> lock(g_plans_mutex);
+  const int64_t id = g_next_plan++;
+  g_plans.emplace(id, p);
+  return id;
 }
 
-// The plan of a call, checked against the workspace it comes with.
-const Plan& plan_of(const Tensor& plan, const Tensor& ws) {
-  A2AD_CHECK(plan.device().is_cpu() && plan.scalar_type() == at::kByte && plan.dim() == 1 &&
-                 plan.size(0) == static_cast<int64_t>(sizeof(Plan)) && plan.is_contiguous(),
-             "a2ad: plan must be the CPU tensor make_plan returned");
-  const Plan& p = *static_cast<const Plan*>(plan.data_ptr());
+void free_plan(int64_t plan) {
+  std::lock_guard<std::mutex> lock(g_plans_mutex);
+  g_plans.erase(plan);
+}
+
+// The plan of a call (a copy: another thread may free it meanwhile), checked against the
+// workspace it comes with.
+Plan plan_of(int64_t plan, const Tensor& ws) {
+  Plan p;
+  {
+    std::lock_guard<std::mutex> lock(g_plans_mutex);
+    auto it = g_plans.find(plan);
+    A2AD_CHECK(it != g_plans.end(), "a2ad: plan ", plan, " is not one make_plan returned (or it was freed)");
+    p = it->second;
+  }
   A2AD_CHECK(p.magic == kPlanMagic, "a2ad: plan is not one make_plan returned");
   A2AD_CHECK(ws.is_cuda() && ws.data_ptr() == p.ws_base && ws.stride(0) == p.ws_row_stride && ws.stride(1) == 1 &&
                  ws.size(0) == p.ws_rows && ws.size(1) == p.ws_row_bytes && ws.device().index() == p.device,
@@ -280,9 +295,9 @@ a2ad::Workspace plan_workspace(const Plan& p, const Tensor& ws) {
 
 // --- ops -------------------------------------------------------------------------
 
-void dispatch_cuda(const Tensor& experts, TensorList payloads, Tensor& workspace, const Tensor& plan, int64_t rt,
+void dispatch_cuda(const Tensor& experts, TensorList payloads, Tensor& workspace, int64_t plan, int64_t rt,
                    IntArrayRef payload_offsets) {
-  const Plan& pl = plan_of(plan, workspace);
+  const Plan pl = plan_of(plan, workspace);
   c10::cuda::CUDAGuard guard(workspace.device());
   check_same_device(experts, workspace, "token_selected_experts");
   A2AD_CHECK(experts.scalar_type() == at::kInt, "a2ad: token_selected_experts must be int32, got ",
@@ -331,8 +346,8 @@ void dispatch_cuda(const Tensor& experts, TensorList payloads, Tensor& workspace
   A2AD_CHECK_CUDA(a2ad::launch_dispatch(p, current_stream(workspace)), "dispatch launch");
 }
 
-void sanitize_cuda(Tensor& recv_ids, const Tensor& workspace, const Tensor& plan, int64_t rt, int64_t invalid_id) {
-  const Plan& pl = plan_of(plan, workspace);
+void sanitize_cuda(Tensor& recv_ids, const Tensor& workspace, int64_t plan, int64_t rt, int64_t invalid_id) {
+  const Plan pl = plan_of(plan, workspace);
   c10::cuda::CUDAGuard guard(workspace.device());
   check_same_device(recv_ids, workspace, "recv_ids");
   A2AD_CHECK(recv_ids.scalar_type() == at::kInt, "a2ad: recv_ids must be int32, got ", recv_ids.scalar_type());
@@ -354,9 +369,9 @@ void sanitize_cuda(Tensor& recv_ids, const Tensor& workspace, const Tensor& plan
   A2AD_CHECK_CUDA(a2ad::launch_sanitize(p, current_stream(workspace)), "sanitize launch");
 }
 
-Tensor combine_cuda(const Tensor& payload, Tensor& workspace, const Tensor& plan, int64_t local_num_tokens, int64_t rt,
+Tensor combine_cuda(const Tensor& payload, Tensor& workspace, int64_t plan, int64_t local_num_tokens, int64_t rt,
                     int64_t combine_offset, bool payload_in_workspace) {
-  const Plan& pl = plan_of(plan, workspace);
+  const Plan pl = plan_of(plan, workspace);
   c10::cuda::CUDAGuard guard(workspace.device());
   check_same_device(payload, workspace, "payload");
   a2ad::DType dtype;
@@ -424,11 +439,11 @@ void initialize_cuda(Tensor& workspace, int64_t rank, int64_t aux_bytes, int64_t
 
 // --- fake (meta) implementations: shapes only, for torch.compile and graph capture ---
 
-void dispatch_meta(const Tensor&, TensorList, Tensor&, const Tensor&, int64_t, IntArrayRef) {}
+void dispatch_meta(const Tensor&, TensorList, Tensor&, int64_t, int64_t, IntArrayRef) {}
 
-void sanitize_meta(Tensor&, const Tensor&, const Tensor&, int64_t, int64_t) {}
+void sanitize_meta(Tensor&, const Tensor&, int64_t, int64_t, int64_t) {}
 
-Tensor combine_meta(const Tensor& payload, Tensor&, const Tensor&, int64_t local_num_tokens, int64_t, int64_t, bool) {
+Tensor combine_meta(const Tensor& payload, Tensor&, int64_t, int64_t local_num_tokens, int64_t, int64_t, bool) {
   A2AD_CHECK(payload.dim() == 3, "a2ad: payload must be [ep_size, rt, hidden], got ", payload.sizes());
   return at::empty({local_num_tokens, payload.size(2)}, payload.options());
 }
@@ -487,12 +502,13 @@ int64_t sm_count(int64_t device) {
 TORCH_LIBRARY(a2ad, m) {
   m.def(
       "make_plan(Tensor workspace, int ep_rank, int ep_size, int top_k, int num_experts, int[] aux, int control, "
-      "int[] control_fields, int timeout_ns, int sm_budget, int variant) -> Tensor",
+      "int[] control_fields, int timeout_ns, int sm_budget, int variant) -> int",
       &make_plan);
-  m.def("dispatch(Tensor experts, Tensor[] payloads, Tensor(a!) workspace, Tensor plan, int rt, int[] payload_offsets) -> ()");
-  m.def("sanitize(Tensor(a!) recv_ids, Tensor workspace, Tensor plan, int rt, int invalid_id) -> ()");
+  m.def("free_plan(int plan) -> ()", &free_plan);
+  m.def("dispatch(Tensor experts, Tensor[] payloads, Tensor(a!) workspace, int plan, int rt, int[] payload_offsets) -> ()");
+  m.def("sanitize(Tensor(a!) recv_ids, Tensor workspace, int plan, int rt, int invalid_id) -> ()");
   m.def(
-      "combine(Tensor payload, Tensor(a!) workspace, Tensor plan, int local_num_tokens, int rt, int combine_offset, "
+      "combine(Tensor payload, Tensor(a!) workspace, int plan, int local_num_tokens, int rt, int combine_offset, "
       "bool payload_in_workspace) -> Tensor");
   m.def("initialize(Tensor(a!) workspace, int rank, int aux_bytes, int flag_offset, int initial_round) -> ()");
   m.def("host_register(int ptr, int size) -> int", &host_register);
