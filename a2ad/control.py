@@ -32,6 +32,11 @@ class StatusRecord:
         return L.PHASE_NAMES.get(self.phase, f"phase{self.phase}")
 
 
+_ABORT_WORD = L.CB_ABORT >> 2
+_STATUS_WORD = [(L.status_offset(r) + L.STATUS_CODE) >> 2 for r in range(L.MAX_EP_SIZE)]
+_INPUT_WORD = [(L.input_offset(r) + L.INPUT_CODE) >> 2 for r in range(L.MAX_EP_SIZE)]
+
+
 class ControlBlock:
     """A view of one job's control block over any writable buffer of CONTROL_BLOCK_SIZE bytes."""
 
@@ -72,8 +77,7 @@ class ControlBlock:
         """True when nothing is to be raised for ``rank``: no abort, no failed wait, no input
         error. Three word reads: what every data-plane call checks first."""
         w = self._words
-        return (w[L.CB_ABORT >> 2] == 0 and w[(L.status_offset(rank) + L.STATUS_CODE) >> 2] == 0
-                and w[(L.input_offset(rank) + L.INPUT_CODE) >> 2] == 0)
+        return w[_ABORT_WORD] == 0 and w[_STATUS_WORD[rank]] == 0 and w[_INPUT_WORD[rank]] == 0
 
     def failed(self, rank: int) -> bool:
         """True when the job was aborted or ``rank``'s last wait failed (raise_for raises)."""

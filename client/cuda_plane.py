@@ -196,9 +196,9 @@ class CudaPlane(Plane):
         except BaseException:
             self.close()
             raise
-        self._dispatch_op = self._ops.dispatch
-        self._combine_op = self._ops.combine
-        self._sanitize_op = self._ops.sanitize
+        self._dispatch_op = self._ops.dispatch.default
+        self._combine_op = self._ops.combine.default
+        self._sanitize_op = self._ops.sanitize.default
 
     def _make_plan(self) -> None:
         old, self.plan = self.plan, None

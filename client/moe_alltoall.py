@@ -399,7 +399,8 @@ class MoeAlltoAll:
             ids_index, invalid_id = self._check_sanitize_args(payloads, invalid_token_expert_id, expert_id_payload_index)
         self._plane.dispatch(experts, payloads, rt, layout, self.num_experts)
         rounds.owner, rounds.round = self._token, _Round(rt, num_tokens, layout)
-        vkey = (key, tuple((p.dtype, p.shape[1:]) for p in payloads))
+        # the views depend on the bytes per token and the dtypes only (each is [ep, rt, -1])
+        vkey = (key, *[p.dtype for p in payloads])
         received = self._views.get(vkey)
         if received is None:
             ep, me = att.ep_size, att.ep_rank
@@ -456,24 +457,27 @@ class MoeAlltoAll:
             raise errors.InputError(
                 f"input_payloads must hold 1 to {L.MAX_PAYLOADS} tensors, got {len(payloads)}", argument="input_payloads"
             )
-        out, nbytes = [], []
+        nbytes = []
         device = self._device
+        copies = None
         for i, p in enumerate(payloads):
             if not isinstance(p, torch.Tensor) or p.device != device:
                 _tensor_arg(f"input_payloads[{i}]", p, device)
-            shape = p.shape
-            if len(shape) < 1 or shape[0] != num_tokens:
+            if p.dim() < 1 or p.shape[0] != num_tokens:
                 raise errors.InputError(
-                    f"input_payloads[{i}] must be [local_num_tokens={num_tokens}, ...], got {list(shape)}",
+                    f"input_payloads[{i}] must be [local_num_tokens={num_tokens}, ...], got {list(p.shape)}",
                     argument=f"input_payloads[{i}]",
                 )
-            nb = math.prod(shape[1:]) * p.element_size()
+            nb = p.nbytes // num_tokens if num_tokens else math.prod(p.shape[1:]) * p.element_size()
             if nb == 0:
-                raise errors.InputError(f"input_payloads[{i}] has no bytes per token (shape {list(shape)})",
+                raise errors.InputError(f"input_payloads[{i}] has no bytes per token (shape {list(p.shape)})",
                                         argument=f"input_payloads[{i}]")
-            out.append(p if p.is_contiguous() else p.contiguous())
+            if not p.is_contiguous():
+                if copies is None:
+                    copies = list(payloads)
+                copies[i] = p.contiguous()
             nbytes.append(nb)
-        return out, tuple(nbytes)
+        return (payloads if copies is None else copies), tuple(nbytes)
 
     def _check_sanitize_args(self, payloads, invalid_id, ids_index) -> tuple[int, int]:
         if (invalid_id is None) != (ids_index is None):
@@ -562,7 +566,8 @@ class MoeAlltoAll:
         finally:
             self._end_round()
         # the round is complete on every rank: now input errors the kernels found may surface
-        self._plane.check_input()
+        if not att.control.quiet(att.ep_rank):
+            self._plane.check_input()
         return out
 
     def _check_peers(self, inputs: bool) -> None:
@@ -599,7 +604,7 @@ class MoeAlltoAll:
 
     def _combine_layout(self, att, rnd: _Round, bytes_per_token: int) -> L.PayloadLayout:
         """The round's layout with its combine region at the end of the row (see the module doc)."""
-        key = (rnd.layout, bytes_per_token)
+        key = (rnd.rt, rnd.layout.dispatch_bytes_per_token, bytes_per_token)
         layout = self._combine_layouts.get(key)
         if layout is None:
             try:
