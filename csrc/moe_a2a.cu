@@ -352,31 +352,28 @@ __device__ __forceinline__ void decode_item(int item, int per_token, const int (
   *c = cc;
 }
 
-// After a completed dispatch wait (thread 0 of the last block): tell the host what was wrong
-// with the input, without stopping the round. A peer that passed another rt wins over a bad
-// expert id; the combine of a round with such a peer moves no data (kSlotRtMismatch).
-__device__ void report_input(const DispatchParams& p, uint8_t* my_row, int* block_counters, int round) {
-  const int* rts = at<int>(my_row, p.aux.recv_rts);
-  int peer = -1, peer_rt = 0;
-  for (int q = 0; q < p.ws.ep_size; ++q) {
-    const int r = ld_volatile(rts + q);  // written before q's flag, which the wait acquired
-    if (r != p.rt) {
-      peer = q;
-      peer_rt = r;
-      break;
-    }
-  }
+// The last block of dispatch tells the host what was wrong with the input, without stopping
+// the round. A peer that passed another rt wins over a bad expert id; the combine of a round
+// with such a peer moves no data (kSlotRtMismatch). Kept off the common path: the bad-id key
+// is taken before the wait (routing is over once the block arrived last), and after the wait
+// each waiting thread checks its own source's rt, so no extra dependent read follows it.
+__device__ unsigned long long take_bad_expert(int* block_counters) {
   auto* bad = reinterpret_cast<volatile unsigned long long*>(block_counters + kSlotBadExpert);
   const unsigned long long inv = *bad;
+  if (inv != 0) *bad = 0;
+  return inv;
+}
+
+__device__ void report_input(const DispatchParams& p, int* block_counters, int round, int peer, int peer_rt,
+                             unsigned long long bad_inv) {
   if (peer >= 0) {
     block_counters[kSlotRtMismatch] = round;
     write_input(p.ctl, p.ctl.code_rt_mismatch, peer, peer_rt, round);
-  } else if (inv != 0) {
-    const unsigned long long key = ~inv;
-    write_input(p.ctl, p.ctl.code_bad_expert, static_cast<int>(key >> 32), static_cast<int>(static_cast<uint32_t>(key)),
-                round);
+  } else if (bad_inv != 0) {
+    const unsigned long long key = ~bad_inv;
+    write_input(p.ctl, p.ctl.code_bad_expert, static_cast<int>(key >> 32),
+                static_cast<int>(static_cast<uint32_t>(key)), round);
   }
-  if (inv != 0) *bad = 0;
 }
 
 // Grid: any size >= 1. A block takes tiles of p.tile_tokens consecutive
@@ -525,13 +522,26 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(const Dispat
     st_release_sys(at<int>(peer, p.aux.dispatch_completion_flags + 4 * (int64_t)me), round);
   }
   if (diag & kDiagNoWait) return;
+  const unsigned long long bad_inv = threadIdx.x == 0 ? take_bad_expert(block_counters) : 0;
   // Only this block waits, so it is the poller (no other block needs telling).
   if (!block_wait_flags(at<int>(my_row, p.aux.dispatch_completion_flags), ep, round, p.ctl, p.ctl.phase_dispatch,
                         /*poller=*/true, block_counters + p.aux.block_counter_slots - 1,
                         block_counters + kSlotDispatchGiveUp, low_latency)) {
     return;
   }
-  if (threadIdx.x == 0) report_input(p, my_row, block_counters, round);
+  __shared__ int s_peer, s_peer_rt;
+  if (threadIdx.x == 0) s_peer = kMaxEpSize;
+  __syncthreads();
+  if (q < ep) {
+    const int r = ld_volatile(at<int>(my_row, p.aux.recv_rts) + q);  // written before q's flag, now acquired
+    if (r != p.rt) atomicMin(&s_peer, q);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && (s_peer < kMaxEpSize || bad_inv != 0)) {
+    const int peer = s_peer < kMaxEpSize ? s_peer : -1;
+    s_peer_rt = peer >= 0 ? ld_volatile(at<int>(my_row, p.aux.recv_rts) + peer) : 0;
+    report_input(p, block_counters, round, peer, s_peer_rt, bad_inv);
+  }
 }
 
 // ---------------------------------------------------------------------------
