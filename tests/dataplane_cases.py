@@ -679,3 +679,31 @@ def two_objects_one_rank(rank: int, job: JobSpec, plan: Plan) -> dict:
     _assert_combined(out, want, job.backend, f"rank {rank} after closing the first object")
     _OPEN[job.name] = second
     return {"rounds": done + 1}
+
+
+def compiled_ops_rounds(rank: int, job: JobSpec, plan: Plan, backend: str) -> dict:
+    """The functional ops (FlashInfer's names, torch.ops.a2ad.moe_a2a_*) in one step compiled
+    with torch.compile(fullgraph=True): dispatch, sanitize, the toy expert, combine; every
+    round compared with the reference."""
+    import a2ad.client as c
+    from a2ad.client import reference as ref
+
+    a2a = _OPEN.get(job.name) or job.open(rank)
+    dev = job.device(rank)
+
+    def step(experts, hidden, scales, ws, meta, rt):
+        got, cpo = c.moe_a2a_dispatch(experts, [hidden, experts, scales], ws, meta, rt, rank, job.ep_size, job.top_k,
+                                      job.num_experts)
+        c.moe_a2a_sanitize_expert_ids(got[1], ws, meta, rank, INVALID_ID)
+        y = ref.toy_expert(got[0], got[1], got[2], rank, job.num_experts, job.ep_size)
+        return c.moe_a2a_combine(y, experts.shape[0], ws, meta, rt, rank, job.ep_size, job.top_k, cpo)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    for rnd in range(plan.rounds):
+        rt, experts, mine, want = _round_of(a2a, job, plan, rnd, rank, dev)
+        out = compiled(experts, mine[0], mine[2], a2a.workspace, a2a.metainfo, rt)
+        assert a2a.phase == "idle"
+        _assert_combined(out, want, job.backend, f"rank {rank} compiled round {rnd}")
+    a2a.check()
+    return {"rounds": plan.rounds}

@@ -72,3 +72,10 @@ def test_two_objects_on_one_rank_share_the_attachment(rank_pool, dataplane_daemo
     job = _job(dataplane_daemons, backend, "twoobj")
     stats = _run(rank_pool, job, cases.two_objects_one_rank, cases.Plan(seed=9, rounds=4))
     assert [s["rounds"] for s in stats] == [5, 5]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_functional_ops_under_torch_compile_fullgraph(rank_pool, dataplane_daemons, backend):
+    job = _job(dataplane_daemons, backend, "compiled")
+    stats = _run(rank_pool, job, cases.compiled_ops_rounds, cases.Plan(seed=21, rounds=3, tokens=(5, 3)), "aot_eager")
+    assert [s["rounds"] for s in stats] == [3, 3]
