@@ -120,11 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     p_serve = sub.add_parser("serve", help="run the daemon in the foreground")
     add_serve_args(p_serve)
     p_demo = sub.add_parser("demo", help="daemon + a group of client processes doing real dispatch/combine")
-    from a2ad.tools import demo
-
-    demo.add_arguments(p_demo)
-    args = parser.parse_args(argv)
     raw = list(sys.argv[1:] if argv is None else argv)
+    wants_demo = next((a for a in raw if not a.startswith("-")), None) == "demo"
+    if wants_demo:  # the daemon itself never loads the demo (nor what it imports)
+        from a2ad.tools import demo
+
+        demo.add_arguments(p_demo)
+    args = parser.parse_args(argv)
     args.serve_argv = raw[raw.index("serve") + 1 :] if "serve" in raw else []
     if args.command == "serve":
         return serve(args)
