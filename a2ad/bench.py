@@ -78,7 +78,7 @@ DRY_TOKENS = (1, 8, 64)
 DRY_HIDDEN = (256,)
 #: Never use NVLink multicast / NVLS on the lent machines.
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-#: The issue's targets.
+#: The targets.
 TARGET_DISPATCH_CE_FRACTION = 0.85
 TARGET_COMBINE_CE_FRACTION = 0.80
 TARGET_T1_DISPATCH_US = 10.0
@@ -537,7 +537,7 @@ def ce_per_gpu_gbps(ceilings: dict) -> float | None:
 
 
 def evaluate_targets(rows: list[dict], ceilings: dict) -> list[dict]:
-    """The targets, per hidden size: the issue's against the a2ad (CUDA graph) rows of this run,
+    """The targets, per hidden size: the project's against the a2ad (CUDA graph) rows of this run,
     and the eager ones (a2ad's eager overhead at T=1; a2ad's eager pair against FlashInfer's)."""
     out = []
     ce = ce_per_gpu_gbps(ceilings)

@@ -185,7 +185,7 @@ cudaError_t sm_count(int device, int* out);
 
 }  // namespace a2ad
 
-// The names the brief asks for, as plain aliases.
+// The launchers under C-style names, as plain aliases.
 inline cudaError_t a2ad_launch_dispatch(const a2ad::DispatchParams& p, cudaStream_t s) { return a2ad::launch_dispatch(p, s); }
 inline cudaError_t a2ad_launch_sanitize(const a2ad::SanitizeParams& p, cudaStream_t s) { return a2ad::launch_sanitize(p, s); }
 inline cudaError_t a2ad_launch_combine(const a2ad::CombineParams& p, cudaStream_t s) { return a2ad::launch_combine(p, s); }
