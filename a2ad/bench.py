@@ -1459,7 +1459,7 @@ def time_graphs(ctx: Ctx, pt: dict, graphs: dict, after=None) -> dict:
     wait that gave up inside a replay left). The checks replay on fresh inputs (the check set is
     never timed) into poisoned outputs."""
     cfg = ctx.cfg
-    T, E, ep, me = pt["T"], cfg["num_experts"], ctx.ep, ctx.rank
+    E, ep, me = cfg["num_experts"], ctx.ep, ctx.rank
     static: Inputs = pt["static"]
     g_d, g_c, g_p = graphs["d"], graphs["c"], graphs["p"]
     mark = ctx.clock.mark

@@ -3,10 +3,14 @@ executes a function in N real client processes and collects results with timeout
 
 from __future__ import annotations
 
+import array
 import multiprocessing as mp
 import os
+import socket
+import threading
 import time
 import traceback
+import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -135,3 +139,81 @@ def run_ranks(fn, ranks, args=(), timeout: float = 120.0, ctx=None):
         msgs = "\n".join(f"rank {r}: {v[0]}: {v[1]}\n{v[2]}" for r, v in sorted(failures.items()))
         raise AssertionError(f"{len(failures)} rank(s) failed:\n{msgs}")
     return results
+
+
+# --------------------------------------------------------------------------- sd_notify
+class NotifyListener:
+    """A service manager's side of sd_notify: an AF_UNIX datagram socket, bound to a path
+    or to an abstract name ('@...' in $NOTIFY_SOCKET), read promptly by a thread (as
+    systemd does) that records every message. ``paused`` stops the reading, so that the
+    socket's queue fills up like that of a busy service manager."""
+
+    def __init__(self, kind: str, folder: Path):  # kind: "path" or "abstract"
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            if kind == "path":
+                path = str(folder / f"notify-{uuid.uuid4().hex[:8]}.sock")
+                self.sock.bind(path)
+                self.env = path
+            else:
+                name = f"a2ad-test-notify-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+                self.sock.bind("\0" + name)
+                self.env = "@" + name
+        except BaseException:
+            self.sock.close()
+            raise
+        self.sock.settimeout(0.05)
+        self.messages: list[tuple[float, dict, list[int]]] = []
+        self.paused = False
+        #: messages whose fds did not all fit (a sender that passed more than it should)
+        self.truncated = 0
+        self._lock = threading.Lock()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop:
+            if self.paused:
+                time.sleep(0.01)
+                continue
+            try:
+                data, anc, flags, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(16 * 4))
+            except (socket.timeout, BlockingIOError):
+                continue
+            except OSError:
+                return
+            fds: list[int] = []
+            for level, ctype, cdata in anc:
+                if level == socket.SOL_SOCKET and ctype == socket.SCM_RIGHTS:
+                    a = array.array("i")
+                    a.frombytes(cdata[: len(cdata) - len(cdata) % a.itemsize])
+                    fds.extend(a)
+            fields = dict(line.split("=", 1) for line in data.decode().split("\n") if "=" in line)
+            with self._lock:
+                self.messages.append((time.monotonic(), fields, fds))
+                if flags & socket.MSG_CTRUNC:
+                    self.truncated += 1
+
+    def snapshot(self) -> list[tuple[float, dict, list[int]]]:
+        with self._lock:
+            return list(self.messages)
+
+    def wait(self, predicate, timeout: float, what: str) -> dict:
+        """The first recorded message (old or new) for which predicate(fields) holds."""
+        end = time.monotonic() + timeout
+        while True:
+            for _, fields, _ in self.snapshot():
+                if predicate(fields):
+                    return fields
+            if time.monotonic() >= end:
+                raise AssertionError(f"no notify message with {what} in {timeout} s; got {[m[1] for m in self.snapshot()]}")
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(5)
+        self.sock.close()
+        for _, _, fds in self.messages:
+            for fd in fds:
+                os.close(fd)

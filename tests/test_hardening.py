@@ -447,7 +447,7 @@ def test_the_watchdog_is_fed_while_a_flood_of_requests_is_served(runtime_dir, tm
     thousands of queued requests (the loop hands back to its timers between requests)."""
     import zmq
 
-    from test_operations import NotifyListener
+    from helpers import NotifyListener
 
     listener = NotifyListener("path", tmp_path)
     monkeypatch.setenv("NOTIFY_SOCKET", listener.env)

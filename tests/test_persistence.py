@@ -7,7 +7,6 @@ killed) in a finally block."""
 
 from __future__ import annotations
 
-import array
 import errno
 import json
 import logging
@@ -22,7 +21,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import msgpack
@@ -32,7 +30,7 @@ from a2ad import fdpass
 from a2ad.daemon import fdstore, persist
 from a2ad.daemon.fdstore import KeeperStore, cb_name, fdname_is_valid, normalize_name, parse_name, ws_name
 from a2ad.runtime import STATE_FILE, python_command
-from helpers import REPO, DaemonProcess, fd_count, reap_keeper, wait_for
+from helpers import REPO, DaemonProcess, NotifyListener, fd_count, reap_keeper, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -175,56 +173,6 @@ def _release(*procs: subprocess.Popen) -> None:
         for f in (p.stdin, p.stdout):
             if f is not None and not f.closed:
                 f.close()
-
-
-class NotifyListener:
-    """A service manager's side of sd_notify (the pattern of tests/test_operations.py): an
-    AF_UNIX datagram socket read by a thread that records every message and its fds."""
-
-    def __init__(self, folder: Path):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        try:
-            path = str(folder / f"notify-{uuid.uuid4().hex[:8]}.sock")
-            self.sock.bind(path)
-            self.env = path
-        except BaseException:
-            self.sock.close()
-            raise
-        self.sock.settimeout(0.05)
-        self.messages: list[tuple[float, dict, list[int], int]] = []
-        self._lock = threading.Lock()
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop:
-            try:
-                data, anc, flags, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(16 * 4))
-            except (socket.timeout, BlockingIOError):
-                continue
-            except OSError:
-                return
-            fds: list[int] = []
-            for level, ctype, cdata in anc:
-                if level == socket.SOL_SOCKET and ctype == socket.SCM_RIGHTS:
-                    a = array.array("i")
-                    a.frombytes(cdata[: len(cdata) - len(cdata) % a.itemsize])
-                    fds.extend(a)
-            fields = dict(line.split("=", 1) for line in data.decode().split("\n") if "=" in line)
-            with self._lock:
-                self.messages.append((time.monotonic(), fields, fds, flags))
-
-    def snapshot(self):
-        with self._lock:
-            return list(self.messages)
-
-    def close(self) -> None:
-        self._stop = True
-        self._thread.join(5)
-        self.sock.close()
-        for _, _, fds, _ in self.messages:
-            _close(fds)
 
 
 # --------------------------------------------------------------------------- (a) keeper, 600 fds
@@ -736,7 +684,7 @@ def test_systemd_store_load_translates_legacy_names(joined):
 
 
 def test_daemon_fdstore_messages_carry_valid_names_and_one_fd_each(runtime_dir, tmp_path, monkeypatch):
-    listener = NotifyListener(tmp_path)
+    listener = NotifyListener("path", tmp_path)
     monkeypatch.setenv("NOTIFY_SOCKET", listener.env)
     monkeypatch.delenv("WATCHDOG_USEC", raising=False)
     d = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "1", "--fd-store", "systemd")
@@ -750,17 +698,17 @@ def test_daemon_fdstore_messages_carry_valid_names_and_one_fd_each(runtime_dir, 
         want = {ws_name(job, 0), ws_name(job, 1), cb_name(job)}
 
         def stored():
-            return [(f, fds, fl) for _, f, fds, fl in listener.snapshot() if f.get("FDSTORE") == "1"]
+            return [(f, fds) for _, f, fds in listener.snapshot() if f.get("FDSTORE") == "1"]
 
-        wait_for(lambda: {f.get("FDNAME") for f, _, _ in stored()} >= want, 20, "FDSTORE=1 for every fd of the job")
+        wait_for(lambda: {f.get("FDNAME") for f, _ in stored()} >= want, 20, "FDSTORE=1 for every fd of the job")
         msgs = stored()
         assert msgs, "the daemon stored nothing"
-        for fields, fds, flags in msgs:
+        for fields, fds in msgs:
             assert "FDNAME" in fields, fields
             assert fdname_is_valid(fields["FDNAME"]), fields["FDNAME"]
             assert len(fds) == 1, (fields, fds)
-            assert not flags & socket.MSG_CTRUNC
-        assert {f["FDNAME"] for f, _, _ in msgs} == want
+        assert listener.truncated == 0
+        assert {f["FDNAME"] for f, _ in msgs} == want
         assert d.log().count("is not a name systemd accepts") == 0
     finally:
         _release(*holders)
@@ -995,7 +943,7 @@ os.execv(sys.argv[3], sys.argv[3:])
 def _systemd_store(listener: NotifyListener) -> dict[str, int]:
     """The fd store as systemd keeps it after these messages: name -> fd (the listener's)."""
     store: dict[str, int] = {}
-    for _, f, fds, _ in listener.snapshot():
+    for _, f, fds in listener.snapshot():
         if f.get("FDSTOREREMOVE") == "1":
             store.pop(f.get("FDNAME"), None)
         elif f.get("FDSTORE") == "1" and fds:
@@ -1006,7 +954,7 @@ def _systemd_store(listener: NotifyListener) -> dict[str, int]:
 def test_systemd_restart_readopts_the_job_from_listen_fds(runtime_dir, tmp_path, monkeypatch):
     """A daemon under systemd stores its fds; the next one is started as systemd would start
     it (LISTEN_FDS/LISTEN_FDNAMES) and re-adopts the job from them and the state file."""
-    listener = NotifyListener(tmp_path)
+    listener = NotifyListener("path", tmp_path)
     monkeypatch.setenv("NOTIFY_SOCKET", listener.env)
     monkeypatch.delenv("WATCHDOG_USEC", raising=False)
     d1 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "30", "--fd-store", "systemd")

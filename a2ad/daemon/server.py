@@ -11,7 +11,6 @@ fdstore.py. Nothing here is on the data path.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import resource
