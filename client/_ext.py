@@ -2,25 +2,31 @@
 
 The extension registers the ops ``torch.ops.a2ad.*`` (see ``csrc/bindings.cpp``).
 It is built once per combination of sources, torch version, CUDA version and
-target architecture, into ``$A2AD_EXT_DIR/<hash>`` (default
+target architectures, into ``$A2AD_EXT_DIR/<hash>`` (default
 ``~/.cache/a2ad/ext/<hash>``); editing a source changes the hash, so the next
-load rebuilds. A failed build raises :class:`a2ad.errors.BuildError` carrying
-the tail of the compiler output.
+load rebuilds. ``a2ad build-ext`` builds it ahead of time. A failed build raises
+:class:`a2ad.errors.BuildError` carrying the tail of the compiler output.
 
 Environment:
 
 - ``A2AD_EXT_DIR``: root of the build cache.
-- ``A2AD_CUDA_ARCH``: nvcc ``-arch`` value (default ``sm_90``).
-- ``A2AD_CSRC``: folder holding the sources (default: ``csrc`` at the repository root).
+- ``A2AD_CUDA_ARCH``: comma-separated target architectures, e.g. ``sm_90,sm_100``
+  (default: those of the visible GPUs, else ``sm_90``).
+- ``A2AD_CSRC``: folder holding the sources (default: ``a2ad/_csrc`` in an installed
+  package, ``csrc`` at the root of a checkout).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
+import shutil
 import sys
 import threading
+import time
 from pathlib import Path
+from typing import Callable, Sequence
 
 import a2ad
 from a2ad import errors
@@ -35,19 +41,123 @@ _lock = threading.Lock()
 _loaded: str | None = None
 
 
-def csrc_dir() -> Path:
+def candidate_dirs() -> list[Path]:
+    """Where the sources are looked for, in order."""
     env = os.environ.get("A2AD_CSRC")
     if env:
-        return Path(env).expanduser().resolve()
-    return Path(a2ad.__file__).resolve().parent.parent / "csrc"
+        return [Path(env).expanduser().resolve()]
+    pkg = Path(a2ad.__file__).resolve().parent
+    return [pkg / "_csrc", pkg.parent / "csrc"]  # installed package; checkout
+
+
+def _complete(path: Path) -> bool:
+    return all((path / n).is_file() for n in SOURCES + HEADERS)
+
+
+def csrc_dir() -> Path:
+    """The folder holding the CUDA sources (the first complete candidate; else the first)."""
+    dirs = candidate_dirs()
+    return next((d for d in dirs if _complete(d)), dirs[0])
+
+
+def parse_arch(text: str) -> list[str]:
+    """``"sm_90,sm_100"`` (also ``90``, ``9.0``, ``sm_90a``) -> ``["sm_90", "sm_100"]``, sorted, unique."""
+    out: set[str] = set()
+    for part in text.replace(";", ",").replace(" ", ",").split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        m = re.fullmatch(r"(?:sm_?|compute_?)?(\d+)(?:\.(\d))?([af]?)", part)
+        if not m:
+            raise ValueError(f"not a CUDA architecture: {part!r} (e.g. sm_90, sm_100, 9.0)")
+        major, minor, suffix = m.groups()
+        num = f"{major}{minor}" if minor is not None else major
+        if len(num) < 2:
+            raise ValueError(f"not a CUDA architecture: {part!r} (e.g. sm_90, sm_100, 9.0)")
+        out.add(f"sm_{num}{suffix}")
+    if not out:
+        raise ValueError(f"no CUDA architecture named in {text!r}")
+    return sorted(out, key=lambda a: (int(re.match(r"sm_(\d+)", a).group(1)), a))
+
+
+def visible_archs() -> list[str]:
+    """Architectures of the GPUs this process sees (empty without any)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return []
+        caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+    except Exception:
+        return []
+    return parse_arch(",".join(f"sm_{a}{b}" for a, b in caps)) if caps else []
+
+
+def cuda_archs(requested: str | Sequence[str] | None = None) -> list[str]:
+    """The target list: *requested*, else ``$A2AD_CUDA_ARCH``, else the visible GPUs', else sm_90."""
+    if requested:
+        text = requested if isinstance(requested, str) else ",".join(requested)
+        return parse_arch(text)
+    env = os.environ.get("A2AD_CUDA_ARCH", "").strip()
+    if env:
+        return parse_arch(env)
+    return visible_archs() or [DEFAULT_ARCH]
 
 
 def cuda_arch() -> str:
-    return os.environ.get("A2AD_CUDA_ARCH", DEFAULT_ARCH)
+    """The target list as one string (``sm_90,sm_100``)."""
+    return ",".join(cuda_archs())
+
+
+def gencode_flags(archs: Sequence[str]) -> list[str]:
+    """nvcc flags: machine code for every architecture, plus PTX of the newest (for later GPUs)."""
+    flags = []
+    for arch in archs:
+        num = arch.removeprefix("sm_")
+        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+    if archs:
+        num = archs[-1].removeprefix("sm_")
+        flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
+    return flags
+
+
+def find_nvcc() -> str | None:
+    """nvcc as torch.utils.cpp_extension finds it: $CUDA_HOME (or $CUDA_PATH), PATH, /usr/local/cuda."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home:
+        nvcc = Path(home) / "bin" / "nvcc"
+        return str(nvcc) if nvcc.is_file() else None
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    default = Path("/usr/local/cuda/bin/nvcc")
+    return str(default) if default.is_file() else None
+
+
+def toolchain_problems() -> list[str]:
+    """Why the extension cannot be built here (empty when it can, as far as can be told)."""
+    import torch
+
+    problems = []
+    if torch.version.cuda is None:
+        problems.append(
+            f"this torch ({torch.__version__}) is built without CUDA: install a CUDA build of torch "
+            "(https://pytorch.org/get-started/locally/ gives the pip command)"
+        )
+    if find_nvcc() is None:
+        home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+        where = f"not in $CUDA_HOME/bin ({home})" if home else "not on PATH, no $CUDA_HOME, no /usr/local/cuda"
+        want = f" {torch.version.cuda}" if torch.version.cuda else ""
+        problems.append(
+            f"nvcc (the CUDA compiler) is missing: {where}. Install the CUDA toolkit{want} matching torch "
+            "(e.g. NVIDIA's cuda-toolkit / cuda-nvcc package, or pip install nvidia-cuda-nvcc-cu12) and put its "
+            "bin/ on PATH or set CUDA_HOME to its root"
+        )
+    return problems
 
 
 def build_hash(src: Path, arch: str) -> str:
-    """Hash of everything the built library depends on."""
+    """Hash of everything the built library depends on (*arch*: the comma-separated target list)."""
     import torch
 
     h = hashlib.sha256()
@@ -59,10 +169,13 @@ def build_hash(src: Path, arch: str) -> str:
     return h.hexdigest()[:16]
 
 
-def build_dir(digest: str) -> Path:
+def cache_root() -> Path:
     root = os.environ.get("A2AD_EXT_DIR")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "a2ad" / "ext"
-    return base / digest
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "a2ad" / "ext"
+
+
+def build_dir(digest: str, root: Path | None = None) -> Path:
+    return (Path(root).expanduser() if root else cache_root()) / digest
 
 
 def load():
@@ -76,28 +189,48 @@ def load():
     return torch.ops.a2ad
 
 
-def _build_and_load() -> str:
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _build_and_load(
+    archs: Sequence[str] | None = None, root: Path | None = None, log: Callable[[str], None] = _stderr
+) -> str:
     import torch
     from torch.utils import cpp_extension
 
     src = csrc_dir()
     missing = [n for n in SOURCES + HEADERS if not (src / n).is_file()]
     if missing:
-        raise errors.BuildError(f"a2ad CUDA sources not found in {src}: missing {', '.join(missing)} (set A2AD_CSRC)")
-    arch = cuda_arch()
+        looked = ", ".join(str(d) for d in candidate_dirs())
+        raise errors.BuildError(
+            f"a2ad CUDA sources not found (looked in {looked}): missing {', '.join(missing)}; "
+            "reinstall a2ad or set A2AD_CSRC to a folder holding them"
+        )
+    try:
+        archs = list(archs) if archs else cuda_archs()
+    except ValueError as exc:
+        raise errors.BuildError(f"A2AD_CUDA_ARCH: {exc}") from None
+    arch = ",".join(archs)
     digest = build_hash(src, arch)
-    out = build_dir(digest)
-    out.mkdir(parents=True, exist_ok=True)
+    out = build_dir(digest, root)
     name = f"a2ad_ext_{digest}"
-    fresh = not any(out.glob(f"{name}*.so"))
+    fresh = not (out.is_dir() and any(out.glob(f"{name}*.so")))
     if fresh:
-        print(f"building a2ad CUDA extension (first use, ~1 min) in {out} ...", file=sys.stderr, flush=True)
+        problems = toolchain_problems()
+        if problems:
+            raise errors.BuildError("cannot build the a2ad CUDA extension:\n" + "\n".join(f"  - {p}" for p in problems),
+                                    arch=arch)
+        log(f"building the a2ad CUDA extension for {arch} (torch {torch.__version__}, CUDA {torch.version.cuda}) "
+            f"from {src} into {out}; this takes about a minute ...")
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
     try:
         cpp_extension.load(
             name=name,
             sources=[str(src / n) for n in SOURCES],
             extra_cflags=["-O3"],
-            extra_cuda_cflags=["-O3", f"-arch={arch}"],
+            extra_cuda_cflags=["-O3", *gencode_flags(archs)],
             extra_include_paths=[str(src)],
             build_directory=str(out),
             is_python_module=False,
@@ -110,7 +243,21 @@ def _build_and_load() -> str:
             f"building the a2ad CUDA extension in {out} failed:\n{tail}", build_dir=str(out), arch=arch
         ) from None
     if fresh:
-        print("a2ad CUDA extension built.", file=sys.stderr, flush=True)
+        log(f"a2ad CUDA extension built in {time.monotonic() - started:.0f} s: {out}")
     if not hasattr(torch.ops.a2ad, "dispatch"):
         raise errors.BuildError(f"the a2ad extension in {out} loaded but registered no ops")
     return str(out)
+
+
+def build(archs: Sequence[str] | str | None = None, root: str | Path | None = None,
+          log: Callable[[str], None] = _stderr) -> str:
+    """Build (or find already built) the extension for *archs* under *root*; return its folder.
+
+    For ``a2ad build-ext``; loads it into this process as well, as the build check."""
+    global _loaded
+    targets = cuda_archs(archs)
+    with _lock:
+        path = _build_and_load(targets, Path(root) if root else None, log)
+        if _loaded is None and root is None and targets == cuda_archs():
+            _loaded = path
+    return path

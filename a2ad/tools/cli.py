@@ -1,4 +1,4 @@
-"""`a2ad`: serve (the daemon, in the foreground) and demo."""
+"""`a2ad`: serve (the daemon, in the foreground), build-ext and demo."""
 
 from __future__ import annotations
 
@@ -113,12 +113,52 @@ def serve(args) -> int:
     return 0
 
 
+def build_ext(args) -> int:
+    """Build the CUDA extension ahead of time into the cache (what first use would do)."""
+    import os
+
+    def say(msg: str) -> None:
+        print(f"a2ad build-ext: {msg}", flush=True)
+
+    try:
+        from a2ad.client import _ext
+    except ImportError as exc:
+        print(f"a2ad build-ext: cannot import the client library: {exc}", file=sys.stderr)
+        return 1
+    try:
+        archs = _ext.cuda_archs(args.arch)
+    except ValueError as exc:
+        print(f"a2ad build-ext: {exc}", file=sys.stderr)
+        return 2
+    how = "from --arch" if args.arch else ("from A2AD_CUDA_ARCH" if os.environ.get("A2AD_CUDA_ARCH", "").strip()
+                                           else ("the visible GPUs'" if _ext.visible_archs() else
+                                                 f"no GPU visible, default {_ext.DEFAULT_ARCH}"))
+    root = args.dir or _ext.cache_root()
+    say(f"targets {','.join(archs)} ({how}); sources {_ext.csrc_dir()}; cache {root}")
+    try:
+        path = _ext.build(archs, args.dir, log=say)
+    except errors.BuildError as exc:
+        print(f"a2ad build-ext: {exc.message}", file=sys.stderr)
+        return 1
+    say(f"ok: {path}")
+    if args.dir:
+        say(f"use it with A2AD_EXT_DIR={args.dir}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="a2ad", description="MoE all-to-all workspace daemon")
     parser.add_argument("--version", action="version", version=f"a2ad {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p_serve = sub.add_parser("serve", help="run the daemon in the foreground")
     add_serve_args(p_serve)
+    p_build = sub.add_parser("build-ext", help="build the CUDA extension ahead of time into the cache "
+                             "(needs nvcc and a CUDA build of torch, not a GPU)")
+    p_build.add_argument("--arch", metavar="LIST",
+                         help="comma-separated targets, e.g. sm_90,sm_100 (default: $A2AD_CUDA_ARCH, else the "
+                              "visible GPUs', else sm_90)")
+    p_build.add_argument("--dir", metavar="DIR",
+                         help="cache root to build into (default: $A2AD_EXT_DIR, else ~/.cache/a2ad/ext)")
     p_demo = sub.add_parser("demo", help="daemon + a group of client processes doing real dispatch/combine")
     raw = list(sys.argv[1:] if argv is None else argv)
     wants_demo = next((a for a in raw if not a.startswith("-")), None) == "demo"
@@ -130,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     args.serve_argv = raw[raw.index("serve") + 1 :] if "serve" in raw else []
     if args.command == "serve":
         return serve(args)
+    if args.command == "build-ext":
+        return build_ext(args)
     return demo.run(args)
 
 
