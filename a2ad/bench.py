@@ -866,6 +866,18 @@ def _finite(o):
     return o
 
 
+PLOT_HINT = "pip install 'a2ad[bench]' for --plot"
+
+
+def plot_unavailable() -> str | None:
+    """Why --plot cannot work here (matplotlib missing), or None."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        return f"--plot needs matplotlib, which is not installed ({exc}): {PLOT_HINT}"
+    return None
+
+
 def plot(result: dict, path) -> str | None:
     """PNG: per hidden size, latency (total solid, dispatch dashed, combine dotted) and remote GB/s
     vs tokens per rank, one colour per implementation, log axes. Returns None or why it could not."""
@@ -875,7 +887,7 @@ def plot(result: dict, path) -> str | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        return f"matplotlib is not installed ({exc}); no plot"
+        return f"matplotlib is not installed ({exc}); no plot ({PLOT_HINT})"
     rows = result["rows"]
     hiddens = sorted({r["hidden"] for r in rows}, reverse=True)
     if not hiddens:
@@ -2533,6 +2545,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.plot:  # fail before the run, not after it
+        why = plot_unavailable()
+        if why:
+            parser.exit(2, f"a2ad-bench: error: {why}\n")
     started = time.time()
     for k, v in NO_MULTICAST_ENV.items():
         os.environ.setdefault(k, v)
