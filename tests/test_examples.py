@@ -1,0 +1,66 @@
+"""The examples in examples/ run as users run them: no arguments, host backend, their own daemon.
+
+Each runs as a subprocess in its own process group from a temp cwd, with a timeout; whatever
+happens, the group is killed afterwards, so no daemon, keeper or rank outlives the test.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def run_example(argv: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable, PYTHONUNBUFFERED="1")
+    env.pop("A2AD_RUNTIME_DIR", None)  # start their own daemon
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)  # ops_restart.sh's trap cleans up on TERM
+        try:
+            out, _ = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        pytest.fail(f"{argv[-1]} did not finish within {timeout} s; output:\n{out}")
+    finally:
+        try:  # anything of the group still there (a daemon, a keeper, a rank)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(argv, proc.returncode, out, "")
+
+
+def last_line(out: str) -> str:
+    lines = [line for line in out.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+@pytest.mark.parametrize("script", ["moe_layer.py", "switch_from_flashinfer.py"])
+def test_python_example(script, tmp_path):
+    res = run_example([sys.executable, str(EXAMPLES / script)], tmp_path, timeout=60)
+    name = script[:-3]
+    assert res.returncode == 0, res.stdout
+    assert last_line(res.stdout) == f"{name}: OK", res.stdout
+    assert "MISMATCH" not in res.stdout
+    assert "stopped the daemon" in res.stdout
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_ops_restart(tmp_path):
+    res = run_example(["bash", str(EXAMPLES / "ops_restart.sh")], tmp_path, timeout=90)
+    out = res.stdout
+    assert res.returncode == 0, out
+    assert last_line(out) == "ops_restart: OK", out
+    assert "upgraded: pid" in out
+    assert "PeerLost" in out and "recovered in" in out and "generation 1" in out
