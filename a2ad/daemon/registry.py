@@ -234,6 +234,8 @@ class Registry:
         self.tickets: dict[bytes, tuple[Job, int]] = {}
         #: pidfd -> (job, rank)
         self.pidfds: dict[int, tuple[Job, int]] = {}
+        #: lease connection -> (job, rank) whose lease it is
+        self.leases: dict[object, tuple[Job, int]] = {}
         self.draining = False
         self.counters = {"joins": 0, "attaches": 0, "detaches": 0, "deaths": 0, "rendezvous": 0,
                          "bad_requests": 0, "rearms": 0, "refused": 0}
@@ -583,8 +585,10 @@ class Registry:
         """The redeem's answer went out: ``conn`` is now the rank's lease."""
         slot, job = r.slot, r.job
         if slot.lease_conn is not None and slot.lease_conn is not conn:
+            self.leases.pop(slot.lease_conn, None)
             self.closing.append(slot.lease_conn)  # a renewed lease replaces the old connection
         slot.lease_conn = conn
+        self.leases[conn] = (job, slot.rank)
         self._drop_pidfd(slot)
         if r.kind == "renew":
             log.info("job %s: rank %d renewed its lease (pid %d)", job.name, slot.rank, slot.pid)
@@ -607,17 +611,19 @@ class Registry:
 
     def lease_closed(self, conn: object) -> None:
         """A lease connection ended (EOF, error, or a leave)."""
-        for job in self.jobs.values():
-            for slot in job.slots:
-                if slot.lease_conn is conn:
-                    slot.lease_conn = None
-                    self.closing.append(conn)
-                    if slot.leaving:
-                        self._mark(job, slot, L.RANK_LEFT, "left")
-                    else:
-                        self._mark(job, slot, L.RANK_DEAD, "died (lease connection closed without leave)")
-                    return
         self.closing.append(conn)
+        entry = self.leases.pop(conn, None)
+        if entry is None:
+            return
+        job, rank = entry
+        slot = job.slots[rank]
+        if job.freed or slot.lease_conn is not conn:
+            return
+        slot.lease_conn = None
+        if slot.leaving:
+            self._mark(job, slot, L.RANK_LEFT, "left")
+        else:
+            self._mark(job, slot, L.RANK_DEAD, "died (lease connection closed without leave)")
 
     # ----------------------------------------------------------------- pidfds
     def watch_pid(self, job: Job, slot: RankSlot) -> bool:
@@ -762,6 +768,7 @@ class Registry:
             slot.pending = slot.recovering = None
             self._drop_ticket(slot)
             if slot.lease_conn is not None:
+                self.leases.pop(slot.lease_conn, None)
                 self.closing.append(slot.lease_conn)
                 slot.lease_conn = None
             self._drop_pidfd(slot)
