@@ -501,3 +501,27 @@ def test_the_watchdog_is_fed_while_a_flood_of_requests_is_served(runtime_dir, tm
             holder.close()
         d.stop()
         listener.close()
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.getuid() != 0, reason="needs unshare and root")
+def test_a_join_from_outside_the_daemons_pid_namespace_is_refused(runtime_dir):
+    """The daemon in a pid namespace of its own cannot see a worker outside it (the kernel
+    reports the peer's pid as 0): the join is refused with the reason, not matched to some
+    other process that happens to have the claimed pid in the daemon's namespace."""
+    from a2ad.runtime import python_command
+
+    serve = python_command("a2ad.tools.cli", "serve", "--runtime-dir", str(runtime_dir), "--log-level", "debug",
+                           "--backend", "host", "--fd-store", "none")
+    d = DaemonProcess(runtime_dir, argv=["unshare", "--pid", "--fork", "--mount-proc", "--kill-child=SIGTERM", *serve])
+    try:
+        d.start()
+        with DaemonClient(runtime_dir, timeout=5) as c:
+            with pytest.raises(errors.PermissionDenied, match="pid namespace"):
+                c.request("join", job="ns", ep_rank=0, ep_size=1, spec=SPEC, pid=os.getpid(), device="host")
+            assert c.request("jobs")["jobs"] == []
+        # the daemon is pid 1 of its namespace, a child of unshare: stop it directly
+        child = int(Path(f"/proc/{d.pid}/task/{d.pid}/children").read_text().split()[0])
+        os.kill(child, signal.SIGTERM)
+        assert d.proc.wait(15) == 0
+    finally:
+        d.stop()

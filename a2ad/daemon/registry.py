@@ -280,6 +280,14 @@ class Registry:
     def join(self, peer: Peer, identity: bytes, rid: int, f: dict) -> None:
         """Register a join. The reply is held until the rendezvous (see ``outbox``); errors
         raise at once."""
+        if peer.uid is not None and not peer.pid:
+            # the kernel gave the peer's pid as 0: it lives in a pid namespace the daemon cannot
+            # see into, so its claimed pid would name some other process here
+            raise errors.PermissionDenied(
+                f"the joining process (pid {f['pid']} in its own namespace) is not visible in the daemon's pid "
+                "namespace: run the daemon and its workers in one pid namespace (hostPID, or a shared namespace; "
+                "docs/DEPLOYMENT.md)"
+            )
         if peer.pid and peer.pid != f["pid"]:
             raise errors.PermissionDenied(f"join claims pid {f['pid']} but comes from pid {peer.pid}")
         self.backend.check_device(f["device"])
