@@ -13,7 +13,6 @@ Two layers:
 
 from __future__ import annotations
 
-import array
 import os
 import socket
 import struct
@@ -54,28 +53,22 @@ def send_frame(sock: socket.socket, obj, fds: list[int] | None = None, timeout: 
     data = protocol.frame_fd_message(obj)
     if timeout is not None:
         sock.settimeout(max(timeout, 1e-3))
-    if fds:
-        sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-    else:
-        sent = sock.send(data)
+    sent = socket.send_fds(sock, [data], fds) if fds else sock.send(data)
     if sent < len(data):
         sock.sendall(data[sent:])
 
 
 def _recv_exact(sock: socket.socket, n: int, fds: list[int], deadline: float) -> bytes:
     buf = bytearray()
-    fd_space = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
     while len(buf) < n:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError("timed out reading from the fd socket")
         sock.settimeout(remaining)
-        data, ancdata, flags, _ = sock.recvmsg(n - len(buf), fd_space, socket.MSG_CMSG_CLOEXEC)
-        for level, ctype, cdata in ancdata:
-            if level == socket.SOL_SOCKET and ctype == socket.SCM_RIGHTS:
-                arr = array.array("i")
-                arr.frombytes(cdata[: len(cdata) - (len(cdata) % arr.itemsize)])
-                fds.extend(arr)
+        data, got, flags, _ = socket.recv_fds(sock, n - len(buf), MAX_FDS, socket.MSG_CMSG_CLOEXEC)
+        fds.extend(got)
+        for fd in got:  # some Pythons' recv_fds drop the flags (MSG_CMSG_CLOEXEC): mark them here
+            os.set_inheritable(fd, False)
         if flags & socket.MSG_CTRUNC:
             raise errors.ProtocolError("file descriptors were truncated in transit")
         if not data:
