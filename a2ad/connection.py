@@ -88,11 +88,14 @@ class DaemonClient:
             self._sock.close(0)
             self._sock = None
 
-    def request(self, rtype: str, *, wait: float | None = None, **fields) -> dict:
+    def request(self, rtype: str, *, wait: float | None = None, on_wait=None, wait_step: float = 1.0,
+                **fields) -> dict:
         """Send one request and return the reply payload; raise the error class of an error reply.
 
         Raises DaemonUnavailable when no reply comes within ``wait`` seconds (default: the
-        client's timeout)."""
+        client's timeout). ``on_wait(elapsed)``, when given, is called in this thread about
+        every ``wait_step`` seconds while no reply has come (it must return well before the
+        wait ends: the wait is not extended for it)."""
         timeout = self.timeout if wait is None else wait
         sock = self._socket()
         rid = next(self._ids)
@@ -103,15 +106,24 @@ class DaemonClient:
             raise errors.DaemonUnavailable(f"could not send {rtype!r} to the daemon at {self.runtime_dir}") from None
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        end = time.monotonic() + timeout
+        start = time.monotonic()
+        end = start + timeout
+        next_call = start + wait_step
         while True:
-            remaining = end - time.monotonic()
-            if remaining <= 0 or not poller.poll(max(1, int(remaining * 1000))):
-                if time.monotonic() >= end:
+            now = time.monotonic()
+            remaining = end - now
+            step = remaining if on_wait is None else min(remaining, next_call - now)
+            # a last look without waiting once the time is up (a reply may have come while on_wait ran)
+            if not poller.poll(max(1, int(step * 1000)) if remaining > 0 else 0):
+                now = time.monotonic()
+                if now >= end:
                     self._reset()  # a late reply must not be read as the answer to the next request
                     raise errors.DaemonUnavailable(
                         f"the daemon at {self.runtime_dir} did not answer {rtype!r} within {timeout:g} s"
                     )
+                if on_wait is not None and now >= next_call:
+                    on_wait(now - start)
+                    next_call = time.monotonic() + wait_step
                 continue
             reply = protocol.decode_reply(sock.recv())
             if reply.id not in (rid, -1):

@@ -9,6 +9,7 @@ pid too and cleared in a forked child, which also closes its copy of every lease
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -26,6 +27,17 @@ from .connection import DaemonClient
 
 #: Extra seconds the client waits beyond its rendezvous timeout for the daemon's verdict.
 REPLY_MARGIN = 5.0
+
+log = logging.getLogger("a2ad.client")
+
+#: Environment variable: the level of the "still waiting for ranks ..." lines logged while
+#: attach() waits in the rendezvous (debug, info, warning, ...; off: none). Default: debug.
+PROGRESS_ENV = "A2AD_PROGRESS"
+#: Environment variable: seconds between those lines (default PROGRESS_EVERY).
+PROGRESS_EVERY_ENV = "A2AD_PROGRESS_EVERY"
+PROGRESS_EVERY = 2.0
+#: Longest a progress query (job_info on a second connection) may take.
+PROGRESS_QUERY_WAIT = 1.0
 
 
 def _device_of(backend: str, device) -> tuple[str, torch.device]:
@@ -556,17 +568,23 @@ def _join(job, ep_rank, ep_size, spec, runtime_dir, device, timeout) -> _Shared:
     try:
         hello = client.request("hello", wait=min(timeout, 10.0))
         dev_str, tdev = _device_of(hello["backend"], device)
-        reply = client.request(
-            "join",
-            wait=timeout + REPLY_MARGIN,
-            job=job,
-            ep_rank=ep_rank,
-            ep_size=ep_size,
-            spec=spec,
-            pid=os.getpid(),
-            device=dev_str,
-            timeout=float(timeout),
-        )
+        progress = _Progress(runtime_dir, job, ep_rank, ep_size, timeout)
+        try:
+            reply = client.request(
+                "join",
+                wait=timeout + REPLY_MARGIN,
+                on_wait=progress if progress.level is not None else None,
+                wait_step=progress.every,
+                job=job,
+                ep_rank=ep_rank,
+                ep_size=ep_size,
+                spec=spec,
+                pid=os.getpid(),
+                device=dev_str,
+                timeout=float(timeout),
+            )
+        finally:
+            progress.close()
         aux = L.aux_layout(ep_size, reply["spec"]["max_num_tokens"])
         if list(reply["metainfo"]) != aux.metainfo():
             raise errors.ProtocolError("the daemon's workspace layout differs from this client's (version skew?)")
@@ -574,6 +592,61 @@ def _join(job, ep_rank, ep_size, spec, runtime_dir, device, timeout) -> _Shared:
     except BaseException:
         client.close()
         raise
+
+
+def _progress_settings() -> tuple[int | None, float]:
+    """(log level or None for off, seconds between lines) from the environment."""
+    name = os.environ.get(PROGRESS_ENV, "").strip().lower()
+    if name in ("off", "none", "0", "no", "false"):
+        level = None
+    else:
+        level = logging.getLevelName(name.upper()) if name else logging.DEBUG
+        if not isinstance(level, int):
+            level = logging.DEBUG
+    try:
+        every = float(os.environ.get(PROGRESS_EVERY_ENV, PROGRESS_EVERY))
+    except ValueError:
+        every = PROGRESS_EVERY
+    if not every > 0:  # also NaN
+        every = PROGRESS_EVERY
+    return level, max(every, 0.1)
+
+
+class _Progress:
+    """Called between polls of the held join reply: logs which ranks are still missing,
+    asked with job_info on a second, short-lived connection (same thread). Never raises for
+    a failed query and never runs past the rendezvous timeout."""
+
+    def __init__(self, runtime_dir, job: str, ep_rank: int, ep_size: int, timeout: float):
+        self.level, self.every = _progress_settings()
+        self.runtime_dir, self.job, self.ep_rank, self.ep_size, self.timeout = runtime_dir, job, ep_rank, ep_size, timeout
+        self._client: DaemonClient | None = None
+
+    def __call__(self, elapsed: float) -> None:
+        left = self.timeout - elapsed
+        if self.level is None or left < 0.2 or not log.isEnabledFor(self.level):
+            return
+        wait = min(PROGRESS_QUERY_WAIT, left / 2)
+        try:
+            if self._client is None:
+                self._client = DaemonClient(self.runtime_dir, timeout=wait)
+            info = self._client.request("job_info", wait=wait, job=self.job)
+            ranks = info["ranks"]
+            missing = [r["rank"] for r in ranks if r["state"] not in ("joining", "attached")]
+        except Exception as exc:  # progress is best effort
+            log.debug("job %r rank %d: progress query failed: %s", self.job, self.ep_rank, exc)
+            return
+        if missing:
+            log.log(self.level, "job %r rank %d: waiting %.0f s of %g s for rank(s) %s (%d of %d joined)",
+                    self.job, self.ep_rank, elapsed, self.timeout, missing, len(ranks) - len(missing), len(ranks))
+        else:
+            log.log(self.level, "job %r rank %d: all %d ranks joined after %.0f s; waiting for the daemon",
+                    self.job, self.ep_rank, len(ranks), elapsed)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
 
 def redeem_ticket(client: DaemonClient, ticket: bytes, nfds: int, timeout: float) -> tuple[socket.socket, list[int]]:
