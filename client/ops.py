@@ -92,13 +92,14 @@ after PeerTimeout/PeerLost call ``recover()`` on a MoeAlltoAll of the rank.
 from __future__ import annotations
 
 import math
-import operator
 import threading
 import weakref
 
 import torch
 
 from a2ad import errors, layout as L
+
+from .moe_alltoall import _int_arg
 
 __all__ = [
     "moe_a2a_dispatch",
@@ -245,21 +246,8 @@ def _payload_data_for(device: str, ep_size: int, size_per_rank: int, row_stride:
 # ---------------------------------------------------------------------------
 # Checks
 # ---------------------------------------------------------------------------
-def _int(name: str, value, lo: int, hi: int | None = None) -> int:
-    if isinstance(value, bool):
-        raise errors.InputError(f"{name} must be an integer, got bool", argument=name)
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise errors.InputError(f"{name} must be an integer, got {type(value).__name__}", argument=name) from None
-    if value < lo or (hi is not None and value > hi):
-        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise errors.InputError(f"{name} must be {bound}, got {value}", argument=name)
-    return value
-
-
 def _same(name: str, value, expected: int, what: str) -> None:
-    if _int(name, value, -(1 << 62)) != expected:
+    if _int_arg(name, value, -(1 << 62)) != expected:
         raise errors.InputError(f"{name} is {value}, but {what} is {expected}", argument=name)
 
 
@@ -337,7 +325,7 @@ def _dispatch_run(token_selected_experts, input_payloads, workspace, metainfo, r
             "round at a time; combine it first"
         )
     max_tokens = int(att.spec["max_num_tokens"])
-    rt = _int("runtime_max_tokens_per_rank", runtime_max_tokens_per_rank, 1, max_tokens)
+    rt = _int_arg("runtime_max_tokens_per_rank", runtime_max_tokens_per_rank, 1, max_tokens)
     experts = _tensor("token_selected_experts", token_selected_experts, att.device)
     if experts.dtype not in (torch.int32, torch.int64) or experts.dim() != 2 or experts.shape[1] != top_k:
         raise errors.InputError(
@@ -422,7 +410,7 @@ def _sanitize_impl(expert_ids, workspace, metainfo, ep_rank, invalid_expert_id) 
             f"top_k] payload, got {list(ids.shape)} {ids.dtype}",
             argument="expert_ids",
         )
-    invalid = _int("invalid_expert_id", invalid_expert_id, -(1 << 31), (1 << 31) - 1)
+    invalid = _int_arg("invalid_expert_id", invalid_expert_id, -(1 << 31), (1 << 31) - 1)
     getattr(rnd, "plane", plane).sanitize(ids, rnd.rt, invalid)
 
 

@@ -7,6 +7,7 @@ import array
 import multiprocessing as mp
 import os
 import socket
+import subprocess
 import threading
 import time
 import traceback
@@ -217,3 +218,36 @@ class NotifyListener:
         for _, _, fds in self.messages:
             for fd in fds:
                 os.close(fd)
+
+
+# --------------------------------------------------------------------------- holder processes
+def wait_attached(*procs: subprocess.Popen, timeout: float = 60.0) -> None:
+    """Each process prints ATTACHED once it holds its rank (bounded)."""
+    import select
+
+    for p in procs:
+        r, _, _ = select.select([p.stdout], [], [], timeout)
+        line = p.stdout.readline() if r else ""
+        assert line.strip() == "ATTACHED", f"holder said {line!r} (exit {p.poll()})"
+
+
+def release_holders(*procs: subprocess.Popen, kill: bool = False) -> None:
+    """End holder processes (closing stdin tells them to leave; ``kill`` kills them first)
+    and close their pipes; never waits unbounded."""
+    for p in procs:
+        if kill and p.poll() is None:
+            p.kill()
+        if p.poll() is None:
+            try:
+                p.stdin.close()
+            except OSError:
+                pass
+    for p in procs:
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+        for f in (p.stdin, p.stdout):
+            if f is not None and not f.closed:
+                f.close()

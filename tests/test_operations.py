@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from a2ad import errors, layout as L
 from a2ad.daemon import sdnotify
 from a2ad.client import attach
-from helpers import REPO, DaemonProcess, NotifyListener, run_ranks, wait_for
+from helpers import REPO, DaemonProcess, NotifyListener, release_holders, run_ranks, wait_attached, wait_for
 
 SPEC = dict(max_num_tokens=32, top_k=2, num_experts=16, dispatch_bytes_per_token=256, combine_bytes_per_token=256)
 
@@ -51,32 +51,6 @@ def _holder(rt: Path, job: str, rank: int, n: int) -> subprocess.Popen:
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=str(REPO),
     )
     return p
-
-
-def _wait_attached(*procs: subprocess.Popen) -> None:
-    for p in procs:
-        line = p.stdout.readline()
-        assert line.strip() == "ATTACHED", f"holder said {line!r} (exit {p.poll()})"
-
-
-def _release(*procs: subprocess.Popen, kill: bool = False) -> None:
-    for p in procs:
-        if kill and p.poll() is None:
-            p.kill()
-        if p.poll() is None:
-            try:
-                p.stdin.close()
-            except OSError:
-                pass
-    for p in procs:
-        try:
-            p.wait(15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
-        for f in (p.stdin, p.stdout):
-            if f is not None and not f.closed:
-                f.close()
 
 
 def ctl(rt: Path, *args: str) -> subprocess.CompletedProcess:
@@ -159,7 +133,7 @@ def test_notify_ready_status_watchdog_stopping(runtime_dir, tmp_path, monkeypatc
 
         # STATUS= follows the jobs
         holders = [_holder(runtime_dir, "notified", r, 2) for r in range(2)]
-        _wait_attached(*holders)
+        wait_attached(*holders)
         listener.wait(lambda f: f.get("STATUS") == "1 job, 2 ranks attached, 0 dead", 10, "2 ranks attached")
         holders[1].kill()
         holders[1].wait(10)
@@ -173,7 +147,7 @@ def test_notify_ready_status_watchdog_stopping(runtime_dir, tmp_path, monkeypatc
         stopping = listener.wait(lambda f: "STOPPING" in f, 5, "STOPPING=1")
         assert stopping["STOPPING"] == "1" and stopping["STATUS"].startswith("stopping:")
     finally:
-        _release(*holders, kill=True)  # the daemon is gone: nothing to leave
+        release_holders(*holders, kill=True)  # the daemon is gone: nothing to leave
         d.stop()
         listener.close()
 
@@ -231,7 +205,7 @@ def test_metrics_via_ctl_and_http(runtime_dir):
         assert m(before, "a2ad_rendezvous_latency_seconds_count") == 0
 
         holders = [_holder(runtime_dir, "metered", r, 2) for r in range(2)]
-        _wait_attached(*holders)
+        wait_attached(*holders)
         job = d.request("job_info", job="metered")
         for source in ("ctl", "http"):
             if source == "ctl":
@@ -269,11 +243,11 @@ def test_metrics_via_ctl_and_http(runtime_dir):
         s = parse_metrics(http_get(port)[2])
         assert m(s, "a2ad_jobs") == 0 and m(s, "a2ad_job_bytes") == 0
         assert m(s, "a2ad_released_mapped_bytes") == job["bytes"] and m(s, "a2ad_released_mapped_processes") == 1
-        _release(holders[0], kill=True)
+        release_holders(holders[0], kill=True)
         s = scrape_ctl(runtime_dir)
         assert m(s, "a2ad_released_mapped_bytes") == 0 and m(s, "a2ad_released_mapped_processes") == 0
     finally:
-        _release(*holders)
+        release_holders(*holders)
         d.stop()
 
 

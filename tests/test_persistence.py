@@ -30,7 +30,7 @@ from a2ad import fdpass
 from a2ad.daemon import fdstore, persist
 from a2ad.daemon.fdstore import KeeperStore, cb_name, fdname_is_valid, normalize_name, parse_name, ws_name
 from a2ad.runtime import STATE_FILE, python_command
-from helpers import REPO, DaemonProcess, NotifyListener, fd_count, reap_keeper, wait_for
+from helpers import REPO, DaemonProcess, NotifyListener, fd_count, reap_keeper, release_holders, wait_attached, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -148,31 +148,6 @@ def _holder(rt: Path, job: str, rank: int, n: int) -> subprocess.Popen:
         [sys.executable, "-c", HOLDER, str(rt), job, str(rank), str(n), json.dumps(SPEC)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=str(REPO),
     )
-
-
-def _wait_attached(*procs: subprocess.Popen, timeout: float = 60.0) -> None:
-    for p in procs:
-        r, _, _ = select.select([p.stdout], [], [], timeout)
-        line = p.stdout.readline() if r else ""
-        assert line.strip() == "ATTACHED", f"holder said {line!r} (exit {p.poll()})"
-
-
-def _release(*procs: subprocess.Popen) -> None:
-    for p in procs:
-        if p.poll() is None:
-            try:
-                p.stdin.close()
-            except OSError:
-                pass
-    for p in procs:
-        try:
-            p.wait(15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
-        for f in (p.stdin, p.stdout):
-            if f is not None and not f.closed:
-                f.close()
 
 
 # --------------------------------------------------------------------------- (a) keeper, 600 fds
@@ -694,7 +669,7 @@ def test_daemon_fdstore_messages_carry_valid_names_and_one_fd_each(runtime_dir, 
         d.start()
         monkeypatch.delenv("NOTIFY_SOCKET")  # only for the daemon
         holders = [_holder(runtime_dir, job, r, 2) for r in range(2)]
-        _wait_attached(*holders)
+        wait_attached(*holders)
         want = {ws_name(job, 0), ws_name(job, 1), cb_name(job)}
 
         def stored():
@@ -711,7 +686,7 @@ def test_daemon_fdstore_messages_carry_valid_names_and_one_fd_each(runtime_dir, 
         assert {f["FDNAME"] for f, _ in msgs} == want
         assert d.log().count("is not a name systemd accepts") == 0
     finally:
-        _release(*holders)
+        release_holders(*holders)
         d.stop()
         listener.close()
 
@@ -966,7 +941,7 @@ def test_systemd_restart_readopts_the_job_from_listen_fds(runtime_dir, tmp_path,
         d1.start()
         monkeypatch.delenv("NOTIFY_SOCKET")
         holders = [_holder(runtime_dir, job, r, 2) for r in range(2)]
-        _wait_attached(*holders)
+        wait_attached(*holders)
         want = {ws_name(job, 0), ws_name(job, 1), cb_name(job)}
         wait_for(lambda: set(_systemd_store(listener)) >= want, 20, "the job's fds in the store")
         d1.stop()
@@ -997,7 +972,7 @@ def test_systemd_restart_readopts_the_job_from_listen_fds(runtime_dir, tmp_path,
         assert jobs == [job], log_path.read_text(errors="replace")
         assert "without a usable a2ad name" not in log_path.read_text(errors="replace")
     finally:
-        _release(*holders)
+        release_holders(*holders)
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -1020,7 +995,7 @@ def test_daemon_adopts_the_good_record_and_skips_the_bad_one(runtime_dir):
     try:
         d1.start()
         holders = [_holder(runtime_dir, job, r, 2) for r in range(2)]
-        _wait_attached(*holders)
+        wait_attached(*holders)
         wait_for(lambda: [r["name"] for r in (persist.load(runtime_dir) or {}).get("jobs", [])] == [job], 10,
                  "the job in the state file")
         d1.kill9()
@@ -1039,7 +1014,7 @@ def test_daemon_adopts_the_good_record_and_skips_the_bad_one(runtime_dir):
         wait_for(lambda: [r["name"] for r in (persist.load(runtime_dir) or {}).get("jobs", [])] == [job], 10,
                  "a state file without the broken record")
     finally:
-        _release(*holders)
+        release_holders(*holders)
         if d2 is not None:
             d2.stop()
         d1.stop()
