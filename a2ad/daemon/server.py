@@ -410,15 +410,19 @@ class Daemon:
             fn(*args)
         except Exception:
             log.exception("internal error in %s (the daemon keeps serving)", what)
-        self._flush()
+        self._deliver()
 
-    def _flush(self) -> None:
+    def _deliver(self) -> None:
         """Carry out what the registry decided: replies, lease connections to close."""
         outbox, self.registry.outbox = self.registry.outbox, []
         for identity, data in outbox:
             self._send(identity, data)
         if self.fdsock is not None:
             self.fdsock.close_pending()
+
+    def _flush(self) -> None:
+        """What the registry decided, then the state file (at most once per loop turn)."""
+        self._deliver()
         if self.registry.dirty:
             self.registry.dirty = False
             self.state.mark_dirty()
@@ -465,7 +469,7 @@ class Daemon:
             reply = handle(self, identity, frames[1].bytes, _zmq_peer(frames[1]))
             if reply is not None:
                 self._send(identity, reply)
-            self._flush()
+            self._deliver()
             self.notifier.tick(self)
 
     def _send(self, identity: bytes, data: bytes) -> None:
