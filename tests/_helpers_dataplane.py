@@ -172,3 +172,32 @@ _job_ids = itertools.count()
 def job_name(prefix: str) -> str:
     """A job name no other test of this session uses."""
     return f"{prefix}-{os.getpid()}-{next(_job_ids)}"
+
+
+def make_job(daemons, backend: str, prefix: str, ep: int, *, max_num_tokens: int = 6, top_k: int = 4,
+             num_experts: int = 16, hidden: int = 64, **kw):
+    """A ``dataplane_cases.JobSpec`` on the shared daemon of ``backend``, with a fresh name."""
+    import dataplane_cases as cases
+
+    return cases.JobSpec(
+        runtime_dir=str(daemons(backend).runtime_dir),
+        name=job_name(prefix),
+        backend=backend,
+        ep_size=ep,
+        max_num_tokens=max_num_tokens,
+        top_k=top_k,
+        num_experts=num_experts,
+        hidden=hidden,
+        timeout=20.0,
+        **kw,
+    )
+
+
+def run_job(pool, job, fn, *args, timeout: float = 180.0):
+    """Run scenario ``fn`` on every rank of ``job``, then close the job on every rank."""
+    import dataplane_cases as cases
+
+    try:
+        return pool.run(job.ep_size, fn, job, *args, timeout=timeout)
+    finally:
+        pool.run(job.ep_size, cases.close_job, job.name, timeout=30.0)

@@ -13,32 +13,12 @@ import pytest
 import torch
 
 import dataplane_cases as cases
-from _helpers_dataplane import BACKENDS, dataplane_daemons, job_name, rank_pool  # noqa: F401  (fixtures)
+from _helpers_dataplane import BACKENDS, dataplane_daemons, make_job, rank_pool, run_job  # noqa: F401  (fixtures)
 from a2ad import errors, layout as L
 from a2ad.client import moe_alltoall as m
 
 
-def _job(daemons, backend, prefix, ep, *, max_num_tokens=6, top_k=4, num_experts=16, hidden=64, **kw):
-    return cases.JobSpec(
-        runtime_dir=str(daemons(backend).runtime_dir),
-        name=job_name(prefix),
-        backend=backend,
-        ep_size=ep,
-        max_num_tokens=max_num_tokens,
-        top_k=top_k,
-        num_experts=num_experts,
-        hidden=hidden,
-        timeout=20.0,
-        **kw,
-    )
-
-
-def _run(pool, job, fn, *args, timeout=180.0):
-    """Run scenario ``fn`` on every rank of ``job``, then close the job on every rank."""
-    try:
-        return pool.run(job.ep_size, fn, job, *args, timeout=timeout)
-    finally:
-        pool.run(job.ep_size, cases.close_job, job.name, timeout=30.0)
+_job, _run = make_job, run_job
 
 
 # ---------------------------------------------------------------------------

@@ -11,30 +11,17 @@ from __future__ import annotations
 import pytest
 
 import dataplane_cases as cases
-from _helpers_dataplane import BACKENDS, dataplane_daemons, job_name, rank_pool  # noqa: F401  (fixtures)
+from _helpers_dataplane import BACKENDS, dataplane_daemons, make_job, rank_pool, run_job  # noqa: F401  (fixtures)
 
 CUDA = [pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 
 
-def _job(daemons, backend, prefix, ep=2, *, max_num_tokens=6, top_k=4, num_experts=16, hidden=256):
-    return cases.JobSpec(
-        runtime_dir=str(daemons(backend).runtime_dir),
-        name=job_name(prefix),
-        backend=backend,
-        ep_size=ep,
-        max_num_tokens=max_num_tokens,
-        top_k=top_k,
-        num_experts=num_experts,
-        hidden=hidden,
-        timeout=20.0,
-    )
+def _job(daemons, backend, prefix, ep=2, **kw):
+    return make_job(daemons, backend, prefix, ep, **{"hidden": 256, **kw})
 
 
 def _run(pool, job, fn, *args, timeout=240.0):
-    try:
-        return pool.run(job.ep_size, fn, job, *args, timeout=timeout)
-    finally:
-        pool.run(job.ep_size, cases.close_job, job.name, timeout=30.0)
+    return run_job(pool, job, fn, *args, timeout=timeout)
 
 
 @pytest.mark.parametrize("backend", CUDA)
