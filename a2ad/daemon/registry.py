@@ -293,11 +293,11 @@ class Registry:
         self.backend.check_device(f["device"])
         spec = protocol.normalize_spec(f["spec"], f["ep_size"])
         name, rank = f["job"], f["ep_rank"]
-        existing = self.jobs.get(name)
+        job = self.jobs.get(name)
         # a join that completes its rendezvous is released at once: it is never held
         completes = f["ep_size"] == 1 or (
-            existing is not None and existing.ep_size == f["ep_size"]
-            and all(s.live for s in existing.slots if s.rank != rank)
+            job is not None and job.ep_size == f["ep_size"]
+            and all(s.live for s in job.slots if s.rank != rank)
         )
         if peer.uid is not None and not completes:
             held = sum(1 for j in self.jobs.values() for s in j.slots if s.pending is not None and s.uid == peer.uid)
@@ -315,7 +315,6 @@ class Registry:
             raise errors.InvalidField(f"pid {f['pid']} is not a running process", field="pid") from None
         except OSError:
             pidfd = None  # no pidfd support: a death during rendezvous is caught by the timeout
-        job = self.jobs.get(name)
         try:
             if job is None:
                 if self.draining:
@@ -348,7 +347,7 @@ class Registry:
                 self._start_grace(job)
             raise
         replacing = slot.state == L.RANK_DEAD or slot.attaches > 0
-        self._drop_pidfd(slot)
+        self.drop_pidfd(slot)
         slot.state = L.RANK_JOINING
         slot.pid, slot.uid, slot.device = f["pid"], peer.uid, f["device"]
         slot.leaving = False
@@ -384,7 +383,7 @@ class Registry:
             self._start_grace(job)
 
     def _reset_joining(self, job: Job, slot: RankSlot) -> None:
-        self._drop_pidfd(slot)
+        self.drop_pidfd(slot)
         self._drop_ticket(slot)
         slot.state = L.RANK_EMPTY
         slot.lease = None
@@ -535,7 +534,7 @@ class Registry:
             self._drop_ticket(slot)
             if slot.pending is not None:
                 slot.pending = None
-            self._drop_pidfd(slot)
+            self.drop_pidfd(slot)
             self._mark(job, slot, L.RANK_LEFT, "left")
         return {}
 
@@ -597,7 +596,7 @@ class Registry:
             self.closing.append(slot.lease_conn)  # a renewed lease replaces the old connection
         slot.lease_conn = conn
         self.leases[conn] = (job, slot.rank)
-        self._drop_pidfd(slot)
+        self.drop_pidfd(slot)
         if r.kind == "renew":
             log.info("job %s: rank %d renewed its lease (pid %d)", job.name, slot.rank, slot.pid)
             return
@@ -636,7 +635,7 @@ class Registry:
     # ----------------------------------------------------------------- pidfds
     def watch_pid(self, job: Job, slot: RankSlot) -> bool:
         """Watch a rank's process with a pidfd; False when it is already gone."""
-        self._drop_pidfd(slot)
+        self.drop_pidfd(slot)
         try:
             slot.pidfd = os.pidfd_open(slot.pid)
         except (ProcessLookupError, OSError, TypeError):
@@ -644,7 +643,7 @@ class Registry:
         self.pidfds[slot.pidfd] = (job, slot.rank)
         return True
 
-    def _drop_pidfd(self, slot: RankSlot) -> None:
+    def drop_pidfd(self, slot: RankSlot) -> None:
         if slot.pidfd is not None:
             self.pidfds.pop(slot.pidfd, None)
             os.close(slot.pidfd)
@@ -656,7 +655,7 @@ class Registry:
             return
         job, rank = entry
         slot = job.slots[rank]
-        self._drop_pidfd(slot)
+        self.drop_pidfd(slot)
         if job.freed:
             return
         if slot.state == L.RANK_JOINING:
@@ -779,7 +778,7 @@ class Registry:
                 self.leases.pop(slot.lease_conn, None)
                 self.closing.append(slot.lease_conn)
                 slot.lease_conn = None
-            self._drop_pidfd(slot)
+            self.drop_pidfd(slot)
             if slot.alloc is not None:
                 self.store.drop(ws_name(job.name, slot.rank))
                 self.backend.release(slot.alloc)
@@ -795,7 +794,7 @@ class Registry:
         """Close the daemon's own copies of a job's fds without freeing anything (the job lives
         on in the fd store for the next daemon)."""
         for slot in job.slots:
-            self._drop_pidfd(slot)
+            self.drop_pidfd(slot)
             if slot.alloc is not None and slot.alloc.fd >= 0:
                 os.close(slot.alloc.fd)
                 slot.alloc.fd = -1

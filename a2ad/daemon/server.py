@@ -602,10 +602,7 @@ class Daemon:
                 control.set_rank_state(slot.rank, state)
         except BaseException:
             for slot in job.slots:
-                if slot.pidfd is not None:
-                    self.registry.pidfds.pop(slot.pidfd, None)
-                    os.close(slot.pidfd)
-                    slot.pidfd = None
+                self.registry.drop_pidfd(slot)
             control.close()
             raise
         if not job.live_ranks():
@@ -760,7 +757,7 @@ class Daemon:
                 (self.cfg.runtime_dir / runtime.STATE_FILE).unlink()
             except FileNotFoundError:
                 pass
-        self._flush_replies_only()
+        self._deliver()
         self._unbind()
         kept = bool(reg.jobs)
         for job in list(reg.jobs.values()):  # close our copies only; the store keeps theirs
@@ -771,11 +768,6 @@ class Daemon:
         if self.lock is not None:
             self.lock.release()
         log.info("stopped")
-
-    def _flush_replies_only(self) -> None:
-        outbox, self.registry.outbox = self.registry.outbox, []
-        for identity, data in outbox:
-            self._send(identity, data)
 
     # ----------------------------------------------------------------- status
     def status(self, peer: Peer | None = None) -> dict:
