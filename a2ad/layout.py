@@ -33,9 +33,12 @@ aligned; all int32)::
                                                    (early readiness; optional, CUDA kernels only)
     RECV_RTS                    [ep_size]          written by source s: the runtime_max_tokens_per_rank
                                                    of its current dispatch (every rank must pass the same)
+    DISPATCH_READY              [ep_size] u64      written by source s in one release store:
+                                                   ``(tokens s sent here << 32) | round`` (CUDA
+                                                   kernels: the count travels with the flag)
     PAYLOAD_DATA                                   start of the payload area
 
-``slices`` is ``ceil(max_tokens / COMBINE_SLICE_ROWS)``. The three last fields are
+``slices`` is ``ceil(max_tokens / COMBINE_SLICE_ROWS)``. The four last fields are
 not in the seed's metainfo list; they only move PAYLOAD_DATA, and a client checks
 the daemon's metainfo against its own, so a daemon and client that disagree on the
 layout refuse each other at join.
@@ -94,6 +97,21 @@ ALIGN = 128
 #: Room for aligning up to MAX_PAYLOADS dispatch regions and the combine region.
 ALIGN_SLACK = (MAX_PAYLOADS + 1) * ALIGN
 BLOCK_COUNTER_SLOTS = 32
+# What the CUDA kernels keep in BLOCK_COUNTERS (this rank's own scratch, int32 slots).
+#: Arrival counters of the last-block pattern (dispatch, combine).
+SLOT_DISPATCH_ARRIVAL = 0
+SLOT_COMBINE_ARRIVAL = 1
+#: The round whose dispatch / combine wait the launch's poller gave up on.
+SLOT_DISPATCH_GIVE_UP = 2
+SLOT_COMBINE_GIVE_UP = 3
+#: The overlapped combine's next pull item (dispatch zeroes it).
+SLOT_PULL_WORK = 4
+#: Slots 6-7, one u64: ``~((token << 32) | id)`` of the round's smallest bad (token, expert id).
+SLOT_BAD_EXPERT = 6
+#: The round whose dispatch saw a peer pass another runtime_max_tokens_per_rank.
+SLOT_RT_MISMATCH = 8
+#: The claim that elects the single writer of this rank's status record.
+SLOT_STATUS_CLAIM = BLOCK_COUNTER_SLOTS - 1
 #: Rows of one combine slice: the unit in which a rank announces that part of its
 #: combine region is staged (COMBINE_SLICE_FLAGS).
 COMBINE_SLICE_ROWS = 8
@@ -154,6 +172,8 @@ class AuxLayout:
     combine_slices: int
     #: [ep_size] int32, written by source s: its runtime_max_tokens_per_rank this round.
     recv_rts: int
+    #: [ep_size] uint64, written by source s: (count << 32) | round, one release store.
+    dispatch_ready: int
     payload_data: int
     #: Bytes the daemon zeroes (everything before PAYLOAD_DATA).
     aux_bytes: int
@@ -207,6 +227,7 @@ def aux_layout(ep_size: int, max_num_tokens: int) -> AuxLayout:
     slices = combine_slices(max_num_tokens)
     slice_flags = take(4 * ep_size * slices)
     recv_rts = take(4 * ep_size)
+    dispatch_ready = take(8 * ep_size)
     payload_data = off
     return AuxLayout(
         ep_size=ep_size,
@@ -224,6 +245,7 @@ def aux_layout(ep_size: int, max_num_tokens: int) -> AuxLayout:
         combine_slice_flags=slice_flags,
         combine_slices=slices,
         recv_rts=recv_rts,
+        dispatch_ready=dispatch_ready,
         payload_data=payload_data,
         aux_bytes=payload_data,
         aux_data_size=payload_data + ALIGN_SLACK,
@@ -435,3 +457,70 @@ def status_offset(rank: int) -> int:
 
 def input_offset(rank: int) -> int:
     return CB_INPUT + rank * INPUT_RECORD_SIZE
+
+
+# ---------------------------------------------------------------------------
+# The constants the CUDA sources share, as a C++ header
+# ---------------------------------------------------------------------------
+#: Every constant csrc/ takes from this module (csrc/layout.h is generated from it).
+C_HEADER_CONSTANTS = (
+    "MAX_TOP_K",
+    "MAX_EP_SIZE",
+    "MAX_PAYLOADS",
+    "BLOCK_COUNTER_SLOTS",
+    "COMBINE_SLICE_ROWS",
+    "INITIAL_ROUND",
+    "SLOT_DISPATCH_ARRIVAL",
+    "SLOT_COMBINE_ARRIVAL",
+    "SLOT_DISPATCH_GIVE_UP",
+    "SLOT_COMBINE_GIVE_UP",
+    "SLOT_PULL_WORK",
+    "SLOT_BAD_EXPERT",
+    "SLOT_RT_MISMATCH",
+    "SLOT_STATUS_CLAIM",
+    "CB_ABORT",
+    "CB_STATUS",
+    "STATUS_RECORD_SIZE",
+    "STATUS_CODE",
+    "STATUS_PEER",
+    "STATUS_ROUND",
+    "STATUS_PHASE",
+    "STATUS_WAITED_NS",
+    "STATUS_TIMEOUT",
+    "STATUS_ABORTED",
+    "PHASE_DISPATCH",
+    "PHASE_COMBINE",
+    "CB_INPUT",
+    "INPUT_RECORD_SIZE",
+    "INPUT_CODE",
+    "INPUT_INDEX",
+    "INPUT_VALUE",
+    "INPUT_ROUND",
+    "INPUT_BAD_EXPERT",
+    "INPUT_RT_MISMATCH",
+)
+
+C_HEADER_PATH = "csrc/layout.h"
+
+
+def c_header() -> str:
+    """The text of csrc/layout.h: :data:`C_HEADER_CONSTANTS` as ``constexpr`` values."""
+    g = globals()
+    lines = [
+        "// Generated from a2ad/layout.py by `python -m a2ad.layout > csrc/layout.h`; do not edit.",
+        "// The constants the kernels share with Python (tests/test_layout.py checks this file is current).",
+        "#pragma once",
+        "",
+        "namespace a2ad {",
+        "namespace layout {",
+        "",
+    ]
+    lines += [f"constexpr int {name} = {int(g[name])};" for name in C_HEADER_CONSTANTS]
+    lines += ["", "}  // namespace layout", "}  // namespace a2ad", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.stdout.write(c_header())

@@ -74,3 +74,22 @@ def test_contiguous_partition(num_experts, ep, sizes):
 def test_partition_refuses_more_ranks_than_experts():
     with pytest.raises(ValueError):
         L.expert_partition(3, 4)
+
+
+def test_generated_c_header_is_current():
+    """csrc/layout.h is what a2ad.layout generates: the kernels and Python share one source."""
+    from pathlib import Path
+
+    from a2ad import layout as L
+
+    path = Path(__file__).resolve().parent.parent / L.C_HEADER_PATH
+    assert path.read_text() == L.c_header(), "csrc/layout.h is stale: run `python -m a2ad.layout > csrc/layout.h`"
+
+
+def test_dispatch_ready_is_an_aligned_u64_field_before_the_payloads():
+    from a2ad import layout as L
+
+    for ep, mt in ((1, 1), (2, 256), (8, 4096), (64, 17)):
+        aux = L.aux_layout(ep, mt)
+        assert aux.dispatch_ready % 8 == 0 and aux.dispatch_ready >= aux.recv_rts + 4 * ep
+        assert aux.dispatch_ready + 8 * ep <= aux.payload_data

@@ -1,0 +1,44 @@
+// Generated from a2ad/layout.py by `python -m a2ad.layout > csrc/layout.h`; do not edit.
+// The constants the kernels share with Python (tests/test_layout.py checks this file is current).
+#pragma once
+
+namespace a2ad {
+namespace layout {
+
+constexpr int MAX_TOP_K = 22;
+constexpr int MAX_EP_SIZE = 64;
+constexpr int MAX_PAYLOADS = 6;
+constexpr int BLOCK_COUNTER_SLOTS = 32;
+constexpr int COMBINE_SLICE_ROWS = 8;
+constexpr int INITIAL_ROUND = 1;
+constexpr int SLOT_DISPATCH_ARRIVAL = 0;
+constexpr int SLOT_COMBINE_ARRIVAL = 1;
+constexpr int SLOT_DISPATCH_GIVE_UP = 2;
+constexpr int SLOT_COMBINE_GIVE_UP = 3;
+constexpr int SLOT_PULL_WORK = 4;
+constexpr int SLOT_BAD_EXPERT = 6;
+constexpr int SLOT_RT_MISMATCH = 8;
+constexpr int SLOT_STATUS_CLAIM = 31;
+constexpr int CB_ABORT = 16;
+constexpr int CB_STATUS = 512;
+constexpr int STATUS_RECORD_SIZE = 32;
+constexpr int STATUS_CODE = 0;
+constexpr int STATUS_PEER = 4;
+constexpr int STATUS_ROUND = 8;
+constexpr int STATUS_PHASE = 12;
+constexpr int STATUS_WAITED_NS = 16;
+constexpr int STATUS_TIMEOUT = 1;
+constexpr int STATUS_ABORTED = 2;
+constexpr int PHASE_DISPATCH = 1;
+constexpr int PHASE_COMBINE = 2;
+constexpr int CB_INPUT = 2560;
+constexpr int INPUT_RECORD_SIZE = 16;
+constexpr int INPUT_CODE = 0;
+constexpr int INPUT_INDEX = 4;
+constexpr int INPUT_VALUE = 8;
+constexpr int INPUT_ROUND = 12;
+constexpr int INPUT_BAD_EXPERT = 1;
+constexpr int INPUT_RT_MISMATCH = 2;
+
+}  // namespace layout
+}  // namespace a2ad
