@@ -1,4 +1,4 @@
-"""a2ad-bench (a2ad/bench.py): accounting, routing, the Megatron-style permutation, checks,
+"""a2ad-bench (a2ad/bench/): accounting, routing, the Megatron-style permutation, checks,
 statistics and output formatting on CPU; the capture-mode selection and its fallback; the eager
 timing loop; FlashInfer's availability, its archive preparation and its rows (through a CPU
 stand-in package written by the tests); the CPU dry run end to end; and, with 2 GPUs,
@@ -327,7 +327,7 @@ def test_table_and_report_formatting():
 def test_json_roundtrip_has_no_nan(tmp_path):
     rows = _rows()
     rows[0]["check"]["rel_err"] = float("inf")
-    result = B._finite({"schema": B.SCHEMA, "rows": rows, "x": float("nan")})
+    result = B.report._finite({"schema": B.SCHEMA, "rows": rows, "x": float("nan")})
     path = tmp_path / "sub" / "bench.json"
     B.write_json(result, path)
     back = json.loads(path.read_text())
@@ -481,12 +481,12 @@ def clean_flashinfer_modules():
 
 
 def test_flashinfer_probe_reasons(tmp_path, monkeypatch, clean_flashinfer_modules):
-    monkeypatch.setattr(B, "FLASHINFER_MODULE", "a2ad_no_such_package.comm.trtllm_moe_alltoall")
+    monkeypatch.setattr(B.impls, "FLASHINFER_MODULE", "a2ad_no_such_package.comm.trtllm_moe_alltoall")
     info = B.flashinfer_probe(cuda=True)
     assert not info["available"]
     assert "does not import" in info["reason"] and "ModuleNotFoundError" in info["reason"]
     assert "pip install flashinfer-python" in info["reason"] and "--flashinfer-archive" in info["reason"]
-    monkeypatch.setattr(B, "FLASHINFER_MODULE", "flashinfer.comm.trtllm_moe_alltoall")
+    monkeypatch.setattr(B.impls, "FLASHINFER_MODULE", "flashinfer.comm.trtllm_moe_alltoall")
     real = _write_fake_flashinfer(tmp_path / "real", standin=False)  # like the real one: needs CUDA
     monkeypatch.syspath_prepend(str(real))
     info = B.flashinfer_probe(cuda=False)
@@ -622,7 +622,7 @@ def test_capture_summary_report_and_perf_doc():
     assert "- FlashInfer: 0.7.2.post1 (--flashinfer-archive fi.tgz)" in doc
     result["flashinfer"] = {"available": False, "reason": "flashinfer.comm.trtllm_moe_alltoall does not import"}
     assert "- FlashInfer: not run: flashinfer.comm.trtllm_moe_alltoall does not import" in B.perf_doc(result, None)
-    assert B._skip_what({"impl": "flashinfer", "reason": "x"}) == "flashinfer (every point)"
+    assert B.report._skip_what({"impl": "flashinfer", "reason": "x"}) == "flashinfer (every point)"
 
 
 def test_exception_text_names_the_masked_exception():
@@ -683,7 +683,7 @@ def _replay_checks(graphs, static, T, E, k, H, set_idx):
     fresh = B.make_inputs(1, 0, T, H, set_idx, k, E, None, "cpu")
     static.copy_from(fresh)
     graphs["d"].replay()
-    got = B._received_a2ad(graphs["recv_d"], [fresh], 0, E, 1)
+    got = B.workload._received_a2ad(graphs["recv_d"], [fresh], 0, E, 1)
     assert B.check_received(got, [fresh], 0, E, 1) == (True, "")
     graphs["c"].replay()
     res = B.check_combine(graphs["out_c"], fresh, E, 1)
@@ -710,7 +710,7 @@ def test_capture_falls_back_to_the_plane_and_says_why(daemon, monkeypatch):
     E, k, H, T = 16, 4, 32, 6
     ctx = _one_rank_ctx(daemon, "api")
     job = B.A2adJob(ctx, H, 0)
-    real_capture = B._capture
+    real_capture = B.timing._capture
     calls = []
 
     def failing_once(ctx_, fn):
@@ -720,7 +720,7 @@ def test_capture_falls_back_to_the_plane_and_says_why(daemon, monkeypatch):
             raise RuntimeError("operation not permitted when stream is capturing")
         return real_capture(ctx_, fn)
 
-    monkeypatch.setattr(B, "_capture", failing_once)
+    monkeypatch.setattr(B.timing, "_capture", failing_once)
     first = job.a2a
     try:
         static = B.make_inputs(1, 0, T, H, 0, k, E, None, "cpu").clone()
@@ -800,13 +800,13 @@ def test_plane_calls_replay_sees_new_inputs(daemon):
     try:
         ctx = SimpleNamespace(barrier=lambda: None, sync=lambda: None)
         static = B.make_inputs(1, 0, T, H, 0, k, E, None, "cpu").clone()
-        d, c = B._plane_calls(ctx, a2a, static, T)
+        d, c = B.impls._plane_calls(ctx, a2a, static, T)
         assert a2a.phase == "idle"
         for set_idx in (1, 2):
             fresh = B.make_inputs(1, 0, T, H, set_idx, k, E, None, "cpu")
             static.copy_from(fresh)
             recv = d()
-            got = B._received_a2ad(recv, [fresh], 0, E, 1)
+            got = B.workload._received_a2ad(recv, [fresh], 0, E, 1)
             assert B.check_received(got, [fresh], 0, E, 1) == (True, "")
             out = c(recv)
             res = B.check_combine(out, fresh, E, 1)
