@@ -70,6 +70,14 @@ GPU access on the CUDA backend)::
     16   u32  abort word         0, or an ABORT_* reason; set by the daemon
     20   i32  abort rank         the rank whose loss caused the abort, or -1
     24   u32  ep_size
+    28   u32  peer-loss policy   POLICY_RAISE (0) or POLICY_DEGRADE (1), set at creation; the
+                                 active-rank fields below mean something only for POLICY_DEGRADE
+                                 (a raise job's ranks are all active until it is aborted)
+    32   u64  active mask        bit q set: the daemon counts rank q as a live member; cleared
+                                 when q dies or leaves, set again when a replacement attached
+    40   u64  mask generation    bumped by the daemon with every change of the active mask
+    48   u64  degraded since     CLOCK_MONOTONIC ns at which the mask lost its first bit, 0
+                                 while every bit is set
     64   u32  rank state [64]    RANK_* values, maintained by the daemon
     512  status record [64]      one per rank, STATUS_RECORD_SIZE bytes each, written by that
                                  rank's own kernels/host waits when a wait fails:
@@ -81,6 +89,14 @@ GPU access on the CUDA backend)::
                                  +4 i32 index (the token, or the peer), +8 i32 value (the
                                  expert id, or the peer's runtime_max_tokens_per_rank),
                                  +12 u32 round. The client raises InputError and clears it.
+    3584 i32  admit round [64]   per rank: the first round it takes part in (0 for the ranks of a
+                                 full rendezvous), ADMIT_JOINED while a replacement waits for its
+                                 first dispatch, ADMIT_READY once that dispatch asks to be let in
+                                 (written by the daemon, the replacement and the lowest active
+                                 rank in turn; docs/PROTOCOL.md, "Degraded mode")
+
+Rank q takes part in round R when its mask bit is set and ``0 <= admit round[q] <= R``
+(:func:`effective_mask`); every wait on a peer also ends when the peer's bit is cleared.
 """
 
 from __future__ import annotations
@@ -382,6 +398,10 @@ CB_GENERATION = 8
 CB_ABORT = 16
 CB_ABORT_RANK = 20
 CB_EP_SIZE = 24
+CB_POLICY = 28
+CB_ACTIVE_MASK = 32
+CB_MASK_GENERATION = 40
+CB_DEGRADED_SINCE_NS = 48
 CB_RANK_STATE = 64
 CB_STATUS = 512
 STATUS_RECORD_SIZE = 32
@@ -396,6 +416,21 @@ INPUT_CODE = 0
 INPUT_INDEX = 4
 INPUT_VALUE = 8
 INPUT_ROUND = 12
+CB_ADMIT_ROUND = CB_INPUT + MAX_EP_SIZE * INPUT_RECORD_SIZE
+
+# What a job does when a rank dies or leaves while it runs (the job spec's on_peer_loss).
+#: Abort the job: every rank raises PeerLost and recovers with a replacement (the default).
+POLICY_RAISE = 0
+#: Keep serving without the rank: its mask bit is cleared, its experts' tokens are dropped.
+POLICY_DEGRADE = 1
+POLICY_NAMES = {POLICY_RAISE: "raise", POLICY_DEGRADE: "degrade"}
+POLICY_CODES = {name: code for code, name in POLICY_NAMES.items()}
+
+# Admit-round values that are not rounds (a rank with one of them takes part in no round).
+#: The daemon re-initialized a replacement's row; the replacement has not dispatched yet.
+ADMIT_JOINED = -1
+#: The replacement's first dispatch asks to be let in; the lowest active rank picks its round.
+ADMIT_READY = -2
 
 # Input errors a rank's kernels found (the input record's code).
 INPUT_OK = 0
@@ -447,8 +482,9 @@ PHASE_DISPATCH = 1
 PHASE_COMBINE = 2
 PHASE_NAMES = {PHASE_DISPATCH: "dispatch", PHASE_COMBINE: "combine"}
 
-assert CB_INPUT + MAX_EP_SIZE * INPUT_RECORD_SIZE <= CONTROL_BLOCK_SIZE
+assert CB_ADMIT_ROUND + 4 * MAX_EP_SIZE <= CONTROL_BLOCK_SIZE
 assert CB_RANK_STATE + 4 * MAX_EP_SIZE <= CB_STATUS
+assert CB_DEGRADED_SINCE_NS + 8 <= CB_RANK_STATE
 
 
 def status_offset(rank: int) -> int:
@@ -457,6 +493,33 @@ def status_offset(rank: int) -> int:
 
 def input_offset(rank: int) -> int:
     return CB_INPUT + rank * INPUT_RECORD_SIZE
+
+
+def admit_offset(rank: int) -> int:
+    return CB_ADMIT_ROUND + 4 * rank
+
+
+def full_mask(ep_size: int) -> int:
+    """The active mask of a job whose ranks are all active."""
+    return (1 << ep_size) - 1
+
+
+def effective_mask(active_mask: int, admit_rounds, round: int) -> int:
+    """The ranks that take part in round ``round``: those whose bit is set in ``active_mask``
+    and whose admit round (``admit_rounds[q]``) is in ``[0, round]``."""
+    out = 0
+    m = active_mask
+    while m:
+        q = (m & -m).bit_length() - 1
+        m &= m - 1
+        if 0 <= admit_rounds[q] <= round:
+            out |= 1 << q
+    return out
+
+
+def mask_ranks(mask: int) -> list[int]:
+    """The ranks whose bits are set in ``mask``, ascending."""
+    return [q for q in range(mask.bit_length()) if mask >> q & 1]
 
 
 # ---------------------------------------------------------------------------
@@ -498,6 +561,14 @@ C_HEADER_CONSTANTS = (
     "INPUT_ROUND",
     "INPUT_BAD_EXPERT",
     "INPUT_RT_MISMATCH",
+    "CB_POLICY",
+    "POLICY_RAISE",
+    "POLICY_DEGRADE",
+    "CB_ACTIVE_MASK",
+    "CB_MASK_GENERATION",
+    "CB_ADMIT_ROUND",
+    "ADMIT_JOINED",
+    "ADMIT_READY",
 )
 
 C_HEADER_PATH = "csrc/layout.h"

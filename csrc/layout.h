@@ -39,6 +39,14 @@ constexpr int INPUT_VALUE = 8;
 constexpr int INPUT_ROUND = 12;
 constexpr int INPUT_BAD_EXPERT = 1;
 constexpr int INPUT_RT_MISMATCH = 2;
+constexpr int CB_POLICY = 28;
+constexpr int POLICY_RAISE = 0;
+constexpr int POLICY_DEGRADE = 1;
+constexpr int CB_ACTIVE_MASK = 32;
+constexpr int CB_MASK_GENERATION = 40;
+constexpr int CB_ADMIT_ROUND = 3584;
+constexpr int ADMIT_JOINED = -1;
+constexpr int ADMIT_READY = -2;
 
 }  // namespace layout
 }  // namespace a2ad
