@@ -14,6 +14,9 @@ Environment:
   (default: those of the visible GPUs, else ``sm_90``).
 - ``A2AD_CSRC``: folder holding the sources (default: ``a2ad/_csrc`` in an installed
   package, ``csrc`` at the root of a checkout).
+- ``A2AD_KERNEL_TIMING=1``: build (and load) the timing build instead, compiled with
+  ``-DA2AD_KERNEL_TIMING``: the only build whose plans accept kernel diagnostics
+  (``CudaPlane.diag``). For the kernel timing harness, never for serving.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ from typing import Callable, Sequence
 import a2ad
 from a2ad import errors
 
-SOURCES = ("moe_a2a.cu", "bindings.cpp")
-HEADERS = ("moe_a2a.cuh",)
+#: Every file of the extension: compiled sources, then headers (all part of the build hash).
+SOURCES = ("dispatch.cu", "combine.cu", "sanitize.cu", "launch.cu", "bindings.cpp")
+HEADERS = ("moe_a2a.cuh", "primitives.cuh", "launch.cuh", "layout.h")
 DEFAULT_ARCH = "sm_90"
 #: Characters of compiler output kept in a BuildError.
 ERROR_TAIL = 6000
@@ -156,7 +160,12 @@ def toolchain_problems() -> list[str]:
     return problems
 
 
-def build_hash(src: Path, arch: str) -> str:
+def timing_build() -> bool:
+    """Whether ``A2AD_KERNEL_TIMING`` asks for the timing build (diagnostics compiled in)."""
+    return os.environ.get("A2AD_KERNEL_TIMING", "").strip().lower() not in ("", "0", "no", "false")
+
+
+def build_hash(src: Path, arch: str, timing: bool = False) -> str:
     """Hash of everything the built library depends on (*arch*: the comma-separated target list)."""
     import torch
 
@@ -166,6 +175,8 @@ def build_hash(src: Path, arch: str) -> str:
         h.update(name.encode())
         h.update(path.read_bytes())
     h.update(f"torch={torch.__version__};cuda={torch.version.cuda};arch={arch};py={sys.version_info[:2]}".encode())
+    if timing:
+        h.update(b";timing")
     return h.hexdigest()[:16]
 
 
@@ -212,7 +223,9 @@ def _build_and_load(
     except ValueError as exc:
         raise errors.BuildError(f"A2AD_CUDA_ARCH: {exc}") from None
     arch = ",".join(archs)
-    digest = build_hash(src, arch)
+    timing = timing_build()
+    digest = build_hash(src, arch, timing)
+    defines = ["-DA2AD_KERNEL_TIMING"] if timing else []
     out = build_dir(digest, root)
     name = f"a2ad_ext_{digest}"
     fresh = not (out.is_dir() and any(out.glob(f"{name}*.so")))
@@ -221,7 +234,7 @@ def _build_and_load(
         if problems:
             raise errors.BuildError("cannot build the a2ad CUDA extension:\n" + "\n".join(f"  - {p}" for p in problems),
                                     arch=arch)
-        log(f"building the a2ad CUDA extension for {arch} (torch {torch.__version__}, CUDA {torch.version.cuda}) "
+        log(f"building the a2ad CUDA extension{' (timing build)' if timing else ''} for {arch} (torch {torch.__version__}, CUDA {torch.version.cuda}) "
             f"from {src} into {out}; this takes about a minute ...")
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -229,8 +242,8 @@ def _build_and_load(
         cpp_extension.load(
             name=name,
             sources=[str(src / n) for n in SOURCES],
-            extra_cflags=["-O3"],
-            extra_cuda_cflags=["-O3", *gencode_flags(archs)],
+            extra_cflags=["-O3", *defines],
+            extra_cuda_cflags=["-O3", *defines, *gencode_flags(archs)],
             extra_include_paths=[str(src)],
             build_directory=str(out),
             is_python_module=False,

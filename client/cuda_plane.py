@@ -4,7 +4,7 @@ Same interface as the host data plane (``host_plane.HostPlane``); ``MoeAlltoAll`
 checks its inputs, computes the payload layout (``a2ad.layout.payload_layout``) and
 calls one of them. Everything here is asynchronous on the current CUDA stream:
 no call synchronizes, so dispatch and combine can be captured in CUDA graphs.
-The protocol is docs/PROTOCOL.md; the kernels are csrc/moe_a2a.cu.
+The protocol is docs/PROTOCOL.md; the kernels are csrc/dispatch.cu, combine.cu and sanitize.cu.
 
 Failures: a kernel whose wait on a peer gives up (timeout, or the control
 block's abort word) writes this rank's status record in the control block
@@ -16,13 +16,11 @@ dispatch kernel, which completes the round anyway and writes this rank's input
 record; :meth:`CudaPlane.check_input` raises it as InputError.
 
 Everything fixed for this rank (the workspace, aux offsets, control block, timeout,
-kernel variant) is checked and kept once, as a *plan* (``torch.ops.a2ad.make_plan``
+SM budget) is checked and kept once, as a *plan* (``torch.ops.a2ad.make_plan``
 returns its handle); each call passes tensors, the handle and the per-call numbers.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -52,91 +50,25 @@ def aux_offsets(aux: L.AuxLayout) -> list[int]:
         aux.combine_slices,
         L.COMBINE_SLICE_ROWS,
         aux.recv_rts,
+        aux.dispatch_ready,
     ]
 
-
-def control_fields(ep_rank: int) -> list[int]:
-    """The ``control_fields`` list of the ops for ``ep_rank``'s status record."""
-    rec = L.status_offset(ep_rank)
-    inp = L.input_offset(ep_rank)
-    return [
-        L.CB_ABORT,
-        rec + L.STATUS_CODE,
-        rec + L.STATUS_PEER,
-        rec + L.STATUS_ROUND,
-        rec + L.STATUS_PHASE,
-        rec + L.STATUS_WAITED_NS,
-        L.STATUS_TIMEOUT,
-        L.STATUS_ABORTED,
-        L.PHASE_DISPATCH,
-        L.PHASE_COMBINE,
-        inp + L.INPUT_CODE,
-        inp + L.INPUT_INDEX,
-        inp + L.INPUT_VALUE,
-        inp + L.INPUT_ROUND,
-        L.INPUT_BAD_EXPERT,
-        L.INPUT_RT_MISMATCH,
-    ]
-
-
-#: Kernel variant bits (csrc/moe_a2a.cuh kVariant*): 1 = combine stages only the rows peers
-#: pull (own rows are read from the payload), 2 = low-latency waits/arrival for small
-#: launches, 4 = wider combine pull items, 8 = one system fence per block instead of one per
-#: thread, 16 = combine stages slice by slice while the rest of the grid already pulls (per-slice
-#: flags, pull in the peers' slot order), 32 = a one-block dispatch numbers its sends in shared
-#: memory, 64 = dispatch loads a warp's first payload chunk before routing. 0 is the original
-#: code path. Every variant keeps the protocol, so ranks may even run different ones.
-VARIANT_SKIP_SELF_STAGE = 1
-VARIANT_LOW_LATENCY = 2
-VARIANT_WIDE_PULL = 4
-VARIANT_BLOCK_FENCE = 8
-VARIANT_OVERLAP = 16
-VARIANT_LOCAL_SLOTS = 32
-VARIANT_PREFETCH = 64
-#: Bits 8-11: with VARIANT_OVERLAP, 1 / share of the combine grid stages (0: the default, 2).
-VARIANT_STAGE_SHARE_SHIFT = 8
-VARIANT_BITS = 0xFFF
-#: 63: best measured on 2 x H200 (csrc/README.md, "Kernel variants"); prefetch (64) measured slower.
-DEFAULT_VARIANT = (VARIANT_SKIP_SELF_STAGE | VARIANT_LOW_LATENCY | VARIANT_WIDE_PULL | VARIANT_BLOCK_FENCE
-                   | VARIANT_OVERLAP | VARIANT_LOCAL_SLOTS)
 
 #: Diagnostic bits (csrc/moe_a2a.cuh kDiag*), TIMING ONLY: all but DIAG_DOUBLE_FENCE break
-#: the protocol (wrong or stale data). Set only through ``A2AD_KERNEL_DIAG``; they travel in
-#: the ops' ``variant`` argument shifted left by :data:`DIAG_SHIFT`. All act on dispatch.
-DIAG_SHIFT = 16
+#: the protocol (wrong or stale data). They exist only in the timing build of the extension
+#: (``A2AD_KERNEL_TIMING=1`` when it is first loaded, as a2ad.bench.kernel_timing does); a
+#: production build refuses a plan with any of them. All act on dispatch.
 DIAG_SKIP_COPY = 1  # no payload stores
-DIAG_SKIP_FENCE = 2  # no system fence before the arrival
-DIAG_NO_WAIT = 4  # publish counts and flags, do not wait for the peers
+DIAG_SKIP_FENCE = 2  # no block fence before the arrival
+DIAG_NO_WAIT = 4  # publish the ready words, do not wait for the peers'
 DIAG_NO_PUBLISH = 8  # neither publish nor wait
 DIAG_NOOP = 16  # the kernel returns at entry (launch / graph-node floor)
-DIAG_DOUBLE_FENCE = 32  # the per-thread system fence twice
+DIAG_DOUBLE_FENCE = 32  # the block fence twice (correct; its cost by addition)
 DIAG_BITS = 63
 
 
-def kernel_variant() -> int:
-    """The variant from ``A2AD_KERNEL_VARIANT`` (an int bit mask), else :data:`DEFAULT_VARIANT`."""
-    text = os.environ.get("A2AD_KERNEL_VARIANT", "").strip()
-    if not text:
-        return DEFAULT_VARIANT
-    value = int(text, 0)
-    if not 0 <= value <= VARIANT_BITS:
-        raise ValueError(f"A2AD_KERNEL_VARIANT must be in [0, {VARIANT_BITS}], got {text!r}")
-    return value
-
-
-def kernel_diag() -> int:
-    """The diagnostic bits from ``A2AD_KERNEL_DIAG`` (timing only; 0, the default, when unset)."""
-    text = os.environ.get("A2AD_KERNEL_DIAG", "").strip()
-    if not text:
-        return 0
-    value = int(text, 0)
-    if not 0 <= value <= DIAG_BITS:
-        raise ValueError(f"A2AD_KERNEL_DIAG must be in [0, {DIAG_BITS}], got {text!r}")
-    return value
-
-
 #: BLOCK_COUNTERS slot the kernels use to elect the one writer of a status record.
-STATUS_CLAIM_SLOT = L.BLOCK_COUNTER_SLOTS - 1
+STATUS_CLAIM_SLOT = L.SLOT_STATUS_CLAIM
 
 
 def initialize_row(workspace: torch.Tensor, rank: int, aux: L.AuxLayout, initial_round: int = L.INITIAL_ROUND) -> None:
@@ -169,7 +101,7 @@ class CudaPlane(Plane):
 
     checks_ids_on_host = False
 
-    def __init__(self, att, timeout: float, *, sm_budget: int = 0, variant: int | None = None):
+    def __init__(self, att, timeout: float, *, sm_budget: int = 0):
         if not isinstance(att.workspace, torch.Tensor) or att.workspace.device.type != "cuda":
             raise errors.BackendError("CudaPlane needs a CUDA workspace (the job runs on the host backend?)")
         if not timeout > 0:
@@ -183,8 +115,7 @@ class CudaPlane(Plane):
         self.timeout = float(timeout)
         self.timeout_ns = max(1, int(self.timeout * 1e9))
         self._sm_budget = int(sm_budget)
-        self._variant = kernel_variant() if variant is None else int(variant)
-        self._diag = kernel_diag()  # timing only; 0 unless A2AD_KERNEL_DIAG is set
+        self._diag = 0  # timing build only
         self.plan: int | None = None
         host = att.control.address()
         with torch.cuda.device(att.workspace.device):
@@ -206,29 +137,26 @@ class CudaPlane(Plane):
             self._ops.free_plan(old)
         self.plan = self._ops.make_plan(
             self.att.workspace, self.ep_rank, self.ep_size, self.top_k, self.num_experts, aux_offsets(self.att.aux),
-            self.control_ptr, control_fields(self.ep_rank), self.timeout_ns, self._sm_budget,
-            self._variant | (self._diag << DIAG_SHIFT),
+            self.control_ptr, self.timeout_ns, self._sm_budget, self._diag,
         )
 
     @property
     def diag(self) -> int:
-        """Diagnostic bits (timing only, see DIAG_*); setting them makes a new plan."""
+        """Diagnostic bits (timing build only, see DIAG_*); setting them makes a new plan."""
         return self._diag
 
     @diag.setter
     def diag(self, value: int) -> None:
-        self._diag = int(value)
-        self._make_plan()
-
-    @property
-    def variant(self) -> int:
-        """The kernel variant bits (csrc/moe_a2a.cuh kVariant*); setting it makes a new plan."""
-        return self._variant
-
-    @variant.setter
-    def variant(self, value: int) -> None:
-        self._variant = int(value)
-        self._make_plan()
+        value = int(value)
+        if not 0 <= value <= DIAG_BITS:
+            raise ValueError(f"diag must be in [0, {DIAG_BITS}], got {value}")
+        old, self._diag = self._diag, value
+        try:
+            self._make_plan()
+        except BaseException:
+            self._diag = old
+            self._make_plan()
+            raise
 
     @property
     def sm_budget(self) -> int:
@@ -314,7 +242,7 @@ class CudaPlane(Plane):
     def __repr__(self) -> str:
         return (
             f"CudaPlane(rank={self.ep_rank}/{self.ep_size}, top_k={self.top_k}, timeout={self.timeout}s, "
-            f"sm_budget={self.sm_budget or 'all'}, variant={self.variant}"
+            f"sm_budget={self.sm_budget or 'all'}"
             + (f", diag={self.diag} (timing only)" if self.diag else "")
             + ")"
         )

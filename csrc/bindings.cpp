@@ -5,7 +5,7 @@
 // the offsets that a2ad/layout.py computed.
 //
 // Everything that is fixed for a rank of a job (the workspace, the aux offsets, the
-// control block, timeouts, the kernel variant) is checked once by `make_plan`, which
+// control block, timeouts, the SM budget) is checked once by `make_plan`, which
 // keeps it here and returns a handle (an int, so that the ops trace under torch.compile
 // like any op with int arguments); every data-plane call then passes tensors, the handle
 // and the few per-call numbers. `free_plan` drops it.
@@ -81,16 +81,10 @@ template <typename... A>
 //       topk_send_indices, block_counters, topk_stride (MAX_TOP_K),
 //       block_counter_slots (BLOCK_COUNTER_SLOTS), slot_tokens, max_num_tokens,
 //       combine_slice_flags, combine_slices, combine_slice_rows (COMBINE_SLICE_ROWS),
-//       recv_rts]
-constexpr size_t kAuxFields = 17;
-// control_fields: [abort, status_code, status_peer, status_round, status_phase,
-//                  status_waited_ns (absolute offsets in the control block, for
-//                  this rank's record), STATUS_TIMEOUT, STATUS_ABORTED,
-//                  PHASE_DISPATCH, PHASE_COMBINE,
-//                  input_code, input_index, input_value, input_round (this rank's
-//                  input record), INPUT_BAD_EXPERT, INPUT_RT_MISMATCH]
-constexpr size_t kControlFields = 16;
-constexpr int64_t kControlBlockBytes = 4096;  // layout.CONTROL_BLOCK_SIZE (checked by make_plan's caller too)
+//       recv_rts, dispatch_ready]
+// The two constants in it are checked against layout.h, so that a build from other
+// sources than the Python package's is refused rather than run with another layout.
+constexpr size_t kAuxFields = 18;
 
 void check_workspace(const Tensor& ws, int64_t ep_rank, int64_t ep_size) {
   A2AD_CHECK(ws.is_cuda(), "a2ad: workspace must be a CUDA tensor, got device ", ws.device());
@@ -130,10 +124,12 @@ a2ad::AuxOffsets make_aux(IntArrayRef aux, const Tensor& ws, int64_t ep_size) {
     A2AD_CHECK(aux[i] + 4 * ep_size <= row, "a2ad: aux field ", i, " of ", ep_size, " counters overruns the row");
   }
   A2AD_CHECK(aux[9] >= 1 && aux[9] <= 1024, "a2ad: aux topk_stride must be in [1, 1024], got ", aux[9]);
-  A2AD_CHECK(aux[10] >= 11, "a2ad: aux block_counter_slots must be >= 11, got ", aux[10]);
+  A2AD_CHECK(aux[10] == a2ad::layout::BLOCK_COUNTER_SLOTS, "a2ad: aux block_counter_slots is ", aux[10],
+             " but the kernels were built for ", a2ad::layout::BLOCK_COUNTER_SLOTS, " (stale build?)");
   A2AD_CHECK(aux[8] + 4 * aux[10] <= row, "a2ad: aux block counters overrun the row");
   A2AD_CHECK(aux[12] >= 1 && aux[12] <= INT32_MAX, "a2ad: aux max_num_tokens must be >= 1, got ", aux[12]);
-  A2AD_CHECK(aux[15] >= 1 && aux[15] <= 1024, "a2ad: aux combine_slice_rows must be in [1, 1024], got ", aux[15]);
+  A2AD_CHECK(aux[15] == a2ad::layout::COMBINE_SLICE_ROWS, "a2ad: aux combine_slice_rows is ", aux[15],
+             " but the kernels were built for ", a2ad::layout::COMBINE_SLICE_ROWS, " (stale build?)");
   A2AD_CHECK(aux[14] >= (aux[12] + aux[15] - 1) / aux[15],
              "a2ad: aux combine_slices (", aux[14], ") is too few for max_num_tokens ", aux[12]);
   for (size_t i : {11, 13}) {
@@ -143,6 +139,8 @@ a2ad::AuxOffsets make_aux(IntArrayRef aux, const Tensor& ws, int64_t ep_size) {
   A2AD_CHECK(aux[13] + 4 * ep_size * aux[14] <= row, "a2ad: aux combine_slice_flags overrun the row");
   A2AD_CHECK(aux[16] >= 0 && aux[16] % 4 == 0 && aux[16] + 4 * ep_size <= row,
              "a2ad: aux recv_rts (", aux[16], ") is not an aligned field inside the row");
+  A2AD_CHECK(aux[17] >= 0 && aux[17] % 8 == 0 && aux[17] + 8 * ep_size <= row,
+             "a2ad: aux dispatch_ready (", aux[17], ") is not an 8-aligned field inside the row");
   a2ad::AuxOffsets a;
   a.flag_val = aux[0];
   a.local_token_counter = aux[1];
@@ -154,13 +152,12 @@ a2ad::AuxOffsets make_aux(IntArrayRef aux, const Tensor& ws, int64_t ep_size) {
   a.topk_send_indices = aux[7];
   a.block_counters = aux[8];
   a.topk_stride = static_cast<int>(aux[9]);
-  a.block_counter_slots = static_cast<int>(aux[10]);
   a.slot_tokens = aux[11];
   a.max_num_tokens = static_cast<int>(aux[12]);
   a.combine_slice_flags = aux[13];
   a.combine_slices = static_cast<int>(aux[14]);
-  a.combine_slice_rows = static_cast<int>(aux[15]);
   a.recv_rts = aux[16];
+  a.dispatch_ready = aux[17];
   return a;
 }
 
@@ -170,35 +167,13 @@ void check_topk_rows(const a2ad::AuxOffsets& a, const Tensor& ws, int64_t tokens
               "a2ad: the routing arrays for ", tokens, " tokens overrun the row");
 }
 
-a2ad::Control make_control(int64_t control, IntArrayRef f, int64_t timeout_ns) {
+a2ad::Control make_control(int64_t control, int64_t ep_rank, int64_t timeout_ns) {
   A2AD_CHECK(control != 0, "a2ad: control (the control block's device pointer) must be set");
-  A2AD_CHECK(f.size() == kControlFields, "a2ad: control_fields must hold ", kControlFields, " values, got ",
-              f.size());
-  for (size_t i : {0, 1, 2, 3, 4, 5, 10, 11, 12, 13}) {
-    A2AD_CHECK(f[i] >= 0 && f[i] % 4 == 0 && f[i] + 4 <= kControlBlockBytes, "a2ad: control field offset ", i, " (",
-               f[i], ") must be a 4-aligned offset inside the control block");
-  }
-  A2AD_CHECK(f[5] % 8 == 0, "a2ad: status_waited_ns offset (", f[5], ") must be 8-aligned");
   A2AD_CHECK(timeout_ns > 0, "a2ad: timeout_ns must be > 0, got ", timeout_ns);
   a2ad::Control c;
   c.block = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(control));
-  c.abort_word = f[0];
-  c.status_code = f[1];
-  c.status_peer = f[2];
-  c.status_round = f[3];
-  c.status_phase = f[4];
-  c.status_waited_ns = f[5];
-  c.code_timeout = static_cast<uint32_t>(f[6]);
-  c.code_aborted = static_cast<uint32_t>(f[7]);
-  c.phase_dispatch = static_cast<uint32_t>(f[8]);
-  c.phase_combine = static_cast<uint32_t>(f[9]);
+  c.ep_rank = static_cast<int>(ep_rank);
   c.timeout_ns = static_cast<uint64_t>(timeout_ns);
-  c.input_code = f[10];
-  c.input_index = f[11];
-  c.input_value = f[12];
-  c.input_round = f[13];
-  c.code_bad_expert = static_cast<uint32_t>(f[14]);
-  c.code_rt_mismatch = static_cast<uint32_t>(f[15]);
   return c;
 }
 
@@ -221,7 +196,7 @@ struct Plan {
   int top_k;
   int num_experts;
   int sm_budget;
-  int variant;
+  int diag;
   a2ad::AuxOffsets aux;
   a2ad::Control ctl;
 };
@@ -231,14 +206,15 @@ std::unordered_map<int64_t, Plan> g_plans;
 int64_t g_next_plan = 1;
 
 int64_t make_plan(const Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t top_k, int64_t num_experts,
-                  IntArrayRef aux, int64_t control, IntArrayRef control_fields, int64_t timeout_ns, int64_t sm_budget,
-                  int64_t variant) {
+                  IntArrayRef aux, int64_t control, int64_t timeout_ns, int64_t sm_budget, int64_t diag) {
   check_workspace(workspace, ep_rank, ep_size);
   A2AD_CHECK(top_k >= 1 && top_k <= a2ad::kMaxTopK, "a2ad: top_k must be in [1, ", a2ad::kMaxTopK, "], got ", top_k);
   A2AD_CHECK(num_experts >= ep_size && num_experts <= INT32_MAX, "a2ad: num_experts (", num_experts,
              ") must be in [ep_size=", ep_size, ", 2^31)");
   A2AD_CHECK(sm_budget >= 0 && sm_budget <= INT32_MAX, "a2ad: sm_budget must be >= 0, got ", sm_budget);
-  A2AD_CHECK(variant >= 0 && variant <= INT32_MAX, "a2ad: variant must be >= 0, got ", variant);
+  A2AD_CHECK(diag >= 0 && diag <= INT32_MAX, "a2ad: diag must be >= 0, got ", diag);
+  A2AD_CHECK(diag == 0 || a2ad::kTimingBuild, "a2ad: kernel diagnostics (diag=", diag,
+             ") exist only in the timing build of the extension (A2AD_KERNEL_TIMING=1)");
   Plan p{};
   p.magic = kPlanMagic;
   p.ws_base = workspace.data_ptr();
@@ -251,11 +227,11 @@ int64_t make_plan(const Tensor& workspace, int64_t ep_rank, int64_t ep_size, int
   p.top_k = static_cast<int>(top_k);
   p.num_experts = static_cast<int>(num_experts);
   p.sm_budget = static_cast<int>(sm_budget);
-  p.variant = static_cast<int>(variant);
+  p.diag = static_cast<int>(diag);
   p.aux = make_aux(aux, workspace, ep_size);
   A2AD_CHECK(top_k <= p.aux.topk_stride, "a2ad: top_k (", top_k, ") exceeds the routing arrays' width ",
              p.aux.topk_stride);
-  p.ctl = make_control(control, control_fields, timeout_ns);
+  p.ctl = make_control(control, ep_rank, timeout_ns);
   std::lock_guard<std::mutex> lock(g_plans_mutex);
   const int64_t id = g_next_plan++;
   g_plans.emplace(id, p);
@@ -320,7 +296,7 @@ void dispatch_cuda(const Tensor& experts, TensorList payloads, Tensor& workspace
   p.aux = pl.aux;
   p.ctl = pl.ctl;
   p.lim.sm_budget = pl.sm_budget;
-  p.variant = pl.variant;
+  p.diag = pl.diag;
   p.experts = experts.data_ptr<int32_t>();
   p.local_num_tokens = static_cast<int>(tokens);
   p.top_k = pl.top_k;
@@ -417,7 +393,6 @@ Tensor combine_cuda(const Tensor& payload, Tensor& workspace, int64_t plan, int6
   p.top_k = pl.top_k;
   p.rt = static_cast<int>(rt);
   p.combine_offset = combine_offset;
-  p.variant = pl.variant;
   A2AD_CHECK_CUDA(a2ad::launch_combine(p, current_stream(workspace)), "combine launch");
   return out;
 }
@@ -502,7 +477,7 @@ int64_t sm_count(int64_t device) {
 TORCH_LIBRARY(a2ad, m) {
   m.def(
       "make_plan(Tensor workspace, int ep_rank, int ep_size, int top_k, int num_experts, int[] aux, int control, "
-      "int[] control_fields, int timeout_ns, int sm_budget, int variant) -> int",
+      "int timeout_ns, int sm_budget, int diag) -> int",
       &make_plan);
   m.def("free_plan(int plan) -> ()", &free_plan);
   m.def("dispatch(Tensor experts, Tensor[] payloads, Tensor(a!) workspace, int plan, int rt, int[] payload_offsets) -> ()");

@@ -1,4 +1,4 @@
-"""GPU tests of the CUDA data plane (csrc/moe_a2a.cu through client/cuda_plane.py), no daemon.
+"""GPU tests of the CUDA data plane (the kernels of csrc/ through client/cuda_plane.py), no daemon.
 
 Every test builds a whole job inside this process on one GPU: one contiguous
 ``[ep_size, row_stride]`` workspace (row q plays rank q's memory), a control
@@ -294,21 +294,20 @@ def test_dispatch_byte_exact_and_combine(make_job, ep_size, top_k, num_experts):
         job.planes[r].check()  # no failure recorded
 
 
-@pytest.mark.parametrize("variants", [(3, 3), (7, 7), (15, 15), (0, 3, 7, 5), (15, 8, 7, 0), (127, 127), (23, 23),
-                                      (31, 0, 96, 119), (16, 15, 64, 32)])
-@pytest.mark.parametrize("T", [1, 37])
+@pytest.mark.parametrize("ep_size", [2, 4])
+@pytest.mark.parametrize("T", [1, 9, 37])
 @pytest.mark.parametrize("dtype,in_workspace", [("bf16", False), ("fp32", False), ("bf16", True)])
-def test_kernel_variants(make_job, variants, T, dtype, in_workspace):
-    """Every kernel variant (A2AD_KERNEL_VARIANT bits) computes the same round, also when the
-    ranks of one job run different variants, and also with one token (single-block launches)."""
+def test_one_and_many_block_launches(make_job, ep_size, T, dtype, in_workspace):
+    """The launch shapes of the one kernel: one token (a one-block dispatch that numbers its
+    sends in shared memory and loads payloads in warps that route nothing, a one-block
+    combine), a few tokens (one block per token, the last block publishing the ready words),
+    more; several rounds, so stale rows of an earlier round must never leak in."""
     dtype = DTYPES[dtype]
-    ep_size, top_k, num_experts, hidden = len(variants), 4, 16, 1024
+    top_k, num_experts, hidden = 4, 16, 1024
     es = torch.tensor([], dtype=dtype).element_size()
     job = make_job(ep_size, 40, top_k, num_experts, es * hidden + 4 * top_k, es * hidden)
-    for plane, v in zip(job.planes, variants):
-        plane.variant = v
     pl = job.layout(40, [es * hidden, 4 * top_k], es * hidden)
-    for _ in range(3):  # several rounds: stale rows of an earlier round must never leak in
+    for _ in range(3):
         experts = [rand_experts(T, top_k, num_experts) for _ in range(ep_size)]
         xs = [torch.randn(T, hidden, device="cuda").to(dtype) for _ in range(ep_size)]
         payloads = [[xs[r].view(torch.uint8), experts[r].view(torch.uint8)] for r in range(ep_size)]
@@ -317,34 +316,34 @@ def test_kernel_variants(make_job, variants, T, dtype, in_workspace):
         for r in range(ep_size):
             close(outs[r], combine_reference(job, experts[r], xs[r]), dtype)
             job.planes[r].check()
+            # the ready word each peer wrote here carries this round and the count now in RECV_COUNTERS
+            words = job.ws[r, job.aux.dispatch_ready : job.aux.dispatch_ready + 8 * ep_size].view(torch.int64).cpu()
+            counts = job.recv_counts(r)
+            for s in range(ep_size):
+                w = int(words[s]) & ((1 << 64) - 1)
+                assert w & 0xFFFFFFFF == job.flag_val(r) - 1 and w >> 32 == int(counts[s]), (r, s, hex(w))
 
 
 @pytest.mark.parametrize("dtype,hidden", [("bf16", 8192), ("fp32", 4100), ("bf16", 8201)])
 def test_overlapped_combine(make_job, dtype, hidden):
-    """Variant bit 16: part of the grid stages slice by slice and flags each slice to its
-    source while the rest already pulls, in the peer's slot order. Many slices, uneven token
-    counts (a rank that sends nothing), rt > T, several rounds, a peer on the plain path,
-    aligned and unaligned rows; the slice flags show that the overlapped path ran (rows and rt
-    are large enough that a rank stages more than the launcher's 16 MB threshold).
+    """When a rank stages at least 16 MB of rows at least 8 KB wide, part of the combine grid
+    stages slice by slice and flags each slice to its source while the rest already pulls, in
+    the peer's slot order. Many slices, uneven token counts (a rank that sends nothing), rt > T,
+    several rounds, aligned and unaligned rows; the slice flags show which path ran: a round
+    with a small rt stages over the whole grid and flags no slice.
 
     Two ranks: with three or more ranks sharing one GPU at full-size grids, rank 0 times out
-    on the plain path (variant 7) as well, so such jobs cannot run in one process here."""
-    from a2ad.client import cuda_plane as cp
-
+    on the plain path as well, so such jobs cannot run in one process here."""
     dtype = DTYPES[dtype]
     es = torch.tensor([], dtype=dtype).element_size()
     ep_size, top_k, num_experts, max_tokens = 2, 6, 8, 1100
     job = make_job(ep_size, max_tokens, top_k, num_experts, es * hidden + 4 * top_k, es * hidden)
-    overlap = cp.VARIANT_OVERLAP | cp.DEFAULT_VARIANT
-    plain = cp.DEFAULT_VARIANT & ~cp.VARIANT_OVERLAP
-    rt = 1090
-    pl = job.layout(rt, [es * hidden, 4 * top_k], es * hidden)
-    assert rt * es * hidden >= 16 << 20
     S = L.COMBINE_SLICE_ROWS
-    for rnd, variants in enumerate([(overlap, overlap), (overlap, overlap), (overlap, plain), (plain, overlap)]):
-        for plane, v in zip(job.planes, variants):
-            plane.variant = v
-        tokens = [0 if r == 1 and rnd == 1 else 1050 - 37 * r for r in range(ep_size)]
+    for rnd, rt in enumerate([1090, 1090, 200, 1090]):
+        pl = job.layout(rt, [es * hidden, 4 * top_k], es * hidden)
+        overlapped = rt * es * hidden >= 16 << 20
+        assert overlapped == (rt == 1090)
+        tokens = [0 if r == 1 and rnd == 1 else min(rt, 1050) - 37 * r for r in range(ep_size)]
         experts = [rand_experts(t, top_k, num_experts) for t in tokens]
         xs = [torch.randn(t, hidden, device="cuda").to(dtype) for t in tokens]
         payloads = [[xs[r].view(torch.uint8), experts[r].view(torch.uint8)] for r in range(ep_size)]
@@ -354,7 +353,7 @@ def test_overlapped_combine(make_job, dtype, hidden):
             assert outs[r].shape == (tokens[r], hidden)
             close(outs[r], combine_reference(job, experts[r], xs[r]), dtype)
             job.planes[r].check()
-        # rank q staged with the overlapped path iff it runs bit 16: then every slice it holds for
+        # rank q staged slice by slice iff the round was large: then every slice it holds for
         # source s carries this round in s's COMBINE_SLICE_FLAGS[q]
         this_round = L.INITIAL_ROUND + rnd
         for s in range(ep_size):
@@ -366,28 +365,28 @@ def test_overlapped_combine(make_job, dtype, hidden):
                 n = int(job.recv_counts(q)[s])
                 slices = (n + S - 1) // S
                 staged = flags[q, :slices].tolist()
-                if job.planes[q].variant & cp.VARIANT_OVERLAP:
+                if overlapped:
                     assert staged == [this_round] * slices, f"round {rnd}: rank {q} -> source {s} slice flags"
                 else:
-                    assert all(v != this_round for v in staged), f"rank {q} runs the plain path but flagged slices"
+                    assert all(v != this_round for v in staged), f"round {rnd}: rank {q} flagged slices on the plain path"
 
 
-def test_diag_bits_off_by_default_and_double_fence_correct(make_job, monkeypatch):
-    """A2AD_KERNEL_DIAG (timing-only bits) is 0 unless set; the one correct diagnostic (the
-    system fence twice) still computes the round; variants outside [0, 127] are refused."""
-    from a2ad.client import cuda_plane as cp
+def test_diagnostics_exist_only_in_the_timing_build(make_job):
+    """The production build refuses a plan with diagnostic bits (they break the protocol), and
+    the plane keeps working with none."""
+    from a2ad.client import _ext, cuda_plane as cp
 
-    monkeypatch.delenv("A2AD_KERNEL_DIAG", raising=False)
-    assert cp.kernel_diag() == 0
-    monkeypatch.setenv("A2AD_KERNEL_VARIANT", str(cp.VARIANT_BITS + 1))
-    with pytest.raises(ValueError):
-        cp.kernel_variant()
-    monkeypatch.delenv("A2AD_KERNEL_VARIANT")
+    if _ext.timing_build():
+        pytest.skip("this process loaded the timing build (A2AD_KERNEL_TIMING is set)")
     ep_size, top_k, num_experts, hidden, T = 2, 4, 16, 512, 5
     job = make_job(ep_size, 8, top_k, num_experts, 2 * hidden, 2 * hidden)
-    assert all(p.diag == 0 for p in job.planes)
     for p in job.planes:
-        p.diag = cp.DIAG_DOUBLE_FENCE
+        assert p.diag == 0
+        with pytest.raises(RuntimeError, match="timing build"):
+            p.diag = cp.DIAG_DOUBLE_FENCE
+        assert p.diag == 0
+        with pytest.raises(ValueError):
+            p.diag = cp.DIAG_BITS + 1
     pl = job.layout(8, [2 * hidden], 2 * hidden)
     experts = [rand_experts(T, top_k, num_experts) for _ in range(ep_size)]
     xs = [torch.randn(T, hidden, device="cuda").bfloat16() for _ in range(ep_size)]
@@ -716,231 +715,3 @@ def test_ops_trace_under_torch_compile(make_job):
         x = torch.randn(16, 64, device="cuda").bfloat16()
         out = compiled(experts, x)
         torch.testing.assert_close(out.float(), x.float() * 2.0)
-
-
-# ---------------------------------------------------------------------------
-# Two-GPU timing of kernel variants and diagnostics (not a test; needs 2 GPUs):
-#   python3 tests/test_cuda_kernels.py
-# One process, ranks 0/1 on cuda:0/cuda:1 over a VMM workspace mapped on both (as the
-# daemon does), each rank's dispatch and combine in its own CUDA graph; replays queued
-# behind a GPU sleep, L2 flushed before each round (as a2ad.bench). Per round the slowest
-# rank's interval counts; medians over the rounds.
-# ---------------------------------------------------------------------------
-class TwoGpuJob:
-    def __init__(self, max_tokens, top_k, num_experts, hidden, timeout=2.0):
-        import os
-
-        from a2ad import cuda_driver as cd
-        from a2ad.client.cuda_map import CudaMapping
-        from a2ad.client.cuda_plane import CudaPlane, initialize_row
-
-        ep = 2
-        self.ep_size, self.top_k, self.num_experts, self.hidden = ep, top_k, num_experts, hidden
-        self.widths = [2 * hidden, 4 * top_k, 4 * top_k]  # bf16 hidden, int32 ids, fp32 scales (as the bench)
-        self.aux = L.aux_layout(ep, max_tokens)
-        self.size = L.workspace_size_per_rank(ep, max_tokens, sum(self.widths), 2 * hidden)
-        gran = max(cd.granularity(d) for d in range(ep))
-        self.row_stride = L.pad_up(self.size, gran)
-        self.handles, fds = [], []
-        for d in range(ep):
-            h, _ = cd.create(self.row_stride, d, cd.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
-            self.handles.append(h)
-            fds.append(cd.export_fd(h))
-        self.maps = []
-        for r in range(ep):
-            dups = [os.dup(f) for f in fds]
-            self.maps.append(CudaMapping(dups, self.size, self.row_stride, r))
-            for f in dups:
-                os.close(f)
-        for f in fds:
-            os.close(f)
-        self.ws = [m.tensor for m in self.maps]
-        self._mm = mmap.mmap(-1, L.CONTROL_BLOCK_SIZE)
-        self.control = ControlBlock(self._mm, owner=self._mm)
-        self.control.initialize(ep)
-        self._host = self.control.address()
-        with torch.cuda.device(0):
-            self.control_ptr = _ops().host_register(self._host, L.CONTROL_BLOCK_SIZE)
-        self.streams, self.flush, self.planes = [], [], []
-        for r in range(ep):
-            with torch.cuda.device(r):
-                self.streams.append(torch.cuda.Stream())
-                l2 = int(getattr(torch.cuda.get_device_properties(r), "L2_cache_size", 0) or (50 << 20))
-                self.flush.append(torch.empty(2 * l2, dtype=torch.uint8, device=f"cuda:{r}"))
-                att = SimpleNamespace(
-                    job="timing", ep_rank=r, ep_size=ep,
-                    spec={"max_num_tokens": max_tokens, "top_k": top_k, "num_experts": num_experts},
-                    backend="cuda", device=torch.device("cuda", r), workspace=self.ws[r],
-                    size_per_rank=self.size, row_stride=self.row_stride, aux=self.aux, control=self.control,
-                    generation=0,
-                )
-                self.planes.append(CudaPlane(att, timeout))
-                initialize_row(self.ws[r], r, self.aux)
-                torch.cuda.synchronize()
-        # GPU sleep cycles per us (to queue the replays behind a known delay)
-        with torch.cuda.device(0):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            torch.cuda._sleep(4_000_000)
-            b.record()
-            b.synchronize()
-            self.cycles_per_us = 4_000_000 / max(a.elapsed_time(b) * 1e3, 1.0)
-
-    def inputs(self, T):
-        self.T = T
-        self.pl = L.payload_layout(self.aux, self.size, T, self.widths, 2 * self.hidden)
-        self.experts, self.payloads, self.comb = [], [], []
-        for r in range(self.ep_size):
-            dev = f"cuda:{r}"
-            e = torch.rand(T, self.num_experts, device=dev).argsort(dim=1)[:, : self.top_k].to(torch.int32).contiguous()
-            x = torch.randn(T, self.hidden, device=dev).bfloat16()
-            sc = torch.rand(T, self.top_k, device=dev)
-            self.experts.append(e)
-            self.payloads.append([x.view(torch.uint8), e.view(torch.uint8), sc.view(torch.uint8)])
-            self.comb.append(torch.randn(self.ep_size, T, self.hidden, device=dev).bfloat16())
-        for r in range(self.ep_size):
-            torch.cuda.synchronize(r)
-
-    def d(self, r):
-        self.planes[r].dispatch(self.experts[r], self.payloads[r], self.T, self.pl, self.num_experts)
-
-    def c(self, r):
-        return self.planes[r].combine(self.comb[r], self.T, self.T, self.pl, False)
-
-    def on(self, r):
-        import contextlib
-
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.device(r))
-        stack.enter_context(torch.cuda.stream(self.streams[r]))
-        return stack
-
-    def sync(self):
-        for r in range(self.ep_size):
-            torch.cuda.synchronize(r)
-
-    def eager_round(self):
-        for fn in (self.d, self.c):
-            for r in range(self.ep_size):
-                with self.on(r):
-                    fn(r)
-        self.sync()
-
-    def time(self, variant, diag, rounds=200, chunks=3, flush=True):
-        for p in self.planes:
-            p.variant, p.diag = variant, diag
-        for _ in range(3):
-            self.eager_round()
-        for p in self.planes:
-            p.check()
-        gd, gc = [], []
-        for r in range(self.ep_size):
-            with torch.cuda.device(r):
-                # A capture stream of this device: torch.cuda.graph's default capture stream is
-                # one per process, made on the device current at its first use, so capturing on
-                # cuda:1 with it would leave the graph empty and run rank 1's kernels eagerly
-                # (alone: its dispatch then waits for a peer that is not running; seen on 2xH200).
-                cap = torch.cuda.Stream()
-                g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g1, stream=cap, capture_error_mode="thread_local"):
-                    self.d(r)
-                with torch.cuda.graph(g2, stream=cap, capture_error_mode="thread_local"):
-                    self.c(r)
-                gd.append(g1)
-                gc.append(g2)
-        self.sync()
-        ds, cs, starved = [], [], False
-        for _ in range(chunks):
-            done = []
-            for r in range(self.ep_size):
-                with self.on(r):
-                    torch.cuda._sleep(int((5000 + 400 * rounds) * self.cycles_per_us))
-                    ev = torch.cuda.Event()
-                    ev.record()
-                    done.append(ev)
-            marks = [[] for _ in range(self.ep_size)]
-            for _i in range(rounds):
-                for r in range(self.ep_size):
-                    with self.on(r):
-                        if flush:
-                            self.flush[r].zero_()
-                        m = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-                        m[0].record()
-                        gd[r].replay()
-                        m[1].record()
-                        gc[r].replay()
-                        m[2].record()
-                        marks[r].append(m)
-            starved = starved or any(ev.query() for ev in done)
-            self.sync()
-            for i in range(rounds):
-                ds.append(max(marks[r][i][0].elapsed_time(marks[r][i][1]) for r in range(self.ep_size)) * 1e3)
-                cs.append(max(marks[r][i][1].elapsed_time(marks[r][i][2]) for r in range(self.ep_size)) * 1e3)
-        for p in self.planes:
-            p.check()
-            p.diag = 0
-        for _ in range(2):  # leave the job in a clean round state for the next entry
-            self.eager_round()
-        q = lambda v, f: sorted(v)[min(len(v) - 1, int(f * len(v)))]  # noqa: E731
-        return {"d": q(ds, 0.5), "c": q(cs, 0.5), "d10": q(ds, 0.1), "d90": q(ds, 0.9), "c10": q(cs, 0.1),
-                "c90": q(cs, 0.9), "starved": starved}
-
-
-def timing_main():
-    import sys
-
-    from a2ad.client import cuda_plane as cp
-
-    if torch.cuda.device_count() < 2:
-        print("timing needs 2 GPUs")
-        return 1
-    hidden, top_k, E = 7168, 8, 256
-    job = TwoGpuJob(4096, top_k, E, hidden)
-    D = cp
-    plan = [
-        # (label, T, variant, diag, flush)
-        ("variant 15", 1, 15, 0, True),
-        ("15 + diag no-op dispatch kernel (launch floor)", 1, 15, D.DIAG_NOOP, True),
-        ("15 + diag routing only (no copy, fence, publish)", 1, 15,
-         D.DIAG_SKIP_COPY | D.DIAG_SKIP_FENCE | D.DIAG_NO_PUBLISH, True),
-        ("15 + diag routing + fence (no copy, publish)", 1, 15, D.DIAG_SKIP_COPY | D.DIAG_NO_PUBLISH, True),
-        ("15 + diag local work only (no publish, no wait)", 1, 15, D.DIAG_NO_PUBLISH, True),
-        ("15 + diag publish, no wait", 1, 15, D.DIAG_NO_WAIT, True),
-        ("variant 47 (15 + shared-memory slots)", 1, 47, 0, True),
-        ("47 + diag routing only", 1, 47, D.DIAG_SKIP_COPY | D.DIAG_SKIP_FENCE | D.DIAG_NO_PUBLISH, True),
-        ("variant 79 (15 + prefetch)", 1, 79, 0, True),
-        ("79 + diag local work only", 1, 79, D.DIAG_NO_PUBLISH, True),
-        ("variant 111 (15 + slots + prefetch)", 1, 111, 0, True),
-        ("111 + diag local work only", 1, 111, D.DIAG_NO_PUBLISH, True),
-        ("111 + diag publish, no wait", 1, 111, D.DIAG_NO_WAIT, True),
-        ("variant 7", 1, 7, 0, True),
-        ("variant 15 again (noise)", 1, 15, 0, True),
-        ("variant 15", 4096, 15, 0, True),
-        ("variant 31 (15 + overlapped combine)", 4096, 31, 0, True),
-        ("variant 127", 4096, 127, 0, True),
-    ]
-    rows, cur_T = [], None
-    for label, T, v, dg, fl in plan:
-        if T != cur_T:
-            job.inputs(T)
-            cur_T = T
-        try:
-            r = job.time(v, dg, rounds=200 if T < 4096 else 40, flush=fl)
-        except Exception as exc:  # keep going: print what failed
-            print(f"{label} T={T}: {type(exc).__name__}: {exc}", flush=True)
-            continue
-        rows.append((label, T, v, dg, fl, r))
-        print(f"{label:<56} T={T:<5} v={v:<2} diag={dg:<2} flush={int(fl)}  dispatch {r['d']:8.2f} us "
-              f"({r['d10']:.2f}-{r['d90']:.2f})  combine {r['c']:8.2f} us ({r['c10']:.2f}-{r['c90']:.2f})"
-              + ("  STARVED" if r["starved"] else ""), flush=True)
-    print("\n| stage / variant | T | variant | diag | L2 flush | dispatch us (p10-p90) | combine us (p10-p90) |")
-    print("| --- | --: | --: | --: | --: | --: | --: |")
-    for label, T, v, dg, fl, r in rows:
-        print(f"| {label} | {T} | {v} | {dg} | {'yes' if fl else 'no'} | {r['d']:.2f} ({r['d10']:.2f}-{r['d90']:.2f}) | "
-              f"{r['c']:.2f} ({r['c10']:.2f}-{r['c90']:.2f}) |", flush=True)
-    sys.stdout.flush()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(timing_main())

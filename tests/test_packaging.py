@@ -23,7 +23,9 @@ import pytest
 from test_csrc_compiles import TORCH_NVCC_FLAGS
 
 REPO = Path(__file__).resolve().parent.parent
-CSRC_FILES = ("moe_a2a.cu", "moe_a2a.cuh", "bindings.cpp")
+from a2ad.client._ext import HEADERS, SOURCES  # noqa: E402
+
+CSRC_FILES = SOURCES + HEADERS
 #: what the build needs from the checkout
 BUILD_INPUTS = ("pyproject.toml", "README.md", "MANIFEST.in", "a2ad", "client", "csrc")
 
@@ -152,13 +154,14 @@ def test_version_commands_agree(venv, outside):
 @pytest.mark.timeout(300)
 def test_installed_kernels_compile_for_sm90(venv, outside):
     """The one compile of this file: the installed package's copy of the kernels."""
-    found = list(venv.glob("lib/python*/site-packages/a2ad/_csrc/moe_a2a.cu"))
+    found = list(venv.glob("lib/python*/site-packages/a2ad/_csrc"))
     assert len(found) == 1, found
-    out = outside / "moe_a2a.o"
-    cmd = ["nvcc", "-arch=sm_90", "-std=c++17", *TORCH_NVCC_FLAGS, "-c", str(found[0]), "-o", str(out)]
+    kernels = [str(found[0] / n) for n in SOURCES if n.endswith(".cu")]
+    cmd = ["nvcc", "-arch=sm_90", "-std=c++17", *TORCH_NVCC_FLAGS, "-c", *kernels]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=str(outside))
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
-    assert out.stat().st_size > 0
+    for k in kernels:
+        assert (outside / (Path(k).stem + ".o")).stat().st_size > 0, k
 
 
 def _block_module(folder: Path, module: str) -> Path:
@@ -244,7 +247,7 @@ def test_cache_key_covers_the_arch_list_and_sources(tmp_path):
     copy = tmp_path / "csrc"
     shutil.copytree(src, copy)
     assert _ext.build_hash(copy, "sm_90") == _ext.build_hash(src, "sm_90")
-    with open(copy / "moe_a2a.cu", "a") as f:
+    with open(copy / "dispatch.cu", "a") as f:
         f.write("\n// edited\n")
     assert _ext.build_hash(copy, "sm_90") != _ext.build_hash(src, "sm_90")
 

@@ -1,0 +1,496 @@
+// Combine: every rank stages the expert outputs its peers pull, tells them, and pulls
+// and reduces the rows of its own tokens from every target. The scheme is described in
+// csrc/README.md ("Combine", "Overlapped combine").
+#include "primitives.cuh"
+#include "launch.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace a2ad {
+namespace {
+
+using namespace dev;
+
+constexpr int kThreads = 256;
+// Pull: 16-byte vectors per lane per item and the sends whose loads are in flight
+// together (vector path), and scalar elements per lane and sends (the unaligned path).
+constexpr int kPullVecs = 4;
+constexpr int kPullSendsVec = 2;
+constexpr int kPullScalars = 4;
+constexpr int kPullSendsScalar = 4;
+// Overlapped combine: the launcher uses it when a rank stages at least kOverlapMinBytes
+// of rows at least kOverlapMinRowBytes wide (below that a staging spread over the whole
+// grid is cheaper than slice by slice: the per-slice release costs more than it hides);
+// 1 / kOverlapStageShare of the grid stages, kStageUnroll 16-byte accesses in flight per
+// stager thread. Measured (T=4096, hidden 7168): a half of the grid staging 196.1 us,
+// a third 196.5, a quarter 198.4, a sixth 226.0.
+constexpr int64_t kOverlapMinBytes = int64_t{16} << 20;
+constexpr int64_t kOverlapMinRowBytes = 8192;
+constexpr int kOverlapStageShare = 2;
+constexpr int kStageUnroll = 8;
+
+// Probe of the combine flag target q wrote into this rank's row.
+struct CombineFlags {
+  const int* flags;
+  int round;
+  __device__ FlagProbe operator()(int q) const { return FlagProbe{flags + q, round}; }
+};
+
+template <typename T>
+struct Elem;
+
+template <>
+struct Elem<float> {
+  static constexpr int kPerVec = 4;
+  __device__ static __forceinline__ void add(const uint4& v, float* a) {
+    a[0] += __uint_as_float(v.x);
+    a[1] += __uint_as_float(v.y);
+    a[2] += __uint_as_float(v.z);
+    a[3] += __uint_as_float(v.w);
+  }
+  __device__ static __forceinline__ uint4 pack(const float* a) {
+    return make_uint4(__float_as_uint(a[0]), __float_as_uint(a[1]), __float_as_uint(a[2]), __float_as_uint(a[3]));
+  }
+  __device__ static __forceinline__ float load_one(const void* p) { return __ldcg(static_cast<const float*>(p)); }
+  __device__ static __forceinline__ void store_one(void* p, float f) { *static_cast<float*>(p) = f; }
+};
+
+template <>
+struct Elem<__nv_bfloat16> {
+  static constexpr int kPerVec = 8;
+  __device__ static __forceinline__ void add2(uint32_t w, float* a) {
+    a[0] += __uint_as_float(w << 16);
+    a[1] += __uint_as_float(w & 0xffff0000u);
+  }
+  __device__ static __forceinline__ void add(const uint4& v, float* a) {
+    add2(v.x, a);
+    add2(v.y, a + 2);
+    add2(v.z, a + 4);
+    add2(v.w, a + 6);
+  }
+  __device__ static __forceinline__ uint32_t pack2(float lo, float hi) {
+    return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
+           (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
+  }
+  __device__ static __forceinline__ uint4 pack(const float* a) {
+    return make_uint4(pack2(a[0], a[1]), pack2(a[2], a[3]), pack2(a[4], a[5]), pack2(a[6], a[7]));
+  }
+  __device__ static __forceinline__ float load_one(const void* p) {
+    return __uint_as_float(static_cast<uint32_t>(__ldcg(static_cast<const unsigned short*>(p))) << 16);
+  }
+  __device__ static __forceinline__ void store_one(void* p, float f) {
+    *static_cast<unsigned short*>(p) = __bfloat16_as_ushort(__float2bfloat16_rn(f));
+  }
+};
+
+template <>
+struct Elem<__half> {
+  static constexpr int kPerVec = 8;
+  __device__ static __forceinline__ void add2(uint32_t w, float* a) {
+    a[0] += __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu)));
+    a[1] += __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16)));
+  }
+  __device__ static __forceinline__ void add(const uint4& v, float* a) {
+    add2(v.x, a);
+    add2(v.y, a + 2);
+    add2(v.z, a + 4);
+    add2(v.w, a + 6);
+  }
+  __device__ static __forceinline__ uint32_t pack2(float lo, float hi) {
+    return static_cast<uint32_t>(__half_as_ushort(__float2half_rn(lo))) |
+           (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(hi))) << 16);
+  }
+  __device__ static __forceinline__ uint4 pack(const float* a) {
+    return make_uint4(pack2(a[0], a[1]), pack2(a[2], a[3]), pack2(a[4], a[5]), pack2(a[6], a[7]));
+  }
+  __device__ static __forceinline__ float load_one(const void* p) {
+    return __half2float(__ushort_as_half(__ldcg(static_cast<const unsigned short*>(p))));
+  }
+  __device__ static __forceinline__ void store_one(void* p, float f) {
+    *static_cast<unsigned short*>(p) = __half_as_ushort(__float2half_rn(f));
+  }
+};
+
+struct PullGeometry {
+  int64_t units;        // 16-byte vectors (kVec) or elements per token
+  int64_t per_chunk;    // units one warp handles per item
+  int64_t chunks;       // items per token
+};
+
+template <typename T, bool kVec>
+__host__ __device__ inline PullGeometry pull_geometry(int64_t hidden) {
+  PullGeometry g;
+  g.units = kVec ? hidden / Elem<T>::kPerVec : hidden;
+  g.per_chunk = kVec ? 32 * kPullVecs : 32 * kPullScalars;
+  g.chunks = (g.units + g.per_chunk - 1) / g.per_chunk;
+  return g;
+}
+
+// This rank's own sends are read from the payload (never staged: only this rank pulls
+// them), unless the payload already is the combine region.
+__host__ __device__ inline bool self_from_payload(const CombineParams& p) { return !p.payload_in_workspace; }
+
+// Lane k (< top_k) of the warp gets send k of token t: target rank and slot
+// there, -1/-1 for a repeat or an invalid entry.
+__device__ __forceinline__ void token_sends(const CombineParams& p, int t, int lane, int* target, int* slot) {
+  uint8_t* my_row = row_of(p.ws, p.ws.ep_rank);
+  int tq = -1, sq = -1;
+  if (lane < p.top_k) {
+    tq = ld_volatile(at<int>(my_row, p.aux.topk_target_ranks) + (int64_t)t * p.aux.topk_stride + lane);
+    sq = ld_volatile(at<int>(my_row, p.aux.topk_send_indices) + (int64_t)t * p.aux.topk_stride + lane);
+  }
+  const bool valid = tq >= 0 && tq < p.ws.ep_size && sq >= 0 && sq < p.rt;
+  *target = valid ? tq : -1;
+  *slot = valid ? sq : -1;
+}
+
+// out[t, chunk c] = sum over the token's sends of the target's combine row, in
+// float32. One warp per (token, chunk) item; the loads of several sends are issued
+// together.
+template <typename T, bool kVec>
+__device__ void pull_item(const CombineParams& p, int t, uint32_t c, const PullGeometry& g, int lane, int target,
+                          int slot) {
+  const int me = p.ws.ep_rank;
+  unsigned sends = __ballot_sync(kFullMask, target >= 0);
+  const int64_t row_bytes = p.hidden * (int64_t)sizeof(T);
+  const int64_t unit_bytes = kVec ? 16 : (int64_t)sizeof(T);
+  const int64_t first = c * static_cast<uint32_t>(g.per_chunk);  // first unit of this chunk (fits 32 bits)
+  const uint8_t* region = p.ws.base + p.combine_offset + (int64_t)me * p.rt * row_bytes + first * unit_bytes;
+  const uint8_t* self_region = self_from_payload(p) ? p.payload + (int64_t)me * p.rt * row_bytes + first * unit_bytes
+                                                 : region + (int64_t)me * p.ws.row_stride;
+
+  constexpr int kUnits = kVec ? kPullVecs : kPullScalars;
+  constexpr int kSends = kVec ? kPullSendsVec : kPullSendsScalar;
+  constexpr int kPer = kVec ? Elem<T>::kPerVec : 1;
+  float acc[kUnits * kPer];
+#pragma unroll
+  for (int a = 0; a < kUnits * kPer; ++a) acc[a] = 0.f;
+  bool in[kUnits];
+#pragma unroll
+  for (int u = 0; u < kUnits; ++u) in[u] = first + u * 32 + lane < g.units;
+  // Load buffers (only the one of this path is used).
+  uint4 vbuf[kSends][kVec ? kUnits : 1];
+  float sbuf[kSends][kVec ? 1 : kUnits];
+#pragma unroll
+  for (int b = 0; b < kSends; ++b) {
+#pragma unroll
+    for (int u = 0; u < (kVec ? kUnits : 1); ++u) vbuf[b][u] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int u = 0; u < (kVec ? 1 : kUnits); ++u) sbuf[b][u] = 0.f;
+  }
+
+  while (sends != 0) {
+    const uint8_t* src[kSends];
+    bool has[kSends];
+#pragma unroll
+    for (int b = 0; b < kSends; ++b) {
+      has[b] = sends != 0;  // warp-uniform
+      const int k = has[b] ? __ffs(sends) - 1 : 0;
+      if (has[b]) sends &= sends - 1;
+      const int tq = __shfl_sync(kFullMask, target, k), sq = __shfl_sync(kFullMask, slot, k);
+      src[b] = (tq == me ? self_region : region + (int64_t)tq * p.ws.row_stride) + (int64_t)sq * row_bytes;
+    }
+    // Every load of the batch is issued before the first use; an absent send
+    // loads nothing and is skipped when accumulating (warp-uniform).
+    if constexpr (kVec) {
+#pragma unroll
+      for (int b = 0; b < kSends; ++b) {
+#pragma unroll
+        for (int u = 0; u < kUnits; ++u) {
+          if (has[b] && in[u]) vbuf[b][u] = __ldcg(reinterpret_cast<const uint4*>(src[b]) + u * 32 + lane);
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < kSends; ++b) {
+        if (has[b]) {
+#pragma unroll
+          for (int u = 0; u < kUnits; ++u) Elem<T>::add(vbuf[b][u], acc + u * kPer);  // !in[u]: never stored
+        }
+      }
+    } else {
+#pragma unroll
+      for (int b = 0; b < kSends; ++b) {
+#pragma unroll
+        for (int u = 0; u < kUnits; ++u) {
+          if (has[b] && in[u]) sbuf[b][u] = Elem<T>::load_one(src[b] + (u * 32 + lane) * sizeof(T));
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < kSends; ++b) {
+        if (has[b]) {
+#pragma unroll
+          for (int u = 0; u < kUnits; ++u) acc[u] += sbuf[b][u];
+        }
+      }
+    }
+  }
+
+  uint8_t* out_row = static_cast<uint8_t*>(p.out) + (int64_t)t * row_bytes + first * unit_bytes;
+#pragma unroll
+  for (int u = 0; u < kUnits; ++u) {
+    if (in[u]) {
+      const int v = u * 32 + lane;
+      if constexpr (kVec) {
+        reinterpret_cast<uint4*>(out_row)[v] = Elem<T>::pack(acc + u * kPer);
+      } else {
+        Elem<T>::store_one(out_row + v * sizeof(T), acc[u]);
+      }
+    }
+  }
+}
+
+// Overlapped combine, puller side: wait until the row `slot` that target `q`
+// stages for this rank is ready: its slice flag or its whole-region flag equals
+// `round`. Not the poller (the launch's last block is): stop when the poller
+// posted this round to *give_up, give up on our own only after twice the
+// timeout (then post it and write the status record, as the poller would).
+__device__ bool wait_slice(const CombineParams& p, uint8_t* my_row, int q, int slot, int round, int* give_up,
+                           int* claim) {
+  const int* slice = at<int>(my_row, p.aux.combine_slice_flags) +
+                     (int64_t)q * p.aux.combine_slices + slot / layout::COMBINE_SLICE_ROWS;
+  const int* whole = at<int>(my_row, p.aux.combine_completion_flags) + q;
+  const uint64_t t0 = global_timer_ns();
+  for (;;) {
+    if (ld_acquire_sys(slice) == round || ld_acquire_sys(whole) == round) return true;
+    if (ld_volatile(give_up) == round) return false;
+    const uint64_t waited = global_timer_ns() - t0;
+    if (waited >= 2 * p.ctl.timeout_ns) {
+      *reinterpret_cast<volatile int*>(give_up) = round;
+      if (atomicCAS(claim, 0, 1) == 0) write_status(p.ctl, layout::STATUS_TIMEOUT, q, round, layout::PHASE_COMBINE, waited);
+      return false;
+    }
+    __nanosleep(64);
+  }
+}
+
+// Overlapped combine, stager side (blocks [0, nstage)): rows received from each
+// source s != me, COMBINE_SLICE_ROWS at a time and slice-major (slice j of every
+// source before slice j + 1), copied into the own combine region; after each
+// slice the block tells source s (st.release.sys on s's slice flag, after the
+// barrier: the release covers the whole block's copy, as in arrive_last).
+__device__ void stage_slices(const CombineParams& p, const int* recv, int round, int nstage) {
+  const int me = p.ws.ep_rank, ep = p.ws.ep_size;
+  uint8_t* my_row = row_of(p.ws, me);
+  const int64_t row_bytes = p.hidden * (int64_t)(p.dtype == DType::kFloat32 ? 4 : 2);
+  const int S = layout::COMBINE_SLICE_ROWS;
+  int max_rows = 0;
+  for (int s = 0; s < ep; ++s) {
+    if (s == me) continue;
+    const int r = ld_volatile(recv + s);
+    max_rows = max(max_rows, min(max(r, 0), p.rt));
+  }
+  const int nj = (max_rows + S - 1) / S;
+  const int others = ep - 1;
+#pragma unroll 1
+  for (int gsl = blockIdx.x; gsl < nj * others; gsl += nstage) {
+    const int j = gsl / others, si = gsl - j * others;
+    const int s = si < me ? si : si + 1;
+    const int rows = min(max(ld_volatile(recv + s), 0), p.rt);
+    const int r0 = j * S;
+    if (r0 >= rows) continue;  // block-uniform
+    const int r1 = min(r0 + S, rows);
+    const int64_t off = ((int64_t)s * p.rt + r0) * row_bytes;
+    copy_bytes<kStageUnroll>(my_row + p.combine_offset + off, p.payload + off, (r1 - r0) * row_bytes, threadIdx.x,
+                             blockDim.x);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      st_release_sys(at<int>(row_of(p.ws, s), p.aux.combine_slice_flags) + (int64_t)me * p.aux.combine_slices + j,
+                     round);
+    }
+  }
+}
+
+// Grid: at most as many blocks as can be co-resident within lim.sm_budget SMs
+// (the launcher sizes it), because blocks wait for the flag that the last
+// block of the same grid writes. Phases: stage -> arrive (last block: flags,
+// reset SEND_COUNTERS, FLAG_VAL = R + 1) -> wait for every peer -> pull.
+// Overlapped (the launcher's choice: enough rows to stage, payload not in the
+// workspace, ep > 1): only the first overlap_stage_blocks blocks stage,
+// slice by slice; every block pulls as soon as it arrived, items taken from a
+// counter in the order (tokens with no remote send) then (target q, slot s,
+// chunk): the order in which q stages, so pullers rarely wait; each item waits
+// for its rows' slices. Only the last block waits for the whole-region flags.
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p) {
+  const int me = p.ws.ep_rank, ep = p.ws.ep_size;
+  uint8_t* my_row = row_of(p.ws, me);
+  int* block_counters = at<int>(my_row, p.aux.block_counters);
+  const int round = ld_volatile(at<int>(my_row, p.aux.flag_val));
+  const int64_t row_bytes = p.hidden * (int64_t)sizeof(T);
+  const int* recv = at<int>(my_row, p.aux.recv_counters);
+  // The dispatch of this round saw a peer pass another rt: the regions do not line up, so
+  // nothing is pulled and the output is zeros; the flags still go round so that every rank
+  // completes the round (every rank saw the mismatch).
+  const bool mismatch = ld_volatile(block_counters + layout::SLOT_RT_MISMATCH) == round;
+  if (mismatch) {
+    uint8_t* out = static_cast<uint8_t*>(p.out);
+    const int64_t n = (int64_t)p.local_num_tokens * row_bytes;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+      out[i] = 0;
+    }
+  }
+  const bool overlap = p.overlap_stage_blocks > 0;  // the launcher decides (enough rows to stage)
+  const int nstage = p.overlap_stage_blocks;
+  // Overlapped: this rank's send counts, as positions (read before arriving: the last block zeroes them).
+  __shared__ int s_pos[kMaxEpSize + 1];
+  if (overlap && threadIdx.x == 0) {
+    const int* send = at<int>(my_row, p.aux.send_counters);
+    int acc = 0;
+    for (int q = 0; q < ep; ++q) {
+      s_pos[q] = acc;
+      if (q != me) acc += min(max(ld_volatile(send + q), 0), p.rt);
+    }
+    s_pos[ep] = acc;
+  }
+
+  // 1. Stage the rows that were received (RECV_COUNTERS) into the own combine region.
+  if (overlap) {
+    if (static_cast<int>(blockIdx.x) < nstage) stage_slices(p, recv, round, nstage);
+  } else if (!p.payload_in_workspace) {
+    const uint32_t nthreads = gridDim.x * blockDim.x;  // the launcher keeps grids small
+    const uint32_t tid = blockIdx.x * blockDim.x + threadIdx.x;
+    const uint32_t stride = nthreads / static_cast<uint32_t>(ep);
+    const bool skip_self = self_from_payload(p);
+    for (int s = 0; s < ep; ++s) {
+      if (skip_self && s == me) continue;  // only this rank pulls its own rows: read from the payload
+      int rows = ld_volatile(recv + s);
+      rows = rows < 0 ? 0 : rows > p.rt ? p.rt : rows;
+      const int64_t off = (int64_t)s * p.rt * row_bytes;
+      // rotate the threads per source so that small copies spread over the grid
+      const uint32_t my = (tid + static_cast<uint32_t>(s) * stride) % nthreads;
+      copy_bytes<>(my_row + p.combine_offset + off, p.payload + off, rows * row_bytes, my, nthreads);
+    }
+  }
+
+  // 2. Release; the last block tells every peer that its outputs are ready.
+  const bool last = arrive_last(block_counters + layout::SLOT_COMBINE_ARRIVAL);
+  if (last) {
+    const int q = threadIdx.x;
+    if (q < ep) {
+      st_release_sys(at<int>(row_of(p.ws, q), p.aux.combine_completion_flags + 4 * (int64_t)me), round);
+      // The next dispatch counts from zero (it cannot zero them itself before its atomics).
+      at<int>(my_row, p.aux.send_counters)[q] = 0;
+    }
+    if (threadIdx.x == 0) *at<int>(my_row, p.aux.flag_val) = round + 1;  // every block read R before arriving
+  }
+
+  // 3. Wait for every peer. Blocks with nothing to pull leave now; the last
+  //    block always waits, so the launch never completes before every peer's
+  //    outputs are ready (the next dispatch relies on that). With overlap only
+  //    the last block waits here; the others wait per item (wait_slice).
+  const PullGeometry g = pull_geometry<T, kVec>(p.hidden);
+  const uint32_t chunks = static_cast<uint32_t>(g.chunks);  // the launcher checks T * chunks < 2^31
+  const uint32_t items = mismatch ? 0u : static_cast<uint32_t>(p.local_num_tokens) * chunks;
+  constexpr uint32_t warps = kThreads / 32;
+  const uint32_t first_item = blockIdx.x * warps;
+  int* claim = block_counters + layout::SLOT_STATUS_CLAIM;
+  int* give_up = block_counters + layout::SLOT_COMBINE_GIVE_UP;
+  if (!overlap && !last && first_item >= items) return;
+  int unused = 0;
+  if ((last || !overlap) && !block_wait(CombineFlags{at<int>(my_row, p.aux.combine_completion_flags), round}, ep, round,
+                                        p.ctl, layout::PHASE_COMBINE, /*poller=*/last, claim, give_up, &unused)) {
+    return;
+  }
+
+  // 4. Pull and reduce.
+  const int lane = threadIdx.x % 32;
+  if (!overlap) {
+    const uint32_t nw = gridDim.x * warps;
+#pragma unroll 1
+    for (uint32_t item = first_item + threadIdx.x / 32; item < items; item += nw) {
+      const int t = static_cast<int>(item / chunks);
+      int target, slot;
+      token_sends(p, t, lane, &target, &slot);
+      pull_item<T, kVec>(p, t, item % chunks, g, lane, target, slot);
+    }
+    return;
+  }
+  const uint32_t ntok = static_cast<uint32_t>(p.local_num_tokens);
+  const uint32_t total = mismatch ? 0u : ntok + static_cast<uint32_t>(s_pos[ep]) * chunks;  // launcher: < 2^31
+  const int* slot_tokens = at<int>(my_row, p.aux.slot_tokens);
+#pragma unroll 1
+  for (;;) {
+    uint32_t item = 0;
+    if (lane == 0) item = static_cast<uint32_t>(atomicAdd(block_counters + layout::SLOT_PULL_WORK, 1));
+    item = __shfl_sync(kFullMask, item, 0);
+    if (item >= total) break;
+    int t, target, slot;
+    if (item < ntok) {  // a token with no remote send: all of it, here (nobody waits for it)
+      t = static_cast<int>(item);
+      token_sends(p, t, lane, &target, &slot);
+      if (__any_sync(kFullMask, target >= 0 && target != me)) continue;
+      for (uint32_t c = 0; c < chunks; ++c) pull_item<T, kVec>(p, t, c, g, lane, target, slot);
+      continue;
+    }
+    const uint32_t pos = (item - ntok) / chunks, c = (item - ntok) % chunks;
+    int q = 0;  // the target whose slot range holds pos: the last q with s_pos[q] <= pos
+    for (int b = kMaxEpSize; b > 0; b >>= 1) {
+      if (q + b < ep && static_cast<uint32_t>(s_pos[q + b]) <= pos) q += b;
+    }
+    t = slot_tokens[(int64_t)q * p.aux.max_num_tokens + (pos - s_pos[q])];
+    if (t < 0 || t >= p.local_num_tokens) continue;  // never written this round: cannot happen
+    token_sends(p, t, lane, &target, &slot);
+    // The token's item belongs to its lowest remote target; the others skip it.
+    const int primary = __reduce_min_sync(kFullMask, target >= 0 && target != me ? target : kMaxEpSize);
+    if (primary != q) continue;
+    bool ok = true;
+    if (target >= 0 && target != me) ok = wait_slice(p, my_row, target, slot, round, give_up, claim);
+    if (!__all_sync(kFullMask, ok)) return;  // __all_sync also orders the acquires before every lane's loads
+    pull_item<T, kVec>(p, t, c, g, lane, target, slot);
+  }
+}
+
+
+template <typename T, bool kVec>
+cudaError_t launch_typed(const CombineParams& p, cudaStream_t stream) {
+  const void* fn = reinterpret_cast<const void*>(&combine_kernel<T, kVec>);
+  int resident = 0;
+  cudaError_t err = launch::resident_blocks(fn, kThreads, p.lim, &resident);
+  if (err != cudaSuccess) return err;
+  const PullGeometry g = pull_geometry<T, kVec>(p.hidden);
+  if ((int64_t)p.local_num_tokens * (g.chunks + 1) >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
+  const int64_t row_bytes = p.hidden * (int64_t)sizeof(T);
+  const int64_t pull_blocks = launch::ceil_div((int64_t)p.local_num_tokens * g.chunks, kThreads / 32);
+  const int64_t staged_sources = self_from_payload(p) ? p.ws.ep_size - 1 : p.ws.ep_size;
+  const int64_t stage_bytes = p.payload_in_workspace ? 0 : staged_sources * p.rt * row_bytes;  // at most rt rows each
+  const int64_t stage_blocks = launch::ceil_div(stage_bytes, kThreads * 16 * kCopyUnroll);
+  const int grid = launch::clamp_grid(pull_blocks > stage_blocks ? pull_blocks : stage_blocks, resident);
+  CombineParams q = p;
+  q.overlap_stage_blocks = 0;
+  if (!p.payload_in_workspace && p.ws.ep_size > 1 && stage_bytes >= kOverlapMinBytes &&
+      row_bytes >= kOverlapMinRowBytes) {
+    q.overlap_stage_blocks = grid / kOverlapStageShare < 1 ? 1 : grid / kOverlapStageShare;
+  }
+  combine_kernel<T, kVec><<<grid, kThreads, 0, stream>>>(q);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream) {
+  if (!launch::valid_workspace(p.ws) || !launch::valid_aux(p.aux) || !launch::valid_control(p.ctl)) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.top_k < 1 || p.top_k > kMaxTopK || p.top_k > p.aux.topk_stride || p.hidden < 1 || p.rt < 1 ||
+      p.local_num_tokens < 0 || p.local_num_tokens > p.rt || (p.local_num_tokens > 0 && p.out == nullptr) ||
+      (!p.payload_in_workspace && p.payload == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  const int elem = p.dtype == DType::kFloat32 ? 4 : 2;
+  const int64_t row_bytes = p.hidden * elem;
+  const bool vec = row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(p.ws.base + p.combine_offset) % 16 == 0 && p.ws.row_stride % 16 == 0 &&
+                   (!self_from_payload(p) || reinterpret_cast<uintptr_t>(p.payload) % 16 == 0);
+  switch (p.dtype) {
+    case DType::kFloat32:
+      return vec ? launch_typed<float, true>(p, stream) : launch_typed<float, false>(p, stream);
+    case DType::kFloat16:
+      return vec ? launch_typed<__half, true>(p, stream) : launch_typed<__half, false>(p, stream);
+    case DType::kBFloat16:
+      return vec ? launch_typed<__nv_bfloat16, true>(p, stream) : launch_typed<__nv_bfloat16, false>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace a2ad

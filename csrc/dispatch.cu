@@ -1,0 +1,332 @@
+// Dispatch: route every token to the ranks that own its experts, copy its payloads
+// into their rows, and tell every peer how many tokens it got, in one ready word.
+// The scheme is described in csrc/README.md ("Dispatch").
+#include "primitives.cuh"
+#include "launch.cuh"
+
+namespace a2ad {
+namespace {
+
+using namespace dev;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+// Tokens routed per block step (one routing warp each).
+constexpr int kTileMax = kWarps;
+// Copy items a warp holds in registers at once (their loads are in flight together).
+constexpr int kBatch = 2;
+
+__device__ __forceinline__ bool diag(const DispatchParams& p, int bit) { return kTimingBuild && (p.diag & bit) != 0; }
+
+__device__ __forceinline__ int expert_owner(int e, int num_experts, int ep_size) {
+  const int base = num_experts / ep_size, rem = num_experts % ep_size;
+  const int split = rem * (base + 1);
+  return e < split ? e / (base + 1) : rem + (e - split) / base;
+}
+
+// Per-block routing of the current tile: for token w of the tile, lane k of
+// target/slot holds send (w, k); sends[w] is the mask of the token's sends.
+struct TileRouting {
+  int target[kTileMax][32];
+  int slot[kTileMax][32];
+  unsigned sends[kTileMax];
+};
+
+// How each payload is cut into copy items. With 16-byte rows and pointers a chunk is
+// 32 lanes x kCopyUnroll vectors, loaded once and stored to every send; otherwise
+// the item is the whole row, copied with the widest access the alignment allows.
+struct Items {
+  int chunks[kMaxPayloads];
+  bool vec16[kMaxPayloads];
+  int per_token;
+
+  __device__ explicit Items(const DispatchParams& p) : per_token(0) {
+#pragma unroll
+    for (int i = 0; i < kMaxPayloads; ++i) {
+      chunks[i] = 0;
+      vec16[i] = false;
+      if (i < p.num_payloads) {
+        const int64_t nb = p.payload_bytes[i];
+        vec16[i] = nb % 16 == 0 && reinterpret_cast<uintptr_t>(p.payload[i]) % 16 == 0 &&
+                   (reinterpret_cast<uintptr_t>(p.ws.base) + p.payload_offset[i]) % 16 == 0 && p.ws.row_stride % 16 == 0;
+        chunks[i] = vec16[i] ? static_cast<int>((nb / 16 + 32 * kCopyUnroll - 1) / (32 * kCopyUnroll)) : 1;
+        per_token += chunks[i];
+      }
+    }
+  }
+
+  // item -> (tile token w, payload i, chunk c)
+  __device__ __forceinline__ void decode(int item, int* w, int* i, int* c) const {
+    *w = item / per_token;
+    int cc = item - *w * per_token;
+    int ii = 0;
+#pragma unroll
+    for (int j = 0; j < kMaxPayloads - 1; ++j) {
+      if (ii == j && cc >= chunks[j]) {
+        cc -= chunks[j];
+        ii = j + 1;
+      }
+    }
+    *i = ii;
+    *c = cc;
+  }
+
+  __device__ __forceinline__ bool is_vec16(int i) const {
+    bool v = false;
+#pragma unroll
+    for (int j = 0; j < kMaxPayloads; ++j) v = j == i ? vec16[j] : v;  // constant indices: stays in registers
+    return v;
+  }
+};
+
+// One copy item in flight: where it comes from and, for a 16-byte chunk, its loaded data.
+struct Item {
+  int w, i, c;    // tile token, payload, chunk; w < 0: none
+  bool vec16;
+  uint4 r[kCopyUnroll];
+};
+
+__device__ __forceinline__ void load_item(const DispatchParams& p, const Items& items, int t0, int item, int nitems,
+                                          int lane, Item& it) {
+  it.w = -1;
+  if (item >= nitems) return;
+  items.decode(item, &it.w, &it.i, &it.c);
+  it.vec16 = items.is_vec16(it.i);
+  if (!it.vec16 || diag(p, kDiagSkipCopy)) return;
+  const int64_t nb = p.payload_bytes[it.i];
+  const int64_t nvec = nb / 16;
+  const int64_t v0 = (int64_t)it.c * 32 * kCopyUnroll;
+  const uint4* src = reinterpret_cast<const uint4*>(p.payload[it.i] + (int64_t)(t0 + it.w) * nb);
+#pragma unroll
+  for (int u = 0; u < kCopyUnroll; ++u) {
+    const int64_t v = v0 + u * 32 + lane;
+    it.r[u] = v < nvec ? src[v] : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Store the item to every send of its token (routing must be in `tr`).
+__device__ __forceinline__ void store_item(const DispatchParams& p, const TileRouting& tr, int t0, int lane,
+                                           const Item& it) {
+  if (it.w < 0 || diag(p, kDiagSkipCopy)) return;
+  const int64_t nb = p.payload_bytes[it.i];
+  const int64_t region = p.payload_offset[it.i] + (int64_t)p.ws.ep_rank * p.rt * nb;
+  const unsigned sends = tr.sends[it.w];
+  if (it.vec16) {
+    const int64_t nvec = nb / 16;
+    const int64_t v0 = (int64_t)it.c * 32 * kCopyUnroll;
+    for (unsigned m = sends; m != 0; m &= m - 1) {
+      const int k = __ffs(m) - 1;
+      uint4* dst = reinterpret_cast<uint4*>(row_of(p.ws, tr.target[it.w][k]) + region + (int64_t)tr.slot[it.w][k] * nb);
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int64_t v = v0 + u * 32 + lane;
+        if (v < nvec) dst[v] = it.r[u];
+      }
+    }
+  } else {
+    const uint8_t* src = p.payload[it.i] + (int64_t)(t0 + it.w) * nb;
+    for (unsigned m = sends; m != 0; m &= m - 1) {
+      const int k = __ffs(m) - 1;
+      copy_bytes<>(row_of(p.ws, tr.target[it.w][k]) + region + (int64_t)tr.slot[it.w][k] * nb, src, nb, lane, 32);
+    }
+  }
+}
+
+// The bad-id word of the round, taken (and cleared) by the last block once routing is over.
+__device__ __forceinline__ unsigned long long take_bad_expert(int* block_counters) {
+  auto* bad = reinterpret_cast<volatile unsigned long long*>(block_counters + layout::SLOT_BAD_EXPERT);
+  const unsigned long long inv = *bad;
+  if (inv != 0) *bad = 0;
+  return inv;
+}
+
+// Probe of the ready word peer q wrote into this rank's row.
+struct ReadyWords {
+  const uint64_t* words;
+  int round;
+  __device__ ReadyProbe operator()(int q) const { return ReadyProbe{words + q, round}; }
+};
+
+// Grid: any size >= 1. A block takes tiles of p.tile_tokens consecutive tokens
+// (grid-stride): warp w routes token w of the tile; the block's warps copy (token,
+// payload, chunk) items, kBatch at a time per warp, and warps that route nothing load
+// their first items before the routing is done. No block waits on another: the last
+// block to arrive publishes one ready word per peer and is the only one that waits.
+__global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams p) {
+  __shared__ TileRouting tr;
+  __shared__ int s_count[kMaxEpSize];
+  if (diag(p, kDiagNoop)) return;
+  const int me = p.ws.ep_rank, ep = p.ws.ep_size;
+  uint8_t* my_row = row_of(p.ws, me);
+  int* send_counters = at<int>(my_row, p.aux.send_counters);
+  int* block_counters = at<int>(my_row, p.aux.block_counters);
+  int* topk_target = at<int>(my_row, p.aux.topk_target_ranks);
+  int* topk_send = at<int>(my_row, p.aux.topk_send_indices);
+  int* slot_tokens = at<int>(my_row, p.aux.slot_tokens);
+  // R: only combine changes it, and the previous combine finished before this launch.
+  const int round = ld_volatile(at<int>(my_row, p.aux.flag_val));
+  // A one-block launch numbers its sends in shared memory (no global atomics).
+  const bool one_block = gridDim.x == 1;
+  if (blockIdx.x == 0) {
+    const int q = threadIdx.x;
+    if (q < ep) {
+      // Every peer checks this rank's rt against its own; the fence (or release) before
+      // the ready word covers this store.
+      *reinterpret_cast<volatile int*>(row_of(p.ws, q) + p.aux.recv_rts + 4 * (int64_t)me) = p.rt;
+      if (one_block) s_count[q] = 0;
+    }
+    if (threadIdx.x == 0) {
+      *at<int>(my_row, p.aux.local_token_counter) = p.local_num_tokens;
+      block_counters[layout::SLOT_PULL_WORK] = 0;  // the next combine's item counter (the previous combine is over)
+    }
+    if (one_block) __syncthreads();
+  }
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const Items items(p);
+  const int tile = p.tile_tokens;
+
+#pragma unroll 1
+  for (int t0 = blockIdx.x * tile; t0 < p.local_num_tokens; t0 += gridDim.x * tile) {
+    const int ntok = min(tile, p.local_num_tokens - t0);
+    const int nitems = ntok * items.per_token;
+    // Copy warps: those that route nothing, when they can hold every item; else all.
+    const int first = ntok < kWarps && nitems <= kBatch * (kWarps - ntok) ? ntok : 0;
+    const int ncw = kWarps - first;
+    const int cw = warp - first;  // this warp's index among the copy warps (< 0: none)
+    Item batch[kBatch];
+    const bool early = cw >= 0 && warp >= ntok;  // loads before the routing is known
+    if (early) {
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) load_item(p, items, t0, cw + b * ncw, nitems, lane, batch[b]);
+    }
+    // Routing: lane k of warp w handles (t0 + w, k). A send is the smallest k with its target.
+    if (warp < ntok) {
+      const int t = t0 + warp;
+      int target = -1;
+      if (lane < p.top_k) {
+        const int e = p.experts[(int64_t)t * p.top_k + lane];
+        if (e >= 0 && e < p.num_experts) {
+          target = expert_owner(e, p.num_experts, ep);
+        } else {  // routed nowhere; the smallest (token, id) is reported after the round
+          const unsigned long long key =
+              (static_cast<unsigned long long>(static_cast<uint32_t>(t)) << 32) | static_cast<uint32_t>(e);
+          atomicMax(reinterpret_cast<unsigned long long*>(block_counters + layout::SLOT_BAD_EXPERT), ~key);
+        }
+      }
+      const unsigned same = __match_any_sync(kFullMask, target);
+      const bool is_send = target >= 0 && __ffs(same) - 1 == lane;
+      int slot = -1;
+      if (is_send) slot = one_block ? atomicAdd(s_count + target, 1) : atomicAdd(send_counters + target, 1);
+      if (is_send && slot < p.rt) slot_tokens[(int64_t)target * p.aux.max_num_tokens + slot] = t;
+      if (lane < p.top_k) {
+        topk_target[(int64_t)t * p.aux.topk_stride + lane] = is_send ? target : -1;
+        topk_send[(int64_t)t * p.aux.topk_stride + lane] = is_send ? slot : -1;
+      }
+      tr.target[warp][lane] = target;
+      tr.slot[warp][lane] = slot;
+      // slot < T <= rt always holds (one send per token and target); never write
+      // outside the region even if it did not.
+      const unsigned sends = __ballot_sync(kFullMask, is_send && slot < p.rt);
+      if (lane == 0) tr.sends[warp] = sends;
+    }
+    __syncthreads();
+    if (cw >= 0) {
+      int base = cw;
+      if (early) {
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) store_item(p, tr, t0, lane, batch[b]);
+        base += kBatch * ncw;
+      }
+#pragma unroll 1
+      for (; base < nitems; base += kBatch * ncw) {
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) load_item(p, items, t0, base + b * ncw, nitems, lane, batch[b]);
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) store_item(p, tr, t0, lane, batch[b]);
+      }
+    }
+    __syncthreads();  // tr is rewritten by the next tile
+  }
+
+  if (!arrive_last(block_counters + layout::SLOT_DISPATCH_ARRIVAL, diag(p, kDiagSkipFence),
+                   diag(p, kDiagDoubleFence))) {
+    return;
+  }
+  if (diag(p, kDiagNoPublish)) return;
+  // Last block: every send is numbered and every payload store of the grid is visible.
+  // One release store per peer carries the count and the round.
+  const int q = threadIdx.x;
+  if (q < ep) {
+    int count;
+    if (one_block) {
+      count = s_count[q];        // this block numbered every send (arrive_last synchronized the block)
+      send_counters[q] = count;  // after dispatch SEND_COUNTERS hold the counts (combine zeroes them)
+    } else {
+      count = ld_volatile(send_counters + q);
+    }
+    st_release_sys_u64(at<uint64_t>(row_of(p.ws, q), p.aux.dispatch_ready + 8 * (int64_t)me), ready_word(count, round));
+  }
+  if (diag(p, kDiagNoWait)) return;
+  const unsigned long long bad_inv = threadIdx.x == 0 ? take_bad_expert(block_counters) : 0;
+  // Only this block waits, so it is the poller (no other block needs telling).
+  int count = 0;
+  if (!block_wait(ReadyWords{at<uint64_t>(my_row, p.aux.dispatch_ready), round}, ep, round, p.ctl,
+                  layout::PHASE_DISPATCH, /*poller=*/true, block_counters + layout::SLOT_STATUS_CLAIM,
+                  block_counters + layout::SLOT_DISPATCH_GIVE_UP, &count)) {
+    return;
+  }
+  // Thread q now holds what peer q sent here; the protocol's per-source fields get it.
+  __shared__ int s_peer;
+  if (threadIdx.x == 0) s_peer = kMaxEpSize;
+  __syncthreads();
+  if (q < ep) {
+    at<int>(my_row, p.aux.recv_counters)[q] = count;
+    at<int>(my_row, p.aux.dispatch_completion_flags)[q] = round;
+    const int r = ld_volatile(at<int>(my_row, p.aux.recv_rts) + q);  // written before q's ready word
+    if (r != p.rt) atomicMin(&s_peer, q);
+  }
+  __syncthreads();
+  // What was wrong with the input, without stopping the round: a peer that passed another
+  // rt wins over a bad expert id; the combine of a round with such a peer moves no data.
+  if (threadIdx.x == 0) {
+    if (s_peer < kMaxEpSize) {
+      block_counters[layout::SLOT_RT_MISMATCH] = round;
+      write_input(p.ctl, layout::INPUT_RT_MISMATCH, s_peer, ld_volatile(at<int>(my_row, p.aux.recv_rts) + s_peer),
+                  round);
+    } else if (bad_inv != 0) {
+      const unsigned long long key = ~bad_inv;
+      write_input(p.ctl, layout::INPUT_BAD_EXPERT, static_cast<int>(key >> 32),
+                  static_cast<int>(static_cast<uint32_t>(key)), round);
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
+  if (!launch::valid_workspace(p.ws) || !launch::valid_aux(p.aux) || !launch::valid_control(p.ctl)) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.top_k < 1 || p.top_k > kMaxTopK || p.top_k > p.aux.topk_stride || p.num_experts < p.ws.ep_size ||
+      p.local_num_tokens < 0 || p.local_num_tokens > p.rt || p.num_payloads < 0 || p.num_payloads > kMaxPayloads ||
+      (p.local_num_tokens > 0 && p.experts == nullptr) || (p.diag != 0 && !kTimingBuild)) {
+    return cudaErrorInvalidValue;
+  }
+  for (int i = 0; i < p.num_payloads; ++i) {
+    if (p.payload_bytes[i] <= 0 || (p.local_num_tokens > 0 && p.payload[i] == nullptr)) return cudaErrorInvalidValue;
+  }
+  int resident = 0;
+  cudaError_t err = launch::resident_blocks(reinterpret_cast<const void*>(&dispatch_kernel), kThreads, p.lim, &resident);
+  if (err != cudaSuccess) return err;
+  // Tokens per block step: as few as fill the SMs (small T spreads each token over a
+  // whole block), at most one routing warp per token.
+  DispatchParams q = p;
+  const int64_t tile = launch::ceil_div(p.local_num_tokens, resident);
+  q.tile_tokens = static_cast<int>(tile < 1 ? 1 : tile > kTileMax ? kTileMax : tile);
+  const int grid = launch::clamp_grid(launch::ceil_div(p.local_num_tokens, q.tile_tokens), resident);
+  dispatch_kernel<<<grid, kThreads, 0, stream>>>(q);
+  return cudaGetLastError();
+}
+
+}  // namespace a2ad

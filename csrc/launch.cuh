@@ -1,0 +1,28 @@
+// Host-side launch helpers the kernel files share: occupancy and SM counts (cached),
+// and the checks every launcher makes on its parameters. Implemented in launch.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "moe_a2a.cuh"
+
+namespace a2ad {
+namespace launch {
+
+// Blocks of `fn` (with `threads` threads) that fit at once on the SMs this launch may use.
+cudaError_t resident_blocks(const void* fn, int threads, const LaunchLimits& lim, int* out);
+
+bool valid_workspace(const Workspace& ws);
+bool valid_aux(const AuxOffsets& a);
+bool valid_control(const Control& c);
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline int clamp_grid(int64_t want, int64_t most) {
+  if (want < 1) want = 1;
+  return static_cast<int>(want < most ? want : most);
+}
+
+}  // namespace launch
+}  // namespace a2ad

@@ -1,0 +1,277 @@
+// Device primitives the a2ad kernels share: memory-model loads/stores and fences,
+// the status and input records, bounded waits, the last-block arrival, and copies.
+// Header-only; every function is inline (each kernel file gets its own copy).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "moe_a2a.cuh"
+
+namespace a2ad {
+namespace dev {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+// 16-byte vectors each lane keeps in flight per copy step.
+constexpr int kCopyUnroll = 4;
+// The abort word lives in host memory (a PCIe round trip, ~1 us): a poller reads it
+// once every this many polls, the first time after that many.
+constexpr uint32_t kAbortPollEvery = 64;
+
+enum WaitResult : int { kWaitOk = 0, kWaitTimeout = 1, kWaitAborted = 2, kWaitStopped = 3 };
+
+// ---------------------------------------------------------------------------
+// Memory model
+// ---------------------------------------------------------------------------
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ int ld_acquire_sys(const int* p) {
+  int v;
+  asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint64_t ld_acquire_sys_u64(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint32_t ld_relaxed_sys_u32(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(int* p, int v) {
+  asm volatile("st.release.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_release_sys_u64(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+__device__ __forceinline__ int atomic_add_acq_rel_gpu(int* p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
+__device__ __forceinline__ int ld_volatile(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
+
+__device__ __forceinline__ uint8_t* row_of(const Workspace& ws, int q) { return ws.base + (int64_t)q * ws.row_stride; }
+
+template <typename T>
+__device__ __forceinline__ T* at(uint8_t* row, int64_t off) {
+  return reinterpret_cast<T*>(row + off);
+}
+
+// The ready word of dispatch: what source s tells target q in one store.
+__host__ __device__ __forceinline__ uint64_t ready_word(int count, int round) {
+  return (static_cast<uint64_t>(static_cast<uint32_t>(count)) << 32) | static_cast<uint32_t>(round);
+}
+
+// ---------------------------------------------------------------------------
+// Status and input records (control block, host memory)
+// ---------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ volatile T* cb_field(const Control& c, int64_t off) {
+  return reinterpret_cast<volatile T*>(c.block + off);
+}
+
+// This rank's status record: fields first, the code last, each system-visible in that order.
+__device__ inline void write_status(const Control& c, uint32_t code, int peer, int round, uint32_t phase,
+                                    uint64_t waited) {
+  const int64_t rec = layout::CB_STATUS + (int64_t)c.ep_rank * layout::STATUS_RECORD_SIZE;
+  *cb_field<int32_t>(c, rec + layout::STATUS_PEER) = peer;
+  *cb_field<uint32_t>(c, rec + layout::STATUS_ROUND) = static_cast<uint32_t>(round);
+  *cb_field<uint32_t>(c, rec + layout::STATUS_PHASE) = phase;
+  *cb_field<uint64_t>(c, rec + layout::STATUS_WAITED_NS) = waited;
+  __threadfence_system();  // the host must never see the code before the fields
+  *cb_field<uint32_t>(c, rec + layout::STATUS_CODE) = code;
+  __threadfence_system();
+}
+
+// This rank's input record (what dispatch found wrong in the input while still
+// completing the round for every rank), in the same order.
+__device__ inline void write_input(const Control& c, uint32_t code, int index, int value, int round) {
+  const int64_t rec = layout::CB_INPUT + (int64_t)c.ep_rank * layout::INPUT_RECORD_SIZE;
+  *cb_field<int32_t>(c, rec + layout::INPUT_INDEX) = index;
+  *cb_field<int32_t>(c, rec + layout::INPUT_VALUE) = value;
+  *cb_field<uint32_t>(c, rec + layout::INPUT_ROUND) = static_cast<uint32_t>(round);
+  __threadfence_system();
+  *cb_field<uint32_t>(c, rec + layout::INPUT_CODE) = code;
+  __threadfence_system();
+}
+
+// ---------------------------------------------------------------------------
+// Bounded waits
+// ---------------------------------------------------------------------------
+// A flag that is ready when it holds `want` (int32), or, for a dispatch ready word,
+// when its low half does (then `value` is its high half: the count).
+struct FlagProbe {
+  const int* flag;
+  int want;
+  __device__ __forceinline__ bool ready(int* /*value*/) const { return ld_acquire_sys(flag) == want; }
+};
+
+struct ReadyProbe {
+  const uint64_t* word;
+  int want;
+  __device__ __forceinline__ bool ready(int* value) const {
+    const uint64_t w = ld_acquire_sys_u64(word);
+    if (static_cast<uint32_t>(w) != static_cast<uint32_t>(want)) return false;
+    *value = static_cast<int>(w >> 32);
+    return true;
+  }
+};
+
+// Spin until the probe is ready (acquire), the deadline passes, or the wait is
+// called off. The launch's *poller* block reads the job's abort word (host memory,
+// first after kAbortPollEvery polls, then every kAbortPollEvery) and gives up after
+// c.timeout_ns. Other waiting blocks watch `give_up` (device memory) instead, where
+// the poller posts the round it gave up on; their own deadline is twice as long, a
+// backstop only: they started waiting before the poller did (it is the last block
+// to arrive), and a flag the poller saw can no longer change before this launch
+// ends, so they cannot miss what the poller saw. Any thread also stops once another
+// thread of its block gave up (*stop).
+template <typename Probe>
+__device__ int spin_wait(const Probe& probe, int round, const Control& c, bool poller, const int* give_up,
+                         const volatile int* stop, uint64_t* waited, int* value) {
+  const uint32_t* abort_word = reinterpret_cast<const uint32_t*>(c.block + layout::CB_ABORT);
+  const uint64_t limit = poller ? c.timeout_ns : 2 * c.timeout_ns;
+  const uint64_t t0 = global_timer_ns();
+  for (uint32_t it = 0;; ++it) {
+    if (probe.ready(value)) return kWaitOk;
+    const uint64_t now = global_timer_ns();
+    *waited = now - t0;
+    if (poller) {
+      if (it % kAbortPollEvery == kAbortPollEvery - 1 && ld_relaxed_sys_u32(abort_word) != 0) return kWaitAborted;
+    } else {
+      if (ld_volatile(give_up) == round) return kWaitStopped;
+      __nanosleep(64);  // many blocks may wait: keep their polls off the flags' L2 lines
+    }
+    if (now - t0 >= limit) return kWaitTimeout;
+    if (*stop) return kWaitStopped;
+  }
+}
+
+// What a thread that gave up on its own does: post the round to *give_up (the
+// launch's other waiting blocks stop too) and write the status record unless
+// another thread of this rank already did (claimed through *claim, device memory).
+__device__ inline void give_up_wait(const Control& c, int result, int peer, int round, uint32_t phase,
+                                    uint64_t waited, int* claim, int* give_up) {
+  *reinterpret_cast<volatile int*>(give_up) = round;
+  if (atomicCAS(claim, 0, 1) == 0) {
+    write_status(c, result == kWaitTimeout ? layout::STATUS_TIMEOUT : layout::STATUS_ABORTED, peer, round, phase,
+                 waited);
+  }
+}
+
+// Threads [0, ep_size) of the block each wait for peer q's probe (probe_of(q)).
+// Returns true (in every thread) when every peer was ready; `value` gets what the
+// probe read (the count of a ready word).
+template <typename ProbeOf>
+__device__ bool block_wait(ProbeOf probe_of, int ep_size, int round, const Control& c, uint32_t phase, bool poller,
+                           int* claim, int* give_up, int* value) {
+  __shared__ int s_stop;
+  volatile int* stop = &s_stop;
+  if (threadIdx.x == 0) *stop = 0;
+  __syncthreads();
+  const int q = threadIdx.x;
+  if (q < ep_size) {
+    uint64_t waited = 0;
+    const int r = spin_wait(probe_of(q), round, c, poller, give_up, stop, &waited, value);
+    if (r != kWaitOk) {
+      *stop = 1;
+      if (r != kWaitStopped) give_up_wait(c, r, q, round, phase, waited, claim, give_up);
+    }
+  }
+  __syncthreads();
+  return *stop == 0;
+}
+
+// ---------------------------------------------------------------------------
+// Last-block arrival
+// ---------------------------------------------------------------------------
+// After __syncthreads, thread 0 fences once (fence.acq_rel.sys: cumulativity makes the
+// whole block's writes, ordered before it by the barrier, visible system-wide, as in a
+// cooperative-groups grid sync) and arrives on *counter. Returns true (in every
+// thread) in the block that arrived last; that block resets the counter for the next
+// launch. A grid of one block needs neither counter nor fence: it is the last block,
+// and the caller publishes with st.release.sys after this barrier, which is itself a
+// release covering every write the barrier ordered before it.
+// skip_fence / double_fence: timing diagnostics only.
+__device__ inline bool arrive_last(int* counter, bool skip_fence = false, bool double_fence = false) {
+  __shared__ int s_last;
+  __syncthreads();
+  if (gridDim.x == 1) return true;
+  if (threadIdx.x == 0) {
+    if (!skip_fence) {
+      fence_acq_rel_sys();
+      if (double_fence) fence_acq_rel_sys();
+    }
+    const int last = atomic_add_acq_rel_gpu(counter, 1) == static_cast<int>(gridDim.x) - 1;
+    if (last) *reinterpret_cast<volatile int*>(counter) = 0;  // the next launch counts from zero
+    s_last = last;
+  }
+  __syncthreads();
+  return s_last != 0;
+}
+
+// ---------------------------------------------------------------------------
+// Copies
+// ---------------------------------------------------------------------------
+template <typename V, int kUnroll = kCopyUnroll>
+__device__ __forceinline__ void copy_vectors(uint8_t* dst, const uint8_t* src, int64_t n, int64_t tid, int64_t nthreads) {
+  V* d = reinterpret_cast<V*>(dst);
+  const V* s = reinterpret_cast<const V*>(src);
+  int64_t i = tid;
+  // (unroll 1: the unrolled body already keeps kUnroll loads in flight, and
+  //  it spares a 64-bit trip-count division)
+#pragma unroll 1
+  for (; i + (kUnroll - 1) * nthreads < n; i += kUnroll * nthreads) {
+    V r[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) r[u] = s[i + u * nthreads];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) d[i + u * nthreads] = r[u];
+  }
+#pragma unroll 1
+  for (; i < n; i += nthreads) d[i] = s[i];
+}
+
+// Copy n bytes with the widest access both pointers allow (16/8/4/2/1 bytes),
+// threads tid of nthreads cooperating, kUnroll accesses in flight per thread.
+// Any width, any alignment.
+template <int kUnroll = kCopyUnroll>
+__device__ inline void copy_bytes(uint8_t* dst, const uint8_t* src, int64_t n, int64_t tid, int64_t nthreads) {
+  if (n <= 0) return;
+  const uintptr_t mis = reinterpret_cast<uintptr_t>(dst) ^ reinterpret_cast<uintptr_t>(src);
+  const int shift = (mis & 15) == 0 ? 4 : (mis & 7) == 0 ? 3 : (mis & 3) == 0 ? 2 : (mis & 1) == 0 ? 1 : 0;
+  const int64_t w = int64_t{1} << shift;
+  int64_t head = (w - (reinterpret_cast<uintptr_t>(dst) & (w - 1))) & (w - 1);
+  if (head > n) head = n;
+  for (int64_t b = tid; b < head; b += nthreads) dst[b] = src[b];
+  dst += head;
+  src += head;
+  n -= head;
+  const int64_t nv = n >> shift;
+  switch (shift) {
+    case 4: copy_vectors<uint4, kUnroll>(dst, src, nv, tid, nthreads); break;
+    case 3: copy_vectors<uint2, kUnroll>(dst, src, nv, tid, nthreads); break;
+    case 2: copy_vectors<uint32_t, kUnroll>(dst, src, nv, tid, nthreads); break;
+    case 1: copy_vectors<uint16_t, kUnroll>(dst, src, nv, tid, nthreads); break;
+    default: copy_vectors<uint8_t, kUnroll>(dst, src, nv, tid, nthreads); break;
+  }
+  for (int64_t b = (nv << shift) + tid; b < n; b += nthreads) dst[b] = src[b];
+}
+
+}  // namespace dev
+}  // namespace a2ad
