@@ -32,14 +32,14 @@ figure means.
 The modules: ``workload`` (grid, routing and inputs, reference results and checks), ``timing``
 (statistics, the rank's context, CUDA-graph and eager timing), ``impls`` (the implementations),
 ``ceilings`` (the NVLink ceilings), ``results`` (rows, comparisons, targets), ``report`` (tables,
-JSON, PERF.md), ``plot`` (``--plot``), ``worker`` (one rank's process), ``cli`` (options and the
+JSON, PERF.md), ``plotting`` (``--plot``), ``worker`` (one rank's process), ``cli`` (options and the
 launcher). ``python -m a2ad.bench.kernel_timing`` times the CUDA kernels alone on two GPUs.
 """
 
 from .cli import build_parser, main, prepare_flashinfer_archive, resolve_config
 from .common import IMPLS, SCHEMA, Skip, exception_text
 from .impls import FLASHINFER_MODULE, A2adJob, FiJob, a2ad_graphs, flashinfer_probe
-from .plot import plot, plot_unavailable
+from .plotting import plot, plot_unavailable
 from .report import (
     VS_NCCL_NOTE,
     TABLE_COLUMNS,

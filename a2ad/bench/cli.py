@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .common import IMPLS, NO_MULTICAST_ENV, SCHEMA, ensure_client_package, log
-from .plot import plot, plot_unavailable
+from .plotting import plot, plot_unavailable
 from .report import _finite, make_report, perf_doc, sort_rows, write_json
 from .results import add_comparisons, add_speedups, capture_summary, comparisons, evaluate_targets
 from .workload import DEFAULT_HIDDEN, DRY_HIDDEN, DRY_TOKENS, FULL_TOKENS, QUICK_TOKENS

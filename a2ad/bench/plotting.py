@@ -6,6 +6,7 @@ from pathlib import Path
 
 from .common import IMPL_LABELS, IMPLS
 from .results import ce_per_gpu_gbps, comparisons
+from .workload import gbps
 
 
 PLOT_HINT = "pip install 'a2ad[bench]' for --plot"
@@ -20,9 +21,58 @@ def plot_unavailable() -> str | None:
     return None
 
 
+#: Per phase: line style, line width, and the opacity of its p10-p90 band.
+PHASE_STYLES = (("total", "-", 2.0, 0.18), ("dispatch", "--", 1.0, 0.08), ("combine", ":", 1.0, 0.08))
+
+
+def _spread(row: dict, phase: str) -> tuple:
+    """``(p10, p90)`` of a phase's latency in us, or ``(None, None)`` where the row has none."""
+    s = row.get(f"{phase}_us") or {}
+    return s.get("p10"), s.get("p90")
+
+
+def _gbps_spread(row: dict, phase: str) -> tuple:
+    """The remote bandwidth over the p10-p90 latencies of a phase: ``(low, high)`` GB/s per GPU."""
+    rb = row.get("remote_bytes") or {}
+    d, c = rb.get("dispatch"), rb.get("combine")
+    nbytes = (d + c if d is not None and c is not None else None) if phase == "total" else rb.get(phase)
+    p10, p90 = _spread(row, phase)
+    return gbps(nbytes, p90), gbps(nbytes, p10)
+
+
+def _band(ax, pts, color, alpha: float) -> None:
+    """Shade ``(x, low, high)`` points (those with both bounds): a band, or a bar for one point."""
+    pts = [(x, lo, hi) for x, lo, hi in pts if lo is not None and hi is not None and 0 < lo <= hi]
+    if len(pts) > 1:
+        xs, lo, hi = zip(*pts)
+        ax.fill_between(xs, lo, hi, color=color, alpha=alpha, lw=0)
+    elif pts:
+        x, lo, hi = pts[0]
+        ax.vlines(x, lo, hi, color=color, alpha=min(1.0, 3 * alpha), lw=4)
+
+
+def _ceilings(ax, ce: float | None, sm: float | None) -> None:
+    """The NVLink ceilings as labelled horizontal lines, with room above them on the axis."""
+    lines = sorted(((v, label, ls) for v, label, ls in ((ce, "copy engine two-way", "-."),
+                                                        (sm, "SM peer store two-way", (0, (4, 2)))) if v),
+                   key=lambda x: -x[0])
+    if not lines:
+        return
+    for i, (v, label, ls) in enumerate(lines):
+        ax.axhline(v, color="black", ls=ls, lw=1.6, zorder=3)
+        value = f"{v:.0f}" if v >= 100 else f"{v:.3g}"  # CPU dry runs give tiny figures
+        # the highest label above its line, the other below its own: close ceilings stay readable
+        ax.text(0.01, v, f" {label}: {value} GB/s per GPU", transform=ax.get_yaxis_transform(), fontsize=7,
+                ha="left", va="bottom" if i == 0 else "top", zorder=4)
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(lo, max(hi, lines[0][0] * 4))
+
+
 def plot(result: dict, path) -> str | None:
     """PNG: per hidden size, latency (total solid, dispatch dashed, combine dotted) and remote GB/s
-    vs tokens per rank, one colour per implementation, log axes. Returns None or why it could not."""
+    vs tokens per rank, one colour per implementation, log axes; the p10-p90 range of every median
+    shaded around its line, the NVLink ceilings as labelled horizontal lines on the bandwidth
+    panels. Returns None or why it could not."""
     try:
         import matplotlib
 
@@ -62,29 +112,30 @@ def plot(result: dict, path) -> str | None:
             ax_r.legend(fontsize=7, loc="best")
         for impl in impls:
             rs = sorted((r for r in rows if r["impl"] == impl and r["hidden"] == h), key=lambda r: r["tokens"])
-            for key, style, lw in (("total_us", "-", 2.0), ("dispatch_us", "--", 1.0), ("combine_us", ":", 1.0)):
-                pts = [(r["tokens"], r[key]["median"]) for r in rs if r.get(key)]
+            color = colors.get(impl)
+            for phase, style, lw, alpha in PHASE_STYLES:
+                label = IMPL_LABELS.get(impl, impl) if phase == "total" else None
+                pts = [(r["tokens"], r[f"{phase}_us"]["median"]) for r in rs if r.get(f"{phase}_us")]
                 if pts:
-                    ax_l.plot(*zip(*pts), style, color=colors.get(impl), lw=lw, marker="o", ms=3,
-                              label=IMPL_LABELS.get(impl, impl) if key == "total_us" else None)
-            for key, style, lw in (("total", "-", 2.0), ("dispatch", "--", 1.0), ("combine", ":", 1.0)):
-                pts = [(r["tokens"], r["remote_gbps"][key]) for r in rs if r["remote_gbps"].get(key)]
+                    ax_l.plot(*zip(*pts), style, color=color, lw=lw, marker="o", ms=3, label=label)
+                _band(ax_l, [(r["tokens"], *_spread(r, phase)) for r in rs], color, alpha)
+                pts = [(r["tokens"], r["remote_gbps"][phase]) for r in rs if r["remote_gbps"].get(phase)]
                 if pts:
-                    ax_b.plot(*zip(*pts), style, color=colors.get(impl), lw=lw, marker="o", ms=3,
-                              label=IMPL_LABELS.get(impl, impl) if key == "total" else None)
-        if ce:
-            ax_b.axhline(ce, color="gray", ls="-.", lw=1, label=f"copy engine two-way ({ce:.0f} GB/s per GPU)")
-        if sm:
-            ax_b.axhline(sm, color="black", ls=(0, (1, 3)), lw=1, label=f"SM peer store two-way ({sm:.0f} GB/s per GPU)")
+                    ax_b.plot(*zip(*pts), style, color=color, lw=lw, marker="o", ms=3, label=label)
+                _band(ax_b, [(r["tokens"], *_gbps_spread(r, phase)) for r in rs], color, alpha)
         for ax, ylab in ((ax_l, "latency, us (median)"), (ax_b, "remote GB/s per GPU")):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("tokens per rank")
             ax.set_ylabel(ylab)
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7, loc="best")
-        ax_l.set_title(f"hidden {h}: latency (solid: dispatch+combine, dashed: dispatch, dotted: combine)", fontsize=9)
-        ax_b.set_title(f"hidden {h}: remote bandwidth (same line styles)", fontsize=9)
+        ax_l.legend(fontsize=7, loc="best")
+        ax_b.legend(fontsize=7, loc="lower right")
+        _ceilings(ax_b, ce, sm)
+        ax_l.set_title(f"hidden {h}: latency, medians, shaded p10-p90\n"
+                       "(solid: dispatch+combine, dashed: dispatch, dotted: combine)", fontsize=9)
+        ax_b.set_title(f"hidden {h}: remote bandwidth, medians, shaded p10-p90\n"
+                       "(same line styles; black lines: the NVLink ceilings)", fontsize=9)
     hw = result.get("hardware") or {}
     fig.suptitle(f"a2ad-bench: ep={result['config'].get('ep')} x {hw.get('device_name', '?')}, "
                  f"top_k={result['config'].get('top_k')}, {result['config'].get('num_experts')} experts, "
