@@ -1,0 +1,276 @@
+"""Two-GPU timing of the CUDA kernels alone and of their diagnostics, no daemon:
+``python -m a2ad.bench.kernel_timing`` (2 GPUs, one process).
+
+Ranks 0 and 1 run on cuda:0 and cuda:1 over a VMM workspace mapped on both (as the daemon
+does), each rank's dispatch and combine in its own CUDA graph; replays are queued behind a
+GPU sleep and L2 is flushed before each round (as in a2ad-bench). Per round the slowest
+rank's interval counts; medians and p10-p90 over the rounds.
+
+The diagnostics (``CudaPlane.diag``, the ``DIAG_*`` bits of a2ad.client.cuda_plane) take
+parts of dispatch away to show what each part costs. They exist only in the timing build
+of the extension, which this harness asks for (``A2AD_KERNEL_TIMING=1`` before the
+extension is first loaded). One line per configuration as it goes, then a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import mmap
+import os
+import sys
+from types import SimpleNamespace
+
+import torch
+
+from a2ad import layout as L
+from a2ad.control import ControlBlock
+
+TIMING_ENV = "A2AD_KERNEL_TIMING"
+
+
+class TwoGpuJob:
+    """One job of two ranks, rank r on cuda:r, each with its stream, CudaPlane and L2 flush buffer."""
+
+    def __init__(self, max_tokens: int, top_k: int, num_experts: int, hidden: int, timeout: float = 2.0):
+        from a2ad import cuda_driver as cd
+        from a2ad.client.cuda_map import CudaMapping
+        from a2ad.client.cuda_plane import CudaPlane, initialize_row
+
+        ep = 2
+        self.ep_size, self.top_k, self.num_experts, self.hidden = ep, top_k, num_experts, hidden
+        self.widths = [2 * hidden, 4 * top_k, 4 * top_k]  # bf16 hidden, int32 ids, fp32 scales (as the bench)
+        self.aux = L.aux_layout(ep, max_tokens)
+        self.size = L.workspace_size_per_rank(ep, max_tokens, sum(self.widths), 2 * hidden)
+        gran = max(cd.granularity(d) for d in range(ep))
+        self.row_stride = L.pad_up(self.size, gran)
+        self.handles, fds = [], []
+        for d in range(ep):
+            h, _ = cd.create(self.row_stride, d, cd.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+            self.handles.append(h)
+            fds.append(cd.export_fd(h))
+        self.maps = []
+        for r in range(ep):  # every rank maps every row on its own device, as attach does
+            dups = [os.dup(f) for f in fds]
+            self.maps.append(CudaMapping(dups, self.size, self.row_stride, r))
+            for f in dups:
+                os.close(f)
+        for f in fds:
+            os.close(f)
+        self.ws = [m.tensor for m in self.maps]
+        self._mm = mmap.mmap(-1, L.CONTROL_BLOCK_SIZE)
+        self.control = ControlBlock(self._mm, owner=self._mm)
+        self.control.initialize(ep)
+        self.streams, self.flush, self.planes = [], [], []
+        for r in range(ep):
+            with torch.cuda.device(r):
+                self.streams.append(torch.cuda.Stream())
+                l2 = int(getattr(torch.cuda.get_device_properties(r), "L2_cache_size", 0) or (50 << 20))
+                self.flush.append(torch.empty(2 * l2, dtype=torch.uint8, device=f"cuda:{r}"))
+                att = SimpleNamespace(
+                    job="timing", ep_rank=r, ep_size=ep,
+                    spec={"max_num_tokens": max_tokens, "top_k": top_k, "num_experts": num_experts},
+                    backend="cuda", device=torch.device("cuda", r), workspace=self.ws[r],
+                    size_per_rank=self.size, row_stride=self.row_stride, aux=self.aux, control=self.control,
+                    generation=0,
+                )
+                self.planes.append(CudaPlane(att, timeout))
+                initialize_row(self.ws[r], r, self.aux)
+                torch.cuda.synchronize()
+        # GPU sleep cycles per us (to queue the replays behind a known delay)
+        with torch.cuda.device(0):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            torch.cuda._sleep(4_000_000)
+            b.record()
+            b.synchronize()
+            self.cycles_per_us = 4_000_000 / max(a.elapsed_time(b) * 1e3, 1.0)
+
+    def close(self) -> None:
+        from a2ad import cuda_driver as cd
+
+        self.sync()
+        for p in self.planes:
+            p.close()
+        self.ws = []
+        for m in self.maps:
+            m.close()
+        for h in self.handles:
+            cd.release(h)
+        self.control.close()
+
+    def inputs(self, T: int) -> None:
+        """Random routing, payloads and combine inputs of T tokens per rank."""
+        self.T = T
+        self.pl = L.payload_layout(self.aux, self.size, T, self.widths, 2 * self.hidden)
+        self.experts, self.payloads, self.comb = [], [], []
+        for r in range(self.ep_size):
+            dev = f"cuda:{r}"
+            e = torch.rand(T, self.num_experts, device=dev).argsort(dim=1)[:, : self.top_k].to(torch.int32).contiguous()
+            x = torch.randn(T, self.hidden, device=dev).bfloat16()
+            sc = torch.rand(T, self.top_k, device=dev)
+            self.experts.append(e)
+            self.payloads.append([x.view(torch.uint8), e.view(torch.uint8), sc.view(torch.uint8)])
+            self.comb.append(torch.randn(self.ep_size, T, self.hidden, device=dev).bfloat16())
+        self.sync()
+
+    def d(self, r: int) -> None:
+        self.planes[r].dispatch(self.experts[r], self.payloads[r], self.T, self.pl, self.num_experts)
+
+    def c(self, r: int):
+        return self.planes[r].combine(self.comb[r], self.T, self.T, self.pl, False)
+
+    def on(self, r: int) -> contextlib.ExitStack:
+        """Rank r's device and stream current."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(r))
+        stack.enter_context(torch.cuda.stream(self.streams[r]))
+        return stack
+
+    def sync(self) -> None:
+        for r in range(self.ep_size):
+            torch.cuda.synchronize(r)
+
+    def eager_round(self) -> None:
+        for fn in (self.d, self.c):
+            for r in range(self.ep_size):
+                with self.on(r):
+                    fn(r)
+        self.sync()
+
+    def time(self, diag: int, rounds: int = 200, chunks: int = 3, flush: bool = True) -> dict:
+        """Dispatch and combine of the current inputs with the diagnostic bits ``diag`` (0: the
+        kernels as they serve), ``chunks`` x ``rounds`` graph replays; medians and p10/p90 in us."""
+        for p in self.planes:
+            p.diag = diag
+        for _ in range(3):
+            self.eager_round()
+        for p in self.planes:
+            p.check()
+        gd, gc = [], []
+        for r in range(self.ep_size):
+            with torch.cuda.device(r):
+                # A capture stream of this device: torch.cuda.graph's default capture stream is
+                # one per process, made on the device current at its first use, so capturing on
+                # cuda:1 with it would leave the graph empty and run rank 1's kernels eagerly
+                # (alone: its dispatch then waits for a peer that is not running; seen on 2xH200).
+                cap = torch.cuda.Stream()
+                g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g1, stream=cap, capture_error_mode="thread_local"):
+                    self.d(r)
+                with torch.cuda.graph(g2, stream=cap, capture_error_mode="thread_local"):
+                    self.c(r)
+                gd.append(g1)
+                gc.append(g2)
+        self.sync()
+        ds, cs, starved = [], [], False
+        for _ in range(chunks):
+            done = []
+            for r in range(self.ep_size):
+                with self.on(r):
+                    torch.cuda._sleep(int((5000 + 400 * rounds) * self.cycles_per_us))
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    done.append(ev)
+            marks = [[] for _ in range(self.ep_size)]
+            for _i in range(rounds):
+                for r in range(self.ep_size):
+                    with self.on(r):
+                        if flush:
+                            self.flush[r].zero_()
+                        m = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                        m[0].record()
+                        gd[r].replay()
+                        m[1].record()
+                        gc[r].replay()
+                        m[2].record()
+                        marks[r].append(m)
+            starved = starved or any(ev.query() for ev in done)
+            self.sync()
+            for i in range(rounds):
+                ds.append(max(marks[r][i][0].elapsed_time(marks[r][i][1]) for r in range(self.ep_size)) * 1e3)
+                cs.append(max(marks[r][i][1].elapsed_time(marks[r][i][2]) for r in range(self.ep_size)) * 1e3)
+        for p in self.planes:
+            p.check()
+            p.diag = 0
+        for _ in range(2):  # leave the job in a clean round state for the next entry
+            self.eager_round()
+        q = lambda v, f: sorted(v)[min(len(v) - 1, int(f * len(v)))]  # noqa: E731
+        return {"d": q(ds, 0.5), "c": q(cs, 0.5), "d10": q(ds, 0.1), "d90": q(ds, 0.9), "c10": q(cs, 0.1),
+                "c90": q(cs, 0.9), "starved": starved}
+
+
+def plan(cp) -> list[tuple[str, int, int]]:
+    """``(label, T, diag)`` per configuration, in the order they run (``cp``: a2ad.client.cuda_plane)."""
+    return [
+        ("default", 1, 0),
+        ("diag no-op dispatch kernel (launch floor)", 1, cp.DIAG_NOOP),
+        ("diag routing only (no copy, fence, publish)", 1, cp.DIAG_SKIP_COPY | cp.DIAG_SKIP_FENCE | cp.DIAG_NO_PUBLISH),
+        ("diag routing + fence (no copy, publish)", 1, cp.DIAG_SKIP_COPY | cp.DIAG_NO_PUBLISH),
+        ("diag local work only (no publish, no wait)", 1, cp.DIAG_NO_PUBLISH),
+        ("diag publish, no wait", 1, cp.DIAG_NO_WAIT),
+        ("diag double fence (the fence's cost, added)", 1, cp.DIAG_DOUBLE_FENCE),
+        ("default again (noise)", 1, 0),
+        ("default", 4096, 0),
+    ]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m a2ad.bench.kernel_timing",
+        description="Time the a2ad CUDA kernels and their diagnostics on two GPUs in one process (no daemon): "
+                    "CUDA-graph replays, L2 flushed before each round, slowest rank per round.",
+    )
+    p.add_argument("--hidden", type=int, default=7168, help="hidden size, bf16 (default 7168)")
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--num-experts", type=int, default=256)
+    p.add_argument("--no-l2-flush", action="store_true", help="do not overwrite 2 x L2 before every round")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # the diagnostics exist only in the timing build: ask for it before the extension is first loaded
+    os.environ[TIMING_ENV] = "1"
+    from .common import ensure_client_package
+
+    why = ensure_client_package()
+    if why:
+        print(why, file=sys.stderr)
+        return 2
+    from a2ad.client import cuda_plane as cp
+
+    if torch.cuda.device_count() < 2:
+        print("timing needs 2 GPUs")
+        return 1
+    flush = not args.no_l2_flush
+    job = TwoGpuJob(4096, args.top_k, args.num_experts, args.hidden)
+    rows, cur_T = [], None
+    try:
+        for label, T, dg in plan(cp):
+            if T != cur_T:
+                job.inputs(T)
+                cur_T = T
+            try:
+                r = job.time(dg, rounds=200 if T < 4096 else 40, flush=flush)
+            except Exception as exc:  # keep going: print what failed
+                print(f"{label} T={T}: {type(exc).__name__}: {exc}", flush=True)
+                continue
+            rows.append((label, T, dg, r))
+            print(f"{label:<46} T={T:<5} diag={dg:<2} flush={int(flush)}  dispatch {r['d']:8.2f} us "
+                  f"({r['d10']:.2f}-{r['d90']:.2f})  combine {r['c']:8.2f} us ({r['c10']:.2f}-{r['c90']:.2f})"
+                  + ("  STARVED" if r["starved"] else ""), flush=True)
+    finally:
+        job.close()
+    print(f"\nhidden {args.hidden}, top_k {args.top_k}, {args.num_experts} experts, 2 ranks on cuda:0 / cuda:1")
+    print("\n| stage | T | diag | L2 flush | dispatch us (p10-p90) | combine us (p10-p90) |")
+    print("| --- | --: | --: | --: | --: | --: |")
+    for label, T, dg, r in rows:
+        print(f"| {label} | {T} | {dg} | {'yes' if flush else 'no'} | {r['d']:.2f} ({r['d10']:.2f}-{r['d90']:.2f}) | "
+              f"{r['c']:.2f} ({r['c10']:.2f}-{r['c90']:.2f}) |", flush=True)
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
