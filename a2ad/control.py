@@ -91,11 +91,13 @@ class ControlBlock:
     def _set(self, st: struct.Struct, off: int, value: int) -> None:
         st.pack_into(self._mv, off, value)
 
-    def initialize(self, ep_size: int) -> None:
+    def initialize(self, ep_size: int, policy: int = L.POLICY_RAISE) -> None:
         self._mv[:L.CONTROL_BLOCK_SIZE] = bytes(L.CONTROL_BLOCK_SIZE)
         self._set(_U32, L.CB_VERSION, L.CONTROL_VERSION)
         self._set(_U32, L.CB_EP_SIZE, ep_size)
         self._set(_I32, L.CB_ABORT_RANK, -1)
+        self._set(_U32, L.CB_POLICY, policy)
+        self._set(_U64, L.CB_ACTIVE_MASK, L.full_mask(ep_size))
         self._set(_U32, L.CB_MAGIC, L.CONTROL_MAGIC)
 
     @property
@@ -130,6 +132,70 @@ class ControlBlock:
     def clear_abort(self) -> None:
         self._set(_U32, L.CB_ABORT, L.ABORT_NONE)
         self._set(_I32, L.CB_ABORT_RANK, -1)
+
+    # --- degraded mode (layout.py, "Control block"; docs/PROTOCOL.md, "Degraded mode") ----
+    @property
+    def policy(self) -> int:
+        """POLICY_RAISE or POLICY_DEGRADE (the job's on_peer_loss)."""
+        return self._get(_U32, L.CB_POLICY)
+
+    @property
+    def degrade(self) -> bool:
+        return self._get(_U32, L.CB_POLICY) == L.POLICY_DEGRADE
+
+    @property
+    def active_mask(self) -> int:
+        """Bit q set: the daemon counts rank q as a live member of the job."""
+        return self._get(_U64, L.CB_ACTIVE_MASK)
+
+    @property
+    def mask_generation(self) -> int:
+        return self._get(_U64, L.CB_MASK_GENERATION)
+
+    @property
+    def degraded_since_ns(self) -> int:
+        """CLOCK_MONOTONIC ns at which the mask lost its first bit; 0 while it is full."""
+        return self._get(_U64, L.CB_DEGRADED_SINCE_NS)
+
+    def set_active_mask(self, mask: int, ep_size: int, now_ns: int) -> bool:
+        """Publish a new active mask (the daemon): the mask first, then its generation, so a
+        reader that sees the new generation sees the new mask; the degraded-since time starts
+        when the mask loses its first bit and is 0 again once it is full. Returns whether the
+        mask changed."""
+        old = self.active_mask
+        if mask == old:
+            return False
+        full = L.full_mask(ep_size)
+        if mask == full:
+            self._set(_U64, L.CB_DEGRADED_SINCE_NS, 0)
+        elif old == full or self.degraded_since_ns == 0:
+            self._set(_U64, L.CB_DEGRADED_SINCE_NS, max(1, now_ns))
+        self._set(_U64, L.CB_ACTIVE_MASK, mask)
+        self._set(_U64, L.CB_MASK_GENERATION, self.mask_generation + 1)
+        return True
+
+    def admit_round(self, rank: int) -> int:
+        return self._get(_I32, L.admit_offset(rank))
+
+    def set_admit_round(self, rank: int, value: int) -> None:
+        self._set(_I32, L.admit_offset(rank), value)
+
+    def admit_rounds(self, ep_size: int) -> tuple[int, ...]:
+        return struct.unpack_from(f"<{ep_size}i", self._mv, L.CB_ADMIT_ROUND)
+
+    def effective_mask(self, ep_size: int, round: int) -> int:
+        """The ranks that take part in round ``round`` (layout.effective_mask): the active mask
+        read first, then the admit rounds (x86-64 keeps the two loads in that order, and the
+        daemon writes a replacement's admit round before its bit)."""
+        mask = self.active_mask
+        return L.effective_mask(mask, self.admit_rounds(ep_size), round)
+
+    def admitted_mask(self, ep_size: int) -> int:
+        """The ranks active now and admitted to some round (a replacement that waits for its
+        first round is not counted)."""
+        mask = self.active_mask
+        rounds = self.admit_rounds(ep_size)
+        return sum(1 << q for q in L.mask_ranks(mask) if q < ep_size and rounds[q] >= 0)
 
     def rank_state(self, rank: int) -> int:
         return self._get(_U32, L.CB_RANK_STATE + 4 * rank)

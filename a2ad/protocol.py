@@ -111,6 +111,21 @@ def _ticket(name: str, v: Any) -> bytes:
     return v
 
 
+#: What a job does when one of its ranks dies or leaves while it runs (``spec.on_peer_loss``):
+#: "raise" (the default: every rank raises PeerLost and recovers once a replacement joined) or
+#: "degrade" (the others keep serving without it; docs/PROTOCOL.md, "Degraded mode").
+PEER_LOSS_POLICIES = ("raise", "degrade")
+DEFAULT_PEER_LOSS = "raise"
+
+
+def check_peer_loss(name: str, v: Any) -> str:
+    if not isinstance(v, str) or v not in PEER_LOSS_POLICIES:
+        raise errors.InvalidField(
+            f"{name} must be one of {', '.join(repr(p) for p in PEER_LOSS_POLICIES)}, got {v!r:.40}", field=name
+        )
+    return v
+
+
 SPEC_FIELDS: dict[str, Callable[[str, Any], Any]] = {
     "max_num_tokens": _int(1, MAX_TOKENS_LIMIT),
     "top_k": _int(1, MAX_TOP_K),
@@ -118,6 +133,7 @@ SPEC_FIELDS: dict[str, Callable[[str, Any], Any]] = {
     "workspace_size_per_rank": _int(1, MAX_SIZE_PER_RANK),
     "dispatch_bytes_per_token": _int(1, MAX_BYTES_PER_TOKEN),
     "combine_bytes_per_token": _int(1, MAX_BYTES_PER_TOKEN),
+    "on_peer_loss": check_peer_loss,
 }
 SPEC_REQUIRED = ("max_num_tokens", "top_k", "num_experts")
 
@@ -341,10 +357,12 @@ def fd_frame_length(header: bytes) -> int:
 
 def normalize_spec(spec: dict, ep_size: int) -> dict:
     """The spec with workspace_size_per_rank filled in (the seed's formula) when only
-    per-token byte counts were given."""
+    per-token byte counts were given, and on_peer_loss when it was left out (a join without
+    it asks for the default, so it is compared like any other field)."""
     from .layout import workspace_size_per_rank
 
     out = dict(spec)
+    out.setdefault("on_peer_loss", DEFAULT_PEER_LOSS)
     if "workspace_size_per_rank" not in out:
         out["workspace_size_per_rank"] = workspace_size_per_rank(
             ep_size, out["max_num_tokens"], out["dispatch_bytes_per_token"], out["combine_bytes_per_token"]

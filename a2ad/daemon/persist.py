@@ -7,6 +7,10 @@ needs, besides the fds themselves (kept by an a2ad.daemon.fdstore), to re-adopt 
 - ``StateWriter`` is what the daemon's loop holds: ``mark_dirty()`` on every change,
   ``flush()`` each turn; a failing write is retried with backoff and logged once per
   distinct failure.
+- The job's peer-loss policy travels in its spec (``on_peer_loss``; a record without it is a
+  job of the default policy); its active-rank mask and admit rounds live in the control
+  block, which the fd store keeps with the workspaces, so a restarted daemon finds them as
+  they were.
 - ``load()`` never stops the daemon: a file that does not decode or has the wrong shape is
   moved aside (``state.msgpack.bad-<UTC time>``) and treated as absent; a file with some
   unusable job records is kept (a copy goes aside for inspection) and ``check_job_record``
@@ -240,6 +244,8 @@ def check_job_record(rec) -> str | None:
         return "spec is missing or not a map"
     if not _is_int(spec.get("max_num_tokens"), 1):
         return f"bad spec.max_num_tokens {spec.get('max_num_tokens')!r}"
+    if "on_peer_loss" in spec and spec["on_peer_loss"] not in L.POLICY_CODES:
+        return f"bad spec.on_peer_loss {spec['on_peer_loss']!r:.40}"
     for key in ("size_per_rank", "row_stride", "generation"):
         if not _is_int(rec.get(key)):
             return f"bad {key} {rec.get(key)!r}" if key in rec else f"{key} is missing"

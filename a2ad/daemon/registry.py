@@ -76,6 +76,9 @@ class RankSlot:
     #: pidfd watching the rank's process while no lease connection stands for it.
     pidfd: int | None = None
     leaving: bool = False
+    #: A replacement let into a degraded job without a job-wide re-arm: its bit in the
+    #: active mask is set once it holds its handles (see Registry._readmit).
+    readmitting: bool = False
     joined_at: float = 0.0
     attached_at: float = 0.0
     deaths: int = 0
@@ -122,7 +125,43 @@ class Job:
     #: ranks re-arms every row first.
     needs_rearm: bool = False
     rearms: int = 0
+    #: Replacements let into a degraded job while the others kept serving.
+    readmits: int = 0
     freed: bool = False
+
+    def __post_init__(self):
+        # a job adopted from a daemon that knew no policy ran with the default one
+        if "on_peer_loss" not in self.spec:
+            self.spec = {**self.spec, "on_peer_loss": protocol.DEFAULT_PEER_LOSS}
+
+    @property
+    def degrade(self) -> bool:
+        """Whether the job keeps serving without a lost rank (spec on_peer_loss="degrade")."""
+        return self.spec.get("on_peer_loss") == "degrade"
+
+    @property
+    def serving_degraded(self) -> bool:
+        """A degrade job past its first rendezvous and not waiting for a job-wide re-arm: a
+        lost rank leaves the active mask, a replacement is let back in without stopping the
+        others."""
+        return self.degrade and self.rendezvous_count > 0 and not self.needs_rearm
+
+    def mask_summary(self) -> dict:
+        """The active-rank mask as the control block holds it (degrade jobs; None otherwise)."""
+        if not self.degrade or self.control is None or getattr(self.control, "_mv", None) is None:
+            return {"active_mask": None, "active_ranks": None, "admitting_ranks": None,
+                    "mask_generation": None, "degraded_s": None}
+        cb = self.control
+        mask = cb.active_mask
+        admitted = cb.admitted_mask(self.ep_size)
+        since = cb.degraded_since_ns
+        return {
+            "active_mask": mask,
+            "active_ranks": L.mask_ranks(admitted),
+            "admitting_ranks": L.mask_ranks(mask & ~admitted),
+            "mask_generation": cb.mask_generation,
+            "degraded_s": None if not since else round(max(0, time.monotonic_ns() - since) / 1e9, 3),
+        }
 
     @property
     def job_bytes(self) -> int:
@@ -171,6 +210,9 @@ class Job:
             "bytes": self.job_bytes,
             "generation": self.generation,
             "rearms": self.rearms,
+            "on_peer_loss": self.spec.get("on_peer_loss", protocol.DEFAULT_PEER_LOSS),
+            **self.mask_summary(),
+            "readmits": self.readmits,
             "abort": L.ABORT_NAMES.get(self.control.abort_word, str(self.control.abort_word)),
             "age_s": round(now - self.created_at, 3),
             "grace_remaining_s": None if self.grace_deadline is None else round(max(0.0, self.grace_deadline - now), 3),
@@ -196,7 +238,7 @@ class Job:
         return None
 
 
-def new_control_block(ep_size: int) -> tuple[int, ControlBlock]:
+def new_control_block(ep_size: int, policy: int = L.POLICY_RAISE) -> tuple[int, ControlBlock]:
     """A sealed memfd (clients cannot shrink it under the daemon's mapping) holding a fresh
     control block."""
     fd = memfd.sealed_memfd("a2ad-ctl", L.CONTROL_BLOCK_SIZE)
@@ -205,7 +247,7 @@ def new_control_block(ep_size: int) -> tuple[int, ControlBlock]:
     except BaseException:
         os.close(fd)
         raise
-    cb.initialize(ep_size)
+    cb.initialize(ep_size, policy)
     return fd, cb
 
 
@@ -238,7 +280,7 @@ class Registry:
         self.leases: dict[object, tuple[Job, int]] = {}
         self.draining = False
         self.counters = {"joins": 0, "attaches": 0, "detaches": 0, "deaths": 0, "rendezvous": 0,
-                         "bad_requests": 0, "rearms": 0, "refused": 0}
+                         "bad_requests": 0, "rearms": 0, "refused": 0, "readmits": 0}
         self.rendezvous_latencies: list[float] = []
         self.on_rendezvous: Callable[[float], None] | None = None
         #: memory of freed jobs still mapped by processes: [{job, bytes, pids}]
@@ -294,10 +336,11 @@ class Registry:
         spec = protocol.normalize_spec(f["spec"], f["ep_size"])
         name, rank = f["job"], f["ep_rank"]
         job = self.jobs.get(name)
-        # a join that completes its rendezvous is released at once: it is never held
+        # a join that completes its rendezvous is released at once: it is never held; nor is a
+        # replacement let back into a degraded job that kept serving
         completes = f["ep_size"] == 1 or (
             job is not None and job.ep_size == f["ep_size"]
-            and all(s.live for s in job.slots if s.rank != rank)
+            and (all(s.live for s in job.slots if s.rank != rank) or self._readmits(job, rank))
         )
         if peer.uid is not None and not completes:
             held = sum(1 for j in self.jobs.values() for s in j.slots if s.pending is not None and s.uid == peer.uid)
@@ -368,7 +411,81 @@ class Registry:
             "job %s: rank %d %s (pid %d, device %s); %d/%d ranks present",
             name, rank, "rejoined" if replacing else "joined", f["pid"], f["device"], len(job.live_ranks()), job.ep_size,
         )
-        self._maybe_release(job)
+        if self._readmits(job, rank):
+            self._readmit(job, slot)
+        else:
+            self._maybe_release(job)
+
+    # ----------------------------------------------------------- degraded mode
+    def _readmits(self, job: Job, rank: int) -> bool:
+        """Whether a join of ``rank`` is let into ``job`` while the others keep serving (a
+        degrade job whose admitted ranks run on), instead of waiting for a job-wide re-arm."""
+        if not job.serving_degraded or job.control.abort_word or job.recovering():
+            return False
+        cb = job.control
+        admitted = cb.admitted_mask(job.ep_size)
+        return any(s.rank != rank and s.state == L.RANK_ATTACHED and admitted >> s.rank & 1 for s in job.slots)
+
+    def _readmit(self, job: Job, slot: RankSlot) -> None:
+        """Release a replacement's join at once, without the others (the degrade path of a
+        re-arm): only its own row is re-initialized, and its admit round says it has not
+        dispatched yet. Its bit is set when it holds its handles (``delivered``); its first
+        dispatch asks to be let in and the lowest active rank picks the round
+        (docs/PROTOCOL.md, "Degraded mode")."""
+        cb = job.control
+        t0 = time.monotonic()
+        try:
+            self.backend.initialize(slot.alloc, job.aux.aux_bytes, job.aux.flag_val, L.INITIAL_ROUND, fresh=False)
+        except BaseException:
+            slot.pending = None  # the error is this join's reply
+            self._reset_joining(job, slot)
+            raise
+        cb.set_admit_round(slot.rank, L.ADMIT_JOINED)
+        cb.clear_status(slot.rank)
+        cb.clear_input_error(slot.rank)
+        slot.readmitting = True
+        self._release_join(job, slot, time.monotonic())
+        self.dirty = True
+        log.info("job %s: rank %d let back in without stopping the others (row re-initialized in %.1f ms); "
+                 "its first dispatch joins the rounds", job.name, slot.rank, (time.monotonic() - t0) * 1e3)
+
+    def _set_mask(self, job: Job, mask: int) -> bool:
+        changed = job.control.set_active_mask(mask, job.ep_size, time.monotonic_ns())
+        if changed:
+            self.dirty = True
+        return changed
+
+    def _drop_rank(self, job: Job, slot: RankSlot, why: str) -> None:
+        """A rank of a degrade job that serves died or left: clear its bit (the others stop
+        waiting for it and drop its tokens); no abort. When no admitted rank is left, nobody
+        can let a replacement in: the job then needs a job-wide re-arm, and ranks still
+        holding it (replacements waiting to be let in) are told through the abort word."""
+        cb = job.control
+        slot.readmitting = False
+        if self._set_mask(job, cb.active_mask & ~(1 << slot.rank)):
+            log.warning("job %s: rank %d (pid %s) %s; the job serves on with ranks %s (mask generation %d)",
+                        job.name, slot.rank, slot.pid, why, L.mask_ranks(cb.admitted_mask(job.ep_size)),
+                        cb.mask_generation)
+        else:
+            log.warning("job %s: rank %d (pid %s) %s", job.name, slot.rank, slot.pid, why)
+        if not cb.admitted_mask(job.ep_size):
+            job.needs_rearm = True
+            if any(s.live for s in job.slots if s is not slot) and not cb.abort_word:
+                cb.set_abort(L.ABORT_PEER_LOST, slot.rank)
+            log.warning("job %s: no active rank is left; the next rendezvous re-arms every rank", job.name)
+
+    def rank_lost_while_away(self, job: Job, slot: RankSlot) -> None:
+        """A rank found dead when its job is adopted (it died while no daemon ran): marked as
+        a death of that job's policy would be (the raise policy aborts the job, the degrade
+        policy clears the rank's bit)."""
+        slot.deaths += 1
+        slot.state = L.RANK_DEAD
+        job.control.set_rank_state(slot.rank, L.RANK_DEAD)
+        if job.serving_degraded:
+            self._drop_rank(job, slot, "died while no daemon ran")
+        else:
+            job.needs_rearm = True
+            job.control.set_abort(L.ABORT_PEER_LOST, slot.rank)
 
     def _refuse_waiting(self, job: Job, exc: errors.SpecMismatch) -> None:
         """A join that does not match the job's spec: the ranks already waiting in its
@@ -413,7 +530,7 @@ class Registry:
                 needed=job_bytes, limit=self.limits.max_total_bytes,
             )
         self.fd_budget(ep_size + 2)
-        cfd, cb = new_control_block(ep_size)
+        cfd, cb = new_control_block(ep_size, L.POLICY_CODES[spec.get("on_peer_loss", protocol.DEFAULT_PEER_LOSS)])
         job = Job(
             name=name, ep_size=ep_size, spec=spec, size_per_rank=size, row_stride=stride, aux=aux,
             control_fd=cfd, control=cb, slots=[RankSlot(rank=r) for r in range(ep_size)], owner_uid=owner_uid,
@@ -460,26 +577,8 @@ class Registry:
             log.info("job %s: all %d ranks resumed at generation %d", job.name, job.ep_size, job.generation)
             self.dirty = True
             return
-        handles = [{"kind": "workspace", "rank": s.rank, "size": s.alloc.size, "device": s.device} for s in job.slots]
-        handles.append({"kind": "control", "size": L.CONTROL_BLOCK_SIZE})
         for slot in job.pending():
-            self._issue_ticket(job, slot, "join", now)
-            self._reply(slot.pending, {
-                "job": job.name,
-                "ep_rank": slot.rank,
-                "ep_size": job.ep_size,
-                "spec": job.spec,
-                "size_per_rank": job.size_per_rank,
-                "row_stride": job.row_stride,
-                "backend": self.backend.name,
-                "handle_type": slot.alloc.handle_type,
-                "generation": job.generation,
-                "metainfo": job.aux.metainfo(),
-                "handles": handles,
-                "ticket": slot.ticket,
-                "lease": slot.lease,
-            })
-            slot.pending = None
+            self._release_join(job, slot, now)
         job.rendezvous_started = None
         job.rendezvous_count += 1
         self.dirty = True
@@ -489,6 +588,28 @@ class Registry:
         if self.on_rendezvous is not None:
             self.on_rendezvous(latency)
         log.info("job %s: rendezvous done (%d ranks, %.3f ms after the last join)", job.name, job.ep_size, latency * 1e3)
+
+    def _release_join(self, job: Job, slot: RankSlot, now: float) -> None:
+        """Answer ``slot``'s held join: the layout, the handles it will receive, its ticket and lease."""
+        handles = [{"kind": "workspace", "rank": s.rank, "size": s.alloc.size, "device": s.device} for s in job.slots]
+        handles.append({"kind": "control", "size": L.CONTROL_BLOCK_SIZE})
+        self._issue_ticket(job, slot, "join", now)
+        self._reply(slot.pending, {
+            "job": job.name,
+            "ep_rank": slot.rank,
+            "ep_size": job.ep_size,
+            "spec": job.spec,
+            "size_per_rank": job.size_per_rank,
+            "row_stride": job.row_stride,
+            "backend": self.backend.name,
+            "handle_type": slot.alloc.handle_type,
+            "generation": job.generation,
+            "metainfo": job.aux.metainfo(),
+            "handles": handles,
+            "ticket": slot.ticket,
+            "lease": slot.lease,
+        })
+        slot.pending = None
 
     def _issue_ticket(self, job: Job, slot: RankSlot, kind: str, now: float) -> bytes:
         self._drop_ticket(slot)
@@ -511,6 +632,10 @@ class Registry:
                 self.backend.initialize(slot.alloc, job.aux.aux_bytes, job.aux.flag_val, L.INITIAL_ROUND, fresh=False)
         for r in range(job.ep_size):
             job.control.clear_status(r)
+            job.control.set_admit_round(r, 0)
+        for slot in job.slots:
+            slot.readmitting = False
+        self._set_mask(job, L.full_mask(job.ep_size))  # every rank takes part from the first round on
         job.generation += 1
         job.control.generation = job.generation
         job.control.clear_abort()
@@ -607,6 +732,16 @@ class Registry:
         self.dirty = True
         self.counters["attaches"] += 1
         log.info("job %s: rank %d attached (pid %d)", job.name, slot.rank, slot.pid)
+        if slot.readmitting:
+            slot.readmitting = False
+            if job.serving_degraded and not job.control.abort_word:
+                # it holds its handles: its bit goes back (its admit round still keeps it out
+                # of every round until its first dispatch is let in)
+                self._set_mask(job, job.control.active_mask | 1 << slot.rank)
+                job.readmits += 1
+                self.counters["readmits"] += 1
+                log.info("job %s: rank %d is active again (mask generation %d)", job.name, slot.rank,
+                         job.control.mask_generation)
 
     def undelivered(self, r: Redeemed, why: str) -> None:
         """The redeem's answer could not be sent (the client closed or stalled): a joining rank
@@ -676,7 +811,15 @@ class Registry:
             self._fail(slot.recovering, errors.PermissionDenied(f"rank {slot.rank} is {L.RANK_STATE_NAMES[state]}"))
             slot.recovering = None
         others_live = any(s.live for s in job.slots if s is not slot)
-        if state == L.RANK_DEAD:
+        if job.serving_degraded:
+            # the others serve on without it: its bit goes, no abort
+            if state == L.RANK_DEAD:
+                slot.deaths += 1
+                self.counters["deaths"] += 1
+            else:
+                self.counters["detaches"] += 1
+            self._drop_rank(job, slot, why)
+        elif state == L.RANK_DEAD:
             slot.deaths += 1
             self.counters["deaths"] += 1
             # peers spinning on this rank leave their waits at once
