@@ -318,6 +318,21 @@ class Attachment:
     control = property(lambda self: self._shared.control)
 
     @property
+    def on_peer_loss(self) -> str:
+        """The job's peer-loss policy: "raise" or "degrade"."""
+        return self._shared.spec.get("on_peer_loss", protocol.DEFAULT_PEER_LOSS)
+
+    @property
+    def active_ranks(self) -> list[int]:
+        """The ranks the job counts as active now (a host read of the control block, no sync).
+        Degrade jobs: the ranks in the active mask that take part in rounds (a replacement
+        waiting for its first round is not one yet); raise jobs: every rank."""
+        shared = self._live()
+        if self.on_peer_loss != "degrade":
+            return list(range(shared.ep_size))
+        return L.mask_ranks(shared.control.admitted_mask(shared.ep_size))
+
+    @property
     def workspace(self) -> torch.Tensor | None:
         """The ``[ep_size, size_per_rank]`` uint8 mapping (None once this handle is closed)."""
         return None if self._closed else self._shared.workspace
@@ -508,6 +523,7 @@ def attach(
     runtime_dir=None,
     device=None,
     timeout: float = 60.0,
+    on_peer_loss: str = protocol.DEFAULT_PEER_LOSS,
 ) -> Attachment:
     """Join ``job`` as ``ep_rank`` of ``ep_size`` and map every rank's workspace.
 
@@ -515,12 +531,23 @@ def attach(
     RendezvousTimeout listing the missing ranks). Give either
     ``workspace_size_per_rank`` or both per-token byte counts.
 
+    ``on_peer_loss`` is part of the job's spec (every rank must pass the same: a join with
+    another value is refused with SpecMismatch naming the field): ``"raise"`` (a dead or
+    departed rank stops the job: every rank raises PeerLost and recovers once a replacement
+    joined) or ``"degrade"`` (the others keep serving without it, and a replacement's join
+    is let in without holding them up; docs/PROTOCOL.md, "Degraded mode"). A replacement
+    for a rank of a degraded job that still serves is released at once, without waiting
+    for the other ranks.
+
     When this process holds the rank already (an open attachment of the same job and
     rank through the same runtime folder), returns a new handle to that attachment
     at once: ep_size, spec and device must be identical (else SpecMismatch naming the
     field). Each handle is closed on its own; the last close leaves the job.
     """
     spec = {"max_num_tokens": max_num_tokens, "top_k": top_k, "num_experts": num_experts}
+    protocol.check_peer_loss("on_peer_loss", on_peer_loss)
+    if on_peer_loss != protocol.DEFAULT_PEER_LOSS:  # the default travels implicitly (older daemons know no field)
+        spec["on_peer_loss"] = on_peer_loss
     for key, val in (
         ("workspace_size_per_rank", workspace_size_per_rank),
         ("dispatch_bytes_per_token", dispatch_bytes_per_token),

@@ -19,6 +19,15 @@ this rank's status record in the control block and raises
 :class:`~a2ad.errors.PeerTimeout` or :class:`~a2ad.errors.PeerLost`;
 :meth:`HostPlane.check` raises the same error again at the next call, until the
 job is re-armed.
+
+Degraded mode (a job created with ``on_peer_loss="degrade"``; docs/PROTOCOL.md,
+"Degraded mode"): a round runs among the ranks of the control block's effective mask,
+read at the start of dispatch (:attr:`HostPlane.dispatch_mask`); tokens for the other
+ranks are not sent, every wait also ends for a peer whose bit the daemon cleared, and
+the combine's own view (:attr:`HostPlane.combine_mask`: the targets whose flags it saw,
+every other one having left the mask) decides whose contributions count;
+:meth:`HostPlane.degraded_tokens` marks the tokens that lost at least one. A
+replacement's first dispatch waits to be let in.
 """
 
 from __future__ import annotations
@@ -39,12 +48,14 @@ _MAX_SLEEP = 1e-3
 _TSO_MACHINES = {"x86_64", "amd64", "i386", "i686"}
 
 
-def route(experts: torch.Tensor, num_experts: int, ep_size: int):
+def route(experts: torch.Tensor, num_experts: int, ep_size: int, active: torch.Tensor | None = None):
     """Vectorized routing of ``[T, top_k]`` expert ids (PROTOCOL.md, "Routing").
 
     Returns ``(target, slot, sent)``: ``target``/``slot`` ``[T, top_k]`` int32 (-1 for
     repeats), ``sent`` ``[T, ep_size]`` bool (token t goes to rank q). Slots are
     given in token order, so the tokens sent to q are ``sent[:, q].nonzero()`` in slot order.
+    With ``active`` (``[ep_size]`` bool, degraded mode), nothing is sent to an inactive
+    rank: its (t, k) keep their target and get slot -1 ("dropped").
     """
     base, rem = L.expert_partition(num_experts, ep_size)
     e = experts.long()
@@ -54,10 +65,27 @@ def route(experts: torch.Tensor, num_experts: int, ep_size: int):
     earlier = torch.ones(top_k, top_k, dtype=torch.bool, device=owner.device).tril(-1)  # [k, j]: j < k
     repeat = ((owner.unsqueeze(2) == owner.unsqueeze(1)) & earlier).any(2)
     sent = (owner.unsqueeze(2) == torch.arange(ep_size, device=owner.device)).any(1)  # [T, ep_size]
+    if active is not None:
+        sent &= active
     slot_of = sent.to(torch.int32).cumsum(0, dtype=torch.int32) - 1  # exclusive count per target
     slot = slot_of.gather(1, owner).masked_fill(repeat, -1)
+    if active is not None:
+        slot = slot.masked_fill(~active[owner], -1)
     target = owner.to(torch.int32).masked_fill(repeat, -1)
     return target, slot, sent
+
+
+def _mask_tensor(mask: int, ep_size: int) -> torch.Tensor:
+    """``[ep_size]`` bool: bit q of ``mask``."""
+    return torch.tensor([bool(mask >> q & 1) for q in range(ep_size)], dtype=torch.bool)
+
+
+def _bits(nonzero: torch.Tensor) -> int:
+    """The mask of the ranks a ``[n, 1]`` nonzero() result lists."""
+    out = 0
+    for q in nonzero.flatten().tolist():
+        out |= 1 << q
+    return out
 
 
 class HostPlane(Plane):
@@ -69,6 +97,7 @@ class HostPlane(Plane):
     """
 
     checks_ids_on_host = True
+    supports_degraded_mode = True
 
     def __init__(self, att, timeout: float):
         if not isinstance(att.workspace, torch.Tensor) or att.workspace.device.type != "cpu":
@@ -103,7 +132,17 @@ class HostPlane(Plane):
         topk = self.max_num_tokens * L.MAX_TOP_K
         self._topk_target = field(aux.topk_target_ranks, topk)[me].view(self.max_num_tokens, L.MAX_TOP_K)
         self._topk_send = field(aux.topk_send_indices, topk)[me].view(self.max_num_tokens, L.MAX_TOP_K)
+        self._flag_vals = field(aux.flag_val, 1)[:, 0]  # every rank's round (a replacement waits on them)
         self._round: int | None = None  # the round between a dispatch and its combine
+        #: Whether the job keeps serving without a lost rank (spec on_peer_loss="degrade").
+        self.degrade = att.spec.get("on_peer_loss") == "degrade"
+        self._full = L.full_mask(ep)
+        #: The ranks the current (or last) round's dispatch ran among, read at its start.
+        self.dispatch_mask: int | None = None
+        #: The ranks whose contributions the last combine summed (its view of the mask).
+        self.combine_mask: int | None = None
+        self._degraded: torch.Tensor | None = None
+        self._masks: dict[int, tuple[torch.Tensor, torch.Tensor | slice]] = {}
 
     # --- data plane ---------------------------------------------------------------
     def dispatch(self, experts: torch.Tensor, payloads: list[torch.Tensor], rt: int, pl: L.PayloadLayout,
@@ -121,9 +160,20 @@ class HostPlane(Plane):
         me, ep = self.ep_rank, self.ep_size
         num_tokens, top_k = experts.shape
         rnd = int(self._flag_val.item())
+        view = self._full
+        if self.degrade:  # the round's ranks, read once at its start
+            rnd, view = self._enter_round(rnd)
+            if not view >> me & 1:
+                raise errors.PeerLost(
+                    f"job {self.att.job} rank {me}: this rank is no longer one of the job's active ranks (the daemon "
+                    "counted it as gone); close this object and attach again",
+                    rank=me, generation=self.att.control.generation,
+                )
+        self.dispatch_mask = view
+        active, rows = self._mask(view)
         # 2. counters and routing scratch of this rank's own row
         self._local_count.fill_(num_tokens)
-        target, slot, sent = route(experts, num_experts, ep)
+        target, slot, sent = route(experts, num_experts, ep, None if view == self._full else active)
         counts = sent.sum(0, dtype=torch.int32)
         self._send_counters.copy_(counts)
         self._topk_target[:num_tokens, :top_k].copy_(target)
@@ -143,17 +193,26 @@ class HostPlane(Plane):
                 dst = self.ws[q, start : start + n * nbytes].view(n, nbytes)
                 torch.index_select(payload, 0, tokens, out=dst)
         # 4. every target learns how many tokens came from this rank, and with which rt
-        self._recv_counters[:, me].copy_(counts)
-        self._recv_rts[:, me].fill_(rt)
-        # 5. the copies above have completed; then the flags
-        self._dispatch_flags[:, me].fill_(rnd)
-        # 6. every source's data is here
-        self._wait(self._dispatch_flags[me], rnd, L.PHASE_DISPATCH)
+        if view == self._full:
+            self._recv_counters[:, me].copy_(counts)
+            self._recv_rts[:, me].fill_(rt)
+            # 5. the copies above have completed; then the flags
+            self._dispatch_flags[:, me].fill_(rnd)
+        else:  # only the round's ranks: a replacement's row is re-initialized under us
+            self._recv_counters[rows, me] = counts[rows]
+            self._recv_rts[rows, me] = rt
+            self._dispatch_flags[rows, me] = rnd
+        # 6. every source's data is here (or the source left the mask: nothing came from it)
+        got = self._wait(self._dispatch_flags[me], rnd, L.PHASE_DISPATCH, view)
+        if got != self._full:
+            _, gone = self._mask(self._full & ~got)
+            self._recv_counters[me, gone] = 0
         rts = self._recv_rts[me]
-        wrong = (rts != rt).nonzero()
+        wrong = ((rts != rt) & self._mask(got)[0]).nonzero()
         if wrong.numel():
             peer = int(wrong[0, 0])
             peer_rt = int(rts[peer])
+            self._round = rnd
             self._skip_round(rnd)
             raise errors.InputError(
                 f"job {self.att.job} rank {me}: rank {peer} passed runtime_max_tokens_per_rank={peer_rt} in round "
@@ -162,15 +221,88 @@ class HostPlane(Plane):
             )
         self._round = rnd
 
+    def _mask(self, mask: int) -> tuple[torch.Tensor, torch.Tensor | slice]:
+        """(``[ep_size]`` bool, the ranks as an index) of ``mask``, cached."""
+        got = self._masks.get(mask)
+        if got is None:
+            active = _mask_tensor(mask, self.ep_size)
+            rows = slice(None) if mask == self._full else active.nonzero().squeeze(1)
+            if len(self._masks) > 64:
+                self._masks.clear()
+            got = self._masks[mask] = (active, rows)
+        return got
+
     def _skip_round(self, rnd: int) -> None:
         """Complete round ``rnd`` without data (every rank does the same when their rts differ):
         the combine flags go round and the round number moves on, so the next round starts
         in step on every rank."""
         me = self.ep_rank
-        self._combine_flags[:, me].fill_(rnd)
-        self._wait(self._combine_flags[me], rnd, L.PHASE_COMBINE)
+        view = self.dispatch_mask if self.dispatch_mask is not None else self._full
+        _, rows = self._mask(view)
+        self._combine_flags[rows, me] = rnd
+        self.combine_mask = self._wait(self._combine_flags[me], rnd, L.PHASE_COMBINE, view)
+        self._degraded = None
         self._flag_val.fill_(rnd + 1)
         self._round = None
+
+    # --- degraded mode: entering rounds -----------------------------------------
+    def _enter_round(self, rnd: int) -> tuple[int, int]:
+        """(the round this dispatch runs, its view: the effective mask read once). A
+        replacement first waits to be let in; the lowest rank of the view then lets in the
+        replacements that asked, from the next round on (docs/PROTOCOL.md, "Degraded mode")."""
+        cb, me, ep = self.att.control, self.ep_rank, self.ep_size
+        admit = cb.admit_round(me)
+        if admit < 0 or admit > rnd:
+            rnd = self._admitted(admit)
+        eff = cb.effective_mask(ep, rnd)
+        if eff & -eff == 1 << me:  # this rank is the lowest of the round's ranks
+            waiting = cb.active_mask & ~eff
+            if waiting:
+                rounds = cb.admit_rounds(ep)
+                for q in L.mask_ranks(waiting):
+                    if rounds[q] == L.ADMIT_READY:
+                        # nobody can have started rnd + 1: it needs this rank's combine flag of rnd,
+                        # written after this store
+                        cb.set_admit_round(q, rnd + 1)
+        return rnd, eff
+
+    def _admitted(self, admit: int) -> int:
+        """A replacement's first dispatch: ask to be let in, wait for the round the lowest
+        active rank picks, then for every other rank of that round to have finished the one
+        before (its FLAG_VAL reaches it: nobody reads that round's data any more). Both
+        waits are bounded, and abandoned on the abort word, like every wait."""
+        cb, me, ep = self.att.control, self.ep_rank, self.ep_size
+        if admit == L.ADMIT_JOINED:
+            cb.set_admit_round(me, L.ADMIT_READY)
+        start = time.monotonic_ns()
+        deadline = start + int(self.timeout * 1e9)
+        pause = _FIRST_SLEEP
+        flag = int(self._flag_val.item())
+        while True:
+            admit = cb.admit_round(me)
+            if admit >= 0:
+                lagging = 0
+                behind = (self._flag_vals < admit).nonzero()
+                if behind.numel():
+                    lagging = _bits(behind) & cb.effective_mask(ep, admit) & ~(1 << me)
+                if not lagging:
+                    self._flag_val.fill_(admit)
+                    return admit
+                peer = (lagging & -lagging).bit_length() - 1
+            else:
+                admitted = cb.admitted_mask(ep)
+                peer = (admitted & -admitted).bit_length() - 1 if admitted else me
+            now = time.monotonic_ns()
+            if cb.abort_word != L.ABORT_NONE:
+                code = L.STATUS_ABORTED
+            elif now >= deadline:
+                code = L.STATUS_TIMEOUT
+            else:
+                time.sleep(pause)
+                pause = min(pause * 2, _MAX_SLEEP)
+                continue
+            cb.record_status(me, code, peer, max(admit, flag), L.PHASE_DISPATCH, now - start)
+            cb.raise_for(me, self.att.job)
 
     def sanitize(self, recv_ids: torch.Tensor, rt: int, invalid_id: int) -> None:
         """Set every id of every slot that received no token to ``invalid_id``.
@@ -194,6 +326,7 @@ class HostPlane(Plane):
             raise errors.StateError("combine without a completed dispatch on this plane")
         me, ep = self.ep_rank, self.ep_size
         rnd = self._round
+        view = self.dispatch_mask if self.dispatch_mask is not None else self._full
         dtype, hidden = payload.dtype, payload.shape[2]
         nbytes = ep * rt * hidden * payload.element_size()
         # [row q, source s, slot, hidden]: every rank's combine region
@@ -204,37 +337,72 @@ class HostPlane(Plane):
         if not payload_in_workspace:
             regions[me].copy_(payload)
         # 2. the staged outputs are in place; then the flags
-        self._combine_flags[:, me].fill_(rnd)
-        # 3. every target's outputs for this rank are ready
-        self._wait(self._combine_flags[me], rnd, L.PHASE_COMBINE)
-        # 4. pull and sum in float32, over k in ascending order
+        if view == self._full:
+            self._combine_flags[:, me].fill_(rnd)
+        else:
+            self._combine_flags[self._mask(view)[1], me] = rnd
+        # 3. every target's outputs for this rank are ready (or the target left the mask)
+        got = self._wait(self._combine_flags[me], rnd, L.PHASE_COMBINE, view)
+        self.combine_mask = got
+        # 4. pull and sum in float32, over k in ascending order; the combine's view (got: the
+        # targets whose flag it saw) decides whose contributions count
         top_k = self.top_k
         target = self._topk_target[:local_num_tokens, :top_k].long()
         slot = self._topk_send[:local_num_tokens, :top_k].long()
         mine = regions[:, me]  # [target q, slot, hidden]: what q computed for this rank's tokens
         acc = torch.zeros(local_num_tokens, hidden, dtype=torch.float32)
-        for k in range(top_k):
-            tokens = (target[:, k] >= 0).nonzero().squeeze(1)
-            if tokens.numel():
-                acc.index_add_(0, tokens, mine[target[tokens, k], slot[tokens, k]].float())
+        if got == self._full:
+            for k in range(top_k):
+                tokens = (target[:, k] >= 0).nonzero().squeeze(1)
+                if tokens.numel():
+                    acc.index_add_(0, tokens, mine[target[tokens, k], slot[tokens, k]].float())
+            self._degraded = torch.zeros(local_num_tokens, dtype=torch.bool)
+        else:
+            counted = self._mask(got)[0]
+            routed = target >= 0  # every (t, k) that is not a repeat, dropped ones included
+            present = routed & counted[target.clamp(min=0)]
+            for k in range(top_k):
+                tokens = (present[:, k] & (slot[:, k] >= 0)).nonzero().squeeze(1)
+                if tokens.numel():
+                    acc.index_add_(0, tokens, mine[target[tokens, k], slot[tokens, k]].float())
+            self._degraded = (routed & ~present).any(1)
         out = acc.to(dtype)
         # 5. next round
         self._flag_val.fill_(rnd + 1)
         self._round = None
         return out
 
+    def degraded_tokens(self) -> torch.Tensor | None:
+        """``[local_num_tokens]`` bool of the last combine: True for a token that lost at least
+        one expert's contribution (an expert on a rank outside ``combine_mask``)."""
+        return self._degraded
+
+    def round_mask(self) -> int | None:
+        """The ranks whose contributions the last combine summed (``combine_mask``)."""
+        return self.combine_mask
+
     # --- waits and failures ---------------------------------------------------------
-    def _wait(self, flags: torch.Tensor, rnd: int, phase: int) -> None:
-        """Until every entry of ``flags`` (this rank's, one per peer) equals ``rnd``;
-        bounded by the timeout and abandoned when the abort word is set."""
+    def _wait(self, flags: torch.Tensor, rnd: int, phase: int, view: int) -> int:
+        """Until ``flags[q]`` (this rank's, one per peer) equals ``rnd`` for every q of the
+        round (``view``); in a degrade job a peer whose bit the daemon cleared is no longer
+        waited for. Returns the ranks whose flag was seen: what came from them is complete
+        (written before the flag), whatever became of them since; nothing counts from the
+        others. Bounded by the timeout and abandoned when the abort word is set."""
         cb = self.att.control
         start = time.monotonic_ns()
         deadline = start + int(self.timeout * 1e9)
         pause = _FIRST_SLEEP
+        degrade, ep = self.degrade, self.ep_size
         while True:
             pending = (flags != rnd).nonzero()
             if pending.numel() == 0:
-                return
+                return view
+            if degrade:
+                missing = _bits(pending) & view
+                left = missing & cb.effective_mask(ep, rnd)  # those still in the mask: wait on
+                if not left:
+                    return view & ~missing
+                pending = torch.tensor([[(left & -left).bit_length() - 1]])
             now = time.monotonic_ns()
             if cb.abort_word != L.ABORT_NONE:
                 code = L.STATUS_ABORTED
@@ -259,6 +427,7 @@ class HostPlane(Plane):
         """Clear this rank's status record (call only when the job is re-armed)."""
         self.att.control.clear_status(self.ep_rank)
         self._round = None
+        self.dispatch_mask = None
 
     def close(self) -> None:
         """Nothing to release (the attachment owns the mapping). Idempotent."""

@@ -175,6 +175,15 @@ class MoeAlltoAll:
     payload shapes must match across ranks), issue them in order (on CUDA: on one stream,
     or synchronized), and not from several threads at once. After a failure, recover()
     on any one of them re-arms the rank for all.
+
+    ``on_peer_loss``: what the job does when a rank dies or leaves while it runs; part of
+    the job's spec, so every rank must pass the same (else SpecMismatch). ``"raise"`` (the
+    default): every rank raises PeerLost and calls :meth:`recover` once a replacement
+    joined. ``"degrade"``: the others keep serving; tokens routed to the lost rank's
+    experts get no contribution from it, :attr:`last_round_degraded` says which tokens
+    lost one, :attr:`active_ranks` which ranks serve, and a replacement that joins as the
+    lost rank is let back in at a round boundary without the others calling anything
+    (README, "Degraded mode"; docs/PROTOCOL.md).
     """
 
     def __init__(
@@ -191,6 +200,7 @@ class MoeAlltoAll:
         runtime_dir=None,
         device=None,
         timeout: float = 60.0,
+        on_peer_loss: str = "raise",
     ):
         # mnnvl_config: accepted for FlashInfer compatibility and ignored (the daemon owns
         # the workspace and chooses its memory handles)
@@ -209,6 +219,9 @@ class MoeAlltoAll:
         num_experts = _int_arg("num_experts", num_experts, ep_size)
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise errors.InputError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if on_peer_loss not in ("raise", "degrade"):
+            raise errors.InputError(f"on_peer_loss must be 'raise' or 'degrade', got {on_peer_loss!r:.40}",
+                                    argument="on_peer_loss")
         if workspace_size_per_rank is None:
             if hidden_size is None:
                 raise errors.InputError("give workspace_size_per_rank or hidden_size")
@@ -233,12 +246,18 @@ class MoeAlltoAll:
             runtime_dir=runtime_dir,
             device=device,
             timeout=float(timeout),
+            on_peer_loss=on_peer_loss,
         )
         try:
             if self._att.backend == "cuda":
                 from .cuda_plane import CudaPlane as plane_cls
             else:
                 from .host_plane import HostPlane as plane_cls
+            if on_peer_loss == "degrade" and not getattr(plane_cls, "supports_degraded_mode", False):
+                raise errors.BackendError(
+                    f"on_peer_loss='degrade' needs a data plane that honours the active-rank mask; the "
+                    f"{self._att.backend} backend's plane does not yet: use on_peer_loss='raise' there"
+                )
             self._plane = plane_cls(self._att, self.timeout)
         except BaseException:
             self._att.close()
@@ -294,6 +313,38 @@ class MoeAlltoAll:
     def attachment(self):
         """The :class:`a2ad.client.Attachment` this object runs on."""
         return self._att
+
+    @property
+    def on_peer_loss(self) -> str:
+        """The job's peer-loss policy: "raise" or "degrade"."""
+        return self._att.on_peer_loss
+
+    @property
+    def active_ranks(self) -> list[int]:
+        """The ranks that serve now: a host read of the control block, no sync (the daemon
+        updates it when a rank dies, leaves, or a replacement attached). A round in flight
+        may still run among the ranks read at its dispatch; see :attr:`last_round_active_ranks`
+        for what a combine counted. Raise jobs: every rank."""
+        return self._live().active_ranks
+
+    @property
+    def last_round_degraded(self) -> torch.Tensor | None:
+        """``[local_num_tokens]`` bool of this object's last combine: True for each token that
+        lost at least one expert's contribution (one of its top_k experts lives on a rank
+        outside :attr:`last_round_active_ranks`); its output holds only the other experts'
+        sum, zeros when all were lost. A model may renormalise such tokens' router weights
+        over the experts that remain (README, "Degraded mode"). All False in a round that lost
+        nothing; None before the first combine (and on a backend whose plane has no degraded
+        mode: its rounds never lose a contribution, they raise)."""
+        return self._plane.degraded_tokens() if self._plane is not None else None
+
+    @property
+    def last_round_active_ranks(self) -> list[int] | None:
+        """The ranks whose contributions this object's last combine summed (the combine's view
+        of the active mask, which decides a round that a rank's loss straddled); None before
+        the first combine."""
+        mask = self._plane.round_mask() if self._plane is not None else None
+        return None if mask is None else L.mask_ranks(mask)
 
     @property
     def phase(self) -> str:

@@ -18,6 +18,11 @@ class Plane(abc.ABC):
     #: are CPU tensors). Otherwise the kernels route a bad id nowhere and report it
     #: through :meth:`check_input`, so that no call has to read the ids back.
     checks_ids_on_host: bool = False
+    #: Whether the plane honours the control block's active-rank mask (docs/PROTOCOL.md,
+    #: "Degraded mode"): rounds among the effective mask, waits that end for a peer whose
+    #: bit is cleared, a replacement let in by round, and the per-token indicator. A job
+    #: created with ``on_peer_loss="degrade"`` is refused on a plane without it.
+    supports_degraded_mode: bool = False
 
     @abc.abstractmethod
     def dispatch(self, experts: torch.Tensor, payloads: list[torch.Tensor], rt: int, pl: L.PayloadLayout,
@@ -52,6 +57,18 @@ class Plane(abc.ABC):
     @abc.abstractmethod
     def reset_status(self) -> None:
         """Forget this rank's failure records (only once the job was re-armed)."""
+
+    def degraded_tokens(self) -> torch.Tensor | None:
+        """``[local_num_tokens]`` bool on this rank's device, of the last combine: True for a
+        token that lost at least one expert's contribution (an expert on a rank outside the
+        combine's view of the mask). None before the first combine, and on a plane without
+        degraded mode (its rounds never lose a contribution: they raise instead)."""
+        return None
+
+    def round_mask(self) -> int | None:
+        """The ranks (bit mask) whose contributions the last combine summed; None before the
+        first combine, and on a plane without degraded mode."""
+        return None
 
     def close(self) -> None:
         """Release what the plane holds (idempotent)."""

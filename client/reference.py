@@ -10,6 +10,10 @@ Slot order within one (source, target) pair is unspecified by the protocol, so
 received rows are compared per source as sets (:func:`same_rows`); the reference
 itself assigns slots in token order, as the host plane does.
 
+Degraded mode (docs/PROTOCOL.md, "Degraded mode"): :func:`dispatch` and :func:`combine`
+take the ranks that count (``active``); :func:`lost_tokens` is the per-token indicator
+that a combine with those ranks must return.
+
 Also here: :func:`make_round`, the seeded inputs of one round for every rank, and
 :func:`toy_expert`, a deterministic stand-in for the expert computation that uses
 only what a rank received (so the end-to-end result is checkable).
@@ -92,6 +96,7 @@ def dispatch(
     rt: int,
     invalid_token_expert_id: int | None = None,
     expert_id_payload_index: int | None = None,
+    active=None,
 ) -> tuple[list[Routing], list[Received]]:
     """Dispatch of a whole job: ``(routing of each rank, what each rank receives)``.
 
@@ -99,6 +104,8 @@ def dispatch(
     ``payloads_per_rank[r]``: rank r's payloads, each ``[T_r, ...]`` (any dtype).
     With ``invalid_token_expert_id``, every id of every empty slot of payload
     ``expert_id_payload_index`` is set to it (sanitize).
+    ``active`` (degraded mode): the ranks of the round; nothing goes to or comes from the
+    others (their slots at the active ranks are unchanged: slots are numbered per target).
     """
     ep_size = len(experts_per_rank)
     routings = [route(e, num_experts, ep_size) for e in experts_per_rank]
@@ -112,10 +119,13 @@ def dispatch(
                 source_token=torch.full((ep_size, rt), -1, dtype=torch.int64),
             )
         )
+    live = set(range(ep_size)) if active is None else set(active)
     for s, routing in enumerate(routings):
+        if s not in live:
+            continue
         for t, (targets, slots) in enumerate(zip(routing.target.tolist(), routing.slot.tolist())):
             for q, j in zip(targets, slots):
-                if q < 0:
+                if q < 0 or q not in live:
                     continue
                 if j >= rt:
                     raise ValueError(f"rank {s} sends more than rt={rt} tokens to rank {q}")
@@ -123,7 +133,7 @@ def dispatch(
                 for i, payload in enumerate(payloads_per_rank[s]):
                     dest.payloads[i][s, j] = payload[t].reshape(-1)
                 dest.source_token[s, j] = t
-        for q in range(ep_size):
+        for q in live:
             received[q].recv_counts[s] = routing.send_counts[q]
     if invalid_token_expert_id is not None:
         for rcv in received:
@@ -133,13 +143,15 @@ def dispatch(
     return routings, received
 
 
-def combine(routings: list[Routing], outputs_per_rank: list[torch.Tensor]) -> list[torch.Tensor]:
+def combine(routings: list[Routing], outputs_per_rank: list[torch.Tensor], active=None) -> list[torch.Tensor]:
     """Combine of a whole job: rank r's ``[T_r, hidden]`` results.
 
     ``outputs_per_rank[q]``: ``[ep_size, rt, hidden]`` expert outputs at rank q, row
     (s, j) for the token source s put in slot j. Token t of rank r gets the float32
     sum, over its sends in ascending k, of ``outputs_per_rank[target][r, slot]``,
     returned in the outputs' dtype (zeros for a token with no sends).
+    ``active`` (degraded mode): the ranks whose contributions count (a combine's view);
+    sends to the others contribute nothing.
     """
     dtype = outputs_per_rank[0].dtype
     hidden = outputs_per_rank[0].shape[2]
@@ -148,10 +160,18 @@ def combine(routings: list[Routing], outputs_per_rank: list[torch.Tensor]) -> li
         out = torch.zeros(routing.target.shape[0], hidden, dtype=torch.float32)
         for t, (targets, slots) in enumerate(zip(routing.target.tolist(), routing.slot.tolist())):
             for q, j in zip(targets, slots):  # ascending k
-                if q >= 0:
+                if q >= 0 and (active is None or q in active):
                     out[t] += outputs_per_rank[q][r, j].float()
         results.append(out.to(dtype))
     return results
+
+
+def lost_tokens(routing: Routing, active) -> torch.Tensor:
+    """``[T]`` bool: the tokens of ``routing`` that have an expert on a rank outside ``active``
+    (the degraded-mode indicator of a combine that counted ``active``)."""
+    live = set(active)
+    rows = routing.target.tolist()
+    return torch.tensor([any(q >= 0 and q not in live for q in row) for row in rows], dtype=torch.bool)
 
 
 # ---------------------------------------------------------------------------
