@@ -48,6 +48,7 @@ _COUNTER_HELP = {
     "rendezvous": "Rendezvous completed (all ranks of a job released together).",
     "bad_requests": "Malformed or invalid requests answered with an error.",
     "rearms": "Job-wide re-arms: flags reset and generation bumped after a rank was lost or replaced.",
+    "readmits": "Replacements let back into a degraded job while its other ranks kept serving.",
 }
 
 _JOB_STATES = ("rendezvous", "ready", "degraded", "needs-rearm", "grace")
@@ -160,11 +161,48 @@ class DaemonCollector:
         yield aborted
         yield failing
 
+        yield from self._degraded(jobs, now)
+
         yield from self._memory(jobs)
 
         conns = GaugeMetricFamily("a2ad_lease_connections", "Open fd-socket connections (leases and handshakes).")
         conns.add_metric([], len(d.conns))
         yield conns
+
+    def _degraded(self, jobs, now: float):
+        """Per job of the degrade policy (on_peer_loss="degrade"): its active-rank mask, how
+        many ranks serve, and since when it runs without some (0 while every rank serves)."""
+        active = GaugeMetricFamily("a2ad_job_active_ranks",
+                                   "Ranks of a degrade job that serve now (in the active mask and let in).",
+                                   labels=["job"])
+        mask = GaugeMetricFamily("a2ad_job_active_mask",
+                                 "A degrade job's active-rank mask (bit q: rank q; exact up to 53 ranks).",
+                                 labels=["job"])
+        gen = GaugeMetricFamily("a2ad_job_mask_generation",
+                                "Changes of a degrade job's active-rank mask since it was created.", labels=["job"])
+        since = GaugeMetricFamily("a2ad_job_degraded_seconds",
+                                  "Seconds a degrade job has run without some of its ranks (0 while all serve).",
+                                  labels=["job"])
+        n_degraded = 0
+        for j in jobs:
+            if not getattr(j, "degrade", False):
+                continue
+            m = j.mask_summary()
+            if m["active_mask"] is None:
+                continue
+            active.add_metric([j.name], len(m["active_ranks"]))
+            mask.add_metric([j.name], m["active_mask"])
+            gen.add_metric([j.name], m["mask_generation"])
+            since.add_metric([j.name], m["degraded_s"] or 0.0)
+            n_degraded += 1 if m["degraded_s"] else 0
+        total = GaugeMetricFamily("a2ad_jobs_serving_degraded",
+                                  "Degrade jobs running without some of their ranks right now.")
+        total.add_metric([], n_degraded)
+        yield total
+        yield active
+        yield mask
+        yield gen
+        yield since
 
     def _rendezvous_histogram(self):
         h = getattr(self.d, "rendezvous_hist", None)

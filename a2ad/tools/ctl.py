@@ -94,12 +94,43 @@ def show_status(st: dict) -> str:
     return "\n".join(lines)
 
 
+def _ranks_text(ranks: list[int]) -> str:
+    return ",".join(str(r) for r in ranks) if ranks else "none"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def show_mask(j: dict) -> list[str]:
+    """The peer-loss policy and, for a degrade job, its active-rank mask."""
+    policy = j.get("on_peer_loss", "raise")
+    if policy != "degrade" or j.get("active_mask") is None:
+        return [f"policy  {policy}"]
+    lines = ["policy  degrade (a lost rank leaves the mask; the others serve on)"]
+    active = j.get("active_ranks") or []
+    mask = f"active  ranks {_ranks_text(active)} of {j['ep_size']} (mask {j['active_mask']:#x}, generation {j['mask_generation']})"
+    if j.get("admitting_ranks"):
+        mask += f"; let in at their first dispatch: {_ranks_text(j['admitting_ranks'])}"
+    lines.append(mask)
+    if j.get("degraded_s") is not None:
+        lines.append(f"        degraded for {_duration(j['degraded_s'])}; {j.get('readmits', 0)} replacement(s) let back in so far")
+    elif j.get("readmits"):
+        lines.append(f"        {j['readmits']} replacement(s) let back in so far")
+    return lines
+
+
 def show_job(j: dict) -> str:
     spec = ", ".join(f"{k}={v}" for k, v in j["spec"].items())
     lines = [
         f"job {j['name']}: {j['state']}, ep_size {j['ep_size']}, generation {j['generation']}",
         f"spec    {spec}",
         f"memory  {_fmt_bytes(j['size_per_rank'])} per rank (row stride {_fmt_bytes(j['row_stride'])}), {_fmt_bytes(j['bytes'])} in all",
+        *show_mask(j),
         "",
         _table(
             [[str(r["rank"]), r["state"], str(r["pid"] or "-"), str(r["device"] or "-"), str(r["attaches"]), str(r["deaths"])] for r in j["ranks"]],
