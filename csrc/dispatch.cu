@@ -149,8 +149,8 @@ struct ReadyWords {
 
 // Grid: any size >= 1. A block takes tiles of p.tile_tokens consecutive tokens
 // (grid-stride): warp w routes token w of the tile; the block's warps copy (token,
-// payload, chunk) items, kBatch at a time per warp, and warps that route nothing load
-// their first items before the routing is done. No block waits on another: the last
+// payload, chunk) items, kBatch at a time per warp; warps that route nothing take the
+// first items and load them before the routing is done. No block waits on another: the last
 // block to arrive publishes one ready word per peer and is the only one that waits.
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams p) {
   __shared__ TileRouting tr;
@@ -190,15 +190,15 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
   for (int t0 = blockIdx.x * tile; t0 < p.local_num_tokens; t0 += gridDim.x * tile) {
     const int ntok = min(tile, p.local_num_tokens - t0);
     const int nitems = ntok * items.per_token;
-    // Copy warps: those that route nothing, when they can hold every item; else all.
-    const int first = ntok < kWarps && nitems <= kBatch * (kWarps - ntok) ? ntok : 0;
-    const int ncw = kWarps - first;
-    const int cw = warp - first;  // this warp's index among the copy warps (< 0: none)
+    // Items: the warps that route nothing take up to kBatch items each and load them before
+    // the routing is known (early); the rest go round-robin over every warp after it.
+    const int idle = kWarps - ntok;  // warps that route nothing
+    const int nearly = min(nitems, kBatch * idle);
     Item batch[kBatch];
-    const bool early = cw >= 0 && warp >= ntok;  // loads before the routing is known
+    const bool early = warp >= ntok && warp - ntok < nearly;
     if (early) {
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) load_item(p, items, t0, cw + b * ncw, nitems, lane, batch[b]);
+      for (int b = 0; b < kBatch; ++b) load_item(p, items, t0, warp - ntok + b * idle, nearly, lane, batch[b]);
     }
     // Routing: lane k of warp w handles (t0 + w, k). A send is the smallest k with its target.
     if (warp < ntok) {
@@ -231,20 +231,16 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
       if (lane == 0) tr.sends[warp] = sends;
     }
     __syncthreads();
-    if (cw >= 0) {
-      int base = cw;
-      if (early) {
+    if (early) {
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) store_item(p, tr, t0, lane, batch[b]);
-        base += kBatch * ncw;
-      }
+      for (int b = 0; b < kBatch; ++b) store_item(p, tr, t0, lane, batch[b]);
+    }
 #pragma unroll 1
-      for (; base < nitems; base += kBatch * ncw) {
+    for (int base = nearly + warp; base < nitems; base += kBatch * kWarps) {
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) load_item(p, items, t0, base + b * ncw, nitems, lane, batch[b]);
+      for (int b = 0; b < kBatch; ++b) load_item(p, items, t0, base + b * kWarps, nitems, lane, batch[b]);
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) store_item(p, tr, t0, lane, batch[b]);
-      }
+      for (int b = 0; b < kBatch; ++b) store_item(p, tr, t0, lane, batch[b]);
     }
     __syncthreads();  // tr is rewritten by the next tile
   }
