@@ -1,23 +1,30 @@
-"""A small ctypes wrapper over the CUDA driver API (``libcuda.so.1``).
+"""The CUDA driver API for a2ad, through NVIDIA's cuda-bindings (``cuda.bindings.driver``).
 
 The daemon uses this instead of torch so that it never creates a torch CUDA
 context; clients use it next to torch (both share the device's primary
-context). Only what a2ad needs is wrapped: device discovery, primary contexts,
+context). Only what a2ad needs is here: device discovery, primary contexts,
 the virtual-memory-management (VMM) calls (``cuMemCreate``, export/import of
 shareable handles, ``cuMemAddressReserve``/``cuMemMap``/``cuMemSetAccess``),
-a synchronous memset/memcpy for initialization, host-memory registration, and
-``cuMemGetInfo``.
+a synchronous memset/memcpy for initialization, and ``cuMemGetInfo``.
 
-Nothing is loaded at import time: the library is opened and ``cuInit`` is
-called on first use, so importing this module on a machine without a driver is
-always safe. :func:`device_count` answers 0 there; everything else raises
-:class:`CudaUnavailable` (a :class:`~a2ad.errors.BackendError`).
+cuda-bindings is the optional extra ``a2ad[cuda]``. Nothing is imported or
+loaded at import time: ``cuda.bindings`` is imported, the driver library
+loaded and ``cuInit`` called on first use, so importing this module on a
+machine without cuda-bindings or without a driver is always safe (the host
+backend never gets that far). :func:`device_count` answers 0 there;
+everything else raises :class:`CudaUnavailable` (a
+:class:`~a2ad.errors.BackendError`) saying what is missing. Every driver call
+goes through :func:`_call`, which turns a CUresult other than CUDA_SUCCESS
+into :class:`CudaError` (function, result code, ``cuGetErrorName`` and
+``cuGetErrorString``).
 
-Struct layouts follow ``cuda.h`` of CUDA 13.0 (they are unchanged since the VMM
-API appeared in CUDA 10.2; ``CUmemAllocationProp`` is 32 bytes,
-``CUmemAccessDesc`` 12). Versioned entry points are called by their real symbol
-names (``cuMemGetInfo_v2``, ``cuDeviceGetUuid_v2``, ...), as ``cuda.h``'s
-``#define`` s would.
+Allocation handles, device pointers and file descriptors cross this module's
+boundary as plain ints; the ``CU_*`` constants below are plain ints with
+``cuda.h``'s values, usable without cuda-bindings installed.
+
+``A2AD_LIBCUDA`` names a driver library to load before cuda-bindings looks for
+``libcuda.so.1`` (a path that does not load makes CUDA unavailable, which is
+how the tests act out a machine without a driver).
 
 Device numbering: a *device ordinal* here is the driver's ordinal in this
 process, which honours ``CUDA_VISIBLE_DEVICES`` exactly as the CUDA runtime
@@ -33,6 +40,7 @@ import os
 import re
 import threading
 import time
+import warnings
 
 from . import errors
 
@@ -43,68 +51,24 @@ CUDA_SUCCESS = 0
 CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_OUT_OF_MEMORY = 2
 CUDA_ERROR_NOT_INITIALIZED = 3
-CUDA_ERROR_DEINITIALIZED = 4
 CUDA_ERROR_STUB_LIBRARY = 34
-CUDA_ERROR_INSUFFICIENT_DRIVER = 35
 CUDA_ERROR_NO_DEVICE = 100
-CUDA_ERROR_INVALID_DEVICE = 101
 CUDA_ERROR_INVALID_CONTEXT = 201
-CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
-CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713
 CUDA_ERROR_NOT_PERMITTED = 800
 CUDA_ERROR_NOT_SUPPORTED = 801
 
-#: Fallback names, used when cuGetErrorName itself is unavailable.
-_RESULT_NAMES = {
-    0: "CUDA_SUCCESS",
-    1: "CUDA_ERROR_INVALID_VALUE",
-    2: "CUDA_ERROR_OUT_OF_MEMORY",
-    3: "CUDA_ERROR_NOT_INITIALIZED",
-    4: "CUDA_ERROR_DEINITIALIZED",
-    34: "CUDA_ERROR_STUB_LIBRARY",
-    35: "CUDA_ERROR_INSUFFICIENT_DRIVER",
-    46: "CUDA_ERROR_DEVICE_UNAVAILABLE",
-    100: "CUDA_ERROR_NO_DEVICE",
-    101: "CUDA_ERROR_INVALID_DEVICE",
-    201: "CUDA_ERROR_INVALID_CONTEXT",
-    208: "CUDA_ERROR_ALREADY_MAPPED",
-    217: "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED",
-    304: "CUDA_ERROR_OPERATING_SYSTEM",
-    400: "CUDA_ERROR_INVALID_HANDLE",
-    500: "CUDA_ERROR_NOT_FOUND",
-    700: "CUDA_ERROR_ILLEGAL_ADDRESS",
-    709: "CUDA_ERROR_CONTEXT_IS_DESTROYED",
-    712: "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
-    713: "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
-    800: "CUDA_ERROR_NOT_PERMITTED",
-    801: "CUDA_ERROR_NOT_SUPPORTED",
-    802: "CUDA_ERROR_SYSTEM_NOT_READY",
-    803: "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH",
-    804: "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE",
-    999: "CUDA_ERROR_UNKNOWN",
-}
+#: Names of the results above, for when neither the driver (cuGetErrorName) nor
+#: cuda-bindings (the CUresult enum) is there to name one.
+_RESULT_NAMES = {v: k for k, v in list(globals().items()) if k.startswith("CUDA_")}
 
-# CUmemAllocationHandleType
-CU_MEM_HANDLE_TYPE_NONE = 0x0
+# CUmemAllocationHandleType (cuMemCreate takes a bitmask of them)
 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 0x1
 CU_MEM_HANDLE_TYPE_FABRIC = 0x8
-# CUmemAllocationType / CUmemLocationType
-CU_MEM_ALLOCATION_TYPE_PINNED = 0x1
-CU_MEM_LOCATION_TYPE_DEVICE = 0x1
 # CUmemAccess_flags
-CU_MEM_ACCESS_FLAGS_PROT_NONE = 0x0
-CU_MEM_ACCESS_FLAGS_PROT_READ = 0x1
 CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 0x3
-# CUmemAllocationGranularity_flags
-CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0x0
-CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 0x1
-# cuMemHostRegister flags
-CU_MEMHOSTREGISTER_PORTABLE = 0x01
-CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
 # CUdevice_attribute (the few used here)
 CU_DEVICE_ATTRIBUTE_PCI_BUS_ID = 33
 CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID = 34
-CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING = 41
 CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID = 50
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
@@ -112,8 +76,6 @@ CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91
 CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102
 CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED = 103
 CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED = 128
-# CUpointer_attribute
-CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
 
 #: Size of a CUmemFabricHandle (CU_IPC_HANDLE_SIZE).
 FABRIC_HANDLE_SIZE = 64
@@ -122,62 +84,7 @@ FABRIC_HANDLE_SIZE = 64
 #: is retried with the POSIX-fd handle type alone.
 FABRIC_FALLBACK_RESULTS = frozenset({CUDA_ERROR_NOT_PERMITTED, CUDA_ERROR_NOT_SUPPORTED, CUDA_ERROR_INVALID_VALUE})
 
-HANDLE_TYPE_NAMES = {
-    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: "posix_fd",
-    CU_MEM_HANDLE_TYPE_FABRIC: "fabric",
-}
-
-
-# ---------------------------------------------------------------------------
-# Structs (cuda.h)
-# ---------------------------------------------------------------------------
-class CUuuid(ctypes.Structure):
-    _fields_ = [("bytes", ctypes.c_ubyte * 16)]
-
-
-class CUmemLocation(ctypes.Structure):
-    # { CUmemLocationType type; int id; }  -> 8 bytes
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _CUmemAllocFlags(ctypes.Structure):
-    # { unsigned char compressionType; unsigned char gpuDirectRDMACapable;
-    #   unsigned short usage; unsigned char reserved[4]; } -> 8 bytes
-    _fields_ = [
-        ("compressionType", ctypes.c_ubyte),
-        ("gpuDirectRDMACapable", ctypes.c_ubyte),
-        ("usage", ctypes.c_ushort),
-        ("reserved", ctypes.c_ubyte * 4),
-    ]
-
-
-class CUmemAllocationProp(ctypes.Structure):
-    # type @0, requestedHandleTypes @4, location @8 (8 bytes),
-    # win32HandleMetaData @16 (pointer), allocFlags @24 (8 bytes) -> 32 bytes
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("requestedHandleTypes", ctypes.c_int),
-        ("location", CUmemLocation),
-        ("win32HandleMetaData", ctypes.c_void_p),
-        ("allocFlags", _CUmemAllocFlags),
-    ]
-
-
-class CUmemAccessDesc(ctypes.Structure):
-    # { CUmemLocation location; CUmemAccess_flags flags; } -> 12 bytes
-    _fields_ = [("location", CUmemLocation), ("flags", ctypes.c_int)]
-
-
-class CUmemFabricHandle(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_ubyte * FABRIC_HANDLE_SIZE)]
-
-
-assert ctypes.sizeof(CUmemLocation) == 8
-assert ctypes.sizeof(CUmemAllocationProp) == 32
-assert CUmemAllocationProp.win32HandleMetaData.offset == 16
-assert CUmemAllocationProp.allocFlags.offset == 24
-assert ctypes.sizeof(CUmemAccessDesc) == 12
-assert ctypes.sizeof(CUmemFabricHandle) == 64
+INSTALL_HINT = "install the a2ad[cuda] extra (pip install 'a2ad[cuda]') or pip install cuda-bindings"
 
 
 # ---------------------------------------------------------------------------
@@ -203,163 +110,163 @@ class CudaError(errors.BackendError):
 
 
 class CudaUnavailable(CudaError):
-    """There is no usable CUDA driver (library missing, stub library, no device)."""
+    """There is no usable CUDA here: cuda-bindings missing, no driver library, a stub library, no device.
+
+    ``function`` says which step failed: ``cuda.bindings`` (the package does not
+    import), ``libcuda`` (the driver library does not load) or the driver call.
+    """
 
     def __init__(self, detail: str, result: int | None = None, function: str = "libcuda"):
         super().__init__(function, result, detail)
+        self.detail = detail
         why = f" ({function}: {self.result_name})" if result is not None else ""
         self.message = f"CUDA is unavailable{why}: {detail}"
         self.args = (self.message,)
 
 
 # ---------------------------------------------------------------------------
-# Library loading and prototypes
+# Loading cuda-bindings and the driver, and calling it
 # ---------------------------------------------------------------------------
-_c_int_p = ctypes.POINTER(ctypes.c_int)
-_c_uint_p = ctypes.POINTER(ctypes.c_uint)
-_c_size_t_p = ctypes.POINTER(ctypes.c_size_t)
-_c_u64 = ctypes.c_uint64  # CUdeviceptr, CUmemGenericAllocationHandle
-_c_u64_p = ctypes.POINTER(ctypes.c_uint64)
-_c_char_p_p = ctypes.POINTER(ctypes.c_char_p)
-
-# python name -> (exported symbol, argtypes)
-_PROTOS: dict[str, tuple[str, list]] = {
-    "cuInit": ("cuInit", [ctypes.c_uint]),
-    "cuDriverGetVersion": ("cuDriverGetVersion", [_c_int_p]),
-    "cuGetErrorName": ("cuGetErrorName", [ctypes.c_int, _c_char_p_p]),
-    "cuGetErrorString": ("cuGetErrorString", [ctypes.c_int, _c_char_p_p]),
-    "cuDeviceGetCount": ("cuDeviceGetCount", [_c_int_p]),
-    "cuDeviceGet": ("cuDeviceGet", [_c_int_p, ctypes.c_int]),
-    "cuDeviceGetName": ("cuDeviceGetName", [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]),
-    "cuDeviceGetUuid": ("cuDeviceGetUuid_v2", [ctypes.POINTER(CUuuid), ctypes.c_int]),
-    "cuDeviceGetAttribute": ("cuDeviceGetAttribute", [_c_int_p, ctypes.c_int, ctypes.c_int]),
-    "cuDeviceTotalMem": ("cuDeviceTotalMem_v2", [_c_size_t_p, ctypes.c_int]),
-    "cuDeviceCanAccessPeer": ("cuDeviceCanAccessPeer", [_c_int_p, ctypes.c_int, ctypes.c_int]),
-    "cuDevicePrimaryCtxRetain": ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]),
-    "cuDevicePrimaryCtxRelease": ("cuDevicePrimaryCtxRelease_v2", [ctypes.c_int]),
-    "cuDevicePrimaryCtxGetState": ("cuDevicePrimaryCtxGetState", [ctypes.c_int, _c_uint_p, _c_int_p]),
-    "cuCtxSetCurrent": ("cuCtxSetCurrent", [ctypes.c_void_p]),
-    "cuCtxGetCurrent": ("cuCtxGetCurrent", [ctypes.POINTER(ctypes.c_void_p)]),
-    "cuCtxPushCurrent": ("cuCtxPushCurrent_v2", [ctypes.c_void_p]),
-    "cuCtxPopCurrent": ("cuCtxPopCurrent_v2", [ctypes.POINTER(ctypes.c_void_p)]),
-    "cuCtxSynchronize": ("cuCtxSynchronize", []),
-    "cuMemGetInfo": ("cuMemGetInfo_v2", [_c_size_t_p, _c_size_t_p]),
-    "cuMemGetAllocationGranularity": (
-        "cuMemGetAllocationGranularity",
-        [_c_size_t_p, ctypes.POINTER(CUmemAllocationProp), ctypes.c_int],
-    ),
-    "cuMemCreate": (
-        "cuMemCreate",
-        [_c_u64_p, ctypes.c_size_t, ctypes.POINTER(CUmemAllocationProp), ctypes.c_ulonglong],
-    ),
-    "cuMemRelease": ("cuMemRelease", [_c_u64]),
-    "cuMemExportToShareableHandle": (
-        "cuMemExportToShareableHandle",
-        [ctypes.c_void_p, _c_u64, ctypes.c_int, ctypes.c_ulonglong],
-    ),
-    "cuMemImportFromShareableHandle": (
-        "cuMemImportFromShareableHandle",
-        [_c_u64_p, ctypes.c_void_p, ctypes.c_int],
-    ),
-    "cuMemAddressReserve": (
-        "cuMemAddressReserve",
-        [_c_u64_p, ctypes.c_size_t, ctypes.c_size_t, _c_u64, ctypes.c_ulonglong],
-    ),
-    "cuMemAddressFree": ("cuMemAddressFree", [_c_u64, ctypes.c_size_t]),
-    "cuMemMap": ("cuMemMap", [_c_u64, ctypes.c_size_t, ctypes.c_size_t, _c_u64, ctypes.c_ulonglong]),
-    "cuMemUnmap": ("cuMemUnmap", [_c_u64, ctypes.c_size_t]),
-    "cuMemSetAccess": (
-        "cuMemSetAccess",
-        [_c_u64, ctypes.c_size_t, ctypes.POINTER(CUmemAccessDesc), ctypes.c_size_t],
-    ),
-    "cuMemsetD8": ("cuMemsetD8_v2", [_c_u64, ctypes.c_ubyte, ctypes.c_size_t]),
-    "cuMemcpyHtoD": ("cuMemcpyHtoD_v2", [_c_u64, ctypes.c_void_p, ctypes.c_size_t]),
-    "cuMemcpyDtoH": ("cuMemcpyDtoH_v2", [ctypes.c_void_p, _c_u64, ctypes.c_size_t]),
-    "cuMemHostRegister": ("cuMemHostRegister_v2", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]),
-    "cuMemHostUnregister": ("cuMemHostUnregister", [ctypes.c_void_p]),
-    "cuMemHostGetDevicePointer": ("cuMemHostGetDevicePointer_v2", [_c_u64_p, ctypes.c_void_p, ctypes.c_uint]),
-    "cuPointerGetAttribute": ("cuPointerGetAttribute", [ctypes.c_void_p, ctypes.c_int, _c_u64]),
-}
-
 _lock = threading.RLock()
-_lib: ctypes.CDLL | None = None
-_load_error: str | None = None
-_fns: dict[str, object] = {}
+_bindings = None  # the cuda.bindings.driver module, once imported
+_bindings_failure: str | None = None  # why it did not import, answered again
+_drv = None  # the same module, once the driver library loaded through it
+_load_failure: tuple[str, str] | None = None  # (detail, function) of the failed load, answered again
 _initialized = False
 _init_result: int | None = None
 
 
-def _library_name() -> str:
-    return os.environ.get("A2AD_LIBCUDA", "libcuda.so.1")
-
-
-def _load() -> ctypes.CDLL:
-    global _lib, _load_error
-    if _lib is not None:
-        return _lib
+def _module():
+    """``cuda.bindings.driver``, imported on first use (its structs and enums need no driver)."""
+    global _bindings, _bindings_failure
+    if _bindings is not None:
+        return _bindings
     with _lock:
-        if _lib is not None:
-            return _lib
-        if _load_error is not None:
-            raise CudaUnavailable(_load_error)
-        name = _library_name()
+        if _bindings is not None:
+            return _bindings
+        if _bindings_failure is None:
+            try:
+                from cuda.bindings import driver
+            except ImportError as exc:
+                _bindings_failure = f"the cuda-bindings package is not installed ({exc}); {INSTALL_HINT}"
+            except Exception as exc:
+                _bindings_failure = (
+                    f"cuda.bindings could not be imported ({type(exc).__name__}: {exc}); reinstall it: {INSTALL_HINT}"
+                )
+            else:
+                _bindings = driver
+                return driver
+        raise CudaUnavailable(_bindings_failure, function="cuda.bindings")
+
+
+def _api():
+    """``cuda.bindings.driver`` with the driver library loaded; CudaUnavailable when either is missing."""
+    global _drv, _load_failure
+    if _drv is not None:
+        return _drv
+    with _lock:
+        if _drv is not None:
+            return _drv
+        if _load_failure is None:
+            try:
+                _drv = _load()
+                return _drv
+            except CudaUnavailable as exc:
+                _load_failure = (exc.detail, exc.function)
+        detail, function = _load_failure
+        raise CudaUnavailable(detail, function=function)
+
+
+def _load():
+    override = os.environ.get("A2AD_LIBCUDA")
+    if override:
         try:
-            _lib = ctypes.CDLL(name)
+            ctypes.CDLL(override, mode=ctypes.RTLD_GLOBAL)
         except OSError as exc:
-            _load_error = f"the CUDA driver library {name} could not be loaded ({exc}); is the NVIDIA driver installed?"
-            raise CudaUnavailable(_load_error) from None
-        return _lib
-
-
-def _fn(name: str):
-    f = _fns.get(name)
-    if f is not None:
-        return f
-    lib = _load()
-    symbol, argtypes = _PROTOS[name]
+            raise CudaUnavailable(
+                f"the CUDA driver library {override} (A2AD_LIBCUDA) could not be loaded ({exc}); "
+                "is the NVIDIA driver installed?"
+            ) from None
+    driver = _module()
+    # The first call makes cuda-bindings open libcuda.so.1; cuDriverGetVersion needs no cuInit.
     try:
-        f = getattr(lib, symbol)
-    except AttributeError:
-        raise CudaUnavailable(f"the driver library lacks {symbol} (driver too old?)", function=name) from None
-    f.restype = ctypes.c_int
-    f.argtypes = argtypes
-    _fns[name] = f
-    return f
+        driver.cuDriverGetVersion()
+    except Exception as exc:  # RuntimeError / cuda.pathfinder's DynamicLibNotFoundError: no driver library
+        raise CudaUnavailable(
+            f"the CUDA driver library libcuda.so.1 could not be loaded through cuda-bindings ({exc}); "
+            "is the NVIDIA driver installed?"
+        ) from None
+    return driver
+
+
+def _invoke(name: str, *args) -> tuple:
+    """Call ``driver.<name>(*args)``; returns cuda-bindings' ``(CUresult, *outputs)`` unchecked."""
+    fn = getattr(_api(), name, None)
+    if fn is None:
+        raise CudaUnavailable(f"the installed cuda-bindings has no {name}; {INSTALL_HINT}", function=name)
+    try:
+        return fn(*args)
+    except RuntimeError as exc:
+        if "not found" not in str(exc):
+            raise
+        # cuda-bindings found no such entry point in the loaded driver library
+        raise CudaUnavailable(f"{exc} (is the driver older than cuda-bindings?)", function=name) from None
+
+
+def _call(name: str, *args, detail: str = ""):
+    """Call a driver function; raise CudaError unless it returns CUDA_SUCCESS.
+
+    Returns its outputs: None when there are none, the output when there is
+    one, a tuple otherwise.
+    """
+    out = _invoke(name, *args)
+    r = int(out[0])
+    if r != CUDA_SUCCESS:
+        raise CudaError(name, r, detail)
+    if len(out) == 1:
+        return None
+    return out[1] if len(out) == 2 else tuple(out[1:])
 
 
 def _error_string(result: int) -> str:
-    if _lib is None:
+    drv = _drv
+    if drv is None:
         return ""
     try:
-        s = ctypes.c_char_p()
-        if _fn("cuGetErrorString")(result, ctypes.byref(s)) == CUDA_SUCCESS and s.value:
-            return s.value.decode(errors="replace")
+        r, s = drv.cuGetErrorString(drv.CUresult(result))
+        if int(r) == CUDA_SUCCESS and s:
+            return s.decode(errors="replace")
     except Exception:
         pass
     return ""
 
 
 def error_name(result: int) -> str:
-    """``CUDA_ERROR_...`` name of a CUresult (cuGetErrorName, or a built-in table)."""
-    if _lib is not None:
+    """``CUDA_ERROR_...`` name of a CUresult (cuGetErrorName, cuda-bindings' enum, or a built-in table)."""
+    drv = _drv
+    if drv is not None:
         try:
-            s = ctypes.c_char_p()
-            if _fn("cuGetErrorName")(result, ctypes.byref(s)) == CUDA_SUCCESS and s.value:
-                return s.value.decode(errors="replace")
+            r, s = drv.cuGetErrorName(drv.CUresult(result))
+            if int(r) == CUDA_SUCCESS and s:
+                return s.decode(errors="replace")
+        except Exception:
+            pass
+    if _bindings is not None:
+        try:
+            return _bindings.CUresult(result).name
         except Exception:
             pass
     return _RESULT_NAMES.get(result, f"CUresult {result}")
 
 
-def _call(name: str, *args, detail: str = "") -> None:
-    r = _fn(name)(*args)
-    if r != CUDA_SUCCESS:
-        raise CudaError(name, r, detail)
+def bindings_version() -> str | None:
+    """Version of the installed cuda-bindings (None when it is not installed). Imports nothing else."""
+    from importlib.metadata import PackageNotFoundError, version
 
-
-def _raw(name: str, *args) -> int:
-    """Call without raising; returns the CUresult."""
-    return _fn(name)(*args)
+    try:
+        return version("cuda-bindings")
+    except PackageNotFoundError:
+        return None
 
 
 # ---------------------------------------------------------------------------
@@ -375,7 +282,7 @@ def init() -> None:
             return
         if _init_result is not None:  # failed before: answer the same way
             raise _init_failure(_init_result)
-        r = _raw("cuInit", 0)
+        r = int(_invoke("cuInit", 0)[0])
         if r != CUDA_SUCCESS:
             _init_result = r
             raise _init_failure(r)
@@ -390,16 +297,32 @@ def _init_failure(r: int) -> CudaError:
     return CudaError("cuInit", r)
 
 
-def available() -> bool:
-    """True when the driver loads, initializes and reports at least one device."""
+def unavailable() -> CudaError | None:
+    """Why this process cannot use CUDA (the error that says so), or None when it can.
+
+    It can when cuda-bindings imports, the driver loads and initializes, and at
+    least one device is visible.
+    """
     try:
-        return device_count() > 0
+        init()
+        n = _call("cuDeviceGetCount")
+    except CudaError as exc:  # CudaUnavailable included
+        return exc
+    if n <= 0:
+        return CudaUnavailable("the CUDA driver reports no device", function="cuDeviceGetCount")
+    return None
+
+
+def available() -> bool:
+    """True when cuda-bindings imports and the driver loads, initializes and reports at least one device."""
+    try:
+        return unavailable() is None
     except Exception:
         return False
 
 
 def device_count() -> int:
-    """Number of visible devices; 0 when the driver library is missing or reports no device.
+    """Number of visible devices; 0 without cuda-bindings, without a driver library or without a device.
 
     Other driver failures (e.g. a driver/library mismatch) raise :class:`CudaError`.
     """
@@ -407,41 +330,31 @@ def device_count() -> int:
         init()
     except CudaUnavailable:
         return 0
-    n = ctypes.c_int(0)
-    _call("cuDeviceGetCount", ctypes.byref(n))
-    return n.value
+    return int(_call("cuDeviceGetCount"))
 
 
 def driver_version() -> int:
     """The driver's CUDA version as an int (13000 for 13.0). Needs no cuInit."""
-    v = ctypes.c_int(0)
-    _call("cuDriverGetVersion", ctypes.byref(v))
-    return v.value
+    return int(_call("cuDriverGetVersion"))
 
 
-def _device(ordinal: int) -> int:
+def _device(ordinal: int):
     init()
-    d = ctypes.c_int(0)
-    _call("cuDeviceGet", ctypes.byref(d), int(ordinal), detail=f"device ordinal {ordinal}")
-    return d.value
+    return _call("cuDeviceGet", int(ordinal), detail=f"device ordinal {ordinal}")
 
 
 def device_name(ordinal: int) -> str:
-    buf = ctypes.create_string_buffer(256)
-    _call("cuDeviceGetName", buf, len(buf), _device(ordinal))
-    return buf.value.decode(errors="replace")
+    raw = _call("cuDeviceGetName", 256, _device(ordinal))
+    return bytes(raw).split(b"\0", 1)[0].rstrip().decode(errors="replace")
 
 
 def device_attribute(attr: int, ordinal: int) -> int:
-    v = ctypes.c_int(0)
-    _call("cuDeviceGetAttribute", ctypes.byref(v), int(attr), _device(ordinal))
-    return v.value
+    dev = _device(ordinal)
+    return int(_call("cuDeviceGetAttribute", _module().CUdevice_attribute(int(attr)), dev))
 
 
 def total_memory(ordinal: int) -> int:
-    v = ctypes.c_size_t(0)
-    _call("cuDeviceTotalMem", ctypes.byref(v), _device(ordinal))
-    return v.value
+    return int(_call("cuDeviceTotalMem", _device(ordinal)))
 
 
 def pci_bus_id(ordinal: int) -> str:
@@ -452,9 +365,7 @@ def pci_bus_id(ordinal: int) -> str:
 
 
 def can_access_peer(ordinal: int, peer_ordinal: int) -> bool:
-    v = ctypes.c_int(0)
-    _call("cuDeviceCanAccessPeer", ctypes.byref(v), _device(ordinal), _device(peer_ordinal))
-    return bool(v.value)
+    return bool(_call("cuDeviceCanAccessPeer", _device(ordinal), _device(peer_ordinal)))
 
 
 def format_uuid(raw: bytes, prefix: str = "GPU-") -> str:
@@ -480,15 +391,16 @@ def normalize_uuid(text: str) -> str | None:
     return "".join(m.groups()) if m else None
 
 
-def uuid_bytes(ordinal: int) -> bytes:
-    u = CUuuid()
-    _call("cuDeviceGetUuid", ctypes.byref(u), _device(ordinal))
-    return bytes(u.bytes)
+def _uuid_bytes(ordinal: int) -> bytes:
+    dev = _device(ordinal)
+    # CUDA 12's cuDeviceGetUuid_v2 (MIG-aware) is CUDA 13's cuDeviceGetUuid; cuda-bindings 13 has only the latter.
+    name = "cuDeviceGetUuid_v2" if hasattr(_api(), "cuDeviceGetUuid_v2") else "cuDeviceGetUuid"
+    return bytes(_call(name, dev).bytes)
 
 
 def uuid_of(ordinal: int) -> str:
     """UUID of a device ordinal, as nvidia-smi prints it (``GPU-...``)."""
-    return format_uuid(uuid_bytes(ordinal))
+    return format_uuid(_uuid_bytes(ordinal))
 
 
 def device_by_uuid(text: str) -> int:
@@ -505,24 +417,12 @@ def device_by_uuid(text: str) -> int:
         )
     n = device_count()
     for i in range(n):
-        if uuid_bytes(i).hex() == want:
+        if _uuid_bytes(i).hex() == want:
             return i
     raise LookupError(
         f"no visible GPU has UUID {text!r:.80} (check CUDA_VISIBLE_DEVICES of the daemon); "
         f"visible: {', '.join(visible_uuids()) or 'none'}"
     )
-
-
-def parse_device(text: str) -> int:
-    """A UUID (any accepted spelling) or a decimal ordinal string -> ordinal. For tools, not the protocol."""
-    s = str(text).strip()
-    if s.isdigit():
-        i = int(s)
-        n = device_count()
-        if not 0 <= i < n:
-            raise LookupError(f"device ordinal {i} out of range: {n} visible device(s)")
-        return i
-    return device_by_uuid(s)
 
 
 def visible_uuids() -> list[str]:
@@ -535,20 +435,18 @@ def visible_uuids() -> list[str]:
 # ---------------------------------------------------------------------------
 # Contexts
 # ---------------------------------------------------------------------------
-_primary: dict[int, int] = {}  # ordinal -> primary CUcontext retained by this module
+_primary: dict[int, object] = {}  # ordinal -> primary CUcontext retained by this module
 _ctx_info: dict[int, dict] = {}  # ordinal -> measurement of the latest creation by this module
 
 
 def primary_context_active(ordinal: int) -> bool:
     """Whether the device's primary context exists in this process (creates nothing)."""
-    flags = ctypes.c_uint(0)
-    active = ctypes.c_int(0)
-    _call("cuDevicePrimaryCtxGetState", _device(ordinal), ctypes.byref(flags), ctypes.byref(active))
-    return bool(active.value)
+    _flags, active = _call("cuDevicePrimaryCtxGetState", _device(ordinal))
+    return bool(active)
 
 
-def primary_context(ordinal: int) -> int:
-    """Retain (once, until :func:`release_primary_context`) and return a device's primary context.
+def primary_context(ordinal: int):
+    """Retain (once, until :func:`release_primary_context`) and return a device's primary context (a CUcontext).
 
     The primary context is the one the CUDA runtime, and so torch, uses: a
     client's mappings made through it are usable by torch kernels. When this
@@ -567,9 +465,8 @@ def primary_context(ordinal: int) -> int:
         was_active = primary_context_active(ordinal)
         uuid = uuid_of(ordinal)
         before = None if was_active else nvml_free_bytes(uuid)
-        c = ctypes.c_void_p()
         t0 = time.perf_counter()
-        _call("cuDevicePrimaryCtxRetain", ctypes.byref(c), dev, detail=f"device {ordinal} ({uuid})")
+        ctx = _call("cuDevicePrimaryCtxRetain", dev, detail=f"device {ordinal} ({uuid})")
         seconds = time.perf_counter() - t0
         after = None if was_active else nvml_free_bytes(uuid)
         prev = _ctx_info.get(ordinal, {})
@@ -585,8 +482,8 @@ def primary_context(ordinal: int) -> int:
             }
         info["creations"] = prev.get("creations", 0) + (0 if was_active else 1)
         _ctx_info[ordinal] = info
-        _primary[ordinal] = c.value
-        return c.value
+        _primary[ordinal] = ctx
+        return ctx
 
 
 def context_overhead(ordinal: int) -> dict | None:
@@ -617,27 +514,15 @@ def release_primary_contexts() -> None:
             release_primary_context(ordinal)
 
 
-def current_context() -> int | None:
-    c = ctypes.c_void_p()
-    _call("cuCtxGetCurrent", ctypes.byref(c))
-    return c.value
-
-
-def set_current(ordinal: int) -> None:
-    """Make the device's primary context current on the calling thread."""
-    _call("cuCtxSetCurrent", ctypes.c_void_p(primary_context(ordinal)))
-
-
 @contextlib.contextmanager
 def on_device(ordinal: int):
     """Push the device's primary context for the block, then restore the thread's previous one."""
     ctx = primary_context(ordinal)
-    _call("cuCtxPushCurrent", ctypes.c_void_p(ctx))
+    _call("cuCtxPushCurrent", ctx)
     try:
         yield ctx
     finally:
-        popped = ctypes.c_void_p()
-        _raw("cuCtxPopCurrent", ctypes.byref(popped))
+        _invoke("cuCtxPopCurrent")
 
 
 def synchronize() -> None:
@@ -646,27 +531,37 @@ def synchronize() -> None:
 
 def mem_info() -> tuple[int, int]:
     """``(free, total)`` bytes of the current context's device (cuMemGetInfo)."""
-    free = ctypes.c_size_t(0)
-    total = ctypes.c_size_t(0)
-    _call("cuMemGetInfo", ctypes.byref(free), ctypes.byref(total))
-    return free.value, total.value
-
-
-def device_mem_info(ordinal: int) -> tuple[int, int]:
-    """``(free, total)`` of a device, through its primary context (which this retains)."""
-    with on_device(ordinal):
-        return mem_info()
+    free, total = _call("cuMemGetInfo")
+    return int(free), int(total)
 
 
 # ---------------------------------------------------------------------------
 # Virtual memory management
 # ---------------------------------------------------------------------------
-def _prop(ordinal: int, handle_types: int) -> CUmemAllocationProp:
-    p = CUmemAllocationProp()
-    p.type = CU_MEM_ALLOCATION_TYPE_PINNED
-    p.requestedHandleTypes = int(handle_types)
-    p.location.type = CU_MEM_LOCATION_TYPE_DEVICE
+class _HandleTypeMask(int):
+    """Several CUmemAllocationHandleType bits at once, for ``CUmemAllocationProp.requestedHandleTypes``.
+
+    cuda.h declares that field a bitmask of handle types; cuda-bindings types
+    it as the enum, which has no member for a combination, and its setter
+    stores the argument's ``.value``. This int carries the combined bits there.
+    """
+
+    @property
+    def value(self) -> int:
+        return int(self)
+
+
+def _prop(ordinal: int, handle_types: int):
+    drv = _module()
+    p = drv.CUmemAllocationProp()
+    p.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    p.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     p.location.id = int(ordinal)
+    types = int(handle_types)
+    try:
+        p.requestedHandleTypes = drv.CUmemAllocationHandleType(types)
+    except ValueError:  # a combination, e.g. POSIX_FILE_DESCRIPTOR | FABRIC
+        p.requestedHandleTypes = _HandleTypeMask(types)
     return p
 
 
@@ -675,11 +570,16 @@ def granularity(
 ) -> int:
     """Allocation granularity of a device (minimum, or recommended)."""
     init()
-    g = ctypes.c_size_t(0)
-    p = _prop(ordinal, handle_types)
-    flag = CU_MEM_ALLOC_GRANULARITY_RECOMMENDED if recommended else CU_MEM_ALLOC_GRANULARITY_MINIMUM
-    _call("cuMemGetAllocationGranularity", ctypes.byref(g), ctypes.byref(p), flag)
-    return g.value
+    flags = _module().CUmemAllocationGranularity_flags
+    flag = flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED if recommended else flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+    return int(
+        _call(
+            "cuMemGetAllocationGranularity",
+            _prop(ordinal, handle_types),
+            flag,
+            detail=f"device {ordinal}, handle types {int(handle_types):#x}",
+        )
+    )
 
 
 _fabric_failed: dict[int, CudaError] = {}  # ordinal -> why fabric allocation was refused
@@ -715,182 +615,161 @@ def create(size: int, ordinal: int, handle_types: int | None = None) -> tuple[in
 
 
 def _create(size: int, ordinal: int, handle_types: int) -> int:
-    p = _prop(ordinal, handle_types)
-    h = _c_u64(0)
-    _call(
+    h = _call(
         "cuMemCreate",
-        ctypes.byref(h),
         int(size),
-        ctypes.byref(p),
+        _prop(ordinal, handle_types),
         0,
-        detail=f"{size} bytes on device {ordinal}, handle types {handle_types:#x}",
+        detail=f"{size} bytes on device {ordinal}, handle types {int(handle_types):#x}",
     )
-    return h.value
+    return int(h)
 
 
 def release(handle: int) -> None:
-    _call("cuMemRelease", _c_u64(handle))
+    _call("cuMemRelease", int(handle))
+
+
+def _handle_type(value: int):
+    return _module().CUmemAllocationHandleType(value)
 
 
 def export_fd(handle: int) -> int:
     """Export a POSIX file descriptor for an allocation (made close-on-exec here)."""
-    fd = ctypes.c_int(-1)
-    _call(
-        "cuMemExportToShareableHandle",
-        ctypes.byref(fd),
-        _c_u64(handle),
-        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-        0,
+    fd = int(
+        _call("cuMemExportToShareableHandle", int(handle), _handle_type(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), 0)
     )
     try:
-        flags = fcntl.fcntl(fd.value, fcntl.F_GETFD)
-        fcntl.fcntl(fd.value, fcntl.F_SETFD, flags | fcntl.FD_CLOEXEC)
+        flags = fcntl.fcntl(fd, fcntl.F_GETFD)
+        fcntl.fcntl(fd, fcntl.F_SETFD, flags | fcntl.FD_CLOEXEC)
     except OSError:
         pass
-    return fd.value
+    return fd
 
 
 def export_fabric(handle: int) -> bytes:
     """Export the 64-byte fabric handle of an allocation created with the FABRIC type."""
-    fh = CUmemFabricHandle()
-    _call("cuMemExportToShareableHandle", ctypes.byref(fh), _c_u64(handle), CU_MEM_HANDLE_TYPE_FABRIC, 0)
+    fh = _call("cuMemExportToShareableHandle", int(handle), _handle_type(CU_MEM_HANDLE_TYPE_FABRIC), 0)
     return bytes(fh.data)
 
 
 def import_fd(fd: int) -> int:
     """Import an allocation from a POSIX fd (the caller keeps, and later closes, the fd).
 
-    The fd is passed by value in the pointer argument, as the driver expects
-    for CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR.
+    The fd goes by value in the pointer argument, as the driver expects for
+    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR (cuda-bindings passes an int
+    through as that pointer).
     """
-    h = _c_u64(0)
-    _call(
+    h = _call(
         "cuMemImportFromShareableHandle",
-        ctypes.byref(h),
-        ctypes.c_void_p(int(fd)),
-        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+        int(fd),
+        _handle_type(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
         detail=f"fd {fd}",
     )
-    return h.value
+    return int(h)
 
 
 def import_fabric(data: bytes) -> int:
     if len(data) != FABRIC_HANDLE_SIZE:
         raise ValueError(f"a fabric handle has {FABRIC_HANDLE_SIZE} bytes, got {len(data)}")
-    fh = CUmemFabricHandle.from_buffer_copy(bytes(data))
-    h = _c_u64(0)
-    _call("cuMemImportFromShareableHandle", ctypes.byref(h), ctypes.byref(fh), CU_MEM_HANDLE_TYPE_FABRIC)
-    return h.value
+    # the handle's bytes go by address: cuda-bindings passes a buffer's address as the pointer
+    h = _call("cuMemImportFromShareableHandle", bytearray(data), _handle_type(CU_MEM_HANDLE_TYPE_FABRIC))
+    return int(h)
 
 
 def reserve(size: int, align: int = 0, addr: int = 0) -> int:
     """Reserve a virtual address range; returns its start."""
-    p = _c_u64(0)
-    _call(
-        "cuMemAddressReserve",
-        ctypes.byref(p),
-        int(size),
-        int(align),
-        _c_u64(addr),
-        0,
-        detail=f"{size} bytes, alignment {align}",
-    )
-    return p.value
+    p = _call("cuMemAddressReserve", int(size), int(align), int(addr), 0, detail=f"{size} bytes, alignment {align}")
+    return int(p)
 
 
 def address_free(ptr: int, size: int) -> None:
-    _call("cuMemAddressFree", _c_u64(ptr), int(size))
+    _call("cuMemAddressFree", int(ptr), int(size))
 
 
 def map(ptr: int, size: int, handle: int, offset: int = 0) -> None:  # noqa: A001 (driver name)
-    _call("cuMemMap", _c_u64(ptr), int(size), int(offset), _c_u64(handle), 0, detail=f"{size} bytes at {ptr:#x}")
+    _call("cuMemMap", int(ptr), int(size), int(offset), int(handle), 0, detail=f"{size} bytes at {ptr:#x}")
 
 
 def unmap(ptr: int, size: int) -> None:
-    _call("cuMemUnmap", _c_u64(ptr), int(size))
+    _call("cuMemUnmap", int(ptr), int(size))
 
 
 def set_access(ptr: int, size: int, devices, flags: int = CU_MEM_ACCESS_FLAGS_PROT_READWRITE) -> None:
     """Grant ``devices`` (an ordinal or a list of them) access to a mapped range."""
     if isinstance(devices, int):
         devices = [devices]
-    devices = list(devices)
-    arr = (CUmemAccessDesc * len(devices))()
-    for i, d in enumerate(devices):
-        arr[i].location.type = CU_MEM_LOCATION_TYPE_DEVICE
-        arr[i].location.id = int(d)
-        arr[i].flags = int(flags)
+    devices = [int(d) for d in devices]
+    drv = _module()
+    descs = []
+    for d in devices:
+        desc = drv.CUmemAccessDesc()
+        desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        desc.location.id = d
+        desc.flags = drv.CUmemAccess_flags(int(flags))
+        descs.append(desc)
     _call(
         "cuMemSetAccess",
-        _c_u64(ptr),
+        int(ptr),
         int(size),
-        arr,
-        len(devices),
+        descs,
+        len(descs),
         detail=f"{size} bytes at {ptr:#x} for device(s) {devices}",
     )
 
 
 def memset_d8(ptr: int, value: int, count: int) -> None:
     """Synchronous with respect to the host only after :func:`synchronize`."""
-    _call("cuMemsetD8", _c_u64(ptr), ctypes.c_ubyte(value & 0xFF), int(count))
+    _call("cuMemsetD8", int(ptr), int(value) & 0xFF, int(count))
 
 
 def memcpy_htod(dst: int, data, count: int | None = None) -> None:
-    """Copy ``data`` (bytes, bytearray or any buffer) to device address ``dst``."""
-    buf = (ctypes.c_char * len(data)).from_buffer_copy(data) if not isinstance(data, ctypes.Array) else data
-    n = len(data) if count is None else int(count)
-    if n > ctypes.sizeof(buf):
-        raise ValueError(f"copy of {n} bytes from a buffer of {ctypes.sizeof(buf)}")
-    _call("cuMemcpyHtoD", _c_u64(dst), ctypes.cast(buf, ctypes.c_void_p), n)
+    """Copy ``data`` (bytes, bytearray or any contiguous buffer) to device address ``dst``."""
+    view = memoryview(data).cast("B")
+    n = view.nbytes if count is None else int(count)
+    if n > view.nbytes:
+        raise ValueError(f"copy of {n} bytes from a buffer of {view.nbytes}")
+    _call("cuMemcpyHtoD", int(dst), view, n)
 
 
 def memcpy_dtoh(src: int, count: int) -> bytes:
-    buf = ctypes.create_string_buffer(int(count))
-    _call("cuMemcpyDtoH", ctypes.cast(buf, ctypes.c_void_p), _c_u64(src), int(count))
-    return buf.raw
+    buf = bytearray(int(count))
+    _call("cuMemcpyDtoH", buf, int(src), int(count))
+    return bytes(buf)
 
 
 def pointer_device_ordinal(ptr: int) -> int:
-    v = ctypes.c_int(-1)
-    _call("cuPointerGetAttribute", ctypes.byref(v), CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, _c_u64(ptr))
-    return v.value
-
-
-# ---------------------------------------------------------------------------
-# Host memory registration (control block)
-# ---------------------------------------------------------------------------
-def host_register(ptr: int, size: int, flags: int = CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP) -> None:
-    _call("cuMemHostRegister", ctypes.c_void_p(ptr), int(size), int(flags), detail=f"{size} bytes at {ptr:#x}")
-
-
-def host_unregister(ptr: int) -> None:
-    _call("cuMemHostUnregister", ctypes.c_void_p(ptr))
-
-
-def host_device_pointer(ptr: int) -> int:
-    d = _c_u64(0)
-    _call("cuMemHostGetDevicePointer", ctypes.byref(d), ctypes.c_void_p(ptr), 0)
-    return d.value
+    attr = _module().CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    return int(_call("cuPointerGetAttribute", attr, int(ptr)))
 
 
 # ---------------------------------------------------------------------------
 # NVML (free memory without a CUDA context, for overhead measurement)
 # ---------------------------------------------------------------------------
+_nvml = None  # ("pynvml", module) or ("ctypes", CDLL) once NVML initialized
+_nvml_failed = False
+
+
 class _NvmlMemory(ctypes.Structure):
     _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
 
 
-_nvml: ctypes.CDLL | None = None
-_nvml_failed = False
-
-
-def _nvml_lib() -> ctypes.CDLL | None:
+def _nvml_backend():
+    """NVML through nvidia-ml-py (``pynvml``) when installed, else a minimal ctypes binding; None without NVML."""
     global _nvml, _nvml_failed
     if _nvml is not None or _nvml_failed:
         return _nvml
     with _lock:
         if _nvml is not None or _nvml_failed:
             return _nvml
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the old "pynvml" distribution warns that it is deprecated
+                import pynvml
+            pynvml.nvmlInit()
+            _nvml = ("pynvml", pynvml)
+            return _nvml
+        except Exception:
+            pass
         try:
             lib = ctypes.CDLL(os.environ.get("A2AD_LIBNVML", "libnvidia-ml.so.1"))
             lib.nvmlInit_v2.restype = ctypes.c_int
@@ -904,8 +783,8 @@ def _nvml_lib() -> ctypes.CDLL | None:
         except (OSError, AttributeError):
             _nvml_failed = True
             return None
-        _nvml = lib
-        return lib
+        _nvml = ("ctypes", lib)
+        return _nvml
 
 
 def nvml_free_bytes(uuid: str) -> int | None:
@@ -914,13 +793,23 @@ def nvml_free_bytes(uuid: str) -> int | None:
     NVML sees every GPU of the node regardless of CUDA_VISIBLE_DEVICES, and needs
     no CUDA context, so this can be read before a context exists.
     """
-    lib = _nvml_lib()
-    if lib is None:
+    backend = _nvml_backend()
+    if backend is None:
         return None
+    kind, nv = backend
+    if kind == "pynvml":
+        try:
+            try:
+                h = nv.nvmlDeviceGetHandleByUUID(uuid)
+            except (TypeError, ctypes.ArgumentError):  # older nvidia-ml-py wants bytes
+                h = nv.nvmlDeviceGetHandleByUUID(uuid.encode())
+            return int(nv.nvmlDeviceGetMemoryInfo(h).free)
+        except Exception:
+            return None
     h = ctypes.c_void_p()
-    if lib.nvmlDeviceGetHandleByUUID(uuid.encode(), ctypes.byref(h)) != 0:
+    if nv.nvmlDeviceGetHandleByUUID(uuid.encode(), ctypes.byref(h)) != 0:
         return None
     m = _NvmlMemory()
-    if lib.nvmlDeviceGetMemoryInfo(h, ctypes.byref(m)) != 0:
+    if nv.nvmlDeviceGetMemoryInfo(h, ctypes.byref(m)) != 0:
         return None
     return int(m.free)

@@ -337,6 +337,7 @@ class Checks:
 
 
 def check_inventory(c: Checks) -> str:
+    print(f"cuda-bindings {cd.bindings_version() or '(not installed)'}")
     v = cd.driver_version()
     n = cd.device_count()
     print(f"driver CUDA version: {v // 1000}.{(v % 1000) // 10}  ({v})")
@@ -371,6 +372,7 @@ def check_inventory(c: Checks) -> str:
             if i != j:
                 print(f"  peer access {i} -> {j}: {cd.can_access_peer(i, j)}")
     c.data["driver_version"] = v
+    c.data["cuda_bindings"] = cd.bindings_version()
     c.data["devices"] = devs
     if n == 0:
         raise RuntimeError("no visible GPU")

@@ -9,10 +9,11 @@ made exportable as a fabric handle; the 64 handle bytes then sit in
 ``'fabric'``. The POSIX fd is exported either way: on one node it is what
 clients use.
 
-The daemon never launches kernels and never imports torch. Creating,
-exporting and releasing VMM allocations needs no CUDA context; only
-:meth:`CudaBackend.initialize` (a memset and a 4-byte copy through a temporary
-mapping) does. A CUDA context costs about 524 MiB of HBM per GPU on H200
+The daemon never launches kernels and never imports torch: driver calls go
+through :mod:`a2ad.cuda_driver` (NVIDIA's cuda-bindings, the ``a2ad[cuda]``
+extra). Creating, exporting and releasing VMM allocations needs no CUDA
+context; only :meth:`CudaBackend.initialize` (a memset and a 4-byte copy
+through a temporary mapping) does. A CUDA context costs about 524 MiB of HBM per GPU on H200
 (driver 580), so by default the backend creates the device's primary context
 for the initialization and releases it right after ("transient" policy: the
 daemon holds no GPU memory beyond the workspaces between setups, at the price
