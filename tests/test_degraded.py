@@ -1,0 +1,509 @@
+"""Degraded mode with real processes on the host backend: a job created with
+on_peer_loss="degrade" keeps serving when a rank is killed (its tokens lose that rank's
+experts, and the client sees which), a replacement is let back in while the others
+serve, the raise policy is refused as a mismatching join, and a2ad-ctl and the
+metrics show the mask."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from a2ad import errors, layout as L
+from helpers import REPO, DaemonProcess, reap_keeper, wait_for
+
+HIDDEN, TOP_K, EXPERTS, MAX_T = 32, 2, 8, 8
+
+
+def _now() -> float:
+    return time.clock_gettime(time.CLOCK_MONOTONIC)
+
+
+def _bits(ranks) -> int:
+    return sum(1 << q for q in ranks)
+
+
+# ----------------------------------------------------------------------- rank bodies
+def serve(rank, ep, runtime_dir, job, shared, results, seed, hang=None, pace=0.0):
+    """Run verified rounds until the shared stop round, reporting each one.
+
+    Rank q's expert multiplies what it received by (q + 1), so token t must come back as
+    hidden[t] times the sum of (q + 1) over the distinct ranks q of its experts that the
+    combine counted (``last_round_active_ranks``), and ``last_round_degraded`` must mark
+    exactly the tokens with an expert elsewhere. ``hang=(n, "dispatch"|"combine")`` stops
+    before the dispatch, or between dispatch and combine, of this rank's round n (until
+    killed). A rank's first round sets the stop round when asked (``shared['stop_after']``).
+    """
+    try:
+        import torch
+
+        from a2ad.client import MoeAlltoAll, reference
+
+        torch.set_num_threads(1)
+
+        class M:
+            moe_ep_rank, moe_ep_size = rank, ep
+
+        size = L.workspace_size_per_rank(ep, MAX_T, HIDDEN * 4, HIDDEN * 4)
+        a2a = MoeAlltoAll(M(), MAX_T, TOP_K, EXPERTS, size, job=job, runtime_dir=runtime_dir, timeout=20.0,
+                          on_peer_loss="degrade")
+        att = a2a.attachment
+        flag = att.workspace[rank, att.aux.flag_val : att.aux.flag_val + 4].view(torch.int32)
+        owner_of = torch.tensor([L.expert_owner(e, EXPERTS, ep) for e in range(EXPERTS)])
+        results.put((rank, "attached", _now(), (a2a.generation, a2a.active_ranks)))
+        g = torch.Generator().manual_seed(seed)
+        records = []
+        n = 0
+        while True:
+            t = int(torch.randint(1, MAX_T + 1, (1,), generator=g))
+            experts = torch.rand(t, EXPERTS, generator=g).argsort(dim=1)[:, :TOP_K].to(torch.int32)
+            hidden = torch.randint(-8, 9, (t, HIDDEN), generator=g).to(torch.float32)
+            if hang is not None and n == hang[0] and hang[1] == "dispatch":
+                results.put((rank, "hanging", _now(), int(flag)))
+                time.sleep(3600)
+            (recv,) = a2a.dispatch(experts, [hidden], MAX_T)
+            if hang is not None and n == hang[0] and hang[1] == "combine":
+                results.put((rank, "hanging", _now(), int(flag)))
+                time.sleep(3600)
+            out = a2a.combine(recv * float(rank + 1), MAX_T)
+            done = _now()
+            rnd = int(flag) - 1
+            counted = _bits(a2a.last_round_active_ranks)
+            sent_mask = a2a._plane.dispatch_mask
+            # the reference: only the ranks the combine counted contribute
+            owners = owner_of[experts.long()]  # [t, top_k]
+            present = torch.tensor([[bool(counted >> int(q) & 1) for q in row] for row in owners]).reshape(t, TOP_K)
+            weight = torch.zeros(t)
+            for q in range(ep):
+                weight += ((owners == q) & present).any(dim=1).float() * (q + 1)
+            expected = hidden * weight[:, None]
+            lost = reference.lost_tokens(reference.route(experts, EXPERTS, ep), L.mask_ranks(counted))
+            assert torch.equal(lost, (~present).any(dim=1))
+            if not torch.equal(out, expected):
+                raise AssertionError(f"rank {rank} round {rnd} (ranks {L.mask_ranks(counted)}): combine differs by "
+                                     f"{(out - expected).abs().max().item()}")
+            if not torch.equal(a2a.last_round_degraded, lost):
+                raise AssertionError(f"rank {rank} round {rnd}: indicator {a2a.last_round_degraded.tolist()} != "
+                                     f"{lost.tolist()} (ranks {L.mask_ranks(counted)})")
+            records.append((rnd, done, counted, sent_mask, int(lost.sum()), t))
+            shared["done"][rank] += 1
+            shared["mask"][rank] = counted
+            if n == 0:
+                if shared["stop_after"].value and not shared["stop"].value:
+                    shared["stop"].value = rnd + shared["stop_after"].value
+                results.put((rank, "first", done, rnd))
+            n += 1
+            stop = shared["stop"].value
+            if stop and rnd + 1 >= stop:
+                break
+            if pace:
+                time.sleep(pace)
+        results.put((rank, "records", _now(), records))
+        a2a.close()
+        results.put((rank, "done", _now(), None))
+    except BaseException as exc:  # noqa: BLE001 - everything goes to the parent
+        import traceback
+
+        results.put((rank, "error", 0.0, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+class Group:
+    """Rank processes of one degrade job; every wait on them is bounded, and close() ends
+    every process still running (also when the test failed)."""
+
+    def __init__(self, ep, runtime_dir, job):
+        self.ctx = mp.get_context("spawn")
+        self.ep, self.runtime_dir, self.job = ep, str(runtime_dir), job
+        self.results = self.ctx.Queue()
+        self.shared = {
+            "done": self.ctx.Array("l", ep, lock=False),
+            "mask": self.ctx.Array("l", ep, lock=False),
+            "stop": self.ctx.Value("l", 0, lock=False),
+            "stop_after": self.ctx.Value("l", 0, lock=False),
+        }
+        self.procs: list = []
+        self.by_rank: dict = {}
+        self.backlog: list = []
+
+    def start(self, rank, seed, **kw):
+        p = self.ctx.Process(target=serve, args=(rank, self.ep, self.runtime_dir, self.job, self.shared, self.results,
+                                                 seed), kwargs=kw, daemon=True)
+        p.start()
+        self.procs.append(p)
+        self.by_rank[rank] = p
+        return p
+
+    def kill(self, rank):
+        """kill -9 the rank's process; what it reported before is forgotten (a replacement reports anew)."""
+        p = self.by_rank[rank]
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+        self._drain()
+        self.backlog = [item for item in self.backlog if item[0] != rank or item[1] == "error"]
+
+    def done(self, rank) -> int:
+        return self.shared["done"][rank]
+
+    def expect(self, what, ranks, timeout=60.0):
+        """One (t, value) per rank in ``ranks`` for report ``what``; fails on an error report."""
+        got = {}
+        for item in list(self.backlog):
+            rank, kind, t, value = item
+            if kind == what and rank in ranks and rank not in got:
+                got[rank] = (t, value)
+                self.backlog.remove(item)
+        end = time.monotonic() + timeout
+        while set(got) != set(ranks):
+            try:
+                item = self.results.get(timeout=max(0.05, min(0.5, end - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() > end:
+                    raise AssertionError(f"waited {timeout} s for {what!r} from ranks {sorted(set(ranks) - set(got))}")
+                continue
+            rank, kind, t, value = item
+            if kind == "error":
+                raise AssertionError(f"rank {rank} failed: {value}")
+            if kind == what and rank in ranks and rank not in got:
+                got[rank] = (t, value)
+            else:
+                self.backlog.append(item)
+        return got
+
+    def wait_rounds(self, ranks, n, timeout=30.0, what="rounds"):
+        """Until every rank in ``ranks`` completed ``n`` more rounds than now (error reports fail it)."""
+        start = {r: self.done(r) for r in ranks}
+        end = time.monotonic() + timeout
+        while any(self.done(r) < start[r] + n for r in ranks):
+            for item in self._drain():
+                if item[1] == "error":
+                    raise AssertionError(f"rank {item[0]} failed: {item[3]}")
+            if time.monotonic() > end:
+                raise AssertionError(f"waited {timeout} s for {n} {what} on ranks {ranks}: "
+                                     f"{ {r: self.done(r) - start[r] for r in ranks} }")
+            time.sleep(0.01)
+
+    def _drain(self):
+        out = []
+        while True:
+            try:
+                item = self.results.get_nowait()
+            except queue.Empty:
+                return out
+            self.backlog.append(item)
+            out.append(item)
+
+    def close(self):
+        for p in self.procs:
+            if p.is_alive():
+                p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+@pytest.fixture
+def groups():
+    made = []
+
+    def make(ep, runtime_dir, job):
+        g = Group(ep, runtime_dir, job)
+        made.append(g)
+        return g
+
+    yield make
+    for g in made:
+        g.close()
+
+
+def rank_state(daemon, job: str, rank: int) -> str | None:
+    try:
+        return daemon.request("job_info", job=job)["ranks"][rank]["state"]
+    except errors.NoSuchJob:
+        return None
+
+
+def ctl(runtime_dir, *args):
+    return subprocess.run([sys.executable, "-m", "a2ad.tools.ctl", "--runtime-dir", str(runtime_dir), *args],
+                          capture_output=True, text=True, timeout=60, cwd=str(REPO))
+
+
+def metric(text: str, name: str, job: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(f'{name}{{job="{job}"}} '):
+            return float(line.split()[-1])
+    raise AssertionError(f"no {name} for job {job} in the metrics:\n{text}")
+
+
+def check_sequence(records, rank, victim, expect_join: int | None, stop: int):
+    """A survivor's rounds: consecutive, full mask until the switch, then without the victim
+    until the replacement's first round, then full again up to the stop round."""
+    rounds = [r[0] for r in records]
+    assert rounds == list(range(rounds[0], rounds[0] + len(rounds))), f"rank {rank}: rounds not consecutive"
+    assert rounds[-1] == stop - 1, f"rank {rank} stopped after round {rounds[-1]}, expected {stop - 1}"
+    masks = [r[2] for r in records]
+    ep_full = masks[0]
+    switch = next(i for i, m in enumerate(masks) if not m >> victim & 1)
+    assert all(m == ep_full for m in masks[:switch])
+    rejoin = len(masks) if expect_join is None else rounds.index(expect_join)
+    assert all(m == ep_full & ~(1 << victim) for m in masks[switch:rejoin]), \
+        f"rank {rank}: rounds {rounds[switch]}-{rounds[rejoin - 1]} used masks {sorted(set(masks[switch:rejoin]))}"
+    bad = [(r[0], r[2], r[3]) for r in records[rejoin:] if r[2] != ep_full]
+    assert not bad, f"rank {rank}: rounds after the rejoin at {expect_join} without every rank: {bad[:10]}"
+    return switch, rejoin
+
+
+# ----------------------------------------------------------------------------- tests
+def test_kill9_degrades_then_replacement_rejoins_while_serving(daemon_factory, groups):
+    daemon = daemon_factory("--grace", "5")
+    ep, victim, job = 4, 2, "degrade4"
+    grp = groups(ep, daemon.runtime_dir, job)
+    t0 = time.monotonic()
+    for r in range(ep):
+        grp.start(r, seed=100 + r, pace=0.001)
+    att = grp.expect("attached", range(ep))
+    assert all(v == (0, [0, 1, 2, 3]) for _, v in att.values())
+    info = daemon.request("job_info", job=job)
+    assert info["on_peer_loss"] == "degrade" and info["active_ranks"] == [0, 1, 2, 3] and info["degraded_s"] is None
+    survivors = [r for r in range(ep) if r != victim]
+    grp.wait_rounds(range(ep), 40)
+    # kill -9 rank 2 in the middle of its rounds
+    t_kill = _now()
+    grp.kill(victim)
+    victim_rounds = grp.done(victim)
+    wait_for(lambda: all(not grp.shared["mask"][r] >> victim & 1 for r in survivors), 10, "survivors without rank 2")
+    grp.wait_rounds(survivors, 100, what="degraded rounds")
+    # what the daemon and a2ad-ctl show now
+    info = daemon.request("job_info", job=job)
+    assert info["state"] == "degraded" and info["abort"] == "none", info
+    assert info["active_ranks"] == [0, 1, 3] and info["degraded_s"] > 0, info
+    assert info["ranks"][victim]["state"] == "dead"
+    out = ctl(daemon.runtime_dir, "job", job)
+    assert out.returncode == 0, out.stderr
+    print("\n" + out.stdout.strip())
+    assert "policy  degrade" in out.stdout and "active  ranks 0,1,3 of 4" in out.stdout and "degraded for" in out.stdout
+    js = json.loads(ctl(daemon.runtime_dir, "--json", "job", job).stdout)
+    assert js["active_ranks"] == [0, 1, 3] and js["active_mask"] == 0b1011 and js["mask_generation"] == 1
+    text = daemon.request("metrics")["text"]
+    assert metric(text, "a2ad_job_active_ranks", job) == 3
+    assert metric(text, "a2ad_job_active_mask", job) == 0b1011
+    assert metric(text, "a2ad_job_degraded_seconds", job) > 0
+    # a replacement joins as rank 2 while the others serve; 150 rounds after its first one, all stop
+    grp.shared["stop_after"].value = 150
+    t_join = _now()
+    grp.start(victim, seed=900, pace=0.001)
+    (t_att, (gen, active)), = grp.expect("attached", [victim]).values()
+    assert gen == 0 and active == [0, 1, 3]  # no job-wide re-arm; not in the rounds before its first dispatch
+    (t_first, first), = grp.expect("first", [victim]).values()
+    stop = grp.shared["stop"].value
+    assert stop == first + 150
+    recs = {r: v for r, (_, v) in grp.expect("records", range(ep), timeout=60).items()}
+    grp.expect("done", range(ep))
+    # every survivor: full rounds, then rounds without rank 2 from the switch on, full again from
+    # the replacement's first round; the replacement's rounds are all full
+    total = victim_rounds
+    worst_death, worst_join, straddles = 0.0, 0.0, 0
+    for r in survivors:
+        switch, rejoin = check_sequence(recs[r], r, victim, first, stop)
+        times = [x[1] for x in recs[r]]
+        gaps = [(b - a, a, b) for a, b in zip(times, times[1:])]
+        death_gap = max(g for g, a, b in gaps if b >= t_kill and a <= t_kill + 1.0)  # the death and the second after
+        join_gap = max(g for g, a, b in gaps if a >= t_join and b <= t_first + 0.5)
+        worst_death, worst_join = max(worst_death, death_gap), max(worst_join, join_gap)
+        straddles += sum(1 for x in recs[r][switch:switch + 3] if x[3] >> victim & 1)
+        # rounds without rank 2 lost exactly the tokens with an expert there (checked in the rank)
+        assert sum(x[4] for x in recs[r][switch:rejoin]) > 0
+        total += len(recs[r])
+    assert [x[0] for x in recs[victim]] == list(range(first, stop))
+    assert all(x[2] == 0b1111 and x[3] == 0b1111 and x[4] == 0 for x in recs[victim])
+    total += len(recs[victim])
+    degraded_rounds = rejoin - switch
+    print(f"host, 4 ranks, kill -9 of rank {victim} while rounds ran: longest gap between two completed rounds "
+          f"across the death {worst_death * 1e3:.1f} ms, during the replacement's join {worst_join * 1e3:.1f} ms; "
+          f"{degraded_rounds} rounds without rank {victim} (on rank 3), {straddles} straddling round(s) whose dispatch "
+          f"still sent to it; "
+          f"replacement attached {1e3 * (t_att - t_join):.0f} ms after its start, first round {first} "
+          f"{1e3 * (t_first - t_att):.1f} ms after attaching; {total} verified rounds in all; "
+          f"{time.monotonic() - t0:.1f} s")
+    assert worst_death < 2.0, f"the survivors stalled {worst_death:.3f} s across the death"
+    assert worst_join < 2.0, f"the survivors stalled {worst_join:.3f} s during the join"
+    assert total >= 200
+    info = daemon.request("job_info", job=job)
+    assert info["readmits"] == 1 and info["generation"] == 0 and info["rearms"] == 0
+    assert info["active_ranks"] == []  # every rank has left by now
+    text = daemon.request("metrics")["text"]
+    assert "a2ad_readmits_total 1.0" in text
+
+
+def test_straddling_rounds_decided_by_the_combine_view(daemon_factory, groups):
+    """Deterministic straddles: rank 1 stops before its dispatch (the others sent to it and
+    wait in dispatch), is killed; a replacement stops between its dispatch and combine (the
+    others wait in combine), is killed; a second replacement runs to the end."""
+    daemon = daemon_factory("--grace", "5")
+    ep, victim, job = 3, 1, "straddle3"
+    grp = groups(ep, daemon.runtime_dir, job)
+    survivors = [0, 2]
+    grp.start(0, seed=10)
+    grp.start(2, seed=12)
+    grp.start(victim, seed=11, hang=(20, "dispatch"))
+    grp.expect("attached", range(ep))
+    (_, hang_round), = grp.expect("hanging", [victim]).values()
+    time.sleep(0.3)  # the others are in the dispatch of hang_round, waiting for rank 1
+    before = [grp.done(r) for r in survivors]
+    assert before == [20, 20]
+    grp.kill(victim)
+    grp.wait_rounds(survivors, 20)
+    # a replacement that stops between dispatch and combine of its 11th round
+    grp.start(victim, seed=21, hang=(10, "combine"))
+    grp.expect("attached", [victim])
+    (_, first1), = grp.expect("first", [victim]).values()
+    (_, hang_round2), = grp.expect("hanging", [victim]).values()
+    time.sleep(0.3)  # the others wait in the combine of hang_round2 for rank 1's combine flag
+    grp.kill(victim)
+    grp.wait_rounds(survivors, 20)
+    grp.shared["stop_after"].value = 30
+    grp.start(victim, seed=31)
+    (_, first2), = grp.expect("first", [victim]).values()
+    stop = grp.shared["stop"].value
+    recs = {r: v for r, (_, v) in grp.expect("records", [0, 2, victim], timeout=60).items()}
+    grp.expect("done", [0, 2, victim])
+    for r in survivors:
+        by_round = {x[0]: x for x in recs[r]}
+        # 1: sent to rank 1 (its bit was set at dispatch), counted without it
+        x = by_round[hang_round]
+        assert x[3] == 0b111 and x[2] == 0b101, (r, x)
+        # 2: rank 1 had dispatched (the others received its tokens and sent it theirs), never combined
+        x = by_round[hang_round2]
+        assert x[3] == 0b111 and x[2] == 0b101, (r, x)
+        assert all(by_round[i][2] == 0b111 for i in range(first1, hang_round2))
+        assert all(by_round[i][2] == 0b101 for i in range(hang_round, first1))
+        assert all(by_round[i][2] == 0b101 for i in range(hang_round2, first2))
+        assert all(by_round[i][2] == 0b111 for i in range(first2, stop))
+    print(f"\nstraddles: round {hang_round} (rank 1 never dispatched) and round {hang_round2} (rank 1 dispatched, "
+          f"never combined) counted without rank 1 on both survivors; replacements let in at rounds {first1} "
+          f"and {first2}")
+
+
+def test_degraded_job_survives_a_daemon_restart(runtime_dir, groups):
+    """The policy (in the spec, in the state file) and the mask (in the control block, kept
+    with the workspaces) outlive a kill -9 of the daemon: the survivors serve on while no
+    daemon runs, the next daemon shows the same mask, and a replacement joins through it."""
+    d1 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "30").start()
+    d2 = None
+    ep, victim, job = 3, 2, "restart3"
+    grp = groups(ep, runtime_dir, job)
+    try:
+        for r in range(ep):
+            grp.start(r, seed=40 + r, pace=0.001)
+        grp.expect("attached", range(ep))
+        grp.wait_rounds(range(ep), 20)
+        grp.kill(victim)
+        wait_for(lambda: all(not grp.shared["mask"][r] >> victim & 1 for r in (0, 1)), 10, "survivors without rank 2")
+        since = d1.request("job_info", job=job)["degraded_s"]
+        d1.kill9()
+        grp.wait_rounds([0, 1], 50, what="rounds with no daemon")
+        d2 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "30").start()
+        info = d2.request("job_info", job=job)
+        assert info["on_peer_loss"] == "degrade" and info["spec"]["on_peer_loss"] == "degrade"
+        assert info["active_ranks"] == [0, 1] and info["abort"] == "none" and info["state"] == "degraded", info
+        assert info["ranks"][victim]["state"] == "dead" and info["degraded_s"] >= since
+        grp.wait_rounds([0, 1], 20, what="rounds after the restart")
+        grp.shared["stop_after"].value = 40
+        grp.start(victim, seed=50, pace=0.001)
+        (_, first), = grp.expect("first", [victim]).values()
+        stop = grp.shared["stop"].value
+        recs = {r: v for r, (_, v) in grp.expect("records", range(ep), timeout=60).items()}
+        grp.expect("done", range(ep))
+        for r in (0, 1):
+            check_sequence(recs[r], r, victim, first, stop)
+        assert [x[0] for x in recs[victim]] == list(range(first, stop))
+        text = d2.request("metrics")["text"]
+        assert "a2ad_readmits_total 1.0" in text
+        print(f"\ndaemon kill -9 and restart while degraded: mask kept (ranks [0, 1]), replacement let in at "
+              f"round {first} through the new daemon")
+        assert d2.stop() == 0
+    finally:
+        grp.close()
+        d1.kill9()
+        if d2 is not None:
+            d2.kill9()
+        reap_keeper(runtime_dir)
+
+
+def test_a_join_with_another_policy_is_refused(daemon):
+    """on_peer_loss is part of the spec: a join with the other value is refused naming the field
+    and both values, and the rank already waiting in the rendezvous hears it too."""
+    from a2ad.client import attach
+
+    rd = daemon.runtime_dir
+    kw = dict(runtime_dir=rd, max_num_tokens=4, top_k=1, num_experts=2, workspace_size_per_rank=1 << 16, timeout=20)
+
+    def first_rank(job, policy, into):
+        try:
+            attach(job, 0, 2, on_peer_loss=policy, **kw).close()
+            into[job] = "attached"
+        except errors.A2ADError as exc:
+            into[job] = exc
+
+    for job, held, joining in (("policy", "degrade", "raise"), ("policy2", "raise", "degrade")):
+        waiting: dict = {}
+        th = threading.Thread(target=first_rank, args=(job, held, waiting))
+        th.start()
+        try:
+            wait_for(lambda: rank_state(daemon, job, 0) == "joining", 10, "rank 0 waiting")
+            with pytest.raises(errors.SpecMismatch) as ei:
+                attach(job, 1, 2, on_peer_loss=joining, **kw)
+            assert ei.value.details["field"] == "on_peer_loss"
+            assert ei.value.details["job_value"] == held and ei.value.details["requested"] == joining
+            assert f"on_peer_loss differs (job has {held}, join asked for {joining})" in str(ei.value)
+        finally:
+            th.join(30)
+        # the rank already waiting in the rendezvous hears it too
+        assert isinstance(waiting[job], errors.SpecMismatch) and waiting[job].details["field"] == "on_peer_loss"
+    with pytest.raises(errors.InvalidField, match="on_peer_loss"):
+        attach("policy3", 0, 1, on_peer_loss="ignore", **kw)
+
+
+def test_effective_mask_and_admission_fields():
+    """The control-block fields a replacement goes through (no daemon: a private block)."""
+    from a2ad.control import ControlBlock
+
+    cb = ControlBlock(bytearray(L.CONTROL_BLOCK_SIZE))
+    cb.initialize(4, L.POLICY_DEGRADE)
+    assert cb.degrade and cb.active_mask == 0b1111 and cb.mask_generation == 0 and cb.degraded_since_ns == 0
+    assert cb.effective_mask(4, 1) == 0b1111
+    assert cb.set_active_mask(0b1011, 4, 123) and cb.mask_generation == 1 and cb.degraded_since_ns == 123
+    assert not cb.set_active_mask(0b1011, 4, 456) and cb.mask_generation == 1
+    assert cb.set_active_mask(0b1001, 4, 789) and cb.degraded_since_ns == 123  # degraded since the first loss
+    cb.set_admit_round(2, L.ADMIT_JOINED)
+    assert cb.set_active_mask(0b1101, 4, 999)
+    assert cb.effective_mask(4, 50) == 0b1001 and cb.admitted_mask(4) == 0b1001  # joined, not let in yet
+    cb.set_admit_round(2, 51)
+    assert cb.effective_mask(4, 50) == 0b1001 and cb.effective_mask(4, 51) == 0b1101
+    assert cb.admitted_mask(4) == 0b1101
+    assert cb.set_active_mask(0b1111, 4, 1000) and cb.degraded_since_ns == 0
+
+
+def test_on_peer_loss_in_the_spec():
+    """The join schema takes on_peer_loss; a spec without it asks for the default, so a join
+    without it is compared as "raise"."""
+    from a2ad import protocol
+
+    spec = {"max_num_tokens": 4, "top_k": 1, "num_experts": 2, "workspace_size_per_rank": 1 << 16}
+    req = protocol.parse_request(protocol.encode_request(
+        "join", 1, job="j", ep_rank=0, ep_size=2, spec={**spec, "on_peer_loss": "degrade"}, pid=1, device="host"))
+    assert req.fields["spec"]["on_peer_loss"] == "degrade"
+    assert protocol.normalize_spec(spec, 2)["on_peer_loss"] == "raise"
+    assert protocol.normalize_spec({**spec, "on_peer_loss": "degrade"}, 2)["on_peer_loss"] == "degrade"
+    with pytest.raises(errors.InvalidField) as ei:
+        protocol.parse_request(protocol.encode_request(
+            "join", 1, job="j", ep_rank=0, ep_size=2, spec={**spec, "on_peer_loss": "retry"}, pid=1, device="host"))
+    assert ei.value.details["field"] == "spec.on_peer_loss"
