@@ -29,6 +29,10 @@ constexpr int64_t kOverlapMinBytes = int64_t{16} << 20;
 constexpr int64_t kOverlapMinRowBytes = 8192;
 constexpr int kOverlapStageShare = 2;
 constexpr int kStageUnroll = 8;
+// A staging of at most this many bytes copies every slot (rt rows per source) instead of
+// the received rows: it then need not read RECV_COUNTERS first (a cold load on the
+// critical path of a small round); the extra rows are never pulled.
+constexpr int64_t kStageAllSlotsBytes = int64_t{256} << 10;
 
 // Probe of the combine flag target q wrote into this rank's row.
 struct CombineFlags {
@@ -352,9 +356,10 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
     const uint32_t tid = blockIdx.x * blockDim.x + threadIdx.x;
     const uint32_t stride = nthreads / static_cast<uint32_t>(ep);
     const bool skip_self = self_from_payload(p);
+    const bool all_slots = (int64_t)(skip_self ? ep - 1 : ep) * p.rt * row_bytes <= kStageAllSlotsBytes;
     for (int s = 0; s < ep; ++s) {
       if (skip_self && s == me) continue;  // only this rank pulls its own rows: read from the payload
-      int rows = ld_volatile(recv + s);
+      int rows = all_slots ? p.rt : ld_volatile(recv + s);
       rows = rows < 0 ? 0 : rows > p.rt ? p.rt : rows;
       const int64_t off = (int64_t)s * p.rt * row_bytes;
       // rotate the threads per source so that small copies spread over the grid
@@ -387,6 +392,15 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   int* claim = block_counters + layout::SLOT_STATUS_CLAIM;
   int* give_up = block_counters + layout::SLOT_COMBINE_GIVE_UP;
   if (!overlap && !last && first_item >= items) return;
+  // The sends of this warp's first token are local (this rank's own dispatch wrote them):
+  // read them before the wait, not after it.
+  const int lane = threadIdx.x % 32;
+  const uint32_t my_first = first_item + threadIdx.x / 32;
+  int first_t = -1, first_target = -1, first_slot = -1;
+  if (!overlap && my_first < items) {
+    first_t = static_cast<int>(my_first / chunks);
+    token_sends(p, first_t, lane, &first_target, &first_slot);
+  }
   int unused = 0;
   if ((last || !overlap) && !block_wait(CombineFlags{at<int>(my_row, p.aux.combine_completion_flags), round}, ep, round,
                                         p.ctl, layout::PHASE_COMBINE, /*poller=*/last, claim, give_up, &unused)) {
@@ -394,14 +408,13 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   }
 
   // 4. Pull and reduce.
-  const int lane = threadIdx.x % 32;
   if (!overlap) {
     const uint32_t nw = gridDim.x * warps;
 #pragma unroll 1
-    for (uint32_t item = first_item + threadIdx.x / 32; item < items; item += nw) {
+    for (uint32_t item = my_first; item < items; item += nw) {
       const int t = static_cast<int>(item / chunks);
-      int target, slot;
-      token_sends(p, t, lane, &target, &slot);
+      int target = first_target, slot = first_slot;
+      if (t != first_t) token_sends(p, t, lane, &target, &slot);
       pull_item<T, kVec>(p, t, item % chunks, g, lane, target, slot);
     }
     return;
