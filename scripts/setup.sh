@@ -23,6 +23,10 @@ if ! command -v systemd-analyze >/dev/null 2>&1; then
         echo "[a2ad setup] no systemd-analyze (needs root and apt-get to install); the unit-file test will be skipped" >&2
     fi
 fi
-echo "[a2ad setup] installing a2ad (editable) with its test extra and missing dependencies; this may take a minute ..." >&2
-"$PY" -m pip install -q --disable-pip-version-check -e '.[test]'
+# A machine with an NVIDIA driver also gets the cuda extra (NVIDIA's cuda-bindings), which the
+# cuda backend and the client's CUDA mappings need; without it the daemon falls back to host.
+EXTRAS=test
+if command -v nvidia-smi > /dev/null 2>&1; then EXTRAS=test,cuda; fi
+echo "[a2ad setup] installing a2ad (editable) with its $EXTRAS extras and missing dependencies; this may take a minute ..." >&2
+"$PY" -m pip install -q --disable-pip-version-check -e ".[$EXTRAS]"
 echo "[a2ad setup] a2ad $("$PY" -c 'import a2ad; print(a2ad.__version__)') installed; the CUDA extension builds on first GPU use (or now: a2ad build-ext)" >&2

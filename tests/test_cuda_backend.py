@@ -1,7 +1,7 @@
 """The cuda backend and the client's CudaMapping.
 
-CPU tests (always run): the driver wrapper fails cleanly without a driver, struct
-layouts match cuda.h, UUID parsing, the DLPack bridge. GPU tests (``gpu``/``gpu2``
+CPU tests (always run): the driver wrapper fails cleanly without a driver, UUID
+parsing, the DLPack bridge. GPU tests (``gpu``/``gpu2``
 markers, skipped without CUDA): daemon-side allocate/initialize/export, import and
 contiguous mapping, cross-process fd passing over SCM_RIGHTS with the exporter
 exiting first, peer rows on other GPUs, the daemon's context overhead (printed:
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import mmap
 import multiprocessing as mp
 import os
 import shutil
@@ -184,76 +183,6 @@ def test_backend_rejects_bad_device_strings_without_touching_gpus():
         b.check_device("GPU-00000000-0000-0000-0000-000000000000")
     d = b.describe()
     assert d["backend"] == "cuda" and d["handle_type"] == "posix_fd"
-
-
-_LAYOUT_C = r"""
-#include <cuda.h>
-#include <stdio.h>
-#include <stddef.h>
-int main(void) {
-  printf("%zu %zu %zu %zu %zu %zu %zu %zu %zu %zu\n",
-    sizeof(CUmemAllocationProp), offsetof(CUmemAllocationProp, type),
-    offsetof(CUmemAllocationProp, requestedHandleTypes), offsetof(CUmemAllocationProp, location),
-    offsetof(CUmemAllocationProp, win32HandleMetaData), offsetof(CUmemAllocationProp, allocFlags),
-    offsetof(CUmemAllocationProp, allocFlags.compressionType),
-    offsetof(CUmemAllocationProp, allocFlags.gpuDirectRDMACapable),
-    offsetof(CUmemAllocationProp, allocFlags.usage), offsetof(CUmemAllocationProp, allocFlags.reserved));
-  printf("%zu %zu %zu %zu %zu %zu %zu %zu\n", sizeof(CUmemLocation), offsetof(CUmemLocation, id),
-    sizeof(CUmemAccessDesc), offsetof(CUmemAccessDesc, flags), sizeof(CUmemFabricHandle), sizeof(CUuuid),
-    sizeof(CUdeviceptr), sizeof(CUmemGenericAllocationHandle));
-  printf("%d %d %d %d %d %d %d\n", (int)CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, (int)CU_MEM_HANDLE_TYPE_FABRIC,
-    (int)CU_MEM_ALLOCATION_TYPE_PINNED, (int)CU_MEM_LOCATION_TYPE_DEVICE, (int)CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-    (int)CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED, (int)CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED);
-  return 0;
-}
-"""
-
-
-def _cuda_include() -> Path | None:
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if root and (Path(root) / "include" / "cuda.h").exists():
-            return Path(root) / "include"
-    return None
-
-
-@pytest.mark.skipif(_cuda_include() is None or shutil.which("cc") is None, reason="needs cuda.h and a C compiler")
-def test_struct_layouts_match_cuda_h(tmp_path):
-    src = tmp_path / "layout.c"
-    src.write_text(_LAYOUT_C)
-    exe = tmp_path / "layout"
-    subprocess.run(["cc", f"-I{_cuda_include()}", str(src), "-o", str(exe)], check=True, timeout=120)
-    lines = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
-    P = cd.CUmemAllocationProp
-    F = cd._CUmemAllocFlags
-    fo = P.allocFlags.offset
-    ours = [
-        ctypes.sizeof(P), P.type.offset, P.requestedHandleTypes.offset, P.location.offset,
-        P.win32HandleMetaData.offset, fo, fo + F.compressionType.offset, fo + F.gpuDirectRDMACapable.offset,
-        fo + F.usage.offset, fo + F.reserved.offset,
-    ]
-    assert [int(x) for x in lines[0].split()] == ours
-    ours2 = [
-        ctypes.sizeof(cd.CUmemLocation), cd.CUmemLocation.id.offset, ctypes.sizeof(cd.CUmemAccessDesc),
-        cd.CUmemAccessDesc.flags.offset, ctypes.sizeof(cd.CUmemFabricHandle), ctypes.sizeof(cd.CUuuid), 8, 8,
-    ]
-    assert [int(x) for x in lines[1].split()] == ours2
-    consts = [
-        cd.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, cd.CU_MEM_HANDLE_TYPE_FABRIC, cd.CU_MEM_ALLOCATION_TYPE_PINNED,
-        cd.CU_MEM_LOCATION_TYPE_DEVICE, cd.CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        cd.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED, cd.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
-    ]
-    assert [int(x) for x in lines[2].split()] == consts
-
-
-@pytest.mark.skipif(_cuda_include() is None, reason="needs cuda.h")
-def test_versioned_symbols_match_cuda_h():
-    """Every entry point we call by a versioned name is the one cuda.h's #defines pick."""
-    text = (_cuda_include() / "cuda.h").read_text(errors="replace")
-    import re
-
-    defines = dict(re.findall(r"#define\s+(cu\w+)\s+(?:__CUDA_API_PTDS\()?(cu\w+?)\)?\s*$", text, re.M))
-    for name, (symbol, _) in cd._PROTOS.items():
-        assert defines.get(name, name) == symbol, (name, symbol, defines.get(name))
 
 
 def test_dlpack_bridge_is_zero_copy_and_keeps_owner_alive():
