@@ -438,6 +438,40 @@ def test_degraded_job_survives_a_daemon_restart(runtime_dir, groups):
         reap_keeper(runtime_dir)
 
 
+def test_a_rank_that_died_while_no_daemon_ran_is_dropped_not_aborted(runtime_dir, groups):
+    """A degrade job whose rank dies while no daemon runs: the next daemon, adopting the job,
+    finds the rank gone and clears its bit as a live daemon would (no abort word), so the
+    survivors, waiting for it meanwhile, serve on."""
+    d1 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "30").start()
+    d2 = None
+    ep, victim, job = 3, 1, "away3"
+    grp = groups(ep, runtime_dir, job)
+    try:
+        for r in range(ep):
+            grp.start(r, seed=60 + r, pace=0.001)
+        grp.expect("attached", range(ep))
+        grp.wait_rounds(range(ep), 20)
+        d1.kill9()
+        grp.kill(victim)
+        t0 = time.monotonic()
+        d2 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "30").start()
+        info = d2.request("job_info", job=job)
+        assert info["abort"] == "none" and info["active_ranks"] == [0, 2], info
+        assert info["ranks"][victim]["state"] == "dead" and info["state"] == "degraded", info
+        grp.wait_rounds([0, 2], 30, what="rounds after the adopting daemon dropped the rank")
+        print(f"\nrank {victim} died while no daemon ran: the next daemon dropped it from the mask and the "
+              f"survivors served on {time.monotonic() - t0:.2f} s after the death")
+        grp.shared["stop"].value = max(grp.done(0), grp.done(2)) + 10  # rounds are numbered from 1, as done counts
+        grp.expect("done", [0, 2], timeout=60)
+        assert d2.stop() == 0
+    finally:
+        grp.close()
+        d1.kill9()
+        if d2 is not None:
+            d2.kill9()
+        reap_keeper(runtime_dir)
+
+
 def test_a_join_with_another_policy_is_refused(daemon):
     """on_peer_loss is part of the spec: a join with the other value is refused naming the field
     and both values, and the rank already waiting in the rendezvous hears it too."""

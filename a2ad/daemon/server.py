@@ -591,10 +591,10 @@ class Daemon:
                 state = srec["state"]
                 if state == L.RANK_ATTACHED:
                     if not self.registry.watch_pid(job, slot):
-                        state = L.RANK_DEAD
-                        slot.deaths += 1
-                        job.needs_rearm = True
-                        control.set_abort(L.ABORT_PEER_LOST, slot.rank)
+                        # died while no daemon ran: what its job's policy does with a death
+                        # (raise: abort the job; degrade: clear its bit, the others serve on)
+                        self.registry.rank_lost_while_away(job, slot)
+                        continue
                 elif state == L.RANK_JOINING:
                     state = L.RANK_EMPTY  # its join request died with the old daemon
                     slot.lease = None
