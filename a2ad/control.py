@@ -320,6 +320,13 @@ class ControlBlock:
                 rank=rec.peer,
                 generation=self.generation,
             )
+        if rec.code == L.STATUS_NOT_ACTIVE:
+            raise errors.PeerLost(
+                f"job {job} rank {rank}: this rank is no longer one of the job's active ranks (the daemon counted "
+                f"it as gone before round {rec.round}); close this object and attach again",
+                rank=rank,
+                generation=self.generation,
+            )
         if rec.code != L.STATUS_OK:
             raise errors.InternalError(f"rank {rank}: unknown status code {rec.code} in the control block")
 

@@ -126,6 +126,14 @@ SLOT_PULL_WORK = 4
 SLOT_BAD_EXPERT = 6
 #: The round whose dispatch saw a peer pass another runtime_max_tokens_per_rank.
 SLOT_RT_MISMATCH = 8
+#: Degraded mode. Slots 10-11, one u64: the round's view (the effective mask its dispatch
+#: prologue read); slot 12: the round it is for (-1: the prologue gave up, the round does
+#: not run). Slots 14-15, one u64: the ranks whose combine flags the combine's poller saw
+#: (what every pulling block counts); slot 16: the round it is for.
+SLOT_VIEW = 10
+SLOT_VIEW_ROUND = 12
+SLOT_COMBINE_SEEN = 14
+SLOT_COMBINE_SEEN_ROUND = 16
 #: The claim that elects the single writer of this rank's status record.
 SLOT_STATUS_CLAIM = BLOCK_COUNTER_SLOTS - 1
 #: Rows of one combine slice: the unit in which a rank announces that part of its
@@ -476,6 +484,8 @@ RANK_STATE_NAMES = {
 STATUS_OK = 0
 STATUS_TIMEOUT = 1
 STATUS_ABORTED = 2
+#: Degraded mode: the round's view did not hold this rank (the daemon counted it as gone).
+STATUS_NOT_ACTIVE = 3
 
 # Phases a wait can be in.
 PHASE_DISPATCH = 1
@@ -540,6 +550,10 @@ C_HEADER_CONSTANTS = (
     "SLOT_PULL_WORK",
     "SLOT_BAD_EXPERT",
     "SLOT_RT_MISMATCH",
+    "SLOT_VIEW",
+    "SLOT_VIEW_ROUND",
+    "SLOT_COMBINE_SEEN",
+    "SLOT_COMBINE_SEEN_ROUND",
     "SLOT_STATUS_CLAIM",
     "CB_ABORT",
     "CB_STATUS",
@@ -551,6 +565,7 @@ C_HEADER_CONSTANTS = (
     "STATUS_WAITED_NS",
     "STATUS_TIMEOUT",
     "STATUS_ABORTED",
+    "STATUS_NOT_ACTIVE",
     "PHASE_DISPATCH",
     "PHASE_COMBINE",
     "CB_INPUT",
