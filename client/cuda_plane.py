@@ -22,6 +22,10 @@ returns its handle); each call passes tensors, the handle and the per-call numbe
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import struct
+
 import torch
 
 from a2ad import errors, layout as L
@@ -100,6 +104,7 @@ class CudaPlane(Plane):
     """
 
     checks_ids_on_host = False
+    supports_degraded_mode = True
 
     def __init__(self, att, timeout: float, *, sm_budget: int = 0):
         if not isinstance(att.workspace, torch.Tensor) or att.workspace.device.type != "cuda":
@@ -116,6 +121,16 @@ class CudaPlane(Plane):
         self.timeout_ns = max(1, int(self.timeout * 1e9))
         self._sm_budget = int(sm_budget)
         self._diag = 0  # timing build only
+        #: Whether the job keeps serving without a lost rank (spec on_peer_loss="degrade"):
+        #: the kernels then run each round among its view of the active mask (a prologue
+        #: kernel before dispatch), and combine writes the per-token indicator and the
+        #: ranks it counted (docs/PROTOCOL.md, "Degraded mode").
+        self.degrade = att.spec.get("on_peer_loss") == "degrade"
+        self._degraded: torch.Tensor | None = None
+        self._combined = False
+        self._seen_page: mmap.mmap | None = None
+        self._seen_host: int | None = None
+        self._seen_dev = 0
         self.plan: int | None = None
         host = att.control.address()
         with torch.cuda.device(att.workspace.device):
@@ -123,6 +138,12 @@ class CudaPlane(Plane):
             self.control_ptr = int(self._ops.host_register(host, L.CONTROL_BLOCK_SIZE))
         self._registered: int | None = host
         try:
+            if self.degrade:
+                # one host-mapped word: the ranks the last combine counted, read without a sync
+                self._seen_page = mmap.mmap(-1, mmap.PAGESIZE)
+                self._seen_host = ctypes.addressof(ctypes.c_char.from_buffer(self._seen_page))
+                with torch.cuda.device(att.workspace.device):
+                    self._seen_dev = int(self._ops.host_register(self._seen_host, mmap.PAGESIZE))
             self._make_plan()
         except BaseException:
             self.close()
@@ -137,7 +158,7 @@ class CudaPlane(Plane):
             self._ops.free_plan(old)
         self.plan = self._ops.make_plan(
             self.att.workspace, self.ep_rank, self.ep_size, self.top_k, self.num_experts, aux_offsets(self.att.aux),
-            self.control_ptr, self.timeout_ns, self._sm_budget, self._diag,
+            self.control_ptr, self.timeout_ns, self._sm_budget, self._diag, self.degrade, self._seen_dev,
         )
 
     @property
@@ -198,8 +219,29 @@ class CudaPlane(Plane):
         ``payload_in_workspace`` it must be this rank's combine region.
         Returns ``[local_num_tokens, hidden]`` of the payload's dtype.
         """
-        return self._combine_op(payload, self.att.workspace, self.plan, local_num_tokens, rt, pl.combine_offset,
-                                payload_in_workspace)
+        if not self.degrade:
+            return self._combine_op(payload, self.att.workspace, self.plan, local_num_tokens, rt, pl.combine_offset,
+                                    payload_in_workspace)
+        degraded = torch.empty(local_num_tokens, dtype=torch.bool, device=payload.device)
+        out = self._combine_op(payload, self.att.workspace, self.plan, local_num_tokens, rt, pl.combine_offset,
+                               payload_in_workspace, degraded)
+        self._degraded = degraded
+        self._combined = True
+        return out
+
+    def degraded_tokens(self) -> torch.Tensor | None:
+        """``[local_num_tokens]`` bool on the device, of the last combine (degrade jobs): True for
+        a token that lost at least one expert's contribution. Written by the kernel: read it
+        on the stream, or after it ran."""
+        return self._degraded
+
+    def round_mask(self) -> int | None:
+        """The ranks whose contributions the last combine counted (degrade jobs), from
+        host-mapped memory without a sync: the value of the last combine that ran on the
+        stream (read it after synchronizing for the one just queued)."""
+        if not self._combined or self._seen_page is None:
+            return None
+        return struct.unpack_from("<Q", self._seen_page, 0)[0]
 
     # --- failures -----------------------------------------------------------------
     def check(self) -> None:
@@ -238,6 +280,15 @@ class CudaPlane(Plane):
         if self._registered is not None:
             host, self._registered = self._registered, None
             self._ops.host_unregister(host)
+        if self._seen_host is not None:
+            host, self._seen_host = self._seen_host, None
+            self._ops.host_unregister(host)
+        if self._seen_page is not None:
+            page, self._seen_page = self._seen_page, None
+            try:
+                page.close()
+            except BufferError:  # a view of it is still alive somewhere: the GC frees it
+                pass
 
     def __repr__(self) -> str:
         return (

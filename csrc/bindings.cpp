@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <unordered_map>
 #include <mutex>
 #include <stdexcept>
@@ -197,6 +198,7 @@ struct Plan {
   int num_experts;
   int sm_budget;
   int diag;
+  uint64_t* seen_out;  // degraded mode: host-mapped u64 where combine leaves the ranks it counted
   a2ad::AuxOffsets aux;
   a2ad::Control ctl;
 };
@@ -206,7 +208,8 @@ std::unordered_map<int64_t, Plan> g_plans;
 int64_t g_next_plan = 1;
 
 int64_t make_plan(const Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t top_k, int64_t num_experts,
-                  IntArrayRef aux, int64_t control, int64_t timeout_ns, int64_t sm_budget, int64_t diag) {
+                  IntArrayRef aux, int64_t control, int64_t timeout_ns, int64_t sm_budget, int64_t diag,
+                  bool degrade, int64_t seen_out) {
   check_workspace(workspace, ep_rank, ep_size);
   A2AD_CHECK(top_k >= 1 && top_k <= a2ad::kMaxTopK, "a2ad: top_k must be in [1, ", a2ad::kMaxTopK, "], got ", top_k);
   A2AD_CHECK(num_experts >= ep_size && num_experts <= INT32_MAX, "a2ad: num_experts (", num_experts,
@@ -232,6 +235,10 @@ int64_t make_plan(const Tensor& workspace, int64_t ep_rank, int64_t ep_size, int
   A2AD_CHECK(top_k <= p.aux.topk_stride, "a2ad: top_k (", top_k, ") exceeds the routing arrays' width ",
              p.aux.topk_stride);
   p.ctl = make_control(control, ep_rank, timeout_ns);
+  p.ctl.degrade = degrade;
+  A2AD_CHECK(!degrade || (seen_out != 0 && seen_out % 8 == 0),
+             "a2ad: a degrade plan needs seen_out, an 8-aligned device pointer of host-mapped memory");
+  p.seen_out = reinterpret_cast<uint64_t*>(static_cast<uintptr_t>(seen_out));
   std::lock_guard<std::mutex> lock(g_plans_mutex);
   const int64_t id = g_next_plan++;
   g_plans.emplace(id, p);
@@ -346,7 +353,7 @@ void sanitize_cuda(Tensor& recv_ids, const Tensor& workspace, int64_t plan, int6
 }
 
 Tensor combine_cuda(const Tensor& payload, Tensor& workspace, int64_t plan, int64_t local_num_tokens, int64_t rt,
-                    int64_t combine_offset, bool payload_in_workspace) {
+                    int64_t combine_offset, bool payload_in_workspace, const std::optional<Tensor>& degraded) {
   const Plan pl = plan_of(plan, workspace);
   c10::cuda::CUDAGuard guard(workspace.device());
   check_same_device(payload, workspace, "payload");
@@ -393,6 +400,17 @@ Tensor combine_cuda(const Tensor& payload, Tensor& workspace, int64_t plan, int6
   p.top_k = pl.top_k;
   p.rt = static_cast<int>(rt);
   p.combine_offset = combine_offset;
+  if (pl.ctl.degrade) {
+    A2AD_CHECK(degraded.has_value(), "a2ad: a degrade job's combine needs the degraded tensor");
+    const Tensor& d = *degraded;
+    check_same_device(d, workspace, "degraded");
+    A2AD_CHECK((d.scalar_type() == at::kBool || d.scalar_type() == at::kByte) && d.dim() == 1 &&
+                   d.size(0) == local_num_tokens && d.is_contiguous(),
+               "a2ad: degraded must be a contiguous bool/uint8 [local_num_tokens=", local_num_tokens, "], got ",
+               d.scalar_type(), " ", d.sizes());
+    p.degraded = static_cast<uint8_t*>(d.data_ptr());
+    p.seen_out = pl.seen_out;
+  }
   A2AD_CHECK_CUDA(a2ad::launch_combine(p, current_stream(workspace)), "combine launch");
   return out;
 }
@@ -418,7 +436,8 @@ void dispatch_meta(const Tensor&, TensorList, Tensor&, int64_t, int64_t, IntArra
 
 void sanitize_meta(Tensor&, const Tensor&, int64_t, int64_t, int64_t) {}
 
-Tensor combine_meta(const Tensor& payload, Tensor&, int64_t, int64_t local_num_tokens, int64_t, int64_t, bool) {
+Tensor combine_meta(const Tensor& payload, Tensor&, int64_t, int64_t local_num_tokens, int64_t, int64_t, bool,
+                    const std::optional<Tensor>&) {
   A2AD_CHECK(payload.dim() == 3, "a2ad: payload must be [ep_size, rt, hidden], got ", payload.sizes());
   return at::empty({local_num_tokens, payload.size(2)}, payload.options());
 }
@@ -477,14 +496,14 @@ int64_t sm_count(int64_t device) {
 TORCH_LIBRARY(a2ad, m) {
   m.def(
       "make_plan(Tensor workspace, int ep_rank, int ep_size, int top_k, int num_experts, int[] aux, int control, "
-      "int timeout_ns, int sm_budget, int diag) -> int",
+      "int timeout_ns, int sm_budget, int diag, bool degrade=False, int seen_out=0) -> int",
       &make_plan);
   m.def("free_plan(int plan) -> ()", &free_plan);
   m.def("dispatch(Tensor experts, Tensor[] payloads, Tensor(a!) workspace, int plan, int rt, int[] payload_offsets) -> ()");
   m.def("sanitize(Tensor(a!) recv_ids, Tensor workspace, int plan, int rt, int invalid_id) -> ()");
   m.def(
       "combine(Tensor payload, Tensor(a!) workspace, int plan, int local_num_tokens, int rt, int combine_offset, "
-      "bool payload_in_workspace) -> Tensor");
+      "bool payload_in_workspace, Tensor(b!)? degraded=None) -> Tensor");
   m.def("initialize(Tensor(a!) workspace, int rank, int aux_bytes, int flag_offset, int initial_round) -> ()");
   m.def("host_register(int ptr, int size) -> int", &host_register);
   m.def("host_unregister(int ptr) -> ()", &host_unregister);

@@ -137,16 +137,67 @@ __host__ __device__ inline bool self_from_payload(const CombineParams& p) { retu
 
 // Lane k (< top_k) of the warp gets send k of token t: target rank and slot
 // there, -1/-1 for a repeat or an invalid entry.
-__device__ __forceinline__ void token_sends(const CombineParams& p, int t, int lane, int* target, int* slot) {
+// `routed` (optional) gets the target of every (t, k) that is not a repeat, a send or
+// one that degraded mode dropped at dispatch (no slot), else -1.
+__device__ __forceinline__ void token_sends(const CombineParams& p, int t, int lane, int* target, int* slot,
+                                            int* routed = nullptr) {
   uint8_t* my_row = row_of(p.ws, p.ws.ep_rank);
   int tq = -1, sq = -1;
   if (lane < p.top_k) {
     tq = ld_volatile(at<int>(my_row, p.aux.topk_target_ranks) + (int64_t)t * p.aux.topk_stride + lane);
     sq = ld_volatile(at<int>(my_row, p.aux.topk_send_indices) + (int64_t)t * p.aux.topk_stride + lane);
   }
-  const bool valid = tq >= 0 && tq < p.ws.ep_size && sq >= 0 && sq < p.rt;
+  const bool in_range = tq >= 0 && tq < p.ws.ep_size;
+  const bool valid = in_range && sq >= 0 && sq < p.rt;
   *target = valid ? tq : -1;
   *slot = valid ? sq : -1;
+  if (routed != nullptr) *routed = in_range ? tq : -1;
+}
+
+// Degraded mode: only targets in `seen` count; the token's indicator (written once, by
+// the warp of its first chunk) says whether some (t, k) had its target outside it.
+__device__ __forceinline__ void count_seen(const CombineParams& p, int t, uint32_t c, int routed, uint64_t seen,
+                                           int* target, int lane) {
+  const bool lost = routed >= 0 && (seen >> routed & 1) == 0;
+  const bool any_lost = __any_sync(kFullMask, lost);
+  if (*target >= 0 && (seen >> *target & 1) == 0) *target = -1;
+  if (c == 0 && lane == 0) p.degraded[t] = any_lost ? 1 : 0;
+}
+
+// Degraded mode, a pulling block that is not the poller: wait until the poller posted
+// the ranks whose combine flags it saw (what every block counts), or gave up.
+__device__ bool wait_seen(const CombineParams& p, int* block_counters, int round, int* give_up, int* claim,
+                          uint64_t* seen) {
+  __shared__ int s_ok;
+  __shared__ unsigned long long s_seen;
+  if (threadIdx.x == 0) {
+    const int* posted = block_counters + layout::SLOT_COMBINE_SEEN_ROUND;
+    const uint64_t t0 = global_timer_ns();
+    for (;;) {
+      if (ld_acquire_gpu(posted) == round) {
+        s_seen = *reinterpret_cast<volatile unsigned long long*>(block_counters + layout::SLOT_COMBINE_SEEN);
+        s_ok = 1;
+        break;
+      }
+      if (ld_volatile(give_up) == round) {
+        s_ok = 0;
+        break;
+      }
+      const uint64_t waited = global_timer_ns() - t0;
+      if (waited >= 2 * p.ctl.timeout_ns) {  // a backstop: the poller gives up first
+        *reinterpret_cast<volatile int*>(give_up) = round;
+        if (atomicCAS(claim, 0, 1) == 0) {
+          write_status(p.ctl, layout::STATUS_TIMEOUT, p.ws.ep_rank, round, layout::PHASE_COMBINE, waited);
+        }
+        s_ok = 0;
+        break;
+      }
+      __nanosleep(64);
+    }
+  }
+  __syncthreads();
+  *seen = s_seen;
+  return s_ok != 0;
 }
 
 // out[t, chunk c] = sum over the token's sends of the target's combine row, in
@@ -323,6 +374,13 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   const int round = ld_volatile(at<int>(my_row, p.aux.flag_val));
   const int64_t row_bytes = p.hidden * (int64_t)sizeof(T);
   const int* recv = at<int>(my_row, p.aux.recv_counters);
+  // Degraded mode: the round's view (its prologue's); a round that did not run here is
+  // not combined either (the host raises what the prologue recorded).
+  uint64_t view = ~0ull;
+  if (p.ctl.degrade) {
+    if (ld_volatile(block_counters + layout::SLOT_VIEW_ROUND) != round) return;
+    view = *reinterpret_cast<volatile unsigned long long*>(block_counters + layout::SLOT_VIEW);
+  }
   // The dispatch of this round saw a peer pass another rt: the regions do not line up, so
   // nothing is pulled and the output is zeros; the flags still go round so that every rank
   // completes the round (every rank saw the mismatch).
@@ -332,6 +390,12 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
     const int64_t n = (int64_t)p.local_num_tokens * row_bytes;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
       out[i] = 0;
+    }
+    if (p.degraded != nullptr) {
+      for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < p.local_num_tokens;
+           i += (int64_t)gridDim.x * blockDim.x) {
+        p.degraded[i] = 0;
+      }
     }
   }
   const bool overlap = p.overlap_stage_blocks > 0;  // the launcher decides (enough rows to stage)
@@ -373,7 +437,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   if (last) {
     const int q = threadIdx.x;
     if (q < ep) {
-      st_release_sys(at<int>(row_of(p.ws, q), p.aux.combine_completion_flags + 4 * (int64_t)me), round);
+      if (view >> q & 1) st_release_sys(at<int>(row_of(p.ws, q), p.aux.combine_completion_flags + 4 * (int64_t)me), round);
       // The next dispatch counts from zero (it cannot zero them itself before its atomics).
       at<int>(my_row, p.aux.send_counters)[q] = 0;
     }
@@ -396,14 +460,32 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   // read them before the wait, not after it.
   const int lane = threadIdx.x % 32;
   const uint32_t my_first = first_item + threadIdx.x / 32;
-  int first_t = -1, first_target = -1, first_slot = -1;
+  int first_t = -1, first_target = -1, first_slot = -1, first_routed = -1;
   if (!overlap && my_first < items) {
     first_t = static_cast<int>(my_first / chunks);
-    token_sends(p, first_t, lane, &first_target, &first_slot);
+    token_sends(p, first_t, lane, &first_target, &first_slot, &first_routed);
   }
   int unused = 0;
-  if ((last || !overlap) && !block_wait(CombineFlags{at<int>(my_row, p.aux.combine_completion_flags), round}, ep, round,
-                                        p.ctl, layout::PHASE_COMBINE, /*poller=*/last, claim, give_up, &unused)) {
+  uint64_t seen = ~0ull;
+  if (!p.ctl.degrade) {
+    if ((last || !overlap) && !block_wait(CombineFlags{at<int>(my_row, p.aux.combine_completion_flags), round}, ep,
+                                          round, p.ctl, layout::PHASE_COMBINE, /*poller=*/last, claim, give_up,
+                                          &unused)) {
+      return;
+    }
+  } else if (last) {
+    // Degraded mode (never overlapped): the poller alone waits, letting go of a peer whose
+    // bit is cleared, and posts whose flags it saw; every block counts exactly those.
+    if (!block_wait(CombineFlags{at<int>(my_row, p.aux.combine_completion_flags), round}, ep, round, p.ctl,
+                    layout::PHASE_COMBINE, /*poller=*/true, claim, give_up, &unused, view, &seen)) {
+      return;
+    }
+    if (threadIdx.x == 0) {
+      *reinterpret_cast<volatile unsigned long long*>(block_counters + layout::SLOT_COMBINE_SEEN) = seen;
+      st_release_gpu(block_counters + layout::SLOT_COMBINE_SEEN_ROUND, round);
+      if (p.seen_out != nullptr) *reinterpret_cast<volatile uint64_t*>(p.seen_out) = seen;
+    }
+  } else if (!wait_seen(p, block_counters, round, give_up, claim, &seen)) {
     return;
   }
 
@@ -413,9 +495,11 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
 #pragma unroll 1
     for (uint32_t item = my_first; item < items; item += nw) {
       const int t = static_cast<int>(item / chunks);
-      int target = first_target, slot = first_slot;
-      if (t != first_t) token_sends(p, t, lane, &target, &slot);
-      pull_item<T, kVec>(p, t, item % chunks, g, lane, target, slot);
+      const uint32_t c = item % chunks;
+      int target = first_target, slot = first_slot, routed = first_routed;
+      if (t != first_t) token_sends(p, t, lane, &target, &slot, &routed);
+      if (p.ctl.degrade) count_seen(p, t, c, routed, seen, &target, lane);
+      pull_item<T, kVec>(p, t, c, g, lane, target, slot);
     }
     return;
   }
@@ -471,7 +555,9 @@ cudaError_t launch_typed(const CombineParams& p, cudaStream_t stream) {
   const int grid = launch::clamp_grid(pull_blocks > stage_blocks ? pull_blocks : stage_blocks, resident);
   CombineParams q = p;
   q.overlap_stage_blocks = 0;
-  if (!p.payload_in_workspace && p.ws.ep_size > 1 && stage_bytes >= kOverlapMinBytes &&
+  // (not in degraded mode: there every block counts the targets the poller saw, so no
+  // block may pull a target's slices before its whole-region flag)
+  if (!p.ctl.degrade && !p.payload_in_workspace && p.ws.ep_size > 1 && stage_bytes >= kOverlapMinBytes &&
       row_bytes >= kOverlapMinRowBytes) {
     q.overlap_stage_blocks = grid / kOverlapStageShare < 1 ? 1 : grid / kOverlapStageShare;
   }
@@ -487,7 +573,8 @@ cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream) {
   }
   if (p.top_k < 1 || p.top_k > kMaxTopK || p.top_k > p.aux.topk_stride || p.hidden < 1 || p.rt < 1 ||
       p.local_num_tokens < 0 || p.local_num_tokens > p.rt || (p.local_num_tokens > 0 && p.out == nullptr) ||
-      (!p.payload_in_workspace && p.payload == nullptr)) {
+      (!p.payload_in_workspace && p.payload == nullptr) ||
+      (p.ctl.degrade && p.local_num_tokens > 0 && p.degraded == nullptr)) {
     return cudaErrorInvalidValue;
   }
   const int elem = p.dtype == DType::kFloat32 ? 4 : 2;

@@ -163,18 +163,26 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
   int* topk_target = at<int>(my_row, p.aux.topk_target_ranks);
   int* topk_send = at<int>(my_row, p.aux.topk_send_indices);
   int* slot_tokens = at<int>(my_row, p.aux.slot_tokens);
-  // R: only combine changes it, and the previous combine finished before this launch.
+  // R: only combine changes it, and the previous combine finished before this launch
+  // (in degraded mode the prologue may have set it: a replacement's first round).
   const int round = ld_volatile(at<int>(my_row, p.aux.flag_val));
+  // Degraded mode: the ranks of this round, as the prologue read them; a round whose
+  // prologue gave up (or found this rank gone) does not run here.
+  uint64_t view = ~0ull;
+  if (p.ctl.degrade) {
+    if (ld_volatile(block_counters + layout::SLOT_VIEW_ROUND) != round) return;
+    view = *reinterpret_cast<volatile unsigned long long*>(block_counters + layout::SLOT_VIEW);
+  }
   // A one-block launch numbers its sends in shared memory (no global atomics).
   const bool one_block = gridDim.x == 1;
   if (blockIdx.x == 0) {
     const int q = threadIdx.x;
-    if (q < ep) {
+    if (q < ep && (view >> q & 1)) {
       // Every peer checks this rank's rt against its own; the fence (or release) before
       // the ready word covers this store.
       *reinterpret_cast<volatile int*>(row_of(p.ws, q) + p.aux.recv_rts + 4 * (int64_t)me) = p.rt;
-      if (one_block) s_count[q] = 0;
     }
+    if (one_block && q < ep) s_count[q] = 0;
     if (threadIdx.x == 0) {
       *at<int>(my_row, p.aux.local_token_counter) = p.local_num_tokens;
       block_counters[layout::SLOT_PULL_WORK] = 0;  // the next combine's item counter (the previous combine is over)
@@ -215,12 +223,15 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
         }
       }
       const unsigned same = __match_any_sync(kFullMask, target);
-      const bool is_send = target >= 0 && __ffs(same) - 1 == lane;
+      // The first (t, k) of each target; in degraded mode one whose target is not in the
+      // round's view is dropped: TOPK_TARGET_RANKS keeps the target, no slot, nothing sent.
+      const bool first_k = target >= 0 && __ffs(same) - 1 == lane;
+      const bool is_send = first_k && (view >> target & 1);
       int slot = -1;
       if (is_send) slot = one_block ? atomicAdd(s_count + target, 1) : atomicAdd(send_counters + target, 1);
       if (is_send && slot < p.rt) slot_tokens[(int64_t)target * p.aux.max_num_tokens + slot] = t;
       if (lane < p.top_k) {
-        topk_target[(int64_t)t * p.aux.topk_stride + lane] = is_send ? target : -1;
+        topk_target[(int64_t)t * p.aux.topk_stride + lane] = first_k ? target : -1;
         topk_send[(int64_t)t * p.aux.topk_stride + lane] = is_send ? slot : -1;
       }
       tr.target[warp][lane] = target;
@@ -253,7 +264,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
   // Last block: every send is numbered and every payload store of the grid is visible.
   // One release store per peer carries the count and the round.
   const int q = threadIdx.x;
-  if (q < ep) {
+  if (q < ep && (view >> q & 1)) {
     int count;
     if (one_block) {
       count = s_count[q];        // this block numbered every send (arrive_last synchronized the block)
@@ -262,14 +273,17 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
       count = ld_volatile(send_counters + q);
     }
     st_release_sys_u64(at<uint64_t>(row_of(p.ws, q), p.aux.dispatch_ready + 8 * (int64_t)me), ready_word(count, round));
+  } else if (one_block && q < ep) {
+    send_counters[q] = 0;  // a rank outside the view: nothing was numbered for it
   }
   if (diag(p, kDiagNoWait)) return;
   const unsigned long long bad_inv = threadIdx.x == 0 ? take_bad_expert(block_counters) : 0;
   // Only this block waits, so it is the poller (no other block needs telling).
   int count = 0;
+  uint64_t seen = ~0ull;  // degraded mode: the sources whose ready word came
   if (!block_wait(ReadyWords{at<uint64_t>(my_row, p.aux.dispatch_ready), round}, ep, round, p.ctl,
                   layout::PHASE_DISPATCH, /*poller=*/true, block_counters + layout::SLOT_STATUS_CLAIM,
-                  block_counters + layout::SLOT_DISPATCH_GIVE_UP, &count)) {
+                  block_counters + layout::SLOT_DISPATCH_GIVE_UP, &count, view, &seen)) {
     return;
   }
   // Thread q now holds what peer q sent here; the protocol's per-source fields get it.
@@ -277,10 +291,14 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
   if (threadIdx.x == 0) s_peer = kMaxEpSize;
   __syncthreads();
   if (q < ep) {
-    at<int>(my_row, p.aux.recv_counters)[q] = count;
-    at<int>(my_row, p.aux.dispatch_completion_flags)[q] = round;
-    const int r = ld_volatile(at<int>(my_row, p.aux.recv_rts) + q);  // written before q's ready word
-    if (r != p.rt) atomicMin(&s_peer, q);
+    if (seen >> q & 1) {
+      at<int>(my_row, p.aux.recv_counters)[q] = count;
+      at<int>(my_row, p.aux.dispatch_completion_flags)[q] = round;
+      const int r = ld_volatile(at<int>(my_row, p.aux.recv_rts) + q);  // written before q's ready word
+      if (r != p.rt) atomicMin(&s_peer, q);
+    } else {
+      at<int>(my_row, p.aux.recv_counters)[q] = 0;  // degraded mode: nothing came from q
+    }
   }
   __syncthreads();
   // What was wrong with the input, without stopping the round: a peer that passed another
@@ -295,6 +313,141 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
       write_input(p.ctl, layout::INPUT_BAD_EXPERT, static_cast<int>(key >> 32),
                   static_cast<int>(static_cast<uint32_t>(key)), round);
     }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Degraded mode: the round's prologue (one block of kPrologueThreads, before dispatch)
+// ---------------------------------------------------------------------------
+constexpr int kPrologueThreads = 64;  // one thread per rank (kMaxEpSize)
+static_assert(kPrologueThreads >= kMaxEpSize, "a prologue thread per rank");
+
+__device__ __forceinline__ volatile int* admit_round(const Control& c, int q) {
+  return reinterpret_cast<volatile int*>(c.block + layout::CB_ADMIT_ROUND + 4 * (int64_t)q);
+}
+
+// The ranks of `round` (the effective mask): bit q set in CB_ACTIVE_MASK and
+// 0 <= CB_ADMIT_ROUND[q] <= round. The mask is read first (once, by thread 0), then the
+// admit rounds, one thread per rank; the daemon writes a replacement's admit round
+// before its bit. *active gets the mask read. Every thread of the block must call it.
+__device__ uint64_t effective_mask(const Control& c, int ep, int round, uint64_t* active) {
+  __shared__ unsigned long long s_active, s_eff;
+  if (threadIdx.x == 0) {
+    s_active = ld_acquire_sys_u64(reinterpret_cast<const uint64_t*>(c.block + layout::CB_ACTIVE_MASK));
+    s_eff = 0;
+  }
+  __syncthreads();
+  const int q = threadIdx.x;
+  if (q < ep && (s_active >> q & 1)) {
+    const int a = *admit_round(c, q);
+    if (a >= 0 && a <= round) atomicOr(&s_eff, 1ull << q);
+  }
+  __syncthreads();
+  *active = s_active;
+  return s_eff;
+}
+
+__device__ __forceinline__ int lowest(uint64_t m) { return m ? __ffsll(static_cast<long long>(m)) - 1 : -1; }
+
+// Before the round: a replacement's first dispatch asks to be let in and waits for the
+// round the lowest active rank picks (E), then for every other rank of E to have
+// finished the round before (FLAG_VAL >= E), and starts at E. Then the round's view
+// M(R) is read once; a rank outside it writes STATUS_NOT_ACTIVE and does not run the
+// round; the lowest rank of the view lets in, from R + 1, the replacements that asked.
+// The view and its round go to SLOT_VIEW / SLOT_VIEW_ROUND (-1: the round does not run)
+// for the dispatch and combine kernels. Every wait is bounded and ends on the abort word.
+__global__ void __launch_bounds__(kPrologueThreads) prologue_kernel(const DispatchParams p) {
+  const int me = p.ws.ep_rank, ep = p.ws.ep_size;
+  const Control& c = p.ctl;
+  uint8_t* my_row = row_of(p.ws, me);
+  int* flag_val = at<int>(my_row, p.aux.flag_val);
+  int* block_counters = at<int>(my_row, p.aux.block_counters);
+  __shared__ int s_round, s_admit, s_fail;
+  __shared__ unsigned long long s_lagging;
+  uint64_t active = 0;
+  if (threadIdx.x == 0) {
+    s_round = ld_volatile(flag_val);
+    s_admit = *admit_round(c, me);
+    s_fail = 0;
+  }
+  __syncthreads();
+  if (s_admit < 0 || s_admit > s_round) {  // a replacement's first round (block-uniform)
+    if (threadIdx.x == 0 && s_admit == layout::ADMIT_JOINED) {
+      *admit_round(c, me) = layout::ADMIT_READY;
+      __threadfence_system();
+    }
+    const uint64_t t0 = global_timer_ns();
+    for (uint32_t it = 0;; ++it) {
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        s_admit = *admit_round(c, me);
+        s_lagging = 0;
+      }
+      __syncthreads();
+      const int admit = s_admit;
+      int peer;
+      if (admit >= 0) {
+        const uint64_t eff = effective_mask(c, ep, admit, &active);
+        const int q = threadIdx.x;
+        if (q < ep && q != me && (eff >> q & 1) && ld_acquire_sys(at<int>(row_of(p.ws, q), p.aux.flag_val)) < admit) {
+          atomicOr(&s_lagging, 1ull << q);
+        }
+        __syncthreads();
+        if (s_lagging == 0) {
+          if (threadIdx.x == 0) {
+            *reinterpret_cast<volatile int*>(flag_val) = admit;
+            s_round = admit;
+          }
+          break;
+        }
+        peer = lowest(s_lagging);
+      } else {
+        uint64_t m = 0;
+        if (threadIdx.x == 0) m = ld_acquire_sys_u64(reinterpret_cast<const uint64_t*>(c.block + layout::CB_ACTIVE_MASK));
+        peer = lowest(m & ~(1ull << me));  // a guess at whom it waits for: some active rank
+      }
+      if (threadIdx.x == 0) {
+        const uint64_t waited = global_timer_ns() - t0;
+        const bool aborted = ld_relaxed_sys_u32(reinterpret_cast<const uint32_t*>(c.block + layout::CB_ABORT)) != 0;
+        if (aborted || waited >= c.timeout_ns) {
+          if (atomicCAS(block_counters + layout::SLOT_STATUS_CLAIM, 0, 1) == 0) {
+            write_status(c, aborted ? layout::STATUS_ABORTED : layout::STATUS_TIMEOUT, peer < 0 ? me : peer,
+                         max(admit, s_round), layout::PHASE_DISPATCH, waited);
+          }
+          s_fail = 1;
+        }
+      }
+      __syncthreads();
+      if (s_fail) break;
+      __nanosleep(1000);
+    }
+  }
+  __syncthreads();
+  if (s_fail) {
+    if (threadIdx.x == 0) block_counters[layout::SLOT_VIEW_ROUND] = -1;
+    return;
+  }
+  const int round = s_round;
+  const uint64_t eff = effective_mask(c, ep, round, &active);
+  if (threadIdx.x == 0) {
+    if ((eff >> me & 1) == 0) {
+      if (atomicCAS(block_counters + layout::SLOT_STATUS_CLAIM, 0, 1) == 0) {
+        write_status(c, layout::STATUS_NOT_ACTIVE, me, round, layout::PHASE_DISPATCH, 0);
+      }
+      block_counters[layout::SLOT_VIEW_ROUND] = -1;
+      return;
+    }
+    if (lowest(eff) == me) {
+      // Let in from R + 1 the replacements that asked. Nobody can have started R + 1: it
+      // needs this rank's combine flag of R, written after these stores are visible.
+      for (uint64_t m = active & ~eff; m != 0; m &= m - 1) {
+        const int q = lowest(m);
+        if (q < ep && *admit_round(c, q) == layout::ADMIT_READY) *admit_round(c, q) = round + 1;
+      }
+      __threadfence_system();
+    }
+    *reinterpret_cast<volatile unsigned long long*>(block_counters + layout::SLOT_VIEW) = eff;
+    block_counters[layout::SLOT_VIEW_ROUND] = round;
   }
 }
 
@@ -321,6 +474,11 @@ cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
   const int64_t tile = launch::ceil_div(p.local_num_tokens, resident);
   q.tile_tokens = static_cast<int>(tile < 1 ? 1 : tile > kTileMax ? kTileMax : tile);
   const int grid = launch::clamp_grid(launch::ceil_div(p.local_num_tokens, q.tile_tokens), resident);
+  if (p.ctl.degrade) {
+    prologue_kernel<<<1, kPrologueThreads, 0, stream>>>(q);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
   dispatch_kernel<<<grid, kThreads, 0, stream>>>(q);
   return cudaGetLastError();
 }

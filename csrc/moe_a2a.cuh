@@ -69,6 +69,7 @@ struct Control {
   uint8_t* block;             // device pointer of the registered control block
   int ep_rank;                // whose status and input records these kernels write
   uint64_t timeout_ns;        // every spin wait gives up after this long
+  bool degrade;               // the job's policy is POLICY_DEGRADE (docs/PROTOCOL.md, "Degraded mode")
 };
 
 // How many SMs a launch may assume are its own (0: the whole device). Kernels
@@ -126,6 +127,11 @@ struct CombineParams {
   int rt;
   int64_t combine_offset;     // row-relative start of region [ep_size, rt, hidden]
   int overlap_stage_blocks;   // set by launch_combine: > 0 stages slice by slice with this many blocks
+  // Degraded mode only (ctl.degrade): per token, 1 when it lost at least one expert's
+  // contribution ([local_num_tokens], device); the ranks the combine counted (host-mapped
+  // u64, written at the end of the round). Both may be null otherwise.
+  uint8_t* degraded;
+  uint64_t* seen_out;
 };
 
 struct InitializeParams {
@@ -136,7 +142,8 @@ struct InitializeParams {
 };
 
 // All launches return the launch error (cudaSuccess when queued); none of them
-// synchronizes the stream.
+// synchronizes the stream. In degraded mode launch_dispatch queues a one-block prologue
+// (admission and the round's view) before the dispatch kernel.
 cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream);
 cudaError_t launch_sanitize(const SanitizeParams& p, cudaStream_t stream);
 cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream);

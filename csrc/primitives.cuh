@@ -18,7 +18,9 @@ constexpr int kCopyUnroll = 4;
 // once every this many polls, the first time after that many.
 constexpr uint32_t kAbortPollEvery = 64;
 
-enum WaitResult : int { kWaitOk = 0, kWaitTimeout = 1, kWaitAborted = 2, kWaitStopped = 3 };
+// kWaitLeft (degraded mode): the peer's bit was cleared from the active mask; it is no
+// longer waited for, and that is not a failure.
+enum WaitResult : int { kWaitOk = 0, kWaitTimeout = 1, kWaitAborted = 2, kWaitStopped = 3, kWaitLeft = 4 };
 
 // ---------------------------------------------------------------------------
 // Memory model
@@ -41,6 +43,12 @@ __device__ __forceinline__ uint64_t ld_acquire_sys_u64(const uint64_t* p) {
   return v;
 }
 
+__device__ __forceinline__ uint64_t ld_relaxed_sys_u64(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ uint32_t ld_relaxed_sys_u32(const uint32_t* p) {
   uint32_t v;
   asm volatile("ld.relaxed.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -53,6 +61,16 @@ __device__ __forceinline__ void st_release_sys(int* p, int v) {
 
 __device__ __forceinline__ void st_release_sys_u64(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_gpu(int* p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
@@ -132,6 +150,11 @@ struct ReadyProbe {
   }
 };
 
+// The job's active mask (degraded mode; host memory).
+__device__ __forceinline__ uint64_t active_mask(const Control& c) {
+  return ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(c.block + layout::CB_ACTIVE_MASK));
+}
+
 // Spin until the probe is ready (acquire), the deadline passes, or the wait is
 // called off. The launch's *poller* block reads the job's abort word (host memory,
 // first after kAbortPollEvery polls, then every kAbortPollEvery) and gives up after
@@ -140,10 +163,12 @@ struct ReadyProbe {
 // backstop only: they started waiting before the poller did (it is the last block
 // to arrive), and a flag the poller saw can no longer change before this launch
 // ends, so they cannot miss what the poller saw. Any thread also stops once another
-// thread of its block gave up (*stop).
+// thread of its block gave up (*stop). With watch >= 0 (degraded mode, the poller) the
+// abort-word polls also read the active mask and the wait ends with kWaitLeft once bit
+// `watch` is cleared.
 template <typename Probe>
-__device__ int spin_wait(const Probe& probe, int round, const Control& c, bool poller, const int* give_up,
-                         const volatile int* stop, uint64_t* waited, int* value) {
+__device__ __forceinline__ int spin_wait(const Probe& probe, int round, const Control& c, bool poller, const int* give_up,
+                         const volatile int* stop, uint64_t* waited, int* value, int watch = -1) {
   const uint32_t* abort_word = reinterpret_cast<const uint32_t*>(c.block + layout::CB_ABORT);
   const uint64_t limit = poller ? c.timeout_ns : 2 * c.timeout_ns;
   const uint64_t t0 = global_timer_ns();
@@ -152,7 +177,10 @@ __device__ int spin_wait(const Probe& probe, int round, const Control& c, bool p
     const uint64_t now = global_timer_ns();
     *waited = now - t0;
     if (poller) {
-      if (it % kAbortPollEvery == kAbortPollEvery - 1 && ld_relaxed_sys_u32(abort_word) != 0) return kWaitAborted;
+      if (it % kAbortPollEvery == kAbortPollEvery - 1) {
+        if (ld_relaxed_sys_u32(abort_word) != 0) return kWaitAborted;
+        if (watch >= 0 && (active_mask(c) >> watch & 1) == 0) return kWaitLeft;
+      }
     } else {
       if (ld_volatile(give_up) == round) return kWaitStopped;
       __nanosleep(64);  // many blocks may wait: keep their polls off the flags' L2 lines
@@ -175,25 +203,35 @@ __device__ inline void give_up_wait(const Control& c, int result, int peer, int 
 }
 
 // Threads [0, ep_size) of the block each wait for peer q's probe (probe_of(q)).
-// Returns true (in every thread) when every peer was ready; `value` gets what the
-// probe read (the count of a ready word).
+// Returns true (in every thread) when the wait completed; `value` gets what the probe
+// read (the count of a ready word). Degraded mode (`view` != ~0, the poller only): only
+// the peers of the view are waited for, a peer whose bit is cleared meanwhile is let go,
+// and *seen gets (in every thread) the peers whose probe was ready (otherwise: all ones).
 template <typename ProbeOf>
-__device__ bool block_wait(ProbeOf probe_of, int ep_size, int round, const Control& c, uint32_t phase, bool poller,
-                           int* claim, int* give_up, int* value) {
+__device__ __forceinline__ bool block_wait(ProbeOf probe_of, int ep_size, int round, const Control& c, uint32_t phase, bool poller,
+                           int* claim, int* give_up, int* value, uint64_t view = ~0ull, uint64_t* seen = nullptr) {
   __shared__ int s_stop;
+  __shared__ unsigned long long s_seen;
   volatile int* stop = &s_stop;
-  if (threadIdx.x == 0) *stop = 0;
+  if (threadIdx.x == 0) {
+    *stop = 0;
+    s_seen = 0;
+  }
   __syncthreads();
   const int q = threadIdx.x;
-  if (q < ep_size) {
+  const bool degrade = view != ~0ull;
+  if (q < ep_size && (view >> q & 1)) {
     uint64_t waited = 0;
-    const int r = spin_wait(probe_of(q), round, c, poller, give_up, stop, &waited, value);
-    if (r != kWaitOk) {
+    const int r = spin_wait(probe_of(q), round, c, poller, give_up, stop, &waited, value, degrade ? q : -1);
+    if (r == kWaitOk) {
+      if (degrade) atomicOr(&s_seen, 1ull << q);
+    } else if (r != kWaitLeft) {
       *stop = 1;
       if (r != kWaitStopped) give_up_wait(c, r, q, round, phase, waited, claim, give_up);
     }
   }
   __syncthreads();
+  if (seen != nullptr) *seen = degrade ? s_seen : ~0ull;
   return *stop == 0;
 }
 

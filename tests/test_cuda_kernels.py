@@ -41,10 +41,12 @@ def _ops():
 class Job:
     """``ep_size`` ranks of one job on one GPU, each with its stream and CudaPlane."""
 
-    def __init__(self, ep_size, max_tokens, top_k, num_experts, dispatch_bytes, combine_bytes, timeout=20.0):
+    def __init__(self, ep_size, max_tokens, top_k, num_experts, dispatch_bytes, combine_bytes, timeout=20.0,
+                 on_peer_loss="raise"):
         from a2ad.client.cuda_plane import CudaPlane, initialize_row, sm_count
 
         self.ep_size, self.max_tokens, self.top_k, self.num_experts = ep_size, max_tokens, top_k, num_experts
+        self.on_peer_loss = on_peer_loss
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.aux = L.aux_layout(ep_size, max_tokens)
         self.size = L.workspace_size_per_rank(ep_size, max_tokens, dispatch_bytes, combine_bytes)
@@ -54,7 +56,7 @@ class Job:
         self.ws = self._buf.as_strided((ep_size, self.size), (self.row_stride, 1))
         self._mm = mmap.mmap(-1, L.CONTROL_BLOCK_SIZE)
         self.control = ControlBlock(self._mm, owner=self._mm)
-        self.control.initialize(ep_size)
+        self.control.initialize(ep_size, L.POLICY_CODES[on_peer_loss])
         self._host = self.control.address()
         self.control_ptr = _ops().host_register(self._host, L.CONTROL_BLOCK_SIZE)
         self.streams = [torch.cuda.Stream() for _ in range(ep_size)]
@@ -69,7 +71,8 @@ class Job:
             job="test",
             ep_rank=rank,
             ep_size=self.ep_size,
-            spec={"max_num_tokens": self.max_tokens, "top_k": self.top_k, "num_experts": self.num_experts},
+            spec={"max_num_tokens": self.max_tokens, "top_k": self.top_k, "num_experts": self.num_experts,
+                  "on_peer_loss": self.on_peer_loss},
             backend="cuda",
             device=self.device,
             workspace=self.ws,

@@ -134,9 +134,10 @@ class Group:
         self.by_rank: dict = {}
         self.backlog: list = []
 
-    def start(self, rank, seed, **kw):
-        p = self.ctx.Process(target=serve, args=(rank, self.ep, self.runtime_dir, self.job, self.shared, self.results,
-                                                 seed), kwargs=kw, daemon=True)
+    def start(self, rank, seed, target=None, **kw):
+        """Start rank ``rank``'s process running ``target`` (default :func:`serve`)."""
+        p = self.ctx.Process(target=target or serve, args=(rank, self.ep, self.runtime_dir, self.job, self.shared,
+                                                           self.results, seed), kwargs=kw, daemon=True)
         p.start()
         self.procs.append(p)
         self.by_rank[rank] = p
