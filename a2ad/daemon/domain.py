@@ -1,0 +1,648 @@
+"""A domain of a2ad daemons: the nodes of one multi-node NVLink domain, each running its own
+daemon, that know each other from one small config file and talk over ZeroMQ TCP with CURVE.
+
+What lives here (and nothing about jobs: that is federation.py):
+
+- the config file (TOML, read with ``tomllib``): the domain's name and shared key, the
+  heartbeat settings, and the nodes with their addresses (docs/DOMAIN.md has the format);
+- the keys: every node's CURVE keypair is derived from the shared key, the domain's name and
+  the node's name (a keyed BLAKE2b gives the secret key, ``zmq.curve_public`` the public one),
+  so every node knows every peer's public key and no key is ever exchanged;
+- the link sockets: one ROUTER per daemon that its peers connect to (CURVE server), one
+  DEALER per peer (CURVE client, which also authenticates the peer it reaches); messages
+  only flow DEALER -> ROUTER, so "who sent this" is the node name that the ZAP handler
+  attached to the connection, never a claim inside the message;
+- the ZAP handler: an inproc ROUTER on ``zeromq.zap.01`` in the domain's own ZeroMQ context,
+  served from the daemon's poll loop like every other socket (no thread: the handshake of a
+  connection simply waits for the loop's next turn). It accepts exactly the public keys of
+  the configured nodes other than this one; anything else is refused and logged;
+- heartbeats, and the state of every peer: ``connecting`` (never heard since this daemon
+  started), ``up``, ``down`` (silent for ``heartbeat_interval * heartbeat_misses``);
+- the message bus: msgpack maps with an envelope, size-capped by the socket, decoded with
+  limits; a message that does not decode or does not fit the envelope is dropped, counted
+  and logged (rate-limited) and never reaches the federation.
+
+Every socket is non-blocking and polled by the daemon's loop (:meth:`Domain.sockets`,
+:meth:`Domain.service`, :meth:`Domain.tick`, :meth:`Domain.next_deadline`). The federation
+registers itself as the handler: ``on_message(node, msg)``, ``on_peer_up(node, restarted)``,
+``on_peer_lost(node, why)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import secrets
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgpack
+import zmq
+
+from a2ad import errors
+
+log = logging.getLogger("a2ad")
+
+#: Version of the daemon-to-daemon messages (``v`` of every envelope).
+DOMAIN_PROTOCOL = 1
+#: Largest domain message a daemon accepts (the socket drops larger ones before the loop sees them).
+MAX_MESSAGE = 1 << 20
+#: Node and domain names: what a config file may use.
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+ADDRESS_RE = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+|\*):([0-9]{1,5})")
+MAX_NODES = 256
+#: Fewest bytes a shared key must have.
+MIN_KEY_BYTES = 32
+DEFAULT_HEARTBEAT_INTERVAL = 1.0
+DEFAULT_HEARTBEAT_MISSES = 5
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+#: Messages handled per loop turn and socket before the loop looks at its other sockets.
+BATCH = 256
+#: Outgoing messages queued per peer link while its connection stands.
+LINK_HWM = 4096
+PEER_CONNECTING, PEER_UP, PEER_DOWN = "connecting", "up", "down"
+
+
+class DomainConfigError(errors.InvalidField):
+    """The domain config file is missing, unreadable, or not valid; the message says where."""
+
+
+# ---------------------------------------------------------------------------------- config
+@dataclass(frozen=True)
+class NodeConfig:
+    name: str
+    #: where the peers reach this node: tcp://host:port
+    address: str
+    #: what this node binds when it is the one running (default: its address)
+    bind: str
+
+
+@dataclass(frozen=True)
+class DomainConfig:
+    name: str
+    key: bytes = field(repr=False)
+    nodes: tuple[NodeConfig, ...]
+    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL
+    heartbeat_misses: int = DEFAULT_HEARTBEAT_MISSES
+    path: str = ""
+
+    @property
+    def loss_bound(self) -> float:
+        """Seconds of silence after which a peer is counted as lost."""
+        return self.heartbeat_interval * self.heartbeat_misses
+
+    def node(self, name: str) -> NodeConfig:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise DomainConfigError(
+            f"node {name!r} is not in domain {self.name!r} ({self.path}); its nodes are "
+            f"{', '.join(n.name for n in self.nodes)}",
+            field="node",
+        )
+
+    @property
+    def names(self) -> list[str]:
+        return [n.name for n in self.nodes]
+
+
+def _bad(path, what: str) -> DomainConfigError:
+    return DomainConfigError(f"domain config {path}: {what}", field="domain")
+
+
+def _private(path: Path, what: str, cfg_path) -> None:
+    """A file holding the key must be readable by its owner only (like an ssh private key)."""
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise _bad(cfg_path, f"cannot read the {what} {path}: {exc.strerror or exc}") from None
+    if st.st_mode & 0o077:
+        raise _bad(cfg_path, f"the {what} {path} has mode {stat.S_IMODE(st.st_mode):04o}: it holds the domain's "
+                             f"secret, so it must be readable by its owner only (chmod 600 {path})")
+
+
+def load_config(path: str | os.PathLike) -> DomainConfig:
+    """Read and check a domain config file (TOML). Raises DomainConfigError naming the file and
+    what is wrong with it."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        raise DomainConfigError("--domain needs Python 3.11 or later (tomllib)", field="domain") from None
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise _bad(p, f"cannot read it: {exc.strerror or exc}") from None
+    try:
+        doc = tomllib.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise _bad(p, f"not valid TOML: {exc}") from None
+    dom = doc.get("domain")
+    if not isinstance(dom, dict):
+        raise _bad(p, "it needs a [domain] table (name, key_file or key)")
+    unknown = set(dom) - {"name", "key", "key_file", "heartbeat_interval", "heartbeat_misses"}
+    if unknown:
+        raise _bad(p, f"unknown key(s) in [domain]: {', '.join(sorted(unknown))}")
+    name = dom.get("name")
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise _bad(p, f"[domain] name must be 1-64 letters, digits and _.- (got {name!r:.80})")
+    if ("key" in dom) == ("key_file" in dom):
+        raise _bad(p, "[domain] needs exactly one of key_file (a file holding the shared key) or key")
+    if "key_file" in dom:
+        kf = dom["key_file"]
+        if not isinstance(kf, str) or not kf:
+            raise _bad(p, "[domain] key_file must be a path")
+        kpath = Path(kf) if os.path.isabs(kf) else p.parent / kf
+        _private(kpath, "key file", p)
+        try:
+            key = kpath.read_bytes().strip()
+        except OSError as exc:
+            raise _bad(p, f"cannot read the key file {kpath}: {exc.strerror or exc}") from None
+    else:
+        if not isinstance(dom["key"], str):
+            raise _bad(p, "[domain] key must be a string")
+        _private(p, "config file (it holds the key)", p)
+        key = dom["key"].strip().encode()
+    if len(key) < MIN_KEY_BYTES:
+        raise _bad(p, f"the shared key has {len(key)} bytes; it needs at least {MIN_KEY_BYTES} "
+                      "(e.g. `head -c 32 /dev/urandom | base64`)")
+    interval = dom.get("heartbeat_interval", DEFAULT_HEARTBEAT_INTERVAL)
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0.01 <= interval <= 60:
+        raise _bad(p, f"[domain] heartbeat_interval must be seconds in [0.01, 60] (got {interval!r:.40})")
+    misses = dom.get("heartbeat_misses", DEFAULT_HEARTBEAT_MISSES)
+    if isinstance(misses, bool) or not isinstance(misses, int) or not 1 <= misses <= 100:
+        raise _bad(p, f"[domain] heartbeat_misses must be an integer in [1, 100] (got {misses!r:.40})")
+    raw_nodes = doc.get("node")
+    if not isinstance(raw_nodes, list) or not raw_nodes:
+        raise _bad(p, "it needs at least one [[node]] table (name, address)")
+    if len(raw_nodes) > MAX_NODES:
+        raise _bad(p, f"{len(raw_nodes)} nodes; at most {MAX_NODES}")
+    nodes, seen_names, seen_addrs = [], set(), set()
+    for i, n in enumerate(raw_nodes):
+        if not isinstance(n, dict):
+            raise _bad(p, f"[[node]] {i + 1} is not a table")
+        extra = set(n) - {"name", "address", "bind"}
+        if extra:
+            raise _bad(p, f"[[node]] {i + 1}: unknown key(s) {', '.join(sorted(extra))}")
+        nname, addr = n.get("name"), n.get("address")
+        if not isinstance(nname, str) or not NAME_RE.fullmatch(nname):
+            raise _bad(p, f"[[node]] {i + 1}: name must be 1-64 letters, digits and _.- (got {nname!r:.80})")
+        for label, a in (("address", addr), ("bind", n.get("bind", addr))):
+            m = ADDRESS_RE.fullmatch(a) if isinstance(a, str) else None
+            if m is None or not 1 <= int(m.group(2)) <= 65535 or (label == "address" and m.group(1) == "*"):
+                raise _bad(p, f"node {nname}: {label} must be tcp://HOST:PORT with a port in 1-65535 (got {a!r:.80})")
+        if nname in seen_names:
+            raise _bad(p, f"node {nname} is listed twice")
+        if addr in seen_addrs:
+            raise _bad(p, f"address {addr} is listed twice")
+        seen_names.add(nname)
+        seen_addrs.add(addr)
+        nodes.append(NodeConfig(nname, addr, n.get("bind", addr)))
+    return DomainConfig(name=name, key=key, nodes=tuple(nodes), heartbeat_interval=float(interval),
+                        heartbeat_misses=misses, path=str(p))
+
+
+# ------------------------------------------------------------------------------------ keys
+def _root(key: bytes, domain: str) -> bytes:
+    # BLAKE2b takes keys of at most 64 bytes: the shared key (any length) is hashed first
+    return hashlib.blake2b(key, digest_size=64, person=b"a2ad-domain-key", salt=b"").digest()
+
+
+def node_secret(key: bytes, domain: str, node: str) -> bytes:
+    """The 32 bytes of ``node``'s CURVE secret key in ``domain`` (a keyed BLAKE2b of the names)."""
+    return hashlib.blake2b(f"{domain}\0{node}".encode(), digest_size=32, key=_root(key, domain),
+                           person=b"a2ad-curve-node").digest()
+
+
+def node_keypair(key: bytes, domain: str, node: str) -> tuple[bytes, bytes]:
+    """``(public, secret)`` CURVE keys of ``node``, both Z85-encoded as ZeroMQ takes them."""
+    from zmq.utils import z85
+
+    secret = z85.encode(node_secret(key, domain, node))
+    return zmq.curve_public(secret), secret
+
+
+# ------------------------------------------------------------------------------------ peers
+@dataclass
+class Peer:
+    """Another node of the domain, as this daemon sees it."""
+
+    name: str
+    address: str
+    public: bytes  # Z85
+    state: str = PEER_CONNECTING
+    since: float = field(default_factory=time.monotonic)
+    last_rx: float | None = None
+    last_heartbeat: float | None = None
+    boot: bytes | None = None
+    dealer: zmq.Socket | None = None
+    monitor: zmq.Socket | None = None
+    connected: bool = False
+    #: a full resync of this daemon's state to the peer is owed (it came up, restarted, or a send failed)
+    resync_due: bool = False
+    counters: dict = field(default_factory=lambda: {
+        "heartbeats_received": 0, "heartbeats_sent": 0, "messages_received": 0, "messages_sent": 0,
+        "bad_messages": 0, "send_drops": 0, "losses": 0, "ups": 0, "handshake_failures": 0,
+    })
+
+    def summary(self, now: float) -> dict:
+        return {
+            "name": self.name,
+            "address": self.address,
+            "state": self.state,
+            "state_for_s": round(now - self.since, 3),
+            "last_heartbeat_age_s": None if self.last_heartbeat is None else round(now - self.last_heartbeat, 3),
+            "last_message_age_s": None if self.last_rx is None else round(now - self.last_rx, 3),
+            "boot": None if self.boot is None else self.boot.hex(),
+            "link_connected": self.connected,
+            **self.counters,
+        }
+
+
+class _RateLog:
+    """At most one line per key every ``every`` seconds; how many were suppressed is said."""
+
+    def __init__(self, every: float = 10.0):
+        self.every = every
+        self._last: dict = {}
+
+    def __call__(self, level: int, key, msg: str, *args) -> None:
+        now = time.monotonic()
+        last, skipped = self._last.get(key, (None, 0))
+        if last is not None and now - last < self.every:
+            self._last[key] = (last, skipped + 1)
+            return
+        self._last[key] = (now, 0)
+        if skipped:
+            msg += f" ({skipped} more like it since the last report)"
+        log.log(level, msg, *args)
+
+
+_HANDSHAKE_FAILED = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "CURVE handshake failed (the other end does not hold this domain's key)",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused by the ZAP handler",
+}
+
+
+class Domain:
+    """This daemon's links to the other nodes of its domain (see the module doc)."""
+
+    def __init__(self, config: DomainConfig, node: str, handler=None):
+        self.cfg = config
+        self.me = config.node(node)
+        self.node = node
+        self.handler = handler
+        self.boot = secrets.token_bytes(8)
+        self.public, self._secret = node_keypair(config.key, config.name, node)
+        self.peers: dict[str, Peer] = {}
+        for n in config.nodes:
+            if n.name != node:
+                self.peers[n.name] = Peer(n.name, n.address, node_keypair(config.key, config.name, n.name)[0])
+        #: public key (Z85) -> node name: exactly whom the ZAP handler lets in
+        self._allowed = {p.public: p.name for p in self.peers.values()}
+        self.started = time.monotonic()
+        self.ctx: zmq.Context | None = None
+        self.zap: zmq.Socket | None = None
+        self.router: zmq.Socket | None = None
+        self.router_monitor: zmq.Socket | None = None
+        self.counters = {"refused_connections": 0, "bad_messages": 0, "zap_requests": 0}
+        self._next_beat = 0.0
+        self._ratelog = _RateLog()
+
+    # ------------------------------------------------------------------ setup
+    def start(self) -> None:
+        """Bind this node's address and connect to every peer. Raises BackendError (naming the
+        address) when the address cannot be bound."""
+        self.ctx = zmq.Context()
+        self.ctx.setsockopt(zmq.LINGER, 0)
+        try:
+            # the ZAP handler first: a CURVE server without one would let any key in
+            self.zap = self.ctx.socket(zmq.ROUTER)
+            self.zap.bind(ZAP_ENDPOINT)
+            r = self.ctx.socket(zmq.ROUTER)
+            self.router = r
+            r.setsockopt(zmq.LINGER, 0)
+            r.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+            r.setsockopt(zmq.RCVHWM, LINK_HWM)
+            r.setsockopt(zmq.ZAP_DOMAIN, f"a2ad:{self.cfg.name}".encode())
+            r.curve_server = True
+            r.curve_secretkey = self._secret
+            r.curve_publickey = self.public
+            self.router_monitor = r.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+            try:
+                r.bind(self.me.bind)
+            except zmq.ZMQError as exc:
+                raise errors.BackendError(
+                    f"domain {self.cfg.name}: node {self.node} cannot listen on {self.me.bind}: {exc} "
+                    "(another process holds the port, or the address is not this host's)"
+                ) from None
+            for p in self.peers.values():
+                self._connect(p)
+        except BaseException:
+            self.close()
+            raise
+        log.info("domain %s: node %s listening on %s; peers %s (heartbeat every %g s, lost after %g s)",
+                 self.cfg.name, self.node, self.me.bind, ", ".join(f"{p.name}={p.address}" for p in self.peers.values())
+                 or "none", self.cfg.heartbeat_interval, self.cfg.loss_bound)
+
+    def _connect(self, p: Peer) -> None:
+        d = self.ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.setsockopt(zmq.IMMEDIATE, 1)  # no queue for a peer that is not connected: sends fail, a resync follows
+        d.setsockopt(zmq.SNDHWM, LINK_HWM)
+        d.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        ivl = max(10, int(self.cfg.heartbeat_interval * 250))
+        d.setsockopt(zmq.RECONNECT_IVL, ivl)
+        d.setsockopt(zmq.RECONNECT_IVL_MAX, max(ivl, int(self.cfg.heartbeat_interval * 1000)))
+        d.curve_secretkey = self._secret
+        d.curve_publickey = self.public
+        d.curve_serverkey = p.public  # the peer must prove it holds its secret key
+        p.monitor = d.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        d.connect(p.address)
+        p.dealer = d
+
+    def close(self) -> None:
+        for p in self.peers.values():
+            if p.dealer is not None and p.monitor is not None:
+                try:
+                    p.dealer.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+            for sock in (p.monitor, p.dealer):
+                if sock is not None:
+                    sock.close(0)
+            p.monitor = p.dealer = None
+        if self.router is not None and self.router_monitor is not None:
+            try:
+                self.router.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        for sock in (self.router_monitor, self.router, self.zap):
+            if sock is not None:
+                sock.close(0)
+        self.router_monitor = self.router = self.zap = None
+        if self.ctx is not None:
+            self.ctx.term()
+            self.ctx = None
+
+    # ------------------------------------------------------------------- poll
+    def sockets(self) -> list[zmq.Socket]:
+        """What the daemon's poller watches for POLLIN."""
+        out = [s for s in (self.zap, self.router, self.router_monitor) if s is not None]
+        out += [p.monitor for p in self.peers.values() if p.monitor is not None]
+        return out
+
+    def service(self, ready) -> None:
+        """Handle whatever is readable among :meth:`sockets` (``ready``: the poller's events)."""
+        if self.zap in ready:
+            self._serve_zap()
+        if self.router_monitor in ready:
+            self._router_events()
+        for p in self.peers.values():
+            if p.monitor is not None and p.monitor in ready:
+                self._link_events(p)
+        if self.router in ready:
+            self._receive()
+
+    def next_deadline(self) -> float:
+        return self._next_beat
+
+    def tick(self, now: float) -> None:
+        """Heartbeats, peers that went silent, resyncs owed."""
+        if now < self._next_beat:
+            return
+        self._next_beat = now + self.cfg.heartbeat_interval
+        bound = self.cfg.loss_bound
+        for p in self.peers.values():
+            self.send(p.name, {"t": "hb"}, heartbeat=True)
+            if p.state == PEER_UP and p.last_rx is not None and now - p.last_rx > bound:
+                self._lost(p, f"no message for {now - p.last_rx:.2f} s (heartbeat every {self.cfg.heartbeat_interval:g} s, "
+                              f"lost after {bound:g} s)")
+            elif p.state == PEER_CONNECTING and now - self.started > bound:
+                self._lost(p, f"not heard from since this daemon started {now - self.started:.1f} s ago")
+        if self.handler is not None:
+            for p in self.peers.values():
+                if p.resync_due and p.state == PEER_UP and p.connected:
+                    p.resync_due = False
+                    self.handler.on_resync(p.name)
+
+    # ------------------------------------------------------------------- ZAP
+    def _serve_zap(self) -> None:
+        for _ in range(BATCH):
+            try:
+                frames = self.zap.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.counters["zap_requests"] += 1
+            # [routing id, empty, version, request id, domain, address, identity, mechanism, credentials...]
+            if len(frames) < 9 or frames[1] != b"" or frames[2] != b"1.0":
+                if len(frames) >= 4:
+                    self._zap_reply(frames[0], frames[3] if len(frames) > 3 else b"", b"500", b"bad ZAP request", b"")
+                continue
+            rid, req_domain, address, mechanism, creds = frames[3], frames[4], frames[5], frames[7], frames[8:]
+            node = None
+            if mechanism == b"CURVE" and len(creds) == 1 and len(creds[0]) == 32 and req_domain == f"a2ad:{self.cfg.name}".encode():
+                from zmq.utils import z85
+
+                node = self._allowed.get(z85.encode(creds[0]))
+            if node is None:
+                self.counters["refused_connections"] += 1
+                self._ratelog(logging.WARNING, ("zap", address),
+                              "domain %s: refused a connection from %s: its key is not one of this domain's nodes "
+                              "(a daemon with another domain key or config?)", self.cfg.name,
+                              address.decode(errors="replace") or "?")
+                self._zap_reply(frames[0], rid, b"400", b"not a node of this domain", b"")
+            else:
+                self._zap_reply(frames[0], rid, b"200", b"OK", node.encode())
+
+    def _zap_reply(self, ident: bytes, rid: bytes, code: bytes, text: bytes, user: bytes) -> None:
+        try:
+            self.zap.send_multipart([ident, b"", b"1.0", rid, code, text, user, b""], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("domain: could not answer a ZAP request: %s", exc)
+
+    def _router_events(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        for _ in range(BATCH):
+            try:
+                ev = recv_monitor_message(self.router_monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            what = _HANDSHAKE_FAILED.get(ev["event"])
+            if what is None:
+                continue
+            if ev["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # the ZAP handler counted and logged those
+                self.counters["refused_connections"] += 1
+                self._ratelog(logging.WARNING, ("handshake", ev["event"]),
+                              "domain %s: refused a connection on %s: %s; a daemon with another domain key, or "
+                              "something that is not an a2ad daemon", self.cfg.name, self.me.bind, what)
+
+    def _link_events(self, p: Peer) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        for _ in range(BATCH):
+            try:
+                ev = recv_monitor_message(p.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            e = ev["event"]
+            if e == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                p.connected = True
+                p.resync_due = True  # whatever was dropped while it was down is sent again
+            elif e == zmq.EVENT_DISCONNECTED:
+                p.connected = False
+            elif e in _HANDSHAKE_FAILED:
+                p.connected = False
+                p.counters["handshake_failures"] += 1
+                self._ratelog(logging.WARNING, ("link", p.name),
+                              "domain %s: cannot authenticate node %s at %s: %s", self.cfg.name, p.name, p.address,
+                              "it does not hold this domain's key for that node" if e != zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                              else "it refused this node's key")
+
+    # ------------------------------------------------------------------ the bus
+    def send(self, node: str, msg: dict, heartbeat: bool = False) -> bool:
+        """Queue one message to ``node`` without blocking; False (and a resync owed) when the
+        link cannot take it now."""
+        p = self.peers[node]
+        env = {"v": DOMAIN_PROTOCOL, "dom": self.cfg.name, "from": self.node, "boot": self.boot, **msg}
+        try:
+            data = msgpack.packb(env, use_bin_type=True)
+        except Exception as exc:  # a bug: never a crash of the loop
+            log.error("domain: could not encode a %r message: %s", msg.get("t"), exc)
+            return False
+        if len(data) > MAX_MESSAGE:
+            log.error("domain: a %r message of %d bytes is over the %d-byte limit; not sent", msg.get("t"), len(data), MAX_MESSAGE)
+            return False
+        try:
+            p.dealer.send(data, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            p.counters["send_drops"] += 1
+            if not heartbeat:
+                p.resync_due = True
+            return False
+        p.counters["heartbeats_sent" if heartbeat else "messages_sent"] += 1
+        return True
+
+    def broadcast(self, msg: dict) -> None:
+        for name, p in self.peers.items():
+            if p.state != PEER_DOWN or p.connected:
+                self.send(name, msg)
+
+    def _receive(self) -> None:
+        for _ in range(BATCH):
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                node = frames[-1].get("User-Id")
+            except zmq.ZMQError:
+                node = None
+            p = self.peers.get(node) if node else None
+            if p is None:  # cannot happen past the ZAP handler; dropped all the same
+                self.counters["bad_messages"] += 1
+                continue
+            if len(frames) != 2:
+                self._bad(p, f"{len(frames) - 1} frames instead of 1")
+                continue
+            try:
+                msg = msgpack.unpackb(frames[1].bytes, raw=False, strict_map_key=True, max_str_len=MAX_MESSAGE,
+                                      max_bin_len=MAX_MESSAGE, max_array_len=1 << 16, max_map_len=1 << 16)
+            except Exception as exc:
+                self._bad(p, f"undecodable ({type(exc).__name__})")
+                continue
+            why = _envelope_problem(msg, self.cfg.name, node)
+            if why:
+                self._bad(p, why)
+                continue
+            self._heard(p, msg)
+            if msg["t"] == "hb":
+                p.counters["heartbeats_received"] += 1
+                continue
+            p.counters["messages_received"] += 1
+            if self.handler is not None:
+                try:
+                    self.handler.on_message(node, msg)
+                except (KeyError, TypeError, ValueError, IndexError, AttributeError, errors.A2ADError) as exc:
+                    self._bad(p, f"a {msg['t']!r} message the daemon could not use ({type(exc).__name__}: {exc})")
+
+    def _bad(self, p: Peer, why: str) -> None:
+        p.counters["bad_messages"] += 1
+        self.counters["bad_messages"] += 1
+        self._ratelog(logging.WARNING, ("bad", p.name), "domain %s: dropped a message from node %s: %s",
+                      self.cfg.name, p.name, why)
+
+    def _heard(self, p: Peer, msg: dict) -> None:
+        now = time.monotonic()
+        p.last_rx = now
+        if msg["t"] == "hb":
+            p.last_heartbeat = now
+        restarted = p.boot is not None and p.boot != msg["boot"]
+        p.boot = msg["boot"]
+        if p.state != PEER_UP or restarted:
+            was = p.state
+            p.state, p.since = PEER_UP, now
+            p.counters["ups"] += 1
+            p.resync_due = True
+            if restarted:
+                log.warning("domain %s: node %s restarted (new daemon instance)", self.cfg.name, p.name)
+            else:
+                log.info("domain %s: node %s is up (was %s)", self.cfg.name, p.name, was)
+            if self.handler is not None:
+                self.handler.on_peer_up(p.name, restarted)
+
+    def _lost(self, p: Peer, why: str) -> None:
+        was = p.state
+        p.state, p.since = PEER_DOWN, time.monotonic()
+        p.counters["losses"] += 1
+        log.warning("domain %s: node %s is lost (was %s): %s", self.cfg.name, p.name, was, why)
+        if self.handler is not None:
+            self.handler.on_peer_lost(p.name, why)
+
+    # ----------------------------------------------------------------- status
+    def state(self, node: str) -> str:
+        return PEER_UP if node == self.node else self.peers[node].state
+
+    def status(self) -> dict:
+        now = time.monotonic()
+        return {
+            "domain": self.cfg.name,
+            "node": self.node,
+            "address": self.me.address,
+            "config": self.cfg.path,
+            "heartbeat_interval_s": self.cfg.heartbeat_interval,
+            "heartbeat_misses": self.cfg.heartbeat_misses,
+            "loss_bound_s": self.cfg.loss_bound,
+            "boot": self.boot.hex(),
+            "nodes": [{"name": self.node, "address": self.me.address, "state": "self", "state_for_s": round(now - self.started, 3)}]
+            + [p.summary(now) for p in self.peers.values()],
+            **self.counters,
+        }
+
+
+def _envelope_problem(msg, domain: str, node: str) -> str | None:
+    """Why a decoded message is not a version-1 domain message from ``node``, or None."""
+    if not isinstance(msg, dict):
+        return "not a map"
+    if msg.get("v") != DOMAIN_PROTOCOL:
+        return f"domain protocol version {msg.get('v')!r:.20}, this daemon speaks {DOMAIN_PROTOCOL}"
+    if msg.get("dom") != domain:
+        return f"for domain {msg.get('dom')!r:.70}"
+    if msg.get("from") != node:
+        return f"claims to come from {msg.get('from')!r:.70}"
+    boot = msg.get("boot")
+    if not isinstance(boot, bytes) or len(boot) != 8:
+        return "no daemon instance id"
+    if not isinstance(msg.get("t"), str):
+        return "no message type"
+    return None
