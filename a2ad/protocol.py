@@ -27,11 +27,23 @@ is a reply envelope whose ancillary data carries the file descriptors
 
 Request types and their fields are in :data:`REQUESTS`; every field is checked
 by :func:`parse_request`, which raises the error class that the reply carries.
+
+Handles in a join reply
+-----------------------
+``handles`` lists one ``{"kind": "workspace", "rank", "size", "device", ...}`` per rank,
+then ``{"kind": "control", "size"}``. A workspace entry with ``"fd": false`` (a rank of a
+job that spans nodes, whose row another node's daemon holds) carries its handle in
+``"fabric"`` (bytes) instead of an fd: a CUDA fabric handle (64 bytes,
+``cuMemImportFromShareableHandle`` with ``CU_MEM_HANDLE_TYPE_FABRIC``) or, on the host
+backend, a shared-memory name (:func:`host_handle_path`). Every other entry (``"fd"`` true
+or absent) takes the next fd of the redeemed ticket, in list order; the control block's is
+the last. ``"node"`` names the node whose daemon holds the row (absent without a domain).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
 import struct
 from dataclasses import dataclass
@@ -336,6 +348,26 @@ def decode_reply(data: bytes) -> Reply:
     except (KeyError, TypeError, ValueError):
         raise errors.ProtocolError("reply envelope is missing fields") from None
     return reply
+
+
+# --- host-backend row names ---------------------------------------------------
+#: A host-backend row shared across the daemons of a domain is a shared-memory object named
+#: ``a2ad-<64 hex digits>`` in this folder (the handle is those 32 random bytes).
+SHM_DIR_ENV = "A2AD_SHM_DIR"
+DEFAULT_SHM_DIR = "/dev/shm"
+HOST_HANDLE_BYTES = 32
+
+
+def shm_dir() -> str:
+    return os.environ.get(SHM_DIR_ENV) or DEFAULT_SHM_DIR
+
+
+def host_handle_path(handle: bytes) -> str:
+    """Where the host-backend row named by ``handle`` lives (ValueError for anything that is
+    not a handle: the name is built here, never taken from a message)."""
+    if not isinstance(handle, (bytes, bytearray)) or len(handle) != HOST_HANDLE_BYTES:
+        raise ValueError(f"a host row handle has {HOST_HANDLE_BYTES} bytes")
+    return os.path.join(shm_dir(), f"a2ad-{bytes(handle).hex()}")
 
 
 # --- fd-socket framing --------------------------------------------------------

@@ -708,21 +708,44 @@ def redeem_ticket(client: DaemonClient, ticket: bytes, nfds: int, timeout: float
         raise
 
 
+def _row_handles(reply: dict) -> list:
+    """The workspace entries of a join reply in rank order: True for a row that comes as the
+    next fd, its fabric handle (bytes) for a row another node's daemon holds (a job that spans
+    nodes; protocol.py, "Handles in a join reply")."""
+    ep_size = reply["ep_size"]
+    rows = [h for h in reply["handles"] if isinstance(h, dict) and h.get("kind") == "workspace"]
+    if [h.get("rank") for h in rows] != list(range(ep_size)):
+        raise errors.ProtocolError("the join reply does not list one workspace per rank in rank order")
+    out = []
+    for h in rows:
+        if h.get("fd", True):
+            out.append(True)
+        elif isinstance(h.get("fabric"), bytes):
+            out.append(h["fabric"])
+        else:
+            raise errors.ProtocolError(f"rank {h.get('rank')}'s workspace comes with neither an fd nor a fabric handle")
+    return out
+
+
 def _redeem(client: DaemonClient, reply: dict, aux: L.AuxLayout, tdev: torch.device) -> _Shared:
     ep_size = reply["ep_size"]
-    sock, fds = redeem_ticket(client, reply["ticket"], ep_size + 1, 10.0)
+    wanted = _row_handles(reply)
+    nfds = sum(1 for h in wanted if h is True) + 1
+    sock, fds = redeem_ticket(client, reply["ticket"], nfds, 10.0)
     mapping = control = None
     try:
         size, stride = reply["size_per_rank"], reply["row_stride"]
+        taken = iter(fds)
+        rows = [next(taken) if h is True else h for h in wanted]  # an fd, or a fabric handle
         if reply["backend"] == "host":
             from .host_map import HostMapping
 
-            mapping = HostMapping(fds[:ep_size], size, stride)
+            mapping = HostMapping(rows, size, stride)
         else:
             from .cuda_map import CudaMapping
 
-            mapping = CudaMapping(fds[:ep_size], size, stride, tdev.index)
-        control = ControlBlock.map_fd(fds[ep_size])
+            mapping = CudaMapping(rows, size, stride, tdev.index)
+        control = ControlBlock.map_fd(fds[-1])
         att = _Shared(
             job=reply["job"],
             ep_rank=reply["ep_rank"],

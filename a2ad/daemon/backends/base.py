@@ -23,6 +23,17 @@ class Allocation:
     handle_type: str
     extra: dict = field(default_factory=dict)
 
+    @property
+    def fabric_handle(self) -> bytes | None:
+        """The bytes a process on another node of the domain imports the row with (a CUDA
+        fabric handle, or a host shared-memory name), or None when the row has none."""
+        return self.extra.get("fabric_handle")
+
+    @property
+    def fabric_error(self) -> str | None:
+        """Why the row has no fabric handle (None when it has one, or none was asked for)."""
+        return self.extra.get("fabric_error")
+
 
 class Backend(abc.ABC):
     name: str = "?"
@@ -53,8 +64,13 @@ class Backend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def adopt(self, fd: int, size: int, device: str, handle_type: str) -> Allocation:
-        """Take over a row a previous daemon allocated, from its exported fd (restart)."""
+    def adopt(self, fd: int, size: int, device: str, handle_type: str, fabric: bytes | None = None) -> Allocation:
+        """Take over a row a previous daemon allocated, from its exported fd (restart);
+        ``fabric``: the row's fabric handle as that daemon recorded it, if it had one."""
+
+    def enable_fabric(self) -> None:
+        """Rows allocated from now on also get a handle that other nodes of a domain can
+        import (``Allocation.fabric_handle``), where the backend can make one."""
 
     @abc.abstractmethod
     def release(self, alloc: Allocation) -> None:

@@ -33,6 +33,30 @@ from a2ad import cuda_driver as cd
 from a2ad import errors
 from a2ad.daemon.backends.base import Allocation, Backend
 
+#: Where the driver exposes IMEX channels (``channelN`` device nodes); a process needs one to
+#: allocate or import memory with fabric handles.
+IMEX_CHANNEL_DIR = "/dev/nvidia-caps-imex-channels"
+
+
+def imex_channels(folder: str = IMEX_CHANNEL_DIR) -> list[str]:
+    """The IMEX channel device nodes this process can open read-write, e.g. ``['channel0']``."""
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.startswith("channel"))
+    except OSError:
+        return []
+    return [n for n in names if os.access(os.path.join(folder, n), os.R_OK | os.W_OK)]
+
+
+def fabric_missing_reason(device: str, why: str | None, folder: str = IMEX_CHANNEL_DIR) -> str:
+    """Why rows on ``device`` have no fabric handle, naming the IMEX channel they need: the
+    text a job that spans nodes is refused with."""
+    chans = imex_channels(folder)
+    where = (f"this node has {', '.join(os.path.join(folder, c) for c in chans)}, yet the driver refused"
+             if chans else f"this node has no usable IMEX channel ({folder}/channelN)")
+    return (f"GPU {device} cannot export fabric handles ({why or 'not granted'}): fabric handles need an IMEX "
+            f"channel ({folder}/channelN, readable and writable by the daemon and its workers) and the "
+            f"nvidia-imex service of the NVLink domain running on every node; {where}")
+
 
 class CudaBackend(Backend):
     name = "cuda"
@@ -146,21 +170,37 @@ class CudaBackend(Backend):
                     extra["fabric_handle"] = cd.export_fabric(handle)
                     handle_type = "fabric"
                 except cd.CudaError as exc:
-                    extra["fabric_error"] = exc.message
+                    extra["fabric_error"] = fabric_missing_reason(device, exc.message)
+            else:
+                refused = cd.fabric_refusal(ordinal)
+                extra["fabric_error"] = fabric_missing_reason(
+                    device, "A2AD_CUDA_FABRIC=0" if not self._try_fabric
+                    else f"cuMemCreate with CU_MEM_HANDLE_TYPE_FABRIC: {refused.result_name}" if refused else None)
             self._handle_type = handle_type
             self._workspace_bytes[ordinal] = self._workspace_bytes.get(ordinal, 0) + size
             self._live += 1
         return Allocation(fd=fd, size=size, device=device, handle_type=handle_type, extra=extra)
 
-    def adopt(self, fd: int, size: int, device: str, handle_type: str) -> Allocation:
+    def enable_fabric(self) -> None:
+        """Rows already try for fabric handles (unless A2AD_CUDA_FABRIC=0); nothing to switch on."""
+
+    def adopt(self, fd: int, size: int, device: str, handle_type: str, fabric: bytes | None = None) -> Allocation:
         """Re-import a row from the fd a previous daemon exported (the memory lives on in
-        its importers and in this fd; importing gives this daemon a handle to map and release)."""
+        its importers and in this fd; importing gives this daemon a handle to map and release).
+        ``fabric``: the row's fabric handle as the previous daemon exported it (the
+        allocation is the same, so the handle still names it)."""
         ordinal = self._ordinal(device)
         with self._lock:
             handle = self._contextless(ordinal, lambda: cd.import_fd(fd))
             self._workspace_bytes[ordinal] = self._workspace_bytes.get(ordinal, 0) + size
             self._live += 1
         extra = {"handle": handle, "ordinal": ordinal, "uuid": cd.uuid_of(ordinal), "adopted": True}
+        if fabric is not None and len(fabric) == cd.FABRIC_HANDLE_SIZE:
+            extra["fabric_handle"] = bytes(fabric)
+        elif handle_type == "fabric":
+            extra["fabric_error"] = fabric_missing_reason(device, "its fabric handle was not kept across the restart")
+        else:
+            extra["fabric_error"] = fabric_missing_reason(device, "the row was allocated without one")
         return Allocation(fd=fd, size=size, device=device, handle_type=handle_type, extra=extra)
 
     def initialize(
