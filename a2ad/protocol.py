@@ -219,6 +219,7 @@ REQUESTS: dict[str, dict[str, Field]] = {
     "drain": {"enable": Field(_bool, required=False)},
     "shutdown": {"free_jobs": Field(_bool, required=False)},
     "metrics": {},
+    "domain": {},
 }
 
 

@@ -128,6 +128,7 @@ def test_every_request_type_has_a_schema_and_parses():
         "drain": {},
         "metrics": {},
         "shutdown": {},
+        "domain": {},
     }
     assert set(minimal) == set(protocol.REQUESTS)
     for rtype, fields in minimal.items():

@@ -55,9 +55,21 @@ def cmd_jobs(d, f, ctx) -> dict:
 
 
 def cmd_job_info(d, f, ctx) -> dict:
-    """Request: job. Reply: that job's summary (ranks, states, spec, bytes). Its owner or an
-    admin only (others get no_such_job)."""
-    return d.registry.job_for(ctx.peer, f["job"]).summary(time.monotonic())
+    """Request: job. Reply: that job's summary (ranks, states, spec, bytes; in a domain each
+    rank's node and the job's coordinator under ``domain``). Its owner or an admin only
+    (others get no_such_job)."""
+    job = d.registry.job_for(ctx.peer, f["job"])
+    out = job.summary(time.monotonic())
+    if d.fed is not None and job.domain:
+        out["domain"] = d.fed.job_info(job.name)
+    return out
+
+
+def cmd_domain(d, f, ctx) -> dict:
+    """Reply: the domain this daemon is a node of: {domain, node, nodes: [{name, address,
+    state, last_heartbeat_age_s, counters...}], federation: {...}}; {"domain": null}
+    without one."""
+    return d.domain_status() or {"domain": None}
 
 
 def cmd_join(d, f, ctx):
@@ -154,6 +166,7 @@ COMMANDS: dict[str, Callable] = {
     "drain": cmd_drain,
     "metrics": cmd_metrics,
     "shutdown": cmd_shutdown,
+    "domain": cmd_domain,
 }
 assert set(COMMANDS) == set(protocol.REQUESTS), "every request type needs a handler"
 

@@ -11,6 +11,11 @@ needs, besides the fds themselves (kept by an a2ad.daemon.fdstore), to re-adopt 
   job of the default policy); its active-rank mask and admit rounds live in the control
   block, which the fd store keeps with the workspaces, so a restarted daemon finds them as
   they were.
+- A job of a domain (one that may span nodes) records this node's name and whether the
+  domain's decision on its spec had arrived (``domain``); a rank whose row another node
+  holds is recorded as that node last reported it (``node``, ``remote``: its row's size and
+  fabric handle), and a local row's fabric handle goes with it (``alloc.fabric``), so a
+  restarted daemon serves remote ranks' handles at once and learns the rest from its peers.
 - ``load()`` never stops the daemon: a file that does not decode or has the wrong shape is
   moved aside (``state.msgpack.bad-<UTC time>``) and treated as absent; a file with some
   unusable job records is kept (a copy goes aside for inspection) and ``check_job_record``
@@ -43,8 +48,30 @@ KEEP_BAD = 5
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
 
 
+def _slot_record(s) -> dict:
+    rec = {
+        "rank": s.rank,
+        "state": s.state,
+        "pid": s.pid,
+        "uid": s.uid,
+        "device": s.device,
+        "lease": s.lease,
+        "deaths": s.deaths,
+        "attaches": s.attaches,
+        "alloc": None if s.alloc is None else {"size": s.alloc.size, "handle_type": s.alloc.handle_type},
+    }
+    if s.alloc is not None and s.alloc.fabric_handle is not None:
+        rec["alloc"]["fabric"] = s.alloc.fabric_handle
+    if getattr(s, "node", None) is not None:
+        remote = s.remote or {}
+        rec["node"] = s.node
+        rec["lease"] = None
+        rec["remote"] = {k: remote.get(k) for k in ("size", "handle_type", "handle")}
+    return rec
+
+
 def job_record(job) -> dict:
-    return {
+    rec = {
         "name": job.name,
         "ep_size": job.ep_size,
         "spec": job.spec,
@@ -56,21 +83,11 @@ def job_record(job) -> dict:
         "needs_rearm": job.needs_rearm,
         "created_wall": job.created_wall,
         "owner_uid": getattr(job, "owner_uid", None),
-        "slots": [
-            {
-                "rank": s.rank,
-                "state": s.state,
-                "pid": s.pid,
-                "uid": s.uid,
-                "device": s.device,
-                "lease": s.lease,
-                "deaths": s.deaths,
-                "attaches": s.attaches,
-                "alloc": None if s.alloc is None else {"size": s.alloc.size, "handle_type": s.alloc.handle_type},
-            }
-            for s in job.slots
-        ],
+        "slots": [_slot_record(s) for s in job.slots],
     }
+    if getattr(job, "domain", False):
+        rec["domain"] = {"node": job.home, "confirmed": job.confirmed}
+    return rec
 
 
 # --------------------------------------------------------------------------- writing
@@ -260,6 +277,10 @@ def check_job_record(rec) -> str | None:
         return f"bad created_wall {rec['created_wall']!r}"
     if rec.get("owner_uid") is not None and not _is_int(rec["owner_uid"]):
         return f"bad owner_uid {rec['owner_uid']!r}"
+    dom = rec.get("domain")
+    if dom is not None and not (isinstance(dom, dict) and isinstance(dom.get("node"), str)
+                                and isinstance(dom.get("confirmed", True), bool)):
+        return f"bad domain {dom!r:.80}"
     slots = rec.get("slots")
     if not isinstance(slots, list) or len(slots) != ep:
         return f"slots must be a list of {ep} entries"
@@ -292,8 +313,18 @@ def _check_slot(s, i: int) -> str | None:
     if alloc is not None:
         if not isinstance(alloc, dict) or not _is_int(alloc.get("size"), 1) or not isinstance(alloc.get("handle_type"), str):
             return "bad alloc"
+        if alloc.get("fabric") is not None and not (isinstance(alloc["fabric"], bytes) and 1 <= len(alloc["fabric"]) <= 256):
+            return "bad alloc fabric handle"
         if not isinstance(s["device"], str):
             return "a row with memory but no device"
+    node = s.get("node")
+    if node is not None:
+        if not isinstance(node, str) or alloc is not None:
+            return "bad node (a remote rank has no row here)"
+        remote = s.get("remote")
+        if not isinstance(remote, dict) or not (remote.get("size") is None or _is_int(remote["size"], 1)) or not (
+                remote.get("handle") is None or isinstance(remote["handle"], bytes)):
+            return "bad remote row"
     return None
 
 

@@ -8,6 +8,12 @@ an error, and queues what else it decided in two lists that the server carries o
 
 It watches the processes of joining ranks with pidfds (plain fds, no I/O), which the server
 polls and hands back through :meth:`Registry.pid_exited`.
+
+In a domain (federation.py) a job may span nodes: its slots for ranks whose rows another
+node's daemon holds are *remote* (``RankSlot.node`` names that node) and mirror what that
+node reports; only local slots have rows, fds, leases and held requests here. The
+rendezvous and every re-arm of such a job are decided by its coordinator, not by
+``_maybe_release``; losses of remote ranks go through the same policy as local ones.
 """
 
 from __future__ import annotations
@@ -79,6 +85,15 @@ class RankSlot:
     #: A replacement let into a degraded job without a job-wide re-arm: its bit in the
     #: active mask is set once it holds its handles (see Registry._readmit).
     readmitting: bool = False
+    #: In a job that spans nodes: the node whose daemon holds this rank's row (None: this
+    #: daemon's, or nobody's yet). Such a slot mirrors that node's reports.
+    node: str | None = None
+    #: A remote rank's held request: "join" or "recover" (None: none).
+    remote_waiting: str | None = None
+    #: A remote rank's row: {"size", "handle_type", "handle", "handle_error"}.
+    remote: dict | None = None
+    #: Counted dead because its node was lost (not because its node said so).
+    lost_with_node: bool = False
     joined_at: float = 0.0
     attached_at: float = 0.0
     deaths: int = 0
@@ -88,11 +103,26 @@ class RankSlot:
     def live(self) -> bool:
         return self.state in (L.RANK_JOINING, L.RANK_ATTACHED)
 
+    @property
+    def is_remote(self) -> bool:
+        return self.node is not None
+
+    @property
+    def waiting(self) -> str | None:
+        """The request this rank waits in, wherever it is held: "join", "recover" or None."""
+        if self.node is not None:
+            return self.remote_waiting
+        return "join" if self.pending is not None else "recover" if self.recovering is not None else None
+
+    def clear_remote(self) -> None:
+        self.node = self.remote_waiting = self.remote = None
+        self.lost_with_node = False
+
     def summary(self, show_pid: bool = True) -> dict:
         return {
             "rank": self.rank,
             "state": L.RANK_STATE_NAMES[self.state],
-            "recovering": self.recovering is not None,
+            "recovering": self.waiting == "recover",
             "pid": self.pid if show_pid else None,
             "device": self.device,
             "deaths": self.deaths,
@@ -128,6 +158,17 @@ class Job:
     #: Replacements let into a degraded job while the others kept serving.
     readmits: int = 0
     freed: bool = False
+    #: A job of a domain: its coordinator decides its rendezvous and re-arms (federation.py).
+    domain: bool = False
+    #: The domain's decision on the spec has reached this daemon (a job created here before
+    #: it did is tentative: the coordinator may still refuse its spec).
+    confirmed: bool = True
+    #: This daemon's node name in its domain (None without one).
+    home: str | None = None
+    #: The id of the coordinator's prepare this daemon carried out last (its release must match).
+    fed_attempt: int | None = None
+    #: When a rank of the job (here or elsewhere) was last seen to start joining.
+    last_join_seen: float = 0.0
 
     def __post_init__(self):
         # a job adopted from a daemon that knew no policy ran with the default one
@@ -172,6 +213,14 @@ class Job:
             raise errors.InvalidField(f"job {self.name!r} has ranks 0-{self.ep_size - 1}; got ep_rank {rank}", field="ep_rank")
         return self.slots[rank]
 
+    @property
+    def spans(self) -> bool:
+        """Whether some rank's row is held by another node's daemon."""
+        return any(s.node is not None for s in self.slots)
+
+    def local_slots(self) -> list[RankSlot]:
+        return [s for s in self.slots if s.node is None]
+
     def live_ranks(self) -> list[int]:
         return [s.rank for s in self.slots if s.live]
 
@@ -190,7 +239,7 @@ class Job:
     def state_name(self) -> str:
         if self.grace_deadline is not None:
             return "grace"
-        if self.pending() or self.recovering():
+        if self.pending() or self.recovering() or any(s.remote_waiting for s in self.slots):
             return "rendezvous"
         if self.needs_rearm:
             return "needs-rearm"
@@ -216,7 +265,8 @@ class Job:
             "abort": L.ABORT_NAMES.get(self.control.abort_word, str(self.control.abort_word)),
             "age_s": round(now - self.created_at, 3),
             "grace_remaining_s": None if self.grace_deadline is None else round(max(0.0, self.grace_deadline - now), 3),
-            "ranks": [s.summary(show_pids) for s in self.slots],
+            "ranks": [dict(s.summary(show_pids), node=s.node or self.home) if self.home else s.summary(show_pids)
+                      for s in self.slots],
             "ranks_attached": sum(1 for s in self.slots if s.state == L.RANK_ATTACHED),
             "ranks_dead": sum(1 for s in self.slots if s.state == L.RANK_DEAD),
         }
@@ -288,6 +338,8 @@ class Registry:
         self.outbox: list[tuple[bytes, bytes]] = []
         self.closing: list[object] = []
         self.dirty = False
+        #: The domain's job federation (federation.py), when the daemon runs in a domain.
+        self.fed = None
         #: called before a job is freed, to decide whether the fd-store entries go too
         self.fd_budget: Callable[[int], None] = lambda n: None
 
@@ -362,15 +414,31 @@ class Registry:
             if job is None:
                 if self.draining:
                     raise errors.Draining("the daemon is draining: no new jobs are accepted")
+                confirmed = True
+                if self.fed is not None:
+                    # what the domain already decided about this job (another node created it)
+                    confirmed = self.fed.check_new_job(name, f["ep_size"], spec, peer)
                 job = self._create_job(name, f["ep_size"], spec, peer.uid, f["device"])
+                if self.fed is not None:
+                    self.fed.job_created(job, confirmed)
             else:
                 if not self.auth.may_use(peer, job.owner_uid):
                     raise errors.PermissionDenied(f"job {name!r} belongs to another user; choose another job name")
                 mismatch = job.spec_mismatch(f["ep_size"], spec)
                 if mismatch is not None:
                     self._refuse_waiting(job, mismatch)
+                    if self.fed is not None and job.domain and job.confirmed:
+                        self.fed.spread_refusal(job, mismatch)  # the ranks waiting on other nodes hear it too
                     raise mismatch
             slot = job.slot(rank)
+            if slot.node is not None:
+                if slot.live:
+                    raise errors.RankTaken(
+                        f"job {name!r} rank {rank} is held by live pid {slot.pid} on node {slot.node} "
+                        f"({L.RANK_STATE_NAMES[slot.state]})", holder_pid=slot.pid, node=slot.node)
+                raise errors.RankTaken(
+                    f"job {name!r} rank {rank} has its workspace on node {slot.node}: a replacement joins through "
+                    "that node's daemon", node=slot.node)
             if slot.live:
                 raise errors.RankTaken(
                     f"job {name!r} rank {rank} is held by live pid {slot.pid} ({L.RANK_STATE_NAMES[slot.state]})",
@@ -403,6 +471,7 @@ class Registry:
         slot.pending = Held(identity=identity, request_id=rid, deadline=time.monotonic() + timeout)
         job.control.set_rank_state(rank, L.RANK_JOINING)
         job.grace_deadline = None
+        job.last_join_seen = slot.joined_at
         if job.rendezvous_started is None:
             job.rendezvous_started = time.monotonic()
         self.counters["joins"] += 1
@@ -414,13 +483,21 @@ class Registry:
         if self._readmits(job, rank):
             self._readmit(job, slot)
         else:
+            if job.domain and job.spans and job.serving_degraded and replacing:
+                # the others serve on other nodes, whose control blocks this daemon cannot
+                # write: a replacement comes back through a job-wide re-arm (docs/DOMAIN.md)
+                job.needs_rearm = True
+                if not job.control.abort_word:
+                    job.control.set_abort(L.ABORT_REARM, rank)
+                log.info("job %s: rank %d's replacement comes back through a job-wide re-arm (the job spans nodes)",
+                         name, rank)
             self._maybe_release(job)
 
     # ----------------------------------------------------------- degraded mode
     def _readmits(self, job: Job, rank: int) -> bool:
         """Whether a join of ``rank`` is let into ``job`` while the others keep serving (a
         degrade job whose admitted ranks run on), instead of waiting for a job-wide re-arm."""
-        if not job.serving_degraded or job.control.abort_word or job.recovering():
+        if not job.serving_degraded or job.control.abort_word or job.recovering() or job.spans:
             return False
         cb = job.control
         admitted = cb.admitted_mask(job.ep_size)
@@ -473,6 +550,174 @@ class Registry:
             if any(s.live for s in job.slots if s is not slot) and not cb.abort_word:
                 cb.set_abort(L.ABORT_PEER_LOST, slot.rank)
             log.warning("job %s: no active rank is left; the next rendezvous re-arms every rank", job.name)
+
+    # ------------------------------------------------------------------- domain
+    def apply_remote(self, job: Job, node: str, ranks: dict[int, dict] | None, fields: dict | None = None,
+                     why_gone: str = "") -> None:
+        """Mirror what ``node`` reports about ``job`` (federation.py): ``ranks`` maps every
+        rank whose row that node holds to its record (state, held request, pid, device,
+        row); None or a missing rank: the node holds it no more. ``fields``: the node's
+        job-wide fields (generation, abort word, needs_rearm), of which an abort word or a
+        re-arm need of the same generation is taken over. State changes go through the
+        job's policy as local ones do (``_lose``)."""
+        ranks = ranks or {}
+        for slot in job.slots:
+            if slot.node == node and slot.rank not in ranks:
+                if slot.live:
+                    slot.remote_waiting = None
+                    self._remote_state(job, slot, L.RANK_DEAD, why_gone or f"node {node} no longer holds it")
+                slot.clear_remote()
+                self.dirty = True
+        for r, rec in ranks.items():
+            if not 0 <= r < job.ep_size:
+                continue
+            slot = job.slots[r]
+            if slot.node is None and (slot.alloc is not None or slot.live):
+                continue  # this daemon's own rank: a conflict that the job's coordinator settles
+            slot.node = node
+            slot.pid, slot.device, slot.uid = rec.get("pid"), rec.get("device"), None
+            slot.deaths, slot.attaches = rec.get("deaths", 0), rec.get("attaches", 0)
+            slot.remote_waiting = rec.get("waiting")
+            slot.remote = {k: rec.get(k) for k in ("size", "handle_type", "handle", "handle_error")}
+            state = rec["state"]
+            if slot.lost_with_node:
+                slot.lost_with_node = False
+                if state == L.RANK_ATTACHED and slot.state == L.RANK_DEAD:
+                    # counted lost with its node, yet alive: the job's rounds cannot agree any
+                    # more (the others dropped or aborted it): everyone goes through a re-arm
+                    job.needs_rearm = True
+                    if not job.control.abort_word:
+                        job.control.set_abort(L.ABORT_REARM, r)
+                    log.warning("job %s: rank %d on node %s, counted lost with its node, is alive: the job re-arms",
+                                job.name, r, node)
+            if state != slot.state:
+                self._remote_state(job, slot, state, f"(as node {node} reports)")
+            self.dirty = True
+        if fields is not None and fields.get("generation") == job.generation:
+            word = fields.get("abort", 0)
+            if word and word != L.ABORT_DESTROYED and not job.control.abort_word:
+                job.control.set_abort(word, fields.get("abort_rank", -1))
+                job.needs_rearm = True
+                self.dirty = True
+                log.warning("job %s: %s on node %s (rank %s): this node's ranks are told too", job.name,
+                            L.ABORT_NAMES.get(word, f"abort {word}"), node, fields.get("abort_rank"))
+            if fields.get("needs_rearm") and not job.needs_rearm and job.rendezvous_count > 0:
+                job.needs_rearm = True
+                self.dirty = True
+        if job.live_ranks():
+            job.grace_deadline = None
+        elif job.grace_deadline is None:
+            self._start_grace(job)
+
+    def _remote_state(self, job: Job, slot: RankSlot, state: int, why: str) -> None:
+        old = slot.state
+        slot.state = state
+        job.control.set_rank_state(slot.rank, state)
+        self.dirty = True
+        if state == L.RANK_JOINING:
+            job.last_join_seen = time.monotonic()
+            job.grace_deadline = None
+        elif state in (L.RANK_DEAD, L.RANK_LEFT) and old in (L.RANK_JOINING, L.RANK_ATTACHED):
+            self._lose(job, slot, state, old == L.RANK_ATTACHED,
+                       ("died " if state == L.RANK_DEAD else "left ") + why)
+
+    def remote_node_lost(self, job: Job, node: str, why: str) -> None:
+        """``node`` is lost (its daemon went silent): its live ranks of ``job`` count as dead."""
+        for slot in job.slots:
+            if slot.node == node and slot.live:
+                slot.remote_waiting = None
+                slot.lost_with_node = True
+                self._remote_state(job, slot, L.RANK_DEAD, f"with its node {node} ({why})")
+        if not job.live_ranks() and job.grace_deadline is None:
+            self._start_grace(job)
+
+    def domain_quiesced(self, job: Job) -> str | None:
+        """Why a re-arm of ``job`` must not touch this daemon's rows now (a local rank that
+        is live but not held in a join or recover could be inside a round), or None."""
+        busy = [s.rank for s in job.slots if s.node is None and s.live and s.pending is None and s.recovering is None]
+        return f"rank(s) {busy} are not quiesced" if busy else None
+
+    def domain_prepare(self, job: Job, generation: int, rearm: bool) -> None:
+        """The first step of a domain rendezvous: re-arm this daemon's rows (``rearm``) or take
+        the generation the coordinator picked; no rank is released yet."""
+        if rearm:
+            self._rearm(job, generation)
+        elif job.generation != generation:
+            job.generation = generation
+            job.control.generation = generation
+        job.confirmed = True
+        self.dirty = True
+
+    def domain_release(self, job: Job, generation: int, rendezvous_count: int, table: list[dict]) -> None:
+        """The second step: every node has prepared; release this daemon's held joins (with
+        every row's handle) and recovers together."""
+        for rec in table:
+            r = rec.get("rank")
+            if isinstance(r, int) and 0 <= r < job.ep_size:
+                slot = job.slots[r]
+                if slot.node is not None and slot.node == rec.get("node"):
+                    slot.remote = dict(slot.remote or {}, size=rec.get("size"), handle=rec.get("handle"),
+                                       handle_type=rec.get("handle_type"))
+                    slot.device = rec.get("device")
+        now = time.monotonic()
+        for slot in job.recovering():
+            self._reply(slot.recovering, {"generation": job.generation})
+            slot.recovering = None
+        self.dirty = True
+        pending = job.pending()
+        if not pending:
+            log.info("job %s: all %d ranks resumed at generation %d", job.name, job.ep_size, job.generation)
+            return
+        latency = now - (job.last_join_seen or now)
+        for slot in pending:
+            try:
+                self._release_join(job, slot, now)
+            except errors.A2ADError as exc:
+                self._fail(slot.pending, exc)
+                slot.pending = None
+                self._reset_joining(job, slot)
+        job.rendezvous_started = None
+        job.rendezvous_count = max(job.rendezvous_count + 1, rendezvous_count)
+        self.counters["rendezvous"] += 1
+        self.rendezvous_latencies.append(latency)
+        del self.rendezvous_latencies[:-1000]
+        if self.on_rendezvous is not None:
+            self.on_rendezvous(latency)
+        log.info("job %s: domain rendezvous done (%d ranks, %d here, generation %d, %.3f ms after the last join "
+                 "this daemon saw)", job.name, job.ep_size, len(pending), generation, latency * 1e3)
+
+    def domain_refuse(self, job: Job, exc: errors.A2ADError, drop: bool) -> None:
+        """The domain refused the job (a spec mismatch, rows without fabric handles): every join
+        of it held here hears ``exc``; with ``drop`` (this daemon's tentative job lost to
+        another spec) the job goes once no local rank holds it."""
+        for slot in job.pending():
+            self._fail(slot.pending, exc)
+            slot.pending = None
+            self._reset_joining(job, slot)
+            log.warning("job %s: rank %d's join refused by the domain: %s", job.name, slot.rank, exc.message)
+        if drop and not any(s.live for s in job.slots if s.node is None):
+            self.free(job, "its spec lost to the domain's")
+        elif not job.live_ranks() and job.grace_deadline is None:
+            self._start_grace(job)
+
+    def domain_refuse_rank(self, job: Job, rank: int, exc: errors.A2ADError) -> None:
+        """Another node holds ``rank``: this daemon's join of it is refused and its row freed."""
+        slot = job.slots[rank]
+        if slot.node is not None:
+            return
+        if slot.pending is not None:
+            self._fail(slot.pending, exc)
+            slot.pending = None
+            self._reset_joining(job, slot)
+        if not slot.live and slot.alloc is not None:
+            self.store.drop(ws_name(job.name, rank))
+            self.backend.release(slot.alloc)
+            slot.alloc = None
+            slot.state = L.RANK_EMPTY
+            job.control.set_rank_state(rank, L.RANK_EMPTY)
+        self.dirty = True
+        if not job.live_ranks() and job.grace_deadline is None:
+            self._start_grace(job)
 
     def rank_lost_while_away(self, job: Job, slot: RankSlot) -> None:
         """A rank found dead when its job is adopted (it died while no daemon ran): marked as
@@ -562,6 +807,8 @@ class Registry:
     def _maybe_release(self, job: Job) -> None:
         """Release every held join and recover once all ranks are present (and, when the
         job needs a re-arm, every attached rank is quiesced in `recover`)."""
+        if job.domain:
+            return  # its coordinator decides (federation.py); this daemon's reports go out after the request
         if job.missing_ranks() or not (job.pending() or job.recovering()):
             return
         if job.needs_rearm or job.control.abort_word:
@@ -591,7 +838,7 @@ class Registry:
 
     def _release_join(self, job: Job, slot: RankSlot, now: float) -> None:
         """Answer ``slot``'s held join: the layout, the handles it will receive, its ticket and lease."""
-        handles = [{"kind": "workspace", "rank": s.rank, "size": s.alloc.size, "device": s.device} for s in job.slots]
+        handles = [self._handle_entry(job, s) for s in job.slots]
         handles.append({"kind": "control", "size": L.CONTROL_BLOCK_SIZE})
         self._issue_ticket(job, slot, "join", now)
         self._reply(slot.pending, {
@@ -611,6 +858,23 @@ class Registry:
         })
         slot.pending = None
 
+    @staticmethod
+    def _handle_entry(job: Job, s: RankSlot) -> dict:
+        """One workspace entry of a join reply: a local row comes as the next fd, a remote one
+        as its fabric handle (docs/PROTOCOL.md; protocol.py, "Handles in a join reply")."""
+        if s.node is None:
+            entry = {"kind": "workspace", "rank": s.rank, "size": s.alloc.size, "device": s.device}
+            if job.home is not None:
+                entry.update(node=job.home, fd=True, handle_type=s.alloc.handle_type)
+            return entry
+        remote = s.remote or {}
+        if not remote.get("handle"):
+            raise errors.BackendError(
+                f"job {job.name!r}: rank {s.rank}'s workspace on node {s.node} has no fabric handle"
+                + (f": {remote['handle_error']}" if remote.get("handle_error") else ""))
+        return {"kind": "workspace", "rank": s.rank, "size": remote["size"], "device": s.device, "node": s.node,
+                "fd": False, "fabric": remote["handle"], "handle_type": remote.get("handle_type")}
+
     def _issue_ticket(self, job: Job, slot: RankSlot, kind: str, now: float) -> bytes:
         self._drop_ticket(slot)
         ticket = new_secret()
@@ -623,12 +887,16 @@ class Registry:
             self.tickets.pop(slot.ticket, None)
             slot.ticket = slot.ticket_kind = None
 
-    def _rearm(self, job: Job) -> None:
-        """Reset every rank's flags and counters to one agreed state and bump the generation.
-        Only called while no rank can be inside dispatch or combine (all quiesced or joining)."""
+    def _rearm(self, job: Job, generation: int | None = None) -> None:
+        """Reset every rank's flags and counters to one agreed state and bump the generation
+        (to ``generation``: the one a domain's coordinator picked). Only called while no rank
+        can be inside dispatch or combine (all quiesced or joining). In a job that spans nodes
+        each daemon re-arms the rows it holds, all before any rank is released."""
         t0 = time.monotonic()
         with self.backend.batch():
             for slot in job.slots:
+                if slot.alloc is None:
+                    continue  # another node's row: its daemon re-arms it
                 self.backend.initialize(slot.alloc, job.aux.aux_bytes, job.aux.flag_val, L.INITIAL_ROUND, fresh=False)
         for r in range(job.ep_size):
             job.control.clear_status(r)
@@ -636,7 +904,7 @@ class Registry:
         for slot in job.slots:
             slot.readmitting = False
         self._set_mask(job, L.full_mask(job.ep_size))  # every rank takes part from the first round on
-        job.generation += 1
+        job.generation = job.generation + 1 if generation is None else generation
         job.control.generation = job.generation
         job.control.clear_abort()
         job.needs_rearm = False
@@ -710,7 +978,7 @@ class Registry:
         self.auth.check_connect(peer)
         kind = slot.ticket_kind
         self._drop_ticket(slot)
-        fds = [] if kind == "renew" else [s.alloc.fd for s in job.slots] + [job.control_fd]
+        fds = [] if kind == "renew" else [s.alloc.fd for s in job.slots if s.node is None] + [job.control_fd]
         return Redeemed(kind=kind, job=job, slot=slot, fds=fds)
 
     def delivered(self, r: Redeemed, conn: object) -> None:
@@ -810,32 +1078,36 @@ class Registry:
         if slot.recovering is not None:
             self._fail(slot.recovering, errors.PermissionDenied(f"rank {slot.rank} is {L.RANK_STATE_NAMES[state]}"))
             slot.recovering = None
-        others_live = any(s.live for s in job.slots if s is not slot)
-        if job.serving_degraded:
-            # the others serve on without it: its bit goes, no abort
-            if state == L.RANK_DEAD:
-                slot.deaths += 1
-                self.counters["deaths"] += 1
-            else:
-                self.counters["detaches"] += 1
-            self._drop_rank(job, slot, why)
-        elif state == L.RANK_DEAD:
+        if state == L.RANK_DEAD:
             slot.deaths += 1
             self.counters["deaths"] += 1
-            # peers spinning on this rank leave their waits at once
+        else:
+            self.counters["detaches"] += 1
+        self._lose(job, slot, state, was_live, why)
+        if not job.live_ranks():
+            self._start_grace(job)
+
+    def _lose(self, job: Job, slot: RankSlot, state: int, was_live: bool, why: str) -> None:
+        """What a rank's death or departure does to its job, by the job's policy: a degrade job
+        that serves clears its bit; otherwise a death sets the abort word (peers spinning on the
+        rank leave their waits at once) and a live rank's departure makes the job need a re-arm.
+        The same for a rank of this daemon and for a remote rank of a job that spans nodes."""
+        others_live = any(s.live for s in job.slots if s is not slot)
+        where = f" on node {slot.node}" if slot.node else ""
+        if job.serving_degraded:
+            # the others serve on without it: its bit goes, no abort
+            self._drop_rank(job, slot, why + where)
+        elif state == L.RANK_DEAD:
             job.control.set_abort(L.ABORT_PEER_LOST, slot.rank)
             job.needs_rearm = job.needs_rearm or job.rendezvous_count > 0
-            log.warning("job %s: rank %d (pid %s) %s", job.name, slot.rank, slot.pid, why)
+            log.warning("job %s: rank %d (pid %s%s) %s", job.name, slot.rank, slot.pid, where, why)
         else:
             if was_live and others_live:
                 # the job's rounds can no longer agree: survivors must recover with a replacement
                 job.needs_rearm = True
                 if not job.control.abort_word:
                     job.control.set_abort(L.ABORT_PEER_LEFT, slot.rank)
-            self.counters["detaches"] += 1
-            log.info("job %s: rank %d (pid %s) %s", job.name, slot.rank, slot.pid, why)
-        if not job.live_ranks():
-            self._start_grace(job)
+            log.info("job %s: rank %d (pid %s%s) %s", job.name, slot.rank, slot.pid, where, why)
 
     def _start_grace(self, job: Job) -> None:
         job.grace_deadline = time.monotonic() + self.limits.grace
@@ -854,6 +1126,8 @@ class Registry:
     def destroy(self, peer: Peer, name: str) -> dict:
         job = self.job_for(peer, name)
         self.free(job, f"destroyed by request of uid {peer.uid}")
+        if self.fed is not None and job.domain:
+            self.fed.spread_destroy(job, f"destroyed on node {job.home} by request of uid {peer.uid}")
         return {"destroyed": name}
 
     # ----------------------------------------------------------------- timers
@@ -907,7 +1181,7 @@ class Registry:
         job.freed = True
         self.dirty = True
         job.control.set_abort(L.ABORT_DESTROYED, -1)
-        holders = [s.pid for s in job.slots if s.state == L.RANK_ATTACHED and s.pid]
+        holders = [s.pid for s in job.slots if s.state == L.RANK_ATTACHED and s.pid and s.node is None]
         if holders:
             self.released.append({"job": job.name, "bytes": job.job_bytes, "pids": holders})
         gone = errors.JobDestroyed(f"job {job.name!r} was destroyed ({why})")

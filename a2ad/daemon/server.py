@@ -6,7 +6,9 @@ successor.
 The rooms: requests are decoded and authorized in commands.py, which calls the registry
 (registry.py: jobs, ranks, rendezvous, leases); the fd socket is fdsock.py; who may do
 what is auth.py; the state file is persist.py and the fds that outlive the daemon are in
-fdstore.py. Nothing here is on the data path.
+fdstore.py. In a domain (``--domain``), the links to the other nodes' daemons are
+domain.py and the jobs that span nodes federation.py; their sockets sit in the same poll
+loop. Nothing here is on the data path.
 """
 
 from __future__ import annotations
@@ -86,6 +88,9 @@ class Config:
     max_held_joins_per_uid: int = 256
     max_handshakes_per_uid: int = 64
     max_zmq_peers_per_uid: int = 256
+    #: The domain config file (TOML) of a multi-node NVLink domain, and this node's name in it.
+    domain: str | None = None
+    node: str | None = None
 
 
 def raise_nofile_limit() -> tuple[int, int]:
@@ -144,6 +149,26 @@ class Daemon:
         self._sock_gid: int | None = None
         self.nofile = raise_nofile_limit()
         self._next_store_check = 0.0
+        self.domain = self.fed = None
+        if config.domain is not None:
+            self._setup_domain(config)
+
+    def _setup_domain(self, config: Config) -> None:
+        from a2ad.daemon.domain import Domain, load_config
+        from a2ad.daemon.federation import Federation
+
+        dcfg = load_config(config.domain)
+        node = config.node
+        if node is None:
+            host = socket.gethostname().split(".")[0]
+            if host not in dcfg.names:
+                raise errors.InvalidField(
+                    f"this host ({host}) is not a node of domain {dcfg.name} ({dcfg.path}: {', '.join(dcfg.names)}); "
+                    "pass --node NAME", field="node")
+            node = host
+        self.domain = Domain(dcfg, node)
+        self.backend.enable_fabric()
+        self.fed = Federation(self.registry, self.domain, self.backend.name)
 
     # ------------------------------------------------------- views for metrics
     @property
@@ -255,6 +280,8 @@ class Daemon:
         if self.cfg.metrics_port is not None:
             self.metrics_http = metrics.MetricsHTTP(self, self.cfg.metrics_port)
             log.info("metrics on http://%s:%d/metrics", *self.metrics_http.address)
+        if self.domain is not None:
+            self.domain.start()  # after adoption: the first reports already hold the adopted jobs
 
     def _bind_ctl(self) -> None:
         rd = self.cfg.runtime_dir
@@ -292,6 +319,8 @@ class Daemon:
         log.info("listening on ctl.sock again (%d open files)", _count_fds())
 
     def _unbind(self) -> None:
+        if self.domain is not None:
+            self.domain.close()
         if self.metrics_http is not None:
             self.metrics_http.close()
             self.metrics_http = None
@@ -369,6 +398,9 @@ class Daemon:
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
         if self.metrics_http is not None:
             poller.register(self.metrics_http.fileno(), zmq.POLLIN)
+        domain_socks = self.domain.sockets() if self.domain is not None else []
+        for sock in domain_socks:
+            poller.register(sock, zmq.POLLIN)
         registered: set[int] = set()
         while not self.stopping:
             # keep the poller in step with the live connections and pidfds
@@ -391,6 +423,8 @@ class Daemon:
                 self._guard("peer accounting", self._on_monitor)
             if self.router in events:
                 self._guard("requests", self._drain_router)
+            if domain_socks and any(sock in events for sock in domain_socks):
+                self._guard("domain", self.domain.service, events)
             if self.fdsock.fileno() in events:
                 self._guard("fd socket accept", self.fdsock.accept)
             for fd in events:
@@ -412,8 +446,15 @@ class Daemon:
             log.exception("internal error in %s (the daemon keeps serving)", what)
         self._deliver()
 
-    def _deliver(self) -> None:
-        """Carry out what the registry decided: replies, lease connections to close."""
+    def _deliver(self, reports: bool = True) -> None:
+        """Carry out what the registry decided: the domain's reports and rendezvous steps (the
+        reports wait with ``reports=False``, while a batch of requests is being handled),
+        replies, lease connections to close."""
+        if self.fed is not None:
+            try:
+                self.fed.flush(reports)
+            except Exception:
+                log.exception("internal error in the domain federation (the daemon keeps serving)")
         outbox, self.registry.outbox = self.registry.outbox, []
         for identity, data in outbox:
             self._send(identity, data)
@@ -438,13 +479,18 @@ class Daemon:
     def _next_deadline(self) -> float | None:
         retry = self.state.retry_in if self.state.dirty else None
         times = [t for t in (self.registry.next_deadline(), self.fdsock.next_deadline(),
-                             None if retry is None else time.monotonic() + retry) if t is not None]
+                             None if retry is None else time.monotonic() + retry,
+                             self.domain.next_deadline() if self.domain is not None else None,
+                             self.fed.next_deadline() if self.fed is not None else None) if t is not None]
         return min(times) if times else None
 
     def _run_timers(self) -> None:
         now = time.monotonic()
         self.registry.expire(now)
         self.fdsock.expire(now)
+        if self.domain is not None:
+            self.domain.tick(now)
+            self.fed.tick(now)
         if now >= self._next_store_check:
             self._next_store_check = now + 1.0
             self._maybe_resume_ctl()
@@ -469,7 +515,7 @@ class Daemon:
             reply = handle(self, identity, frames[1].bytes, _zmq_peer(frames[1]))
             if reply is not None:
                 self._send(identity, reply)
-            self._deliver()
+            self._deliver(reports=False)
             self.notifier.tick(self)
 
     def _send(self, identity: bytes, data: bytes) -> None:
@@ -572,12 +618,29 @@ class Daemon:
             slots=[RankSlot(rank=r) for r in range(ep_size)], owner_uid=rec.get("owner_uid"),
         )
         job.generation = rec["generation"]
+        dom = rec.get("domain")
+        if dom is not None:
+            if self.fed is None:
+                log.warning("job %s spans a domain (node %s) but this daemon runs without --domain: its other nodes' "
+                            "ranks cannot be reached", name, dom.get("node"))
+            elif dom.get("node") != self.fed.node:
+                log.warning("job %s was held as node %s of its domain; this daemon is node %s", name, dom.get("node"),
+                            self.fed.node)
+            job.domain = True
+            job.home = self.fed.node if self.fed is not None else dom.get("node")
+            job.confirmed = bool(dom.get("confirmed", True))
         job.rearms = rec.get("rearms", 0)
         job.rendezvous_count = rec.get("rendezvous_count", 0)
         job.needs_rearm = rec.get("needs_rearm", False)
         used.add(cb_name(name))
         try:
             for srec, slot in zip(rec["slots"], job.slots):
+                if srec.get("node") is not None:  # another node's rank: what that node last reported
+                    slot.node, slot.pid, slot.device, slot.state = srec["node"], srec["pid"], srec["device"], srec["state"]
+                    slot.deaths, slot.attaches = srec["deaths"], srec["attaches"]
+                    slot.remote = dict(srec.get("remote") or {})
+                    control.set_rank_state(slot.rank, slot.state)
+                    continue
                 slot.pid, slot.uid, slot.device = srec["pid"], srec["uid"], srec["device"]
                 slot.lease, slot.deaths, slot.attaches = srec["lease"], srec["deaths"], srec["attaches"]
                 if job.owner_uid is None and srec["uid"] is not None:
@@ -586,7 +649,8 @@ class Daemon:
                     fd = fds.get(ws_name(name, slot.rank))
                     if fd is None:
                         raise errors.BackendError(f"rank {slot.rank}'s workspace was not kept")
-                    slot.alloc = self.backend.adopt(fd, srec["alloc"]["size"], srec["device"], srec["alloc"]["handle_type"])
+                    slot.alloc = self.backend.adopt(fd, srec["alloc"]["size"], srec["device"], srec["alloc"]["handle_type"],
+                                                    fabric=srec["alloc"].get("fabric"))
                     used.add(ws_name(name, slot.rank))
                 state = srec["state"]
                 if state == L.RANK_ATTACHED:
@@ -812,7 +876,19 @@ class Daemon:
                 "max": round(lat[-1] * 1e3, 3) if lat else None,
             },
             "open_fds": _count_fds(),
+            "domain": self.domain_status(brief=True),
         }
+
+    def domain_status(self, brief: bool = False) -> dict | None:
+        """The domain this daemon is a node of: its peers' states and links (None: no domain)."""
+        if self.domain is None:
+            return None
+        st = self.domain.status()
+        if brief:
+            return {"domain": st["domain"], "node": st["node"],
+                    "nodes": {n["name"]: n["state"] for n in st["nodes"]}}
+        st["federation"] = self.fed.status()
+        return st
 
 
 def _zmq_peer(frame: zmq.Frame) -> tuple[int, int, int] | None:

@@ -64,6 +64,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="wait for the previous daemon to hand over the runtime folder (used by upgrade)")
     p.add_argument("--metrics-port", type=_port, metavar="PORT",
                    help="also serve Prometheus metrics at http://127.0.0.1:PORT/metrics (loopback only; default off)")
+    p.add_argument("--domain", metavar="FILE",
+                   help="the config file (TOML) of the multi-node NVLink domain this node belongs to: its nodes, "
+                        "their addresses and the shared key (docs/DOMAIN.md); jobs may then span nodes")
+    p.add_argument("--node", metavar="NAME",
+                   help="this node's name in the --domain file (default: the short host name)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -94,6 +99,8 @@ def serve(args) -> int:
         fd_store=args.fd_store,
         takeover=args.takeover,
         argv=list(getattr(args, "serve_argv", [])),
+        domain=args.domain,
+        node=args.node,
     )
     try:
         daemon = Daemon(cfg)

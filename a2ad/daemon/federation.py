@@ -1,0 +1,793 @@
+"""Jobs that span the nodes of a domain: how the daemons of a domain agree on a job, run one
+rendezvous for it, and tell each other about the losses of its ranks.
+
+Every rank attaches to its own node's daemon, exactly as on one node; that daemon
+allocates the rank's row and holds its join. The daemons then share what they hold:
+
+- **Reports.** Whenever a daemon's part of a domain job changes (a rank joins, attaches,
+  dies, leaves, waits in a recover; the abort word, the generation), it sends its *report*
+  of the job (``job`` message: the spec, its rows with their fabric handles, each local
+  rank's state and held request) to every peer, at once and numbered. Every daemon keeps
+  the latest report of every node per job (``FedJob.views``) and mirrors the other nodes'
+  ranks into its own copy of the job (``Registry.apply_remote``), where a remote rank's
+  death or departure goes through the job's policy exactly as a local one does: the abort
+  word (raise) or the active mask (degrade) of this node's control block. So a rank death
+  reaches the ranks of every node one hop after its own daemon saw it.
+- **A coordinator per job.** The job's coordinator is the first node, in an order picked
+  by rendezvous hashing of the job's name over the configured nodes, that this daemon does
+  not count as down. Every daemon computes the same order; while views of who is down
+  agree, they name the same coordinator, and when the coordinator is lost the next one in
+  the order takes over from the reports (which hold everything it needs).
+- **First join wins.** The coordinator takes the spec of the first report of the job that
+  reaches it (a report of a node that already holds the decision wins over it) and sends
+  it (``decide``) to the nodes that report it; a node that creates the job before the
+  decision reached it holds a *tentative* job. A report with another spec is refused
+  everywhere (``refuse``): every daemon fails the joins it holds for the job with a
+  SpecMismatch naming the field and both values, and the refused node drops its tentative
+  job. A rank whose row two nodes hold (simultaneous joins) stays with the first.
+- **One rendezvous, two steps.** When every rank of the job is live on its node, some wait
+  in a join or recover, and (if the job needs a re-arm) every attached rank waits in a
+  recover, the coordinator sends ``prepare`` to every node that holds rows: each checks
+  that it has seen nothing newer than what the coordinator saw, re-arms the rows it holds
+  (or takes the picked generation) and answers ``prepared``. Once every node did, it sends
+  ``release`` with every row's handle: each daemon answers its held joins and recovers.
+  No rank is released before every row of the job is re-armed. A node that answers no,
+  or a prepare that times out, makes the coordinator try again from newer reports.
+- **Lost nodes.** When the domain link counts a peer lost (heartbeats), that node's live
+  ranks count as dead in every job: raise jobs set the abort word (ABORT_PEER_LOST),
+  degrade jobs clear their bits. A node that comes back sends all its reports again.
+- A job whose ranks all attach to one node never leaves that node except for its reports;
+  with its coordinator elsewhere, agreement costs one ``decide`` and the two rendezvous
+  steps.
+
+Nothing here blocks: messages go out through the domain bus (non-blocking; a message the
+link cannot take makes a full resend owed), messages to this daemon itself go through a
+local inbox handled in the same loop turn. Every message from a peer is checked field by
+field before it reaches the registry; one that does not fit is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from a2ad import errors, layout as L, protocol
+from a2ad.daemon.domain import PEER_DOWN, Domain
+
+log = logging.getLogger("a2ad")
+
+#: Seconds the coordinator waits for every node's ``prepared`` before it tries again.
+PREPARE_TIMEOUT = 5.0
+#: Seconds before a coordinator tries a rendezvous again after a node answered no.
+RETRY_DELAY = 0.05
+_LIVE = (L.RANK_JOINING, L.RANK_ATTACHED)
+_SPEC_KEYS = ("ep_size", "spec")
+
+
+@dataclass
+class Attempt:
+    id: int
+    generation: int
+    rearm: bool
+    nodes: set[str]
+    seqs: dict[str, list]
+    table: list[dict]
+    rendezvous_count: int
+    started: float
+    prepared: set[str] = field(default_factory=set)
+
+
+@dataclass
+class FedJob:
+    """Everything this daemon knows about one job of the domain."""
+
+    name: str
+    #: node -> its latest report of the job (this daemon's own included)
+    views: dict[str, dict] = field(default_factory=dict)
+    #: node -> (daemon instance, number) of that report
+    seqs: dict[str, tuple[bytes, int]] = field(default_factory=dict)
+    #: nodes in the order their first report arrived here
+    order: list[str] = field(default_factory=list)
+    #: nodes lost since their report arrived: their ranks count as dead
+    lost: set[str] = field(default_factory=set)
+    #: the domain's decision {ep_size, spec, owner_uid, backend, row_stride} (the
+    #: coordinator's own, or what a decide brought)
+    decided: dict | None = None
+    # --- the coordinator's bookkeeping
+    placement: dict[int, str] = field(default_factory=dict)
+    refused: dict[str, tuple] = field(default_factory=dict)
+    decide_sent: dict[str, tuple] = field(default_factory=dict)
+    rank_refused: set[tuple] = field(default_factory=set)
+    attempt: Attempt | None = None
+    retry_at: float = 0.0
+    last_join_at: float = 0.0
+    #: the report numbers the latest released rendezvous was decided on (no second one on them)
+    released_on: dict | None = None
+
+
+def _decision(view: dict) -> dict:
+    return {k: view[k] for k in ("ep_size", "spec", "owner_uid", "backend", "row_stride")}
+
+
+def _ranks(view: dict) -> dict[int, dict]:
+    return {rec["rank"]: rec for rec in view["ranks"]}
+
+
+def _fields(view: dict) -> dict:
+    return {k: view[k] for k in ("generation", "abort", "abort_rank", "needs_rearm")}
+
+
+def _differs(decided: dict, view: dict) -> tuple[str, str, object, object] | None:
+    """(kind, field, the job's value, the other value) of the first difference, or None."""
+    if view["ep_size"] != decided["ep_size"]:
+        return "spec", "ep_size", decided["ep_size"], view["ep_size"]
+    a, b = decided["spec"], view["spec"]
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) != b.get(key):
+            return "spec", key, a.get(key), b.get(key)
+    if view["backend"] != decided["backend"]:
+        return "config", "backend", decided["backend"], view["backend"]
+    if view["row_stride"] != decided["row_stride"]:
+        return "config", "row_stride", decided["row_stride"], view["row_stride"]
+    if decided["owner_uid"] is not None and view["owner_uid"] is not None and view["owner_uid"] != decided["owner_uid"]:
+        return "owner", "owner_uid", decided["owner_uid"], view["owner_uid"]
+    return None
+
+
+def _spec_error(job: str, kind: str, fld: str, a, b, node: str) -> errors.A2ADError:
+    if kind == "spec":
+        what = "ep_size" if fld == "ep_size" else f"spec field {fld}"
+        return errors.SpecMismatch(
+            f"job {job!r}: {what} differs (job has {a}, a join on node {node} asked for {b})",
+            field=fld, job_value=a, requested=b, node=node)
+    if kind == "owner":
+        return errors.PermissionDenied(f"job {job!r} belongs to another user (uid {a}); choose another job name")
+    return errors.BackendError(f"job {job!r}: the nodes disagree on {fld} (the job has {a}, node {node} has {b}); "
+                               "every daemon of a domain must run the same backend", field=fld)
+
+
+# ------------------------------------------------------------------------ checking messages
+def _int(v, lo: int = 0, hi: int = 2**63 - 1) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _opt_str(v, n: int) -> bool:
+    return v is None or (isinstance(v, str) and len(v) <= n)
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(what)
+
+
+def _check_name(msg: dict) -> str:
+    try:
+        return protocol.check_job_name("job", msg.get("job"))
+    except errors.InvalidField as exc:
+        raise ValueError(exc.message) from None
+
+
+def _check_report(msg: dict) -> None:
+    """A ``job`` message's fields, all of them, before anything uses one (ValueError: why not)."""
+    _check_name(msg)
+    _need(_int(msg.get("seq"), 1), "bad seq")
+    _need(isinstance(msg.get("gone"), bool), "bad gone")
+    if msg["gone"]:
+        return
+    ep = msg.get("ep_size")
+    _need(_int(ep, 1, L.MAX_EP_SIZE), "bad ep_size")
+    try:
+        spec = protocol.REQUESTS["join"]["spec"].check("spec", msg.get("spec"))
+    except errors.InvalidField as exc:
+        raise ValueError(exc.message) from None
+    _need(protocol.normalize_spec(spec, ep) == msg["spec"], "spec not normalized")
+    _need(msg.get("owner_uid") is None or _int(msg["owner_uid"]), "bad owner_uid")
+    _need(isinstance(msg.get("backend"), str) and len(msg["backend"]) <= 16, "bad backend")
+    for k in ("row_stride", "size_per_rank", "generation", "rendezvous_count"):
+        _need(_int(msg.get(k)), f"bad {k}")
+    for k in ("confirmed", "needs_rearm"):
+        _need(isinstance(msg.get(k), bool), f"bad {k}")
+    _need(_int(msg.get("abort"), 0, 2**32 - 1) and _int(msg.get("abort_rank"), -1, L.MAX_EP_SIZE), "bad abort")
+    ranks = msg.get("ranks")
+    _need(isinstance(ranks, list) and len(ranks) <= ep, "bad ranks")
+    seen = set()
+    for rec in ranks:
+        _need(isinstance(rec, dict), "a rank record is not a map")
+        r = rec.get("rank")
+        _need(_int(r, 0, ep - 1) and r not in seen, "bad rank")
+        seen.add(r)
+        _need(rec.get("state") in L.RANK_STATE_NAMES, "bad rank state")
+        _need(rec.get("waiting") in (None, "join", "recover"), "bad waiting")
+        _need(rec.get("pid") is None or _int(rec["pid"], 1, 2**31 - 1), "bad pid")
+        _need(_opt_str(rec.get("device"), protocol.MAX_DEVICE_LEN), "bad device")
+        _need(_int(rec.get("deaths")) and _int(rec.get("attaches")), "bad counts")
+        _need(rec.get("size") is None or _int(rec["size"], 1), "bad size")
+        _need(rec.get("handle") is None or (isinstance(rec["handle"], bytes) and 1 <= len(rec["handle"]) <= 256),
+              "bad handle")
+        _need(_opt_str(rec.get("handle_type"), 32) and _opt_str(rec.get("handle_error"), 2000), "bad handle fields")
+
+
+def _check_decision(d) -> dict:
+    _need(isinstance(d, dict), "bad decision")
+    probe = {"ep_size": d.get("ep_size"), "spec": d.get("spec"), "owner_uid": d.get("owner_uid"),
+             "backend": d.get("backend"), "row_stride": d.get("row_stride"), "job": "x", "seq": 1, "gone": False,
+             "size_per_rank": 1, "generation": 0, "rendezvous_count": 0, "confirmed": True, "needs_rearm": False,
+             "abort": 0, "abort_rank": -1, "ranks": []}
+    _check_report(probe)
+    return _decision(probe)
+
+
+class Federation:
+    """The domain side of the registry (see the module doc). ``flush`` runs after every
+    event the daemon handles; ``tick`` and ``next_deadline`` with its timers."""
+
+    def __init__(self, registry, bus: Domain, backend_name: str):
+        self.reg = registry
+        registry.fed = self
+        self.bus = bus
+        bus.handler = self
+        self.node = bus.node
+        self.nodes = bus.cfg.names
+        self.backend = backend_name
+        self.jobs: dict[str, FedJob] = {}
+        self._sent: dict[str, dict] = {}
+        self._seq: dict[str, int] = {}
+        self._inbox: list[dict] = []
+        self._coord_dirty: set[str] = set()
+        self._force_sync = True
+        self._next_force = 0.0
+        self._order_cache: dict[str, list[str]] = {}
+        self.counters = {"reports_sent": 0, "reports_received": 0, "rendezvous_coordinated": 0, "prepare_retries": 0,
+                         "refusals": 0, "nodes_lost": 0}
+        #: the coordinator's "last join seen to release sent" of its latest rendezvous, seconds
+        self.coordinated: list[float] = []
+
+    # --------------------------------------------------------------- coordinator
+    def order(self, job: str) -> list[str]:
+        """The nodes in the order that picks ``job``'s coordinator (highest random weight)."""
+        o = self._order_cache.get(job)
+        if o is None:
+            o = sorted(self.nodes, key=lambda n: hashlib.blake2b(f"{job}\0{n}".encode(), digest_size=8).digest(),
+                       reverse=True)
+            if len(self._order_cache) > 4096:
+                self._order_cache.clear()
+            self._order_cache[job] = o
+        return o
+
+    def coordinator(self, job: str) -> str:
+        for n in self.order(job):
+            if n == self.node or self.bus.state(n) != PEER_DOWN:
+                return n
+        return self.node
+
+    # --------------------------------------------------------- registry's calls
+    def check_new_job(self, name: str, ep_size: int, spec: dict, peer) -> bool:
+        """A join creates ``name`` on this node: check it against what the domain already
+        decided; True when that decision is known (the job is then not tentative)."""
+        fj = self.jobs.get(name)
+        decided = self._known(fj)
+        if decided is None:
+            return False
+        probe = {"ep_size": ep_size, "spec": spec, "owner_uid": None, "backend": self.backend,
+                 "row_stride": decided["row_stride"]}
+        diff = _differs(decided, probe)
+        if diff is not None:
+            kind, fld, a, b = diff
+            exc = _spec_error(name, kind, fld, a, b, self.node)
+            if kind == "spec":
+                self._broadcast_refusal(name, kind, fld, a, b, self.node, decided)
+            raise exc
+        if decided["owner_uid"] is not None and not self.reg.auth.may_use(peer, decided["owner_uid"]):
+            raise _spec_error(name, "owner", "owner_uid", decided["owner_uid"], peer.uid, self.node)
+        return True
+
+    def _known(self, fj: FedJob | None) -> dict | None:
+        if fj is None:
+            return None
+        if fj.decided is not None:
+            return fj.decided
+        for n in fj.order:
+            v = fj.views.get(n)
+            if v is not None and v["confirmed"] and n not in fj.lost:
+                return _decision(v)
+        return None
+
+    def job_created(self, job, confirmed: bool) -> None:
+        job.domain = True
+        job.home = self.node
+        job.confirmed = confirmed
+        fj = self.jobs.get(job.name)
+        if fj is not None:  # other nodes' ranks of it, as they reported them
+            for n, v in fj.views.items():
+                if n != self.node and n not in fj.lost and self._same_job(job, v):
+                    self.reg.apply_remote(job, n, _ranks(v), _fields(v))
+
+    def spread_refusal(self, job, exc: errors.SpecMismatch) -> None:
+        d = exc.details
+        self._broadcast_refusal(job.name, "spec", d.get("field"), d.get("job_value"), d.get("requested"), self.node,
+                                {"ep_size": job.ep_size, "spec": job.spec, "owner_uid": job.owner_uid,
+                                 "backend": self.backend, "row_stride": job.row_stride})
+
+    def spread_destroy(self, job, why: str) -> None:
+        self.bus.broadcast({"t": "destroy", "job": job.name, "why": why})
+
+    @staticmethod
+    def _same_job(job, view: dict) -> bool:
+        return view["ep_size"] == job.ep_size and view["spec"] == job.spec
+
+    # ------------------------------------------------------------------- reports
+    def _report(self, job) -> dict:
+        ranks = []
+        for s in job.slots:
+            if s.node is not None or (s.alloc is None and not s.live):
+                continue
+            a = s.alloc
+            ranks.append({"rank": s.rank, "state": s.state, "waiting": s.waiting, "pid": s.pid, "device": s.device,
+                          "deaths": s.deaths, "attaches": s.attaches, "size": a.size if a else None,
+                          "handle_type": a.handle_type if a else None, "handle": a.fabric_handle if a else None,
+                          "handle_error": (a.fabric_error or "")[:2000] or None if a else None})
+        cb = job.control
+        return {"ep_size": job.ep_size, "spec": job.spec, "owner_uid": job.owner_uid, "backend": self.backend,
+                "row_stride": job.row_stride, "size_per_rank": job.size_per_rank, "confirmed": job.confirmed,
+                "generation": job.generation, "rendezvous_count": job.rendezvous_count, "needs_rearm": job.needs_rearm,
+                "abort": cb.abort_word, "abort_rank": cb.abort_rank, "ranks": ranks}
+
+    def sync_local(self) -> bool:
+        """Send the report of every domain job whose part here changed; True if one did."""
+        changed = False
+        for name, job in list(self.reg.jobs.items()):
+            if not job.domain or job.freed:
+                continue
+            body = self._report(job)
+            if body != self._sent.get(name):
+                self._publish(name, body)
+                changed = True
+        for name in [n for n in self._sent if n not in self.reg.jobs or not self.reg.jobs[n].domain]:
+            self._publish(name, None)
+            changed = True
+        return changed
+
+    def _publish(self, name: str, body: dict | None) -> None:
+        seq = self._seq[name] = self._seq.get(name, 0) + 1
+        msg = {"t": "job", "job": name, "seq": seq, "gone": body is None, **(body or {})}
+        if body is None:
+            self._sent.pop(name, None)
+        else:
+            self._sent[name] = body
+        self.counters["reports_sent"] += 1
+        self.bus.broadcast(msg)
+        self._take_report(self.node, self.bus.boot, msg)
+
+    def on_resync(self, node: str) -> None:
+        """Send ``node`` every report of this daemon, then the list of its jobs (jobs it does
+        not list are gone from here)."""
+        for name, body in self._sent.items():
+            self.bus.send(node, {"t": "job", "job": name, "seq": self._seq[name], "gone": False, **body})
+        self.bus.send(node, {"t": "sync", "jobs": sorted(self._sent)})
+        self._coord_dirty.update(self.jobs)
+
+    # -------------------------------------------------------------- the bus's calls
+    def on_peer_up(self, node: str, restarted: bool) -> None:
+        self._coord_dirty.update(self.jobs)  # the coordinator of some jobs may have changed
+
+    def on_peer_lost(self, node: str, why: str) -> None:
+        self.counters["nodes_lost"] += 1
+        for fj in self.jobs.values():
+            if node in fj.views:
+                fj.lost.add(node)
+                job = self.reg.jobs.get(fj.name)
+                if job is not None and job.domain:
+                    self.reg.remote_node_lost(job, node, why)
+        self._coord_dirty.update(self.jobs)
+
+    def on_message(self, node: str, msg: dict) -> None:
+        t = msg["t"]
+        handler = _HANDLERS.get(t)
+        if handler is None:
+            raise ValueError(f"unknown message type {t!r:.40}")
+        handler(self, node, msg)
+
+    # ----------------------------------------------------------------- handlers
+    def _on_job(self, node: str, msg: dict) -> None:
+        _check_report(msg)
+        self.counters["reports_received"] += 1
+        self._take_report(node, msg["boot"], msg)
+
+    def _take_report(self, node: str, boot: bytes, msg: dict) -> None:
+        name = msg["job"]
+        fj = self.jobs.get(name)
+        if fj is None:
+            if msg["gone"]:
+                return
+            fj = self.jobs[name] = FedJob(name)
+        prev = fj.seqs.get(node)
+        if prev is not None and prev[0] == boot and (msg["seq"] < prev[1] or (msg["seq"] == prev[1] and node not in fj.lost)):
+            return  # not newer than what we have
+        fj.seqs[node] = (boot, msg["seq"])
+        fj.lost.discard(node)
+        old = fj.views.get(node)
+        if msg["gone"]:
+            fj.views.pop(node, None)
+            if node in fj.order:
+                fj.order.remove(node)
+        else:
+            fj.views[node] = msg
+            if node not in fj.order:
+                fj.order.append(node)
+            before = _ranks(old) if old is not None else {}
+            if any(rec["state"] == L.RANK_JOINING and before.get(r, {}).get("state") != L.RANK_JOINING
+                   for r, rec in _ranks(msg).items()):
+                fj.last_join_at = time.monotonic()
+        if node != self.node:
+            job = self.reg.jobs.get(name)
+            if job is not None and job.domain:
+                if msg["gone"] or not self._same_job(job, msg):
+                    self.reg.apply_remote(job, node, None, why_gone=f"node {node} no longer holds the job")
+                else:
+                    self.reg.apply_remote(job, node, _ranks(msg), _fields(msg))
+        self._coord_dirty.add(name)
+        self._gc(fj)
+
+    def _gc(self, fj: FedJob) -> None:
+        if not fj.views and fj.name not in self.reg.jobs:
+            self.jobs.pop(fj.name, None)
+
+    def _on_sync(self, node: str, msg: dict) -> None:
+        names = msg.get("jobs")
+        _need(isinstance(names, list) and all(isinstance(n, str) for n in names), "bad job list")
+        keep = set(names)
+        for fj in list(self.jobs.values()):
+            if node in fj.views and fj.name not in keep:
+                fj.views.pop(node, None)
+                if node in fj.order:
+                    fj.order.remove(node)
+                fj.lost.discard(node)
+                job = self.reg.jobs.get(fj.name)
+                if job is not None and job.domain:
+                    self.reg.apply_remote(job, node, None, why_gone=f"node {node} no longer holds the job")
+                self._coord_dirty.add(fj.name)
+                self._gc(fj)
+
+    def _on_decide(self, node: str, msg: dict) -> None:
+        name = _check_name(msg)
+        decided = _check_decision(msg.get("decision"))
+        fj = self.jobs.setdefault(name, FedJob(name))
+        if self.coordinator(name) != self.node:
+            fj.decided = decided
+        job = self.reg.jobs.get(name)
+        if job is None or not job.domain:
+            return
+        probe = {"ep_size": job.ep_size, "spec": job.spec, "owner_uid": job.owner_uid, "backend": self.backend,
+                 "row_stride": job.row_stride}
+        diff = _differs(decided, probe)
+        if diff is None:
+            if not job.confirmed:
+                job.confirmed = True
+                self.reg.dirty = True
+        elif not job.confirmed:
+            kind, fld, a, b = diff
+            self.reg.domain_refuse(job, _spec_error(name, kind, fld, a, b, self.node), drop=True)
+
+    def _on_refuse(self, node: str, msg: dict) -> None:
+        name = _check_name(msg)
+        kind, fld = msg.get("kind"), msg.get("field")
+        _need(kind in ("spec", "owner", "config", "backend") and isinstance(fld, str), "bad refusal")
+        _need(isinstance(msg.get("node"), str) and _opt_str(msg.get("message"), 4000), "bad refusal")
+        decided = _check_decision(msg.get("decision")) if msg.get("decision") is not None else None
+        job = self.reg.jobs.get(name)
+        self.counters["refusals"] += 1
+        if job is None or not job.domain:
+            return
+        if kind == "backend":
+            exc = errors.BackendError(msg.get("message") or f"job {name!r} was refused by the domain")
+        else:
+            exc = _spec_error(name, kind, fld, msg.get("job_value"), msg.get("requested"), msg["node"])
+        drop = False
+        if decided is not None and not job.confirmed:
+            probe = {"ep_size": job.ep_size, "spec": job.spec, "owner_uid": job.owner_uid, "backend": self.backend,
+                     "row_stride": job.row_stride}
+            drop = _differs(decided, probe) is not None
+        self.reg.domain_refuse(job, exc, drop)
+
+    def _on_refuse_rank(self, node: str, msg: dict) -> None:
+        name = _check_name(msg)
+        r, holder = msg.get("rank"), msg.get("holder")
+        _need(_int(r, 0, L.MAX_EP_SIZE - 1) and isinstance(holder, str), "bad rank refusal")
+        job = self.reg.jobs.get(name)
+        if job is None or not job.domain or r >= job.ep_size:
+            return
+        self.reg.domain_refuse_rank(job, r, errors.RankTaken(
+            f"job {name!r} rank {r} is held on node {holder} (its join there came first)", node=holder))
+
+    def _on_prepare(self, node: str, msg: dict) -> None:
+        name = _check_name(msg)
+        attempt, gen, rearm, seqs = msg.get("attempt"), msg.get("generation"), msg.get("rearm"), msg.get("seqs")
+        _need(_int(attempt) and _int(gen) and isinstance(rearm, bool) and isinstance(seqs, dict), "bad prepare")
+        job = self.reg.jobs.get(name)
+        why = None
+        if job is None or not job.domain:
+            why = "no such job here"
+        else:
+            if self.reg.dirty or self._force_sync:
+                self.sync_local()  # the number compared below must be that of the current state
+            fj = self.jobs.get(name)
+            mine = seqs.get(self.node)
+            if not (isinstance(mine, list) and len(mine) == 2 and mine[0] == self.bus.boot and mine[1] == self._seq.get(name)):
+                why = "its part changed since the coordinator saw it"
+            else:
+                for n, pair in seqs.items():
+                    cur = fj.seqs.get(n) if fj is not None else None
+                    if n != self.node and cur is not None and isinstance(pair, list) and len(pair) == 2 and (
+                            cur[0] != pair[0] or cur[1] > pair[1]):
+                        why = f"it has newer news from node {n}"
+                        break
+            if why is None and rearm:
+                why = self.reg.domain_quiesced(job)
+            if why is None:
+                self.reg.domain_prepare(job, gen, rearm)
+                job.fed_attempt = attempt
+        self._send(node, {"t": "prepared", "job": name, "attempt": attempt, "ok": why is None, "why": why})
+
+    def _on_prepared(self, node: str, msg: dict) -> None:
+        name = _check_name(msg)
+        fj = self.jobs.get(name)
+        a = fj.attempt if fj is not None else None
+        if a is None or msg.get("attempt") != a.id or node not in a.nodes:
+            return
+        if msg.get("ok") is not True:
+            self.counters["prepare_retries"] += 1
+            log.debug("job %s: node %s answered the rendezvous' prepare with no (%s); trying again", name, node,
+                      msg.get("why"))
+            fj.attempt = None
+            fj.retry_at = time.monotonic() + RETRY_DELAY
+            self._coord_dirty.add(name)
+            return
+        a.prepared.add(node)
+        if a.prepared != a.nodes:
+            return
+        fj.attempt = None
+        fj.released_on = a.seqs
+        release = {"t": "release", "job": name, "attempt": a.id, "generation": a.generation,
+                   "rendezvous_count": a.rendezvous_count, "table": a.table}
+        for n in sorted(a.nodes):
+            self._send(n, release)
+        latency = time.monotonic() - (fj.last_join_at or a.started)
+        self.coordinated.append(latency)
+        del self.coordinated[:-1000]
+        self.counters["rendezvous_coordinated"] += 1
+        log.info("job %s: coordinated the domain rendezvous of %d ranks on node(s) %s at generation %d%s "
+                 "(%.3f ms after the last join reached this coordinator)", name, len(a.table), ", ".join(sorted(a.nodes)),
+                 a.generation, " with a re-arm" if a.rearm else "", latency * 1e3)
+
+    def _on_release(self, node: str, msg: dict) -> None:
+        name = _check_name(msg)
+        attempt, gen, count, table = msg.get("attempt"), msg.get("generation"), msg.get("rendezvous_count"), msg.get("table")
+        _need(_int(attempt) and _int(gen) and _int(count) and isinstance(table, list), "bad release")
+        for rec in table:
+            _need(isinstance(rec, dict) and _int(rec.get("rank"), 0, L.MAX_EP_SIZE - 1) and isinstance(rec.get("node"), str),
+                  "bad release table")
+            _need(rec.get("handle") is None or isinstance(rec["handle"], bytes), "bad release table")
+        job = self.reg.jobs.get(name)
+        if job is None or not job.domain or job.fed_attempt != attempt:
+            log.debug("job %s: a release from node %s for another rendezvous attempt; ignored", name, node)
+            return
+        job.fed_attempt = None
+        self.reg.domain_release(job, gen, count, table)
+
+    def _on_destroy(self, node: str, msg: dict) -> None:
+        name = _check_name(msg)
+        _need(_opt_str(msg.get("why"), 500), "bad destroy")
+        job = self.reg.jobs.get(name)
+        if job is not None and job.domain:
+            self.reg.free(job, msg.get("why") or f"destroyed on node {node}")
+
+    # ------------------------------------------------------------- coordinating
+    def _send(self, node: str, msg: dict) -> None:
+        if node == self.node:
+            self._inbox.append(msg)
+        else:
+            self.bus.send(node, msg)
+
+    def _broadcast_refusal(self, name, kind, fld, a, b, node, decided: dict | None, to: str | None = None,
+                           message: str | None = None) -> None:
+        msg = {"t": "refuse", "job": name, "kind": kind, "field": fld, "job_value": a, "requested": b, "node": node,
+               "decision": decided, "message": message}
+        if to is not None:
+            self._send(to, msg)
+            return
+        self.bus.broadcast(msg)
+        if kind != "spec" or node != self.node:  # a refusal this node raised itself is handled already
+            self._inbox.append(msg)
+
+    def _coordinate(self, fj: FedJob, now: float) -> None:
+        if self.coordinator(fj.name) != self.node:
+            fj.attempt = None
+            return
+        views = {n: v for n, v in fj.views.items() if n not in fj.lost}
+        if not views:
+            return
+        d = fj.decided
+        if d is not None and not any(_differs(d, v) is None for v in views.values()):
+            d = None  # nobody holds the decided job any more: the next report decides anew
+        if d is None:
+            first = next((v for n in fj.order for v in [views.get(n)] if v is not None and v["confirmed"]), None)
+            if first is None:
+                first = next(views[n] for n in fj.order if n in views)
+            d = fj.decided = _decision(first)
+        good: dict[str, dict] = {}
+        for n, v in views.items():
+            diff = _differs(d, v)
+            if diff is not None:
+                key = (fj.seqs.get(n), diff[:2])
+                if fj.refused.get(n) != key:
+                    fj.refused[n] = key
+                    kind, fld, a, b = diff
+                    log.warning("job %s: node %s's report differs in %s (job has %s, node %s has %s): refused",
+                                fj.name, n, fld, a, n, b)
+                    if kind == "spec":
+                        self._broadcast_refusal(fj.name, kind, fld, a, b, n, d)
+                    else:
+                        self._broadcast_refusal(fj.name, kind, fld, a, b, n, d, to=n)
+                continue
+            good[n] = v
+            if not v["confirmed"] and fj.decide_sent.get(n) != fj.seqs.get(n):
+                fj.decide_sent[n] = fj.seqs.get(n)
+                self._send(n, {"t": "decide", "job": fj.name, "decision": d})
+        # placement: a rank's row stays with the first node that reported it
+        holders: dict[int, list[str]] = {}
+        for n in fj.order:
+            v = fj.views.get(n)
+            if v is None or _differs(d, v) is not None:
+                continue
+            for rec in v["ranks"]:
+                holders.setdefault(rec["rank"], []).append(n)
+        for r, ns in holders.items():
+            keep = fj.placement.get(r)
+            if keep not in ns:
+                attached = [n for n in ns if _ranks(fj.views[n])[r]["state"] == L.RANK_ATTACHED]
+                keep = (attached or ns)[0]
+                fj.placement[r] = keep
+            for n in ns:
+                key = (r, n, fj.seqs.get(n))
+                if n != keep and key not in fj.rank_refused:
+                    fj.rank_refused.add(key)
+                    log.warning("job %s: rank %d is held on node %s; node %s's join of it is refused", fj.name, r, keep, n)
+                    self._send(n, {"t": "refuse_rank", "job": fj.name, "rank": r, "holder": keep})
+        for r in [r for r in fj.placement if r not in holders]:
+            del fj.placement[r]
+        self._rendezvous(fj, d, good, now)
+
+    def _rendezvous(self, fj: FedJob, d: dict, views: dict[str, dict], now: float) -> None:
+        a = fj.attempt
+        if a is not None:
+            if now - a.started < PREPARE_TIMEOUT:
+                return
+            log.warning("job %s: node(s) %s did not answer the rendezvous' prepare within %g s; trying again",
+                        fj.name, sorted(a.nodes - a.prepared), PREPARE_TIMEOUT)
+            self.counters["prepare_retries"] += 1
+            fj.attempt = None
+        if now < fj.retry_at:
+            return
+        recs: dict[int, tuple[str, dict]] = {}
+        released = fj.released_on or {}
+        for r in range(d["ep_size"]):
+            n = fj.placement.get(r)
+            v = views.get(n) if n is not None else None
+            rec = _ranks(v).get(r) if v is not None else None
+            if rec is None or rec["state"] not in _LIVE:
+                return  # a rank is missing
+            if rec["waiting"] and released.get(n) == [fj.seqs[n][0], fj.seqs[n][1]]:
+                rec = dict(rec, waiting=None)  # released on this very report: not waiting any more
+            recs[r] = (n, rec)
+        if not any(rec["waiting"] for _, rec in recs.values()):
+            return
+        nodes = {n for n, _ in recs.values()}
+        if any(not views[n]["confirmed"] for n in nodes):
+            return  # the decision is on its way to them; their next reports bring them back here
+        rearm = any(views[n]["needs_rearm"] or views[n]["abort"] for n in nodes) or any(
+            rec["waiting"] == "recover" for _, rec in recs.values())
+        if rearm and any(rec["state"] == L.RANK_ATTACHED and rec["waiting"] != "recover" for _, rec in recs.values()):
+            return  # a survivor has not quiesced yet
+        if len(nodes) > 1:
+            missing = [(r, n, rec.get("handle_error")) for r, (n, rec) in sorted(recs.items()) if not rec["handle"]]
+            if missing:
+                r, n, why = missing[0]
+                message = (f"job {fj.name!r} spans nodes {', '.join(sorted(nodes))}, but rank {r}'s workspace on node {n} "
+                           f"has no fabric handle that other nodes could import: {why or 'none was made'}")
+                key = (tuple(sorted(fj.seqs.get(x, (b"", 0))[1] for x in nodes)), "handles")
+                if fj.refused.get("*") != key:
+                    fj.refused["*"] = key
+                    log.warning("%s", message)
+                    self._broadcast_refusal(fj.name, "backend", "fabric", None, None, n, None, message=message)
+                return
+        seqs = {n: [fj.seqs[n][0], fj.seqs[n][1]] for n in nodes}
+        generation = max(views[n]["generation"] for n in nodes) + (1 if rearm else 0)
+        count = max(views[n]["rendezvous_count"] for n in nodes) + (
+            1 if any(rec["waiting"] == "join" for _, rec in recs.values()) else 0)
+        table = [{"rank": r, "node": n, "device": rec["device"], "size": rec["size"], "handle_type": rec["handle_type"],
+                  "handle": rec["handle"]} for r, (n, rec) in sorted(recs.items())]
+        fj.attempt = Attempt(id=secrets.randbits(62), generation=generation, rearm=rearm, nodes=nodes, seqs=seqs, table=table,
+                             rendezvous_count=count, started=now)
+        prepare = {"t": "prepare", "job": fj.name, "attempt": fj.attempt.id, "generation": generation, "rearm": rearm,
+                   "seqs": fj.attempt.seqs}
+        for n in sorted(nodes):
+            self._send(n, prepare)
+
+    # --------------------------------------------------------------- the loop's calls
+    def flush(self, reports: bool = True) -> None:
+        """Send what changed here, handle this daemon's messages to itself, coordinate
+        (``reports=False``: not the reports yet, more requests of the same batch follow)."""
+        for _ in range(16):
+            if reports and (self.reg.dirty or self._force_sync):
+                self._force_sync = False
+                self.sync_local()
+            if not self._inbox and not self._coord_dirty:
+                return
+            inbox, self._inbox = self._inbox, []
+            for msg in inbox:
+                try:
+                    self.on_message(self.node, dict(msg, boot=self.bus.boot))
+                except (KeyError, TypeError, ValueError, IndexError, AttributeError, errors.A2ADError) as exc:
+                    log.error("domain: this node's own %r message could not be used: %s", msg.get("t"), exc)
+            dirty, self._coord_dirty = self._coord_dirty, set()
+            now = time.monotonic()
+            for name in sorted(dirty):
+                fj = self.jobs.get(name)
+                if fj is not None:
+                    self._coordinate(fj, now)
+
+    def tick(self, now: float) -> None:
+        for fj in self.jobs.values():
+            if (fj.attempt is not None and now - fj.attempt.started >= PREPARE_TIMEOUT) or (
+                    fj.retry_at and now >= fj.retry_at):
+                if fj.retry_at and now >= fj.retry_at:
+                    fj.retry_at = 0.0
+                self._coord_dirty.add(fj.name)
+        if now >= self._next_force:  # a full comparison now and then, whatever marked the registry
+            self._next_force = now + self.bus.cfg.heartbeat_interval
+            self._force_sync = True
+
+    def next_deadline(self) -> float | None:
+        times = [t for fj in self.jobs.values() for t in (
+            fj.attempt.started + PREPARE_TIMEOUT if fj.attempt is not None else None, fj.retry_at or None) if t]
+        return min(times) if times else None
+
+    # ------------------------------------------------------------------- status
+    def job_info(self, name: str) -> dict:
+        fj = self.jobs.get(name)
+        return {
+            "coordinator": self.coordinator(name),
+            "nodes": sorted(fj.views) if fj is not None else [],
+            "lost_nodes": sorted(fj.lost) if fj is not None else [],
+            "tentative": fj is not None and name in self.reg.jobs and not self.reg.jobs[name].confirmed,
+        }
+
+    def status(self) -> dict:
+        lat = sorted(self.coordinated)
+        return {
+            "jobs": len(self.jobs),
+            "coordinating": sorted(n for n in self.jobs if self.coordinator(n) == self.node),
+            "coordinated_rendezvous_ms": {
+                "count": len(lat),
+                "p50": round(lat[len(lat) // 2] * 1e3, 3) if lat else None,
+                "max": round(lat[-1] * 1e3, 3) if lat else None,
+                "last": round(self.coordinated[-1] * 1e3, 3) if lat else None,
+            },
+            **self.counters,
+        }
+
+
+_HANDLERS = {
+    "job": Federation._on_job,
+    "sync": Federation._on_sync,
+    "decide": Federation._on_decide,
+    "refuse": Federation._on_refuse,
+    "refuse_rank": Federation._on_refuse_rank,
+    "prepare": Federation._on_prepare,
+    "prepared": Federation._on_prepared,
+    "release": Federation._on_release,
+    "destroy": Federation._on_destroy,
+}
