@@ -131,6 +131,8 @@ class CudaPlane(Plane):
         self._seen_page: mmap.mmap | None = None
         self._seen_host: int | None = None
         self._seen_dev = 0
+        #: degraded mode: the ranks the last combine counted, on the device (int64 [1])
+        self._seen_tensor: torch.Tensor | None = None
         self.plan: int | None = None
         host = att.control.address()
         with torch.cuda.device(att.workspace.device):
@@ -144,6 +146,7 @@ class CudaPlane(Plane):
                 self._seen_host = ctypes.addressof(ctypes.c_char.from_buffer(self._seen_page))
                 with torch.cuda.device(att.workspace.device):
                     self._seen_dev = int(self._ops.host_register(self._seen_host, mmap.PAGESIZE))
+                self._seen_tensor = torch.zeros(1, dtype=torch.int64, device=att.workspace.device)
             self._make_plan()
         except BaseException:
             self.close()
@@ -159,6 +162,7 @@ class CudaPlane(Plane):
         self.plan = self._ops.make_plan(
             self.att.workspace, self.ep_rank, self.ep_size, self.top_k, self.num_experts, aux_offsets(self.att.aux),
             self.control_ptr, self.timeout_ns, self._sm_budget, self._diag, self.degrade, self._seen_dev,
+            self._seen_tensor.data_ptr() if self._seen_tensor is not None else 0,
         )
 
     @property
@@ -242,6 +246,11 @@ class CudaPlane(Plane):
         if not self._combined or self._seen_page is None:
             return None
         return struct.unpack_from("<Q", self._seen_page, 0)[0]
+
+    def round_mask_tensor(self) -> torch.Tensor | None:
+        """The same mask as :meth:`round_mask`, as an int64 ``[1]`` tensor on the device that the
+        last combine wrote on the stream: a model may use it without a sync."""
+        return self._seen_tensor if self._combined else None
 
     # --- failures -----------------------------------------------------------------
     def check(self) -> None:

@@ -381,6 +381,13 @@ class HostPlane(Plane):
         """The ranks whose contributions the last combine summed (``combine_mask``)."""
         return self.combine_mask
 
+    def round_mask_tensor(self) -> torch.Tensor | None:
+        """``combine_mask`` as an int64 ``[1]`` tensor (two's complement for rank 63's bit)."""
+        m = self.combine_mask
+        if m is None:
+            return None
+        return torch.tensor([m - (1 << 64) if m >= 1 << 63 else m], dtype=torch.int64)
+
     # --- waits and failures ---------------------------------------------------------
     def _wait(self, flags: torch.Tensor, rnd: int, phase: int, view: int) -> int:
         """Until ``flags[q]`` (this rank's, one per peer) equals ``rnd`` for every q of the

@@ -339,6 +339,14 @@ class MoeAlltoAll:
         return self._plane.degraded_tokens() if self._plane is not None else None
 
     @property
+    def last_round_active_mask(self) -> torch.Tensor | None:
+        """The ranks of :attr:`last_round_active_ranks` as a bit mask in an int64 ``[1]`` tensor
+        on this rank's device (bit q: rank q counted), written by the combine in stream order:
+        a model can tell which of a token's experts counted without a sync,
+        ``(mask >> owner[topk_ids]) & 1``. None before the first combine."""
+        return self._plane.round_mask_tensor() if self._plane is not None else None
+
+    @property
     def last_round_active_ranks(self) -> list[int] | None:
         """The ranks whose contributions this object's last combine summed (the combine's view
         of the active mask, which decides a round that a rank's loss straddled); None before

@@ -70,5 +70,10 @@ class Plane(abc.ABC):
         first combine, and on a plane without degraded mode."""
         return None
 
+    def round_mask_tensor(self) -> torch.Tensor | None:
+        """:meth:`round_mask` as an int64 ``[1]`` tensor on this rank's device, written in the
+        stream order of the combine (a model may use it without a sync); None as there."""
+        return None
+
     def close(self) -> None:
         """Release what the plane holds (idempotent)."""

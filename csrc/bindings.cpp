@@ -199,6 +199,7 @@ struct Plan {
   int sm_budget;
   int diag;
   uint64_t* seen_out;  // degraded mode: host-mapped u64 where combine leaves the ranks it counted
+  uint64_t* seen_dev;  // ... and a device u64 with the same (for the model, on the stream)
   a2ad::AuxOffsets aux;
   a2ad::Control ctl;
 };
@@ -209,7 +210,7 @@ int64_t g_next_plan = 1;
 
 int64_t make_plan(const Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t top_k, int64_t num_experts,
                   IntArrayRef aux, int64_t control, int64_t timeout_ns, int64_t sm_budget, int64_t diag,
-                  bool degrade, int64_t seen_out) {
+                  bool degrade, int64_t seen_out, int64_t seen_dev) {
   check_workspace(workspace, ep_rank, ep_size);
   A2AD_CHECK(top_k >= 1 && top_k <= a2ad::kMaxTopK, "a2ad: top_k must be in [1, ", a2ad::kMaxTopK, "], got ", top_k);
   A2AD_CHECK(num_experts >= ep_size && num_experts <= INT32_MAX, "a2ad: num_experts (", num_experts,
@@ -239,6 +240,8 @@ int64_t make_plan(const Tensor& workspace, int64_t ep_rank, int64_t ep_size, int
   A2AD_CHECK(!degrade || (seen_out != 0 && seen_out % 8 == 0),
              "a2ad: a degrade plan needs seen_out, an 8-aligned device pointer of host-mapped memory");
   p.seen_out = reinterpret_cast<uint64_t*>(static_cast<uintptr_t>(seen_out));
+  A2AD_CHECK(seen_dev % 8 == 0, "a2ad: seen_dev must be an 8-aligned device pointer (or 0)");
+  p.seen_dev = reinterpret_cast<uint64_t*>(static_cast<uintptr_t>(seen_dev));
   std::lock_guard<std::mutex> lock(g_plans_mutex);
   const int64_t id = g_next_plan++;
   g_plans.emplace(id, p);
@@ -410,6 +413,7 @@ Tensor combine_cuda(const Tensor& payload, Tensor& workspace, int64_t plan, int6
                d.scalar_type(), " ", d.sizes());
     p.degraded = static_cast<uint8_t*>(d.data_ptr());
     p.seen_out = pl.seen_out;
+    p.seen_dev = pl.seen_dev;
   }
   A2AD_CHECK_CUDA(a2ad::launch_combine(p, current_stream(workspace)), "combine launch");
   return out;
@@ -496,7 +500,7 @@ int64_t sm_count(int64_t device) {
 TORCH_LIBRARY(a2ad, m) {
   m.def(
       "make_plan(Tensor workspace, int ep_rank, int ep_size, int top_k, int num_experts, int[] aux, int control, "
-      "int timeout_ns, int sm_budget, int diag, bool degrade=False, int seen_out=0) -> int",
+      "int timeout_ns, int sm_budget, int diag, bool degrade=False, int seen_out=0, int seen_dev=0) -> int",
       &make_plan);
   m.def("free_plan(int plan) -> ()", &free_plan);
   m.def("dispatch(Tensor experts, Tensor[] payloads, Tensor(a!) workspace, int plan, int rt, int[] payload_offsets) -> ()");

@@ -484,6 +484,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
       *reinterpret_cast<volatile unsigned long long*>(block_counters + layout::SLOT_COMBINE_SEEN) = seen;
       st_release_gpu(block_counters + layout::SLOT_COMBINE_SEEN_ROUND, round);
       if (p.seen_out != nullptr) *reinterpret_cast<volatile uint64_t*>(p.seen_out) = seen;
+      if (p.seen_dev != nullptr) *p.seen_dev = seen;
     }
   } else if (!wait_seen(p, block_counters, round, give_up, claim, &seen)) {
     return;

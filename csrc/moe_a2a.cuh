@@ -128,10 +128,12 @@ struct CombineParams {
   int64_t combine_offset;     // row-relative start of region [ep_size, rt, hidden]
   int overlap_stage_blocks;   // set by launch_combine: > 0 stages slice by slice with this many blocks
   // Degraded mode only (ctl.degrade): per token, 1 when it lost at least one expert's
-  // contribution ([local_num_tokens], device); the ranks the combine counted (host-mapped
-  // u64, written at the end of the round). Both may be null otherwise.
+  // contribution ([local_num_tokens], device); the ranks the combine counted, as a
+  // host-mapped u64 (read by the host once the stream ran) and as a device u64 (for the
+  // model, on the stream). All may be null otherwise.
   uint8_t* degraded;
   uint64_t* seen_out;
+  uint64_t* seen_dev;
 };
 
 struct InitializeParams {

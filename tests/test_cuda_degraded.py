@@ -80,6 +80,7 @@ def _check(job, inputs, outs, ranks, counted):
         ref, lost = _reference(job, experts, x, counted)
         close(outs[r], ref, torch.bfloat16)
         assert job.planes[r].round_mask() == counted, (r, job.planes[r].round_mask(), counted)
+        assert int(job.planes[r].round_mask_tensor().item()) == counted, r
         assert torch.equal(job.planes[r].degraded_tokens().cpu(), lost), r
         job.planes[r].check()
 
@@ -308,6 +309,7 @@ def serve_cuda(rank, ep, runtime_dir, job, shared, results, seed, pace=0.0):
             a2a.check()
             rnd = int(flag.item()) - 1
             counted = _bits(a2a.last_round_active_ranks)
+            assert int(a2a.last_round_active_mask.item()) == counted
             owners = owner_of[experts.long()]
             present = torch.tensor([[bool(counted >> int(q) & 1) for q in row] for row in owners]).reshape(D_T, D_TOP_K)
             weight = torch.zeros(D_T)

@@ -78,6 +78,7 @@ def serve(rank, ep, runtime_dir, job, shared, results, seed, hang=None, pace=0.0
             done = _now()
             rnd = int(flag) - 1
             counted = _bits(a2a.last_round_active_ranks)
+            assert int(a2a.last_round_active_mask) == counted
             sent_mask = a2a._plane.dispatch_mask
             # the reference: only the ranks the combine counted contribute
             owners = owner_of[experts.long()]  # [t, top_k]
