@@ -378,9 +378,9 @@ class Federation:
         for fj in self.jobs.values():
             if node in fj.views:
                 fj.lost.add(node)
-                job = self.reg.jobs.get(fj.name)
-                if job is not None and job.domain:
-                    self.reg.remote_node_lost(job, node, why)
+        for job in list(self.reg.jobs.values()):  # re-adopted jobs too, whose reports of it never came
+            if job.domain and any(s.node == node for s in job.slots):
+                self.reg.remote_node_lost(job, node, why)
         self._coord_dirty.update(self.jobs)
 
     def on_message(self, node: str, msg: dict) -> None:

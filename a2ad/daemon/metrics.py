@@ -115,11 +115,13 @@ class DaemonCollector:
             by_state.add_metric([s], n)
         yield by_state
 
-        ranks = GaugeMetricFamily("a2ad_ranks", "Rank slots of all jobs by state.", labels=["state"])
+        ranks = GaugeMetricFamily("a2ad_ranks", "Rank slots of all jobs by state (this node's ranks only, in a domain).",
+                                  labels=["state"])
         rcounts = dict.fromkeys(L.RANK_STATE_NAMES, 0)
         for j in jobs:
             for s in j.slots:
-                rcounts[s.state] = rcounts.get(s.state, 0) + 1
+                if getattr(s, "node", None) is None:
+                    rcounts[s.state] = rcounts.get(s.state, 0) + 1
         for state, n in rcounts.items():
             ranks.add_metric([L.RANK_STATE_NAMES.get(state, str(state))], n)
         yield ranks
@@ -149,6 +151,8 @@ class DaemonCollector:
                 name = L.ABORT_NAMES.get(word, f"reason{word}")
                 acounts[name] = acounts.get(name, 0) + 1
             for s in j.slots:
+                if getattr(s, "node", None) is not None:
+                    continue  # another node's rank writes its status there
                 code = j.control.status(s.rank).code
                 if code == L.STATUS_TIMEOUT:
                     fcounts["timeout"] += 1
@@ -168,6 +172,48 @@ class DaemonCollector:
         conns = GaugeMetricFamily("a2ad_lease_connections", "Open fd-socket connections (leases and handshakes).")
         conns.add_metric([], len(d.conns))
         yield conns
+
+        yield from self._domain(now)
+
+    def _domain(self, now: float):
+        """Per peer link of the domain (nothing without one)."""
+        dom = getattr(self.d, "domain", None)
+        if dom is None:
+            return
+        st = dom.status()
+        peers = [p for p in st["nodes"] if p["state"] != "self"]
+        up = GaugeMetricFamily("a2ad_domain_peer_up", "1 while the peer node's daemon is heard (heartbeats), else 0.",
+                               labels=["node"])
+        age = GaugeMetricFamily("a2ad_domain_peer_last_heartbeat_age_seconds",
+                                "Seconds since the peer's last heartbeat (absent before the first).", labels=["node"])
+        link = GaugeMetricFamily("a2ad_domain_peer_link_connected",
+                                 "1 while this daemon's authenticated connection to the peer stands.", labels=["node"])
+        for p in peers:
+            up.add_metric([p["name"]], 1 if p["state"] == "up" else 0)
+            link.add_metric([p["name"]], 1 if p["link_connected"] else 0)
+            if p["last_heartbeat_age_s"] is not None:
+                age.add_metric([p["name"]], p["last_heartbeat_age_s"])
+        yield up
+        yield age
+        yield link
+        for key, help_text in (
+            ("heartbeats_received", "Heartbeats received from the peer."),
+            ("heartbeats_sent", "Heartbeats sent to the peer."),
+            ("messages_received", "Domain messages (besides heartbeats) received from the peer."),
+            ("messages_sent", "Domain messages (besides heartbeats) sent to the peer."),
+            ("bad_messages", "Messages from the peer dropped as malformed or unusable."),
+            ("send_drops", "Messages to the peer the link could not take (a full resend follows)."),
+            ("losses", "Times the peer was counted lost (silent past the heartbeat bound)."),
+            ("handshake_failures", "Failed handshakes of this daemon's connection to the peer."),
+        ):
+            fam = CounterMetricFamily(f"a2ad_domain_peer_{key}", help_text, labels=["node"])
+            for p in peers:
+                fam.add_metric([p["name"]], p[key])
+            yield fam
+        refused = CounterMetricFamily("a2ad_domain_refused_connections",
+                                      "Connections to this node refused: a key that is not a node's of the domain.")
+        refused.add_metric([], st["refused_connections"])
+        yield refused
 
     def _degraded(self, jobs, now: float):
         """Per job of the degrade policy (on_peer_loss="degrade"): its active-rank mask, how

@@ -1161,8 +1161,10 @@ class Registry:
                     slot.recovering = None
                 if slot.pending is not None and now >= slot.pending.deadline:
                     missing = job.missing_ranks()
+                    lost = sorted({s.node for s in job.slots if s.rank in missing and s.lost_with_node})
                     self._fail(slot.pending, errors.RendezvousTimeout(
-                        f"job {job.name!r}: rendezvous timed out waiting for rank(s) {missing}", missing_ranks=missing))
+                        f"job {job.name!r}: rendezvous timed out waiting for rank(s) {missing}"
+                        + (f" (node(s) {', '.join(lost)} unreachable)" if lost else ""), missing_ranks=missing))
                     log.warning("job %s: rank %d's rendezvous timed out; missing %s", job.name, slot.rank, missing)
                     slot.pending = None
                     self._reset_joining(job, slot)

@@ -874,6 +874,7 @@ class Daemon:
                 "count": len(lat),
                 "p50": round(lat[len(lat) // 2] * 1e3, 3) if lat else None,
                 "max": round(lat[-1] * 1e3, 3) if lat else None,
+                "last": round(self.registry.rendezvous_latencies[-1] * 1e3, 3) if lat else None,
             },
             "open_fds": _count_fds(),
             "domain": self.domain_status(brief=True),

@@ -126,17 +126,60 @@ def show_mask(j: dict) -> list[str]:
 
 def show_job(j: dict) -> str:
     spec = ", ".join(f"{k}={v}" for k, v in j["spec"].items())
+    dom = j.get("domain")
     lines = [
         f"job {j['name']}: {j['state']}, ep_size {j['ep_size']}, generation {j['generation']}",
         f"spec    {spec}",
         f"memory  {_fmt_bytes(j['size_per_rank'])} per rank (row stride {_fmt_bytes(j['row_stride'])}), {_fmt_bytes(j['bytes'])} in all",
         *show_mask(j),
-        "",
-        _table(
-            [[str(r["rank"]), r["state"], str(r["pid"] or "-"), str(r["device"] or "-"), str(r["attaches"]), str(r["deaths"])] for r in j["ranks"]],
-            ["RANK", "STATE", "PID", "DEVICE", "ATTACHES", "DEATHS"],
-        ),
     ]
+    if dom:
+        by_node: dict = {}
+        for r in j["ranks"]:
+            by_node.setdefault(r.get("node") or "-", []).append(r["rank"])
+        spread = "; ".join(f"{n}: {_ranks_text(rs)}" for n, rs in sorted(by_node.items()))
+        lines.append(f"domain  coordinator {dom['coordinator']}; ranks by node: {spread}"
+                     + (f"; lost: {', '.join(dom['lost_nodes'])}" if dom.get("lost_nodes") else "")
+                     + ("; tentative (the coordinator's decision has not arrived)" if dom.get("tentative") else ""))
+    rows, header = [], ["RANK", "STATE", "PID", "DEVICE", "ATTACHES", "DEATHS"]
+    for r in j["ranks"]:
+        row = [str(r["rank"]), r["state"], str(r["pid"] or "-"), str(r["device"] or "-"), str(r["attaches"]), str(r["deaths"])]
+        if dom:
+            row.insert(1, r.get("node") or "-")
+        rows.append(row)
+    if dom:
+        header.insert(1, "NODE")
+    lines += ["", _table(rows, header)]
+    return "\n".join(lines)
+
+
+def show_domain(d: dict) -> str:
+    """The nodes of the daemon's domain, their state and last heartbeat."""
+    if not d.get("domain"):
+        return "this daemon is not a node of a domain (a2ad serve --domain FILE)"
+    fed = d.get("federation") or {}
+    lat = fed.get("coordinated_rendezvous_ms") or {}
+    lines = [
+        f"domain {d['domain']} ({d['config']}): this is node {d['node']} at {d['address']}",
+        f"heartbeat every {d['heartbeat_interval_s']:g} s; a node is lost after {d['loss_bound_s']:g} s of silence",
+        f"refused connections {d['refused_connections']}, bad messages {d['bad_messages']}; "
+        f"jobs known {fed.get('jobs', 0)}, coordinating {len(fed.get('coordinating', []))}"
+        + (f", {lat['count']} rendezvous coordinated (p50 {lat['p50']} ms, max {lat['max']} ms)" if lat.get("count") else ""),
+        "",
+    ]
+
+    def age(v):
+        return "-" if v is None else f"{v:.2f}s ago"
+
+    rows = []
+    for n in d["nodes"]:
+        if n["state"] == "self":
+            rows.append([n["name"], n["address"], "self", "-", "-", "-", "-", "-"])
+            continue
+        rows.append([n["name"], n["address"], n["state"], _duration(n["state_for_s"]), age(n["last_heartbeat_age_s"]),
+                     f"{n['messages_received']}/{n['messages_sent']}", str(n["losses"]),
+                     str(n["bad_messages"] + n["handshake_failures"])])
+    lines.append(_table(rows, ["NODE", "ADDRESS", "STATE", "FOR", "LAST HEARTBEAT", "MSGS IN/OUT", "LOSSES", "REFUSED"]))
     return "\n".join(lines)
 
 
@@ -186,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("drain", "refuse new jobs (existing ones run on); --off to accept again")
     p.add_argument("--off", action="store_true")
     add("metrics", "metrics in Prometheus text format")
+    add("domain", "the nodes of this daemon's domain: their state, last heartbeat, link counters")
     p = add("upgrade", "start a successor daemon (the installed version) and hand it every job; clients keep "
                        "running. If the hand-over fails the old daemon keeps serving, and this says so")
     p.add_argument("--wait", type=float, default=30.0,
@@ -293,6 +337,9 @@ def _run(args, client) -> tuple[dict, str]:
     if args.command == "metrics":
         reply = client.request("metrics")
         return reply, reply["text"].rstrip("\n")
+    if args.command == "domain":
+        reply = client.request("domain")
+        return reply, show_domain(reply)
     if args.command == "upgrade":
         return _upgrade(args, client)
     if args.command == "shutdown":

@@ -52,7 +52,7 @@ def fabric_missing_reason(device: str, why: str | None, folder: str = IMEX_CHANN
     text a job that spans nodes is refused with."""
     chans = imex_channels(folder)
     where = (f"this node has {', '.join(os.path.join(folder, c) for c in chans)}, yet the driver refused"
-             if chans else f"this node has no usable IMEX channel ({folder}/channelN)")
+             if chans else "none is usable on this node")
     return (f"GPU {device} cannot export fabric handles ({why or 'not granted'}): fabric handles need an IMEX "
             f"channel ({folder}/channelN, readable and writable by the daemon and its workers) and the "
             f"nvidia-imex service of the NVLink domain running on every node; {where}")
