@@ -78,6 +78,8 @@ class Attempt:
     rendezvous_count: int
     started: float
     prepared: set[str] = field(default_factory=set)
+    #: each node's report number right after it prepared
+    after: dict[str, list] = field(default_factory=dict)
 
 
 @dataclass
@@ -367,6 +369,10 @@ class Federation:
         for name, body in self._sent.items():
             self.bus.send(node, {"t": "job", "job": name, "seq": self._seq[name], "gone": False, **body})
         self.bus.send(node, {"t": "sync", "jobs": sorted(self._sent)})
+        for fj in self.jobs.values():  # what a coordinator told the node may have been lost with the link
+            fj.decide_sent.pop(node, None)
+            fj.refused.pop(node, None)
+            fj.rank_refused = {k for k in fj.rank_refused if k[1] != node}
         self._coord_dirty.update(self.jobs)
 
     # -------------------------------------------------------------- the bus's calls
@@ -501,6 +507,10 @@ class Federation:
             return
         self.reg.domain_refuse_rank(job, r, errors.RankTaken(
             f"job {name!r} rank {r} is held on node {holder} (its join there came first)", node=holder))
+        fj = self.jobs.get(name)
+        v = fj.views.get(holder) if fj is not None else None
+        if v is not None and holder not in fj.lost and self._same_job(job, v):
+            self.reg.apply_remote(job, holder, _ranks(v), _fields(v))  # the slot is the holder's now
 
     def _on_prepare(self, node: str, msg: dict) -> None:
         name = _check_name(msg)
@@ -529,7 +539,9 @@ class Federation:
             if why is None:
                 self.reg.domain_prepare(job, gen, rearm)
                 job.fed_attempt = attempt
-        self._send(node, {"t": "prepared", "job": name, "attempt": attempt, "ok": why is None, "why": why})
+                self.sync_local()  # the report as prepared goes out before the answer
+        self._send(node, {"t": "prepared", "job": name, "attempt": attempt, "ok": why is None, "why": why,
+                          "seq": [self.bus.boot, self._seq.get(name, 0)]})
 
     def _on_prepared(self, node: str, msg: dict) -> None:
         name = _check_name(msg)
@@ -546,10 +558,13 @@ class Federation:
             self._coord_dirty.add(name)
             return
         a.prepared.add(node)
+        seq = msg.get("seq")
+        if isinstance(seq, list) and len(seq) == 2:
+            a.after[node] = seq
         if a.prepared != a.nodes:
             return
         fj.attempt = None
-        fj.released_on = a.seqs
+        fj.released_on = a.after
         release = {"t": "release", "job": name, "attempt": a.id, "generation": a.generation,
                    "rendezvous_count": a.rendezvous_count, "table": a.table}
         for n in sorted(a.nodes):

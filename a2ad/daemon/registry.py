@@ -206,6 +206,10 @@ class Job:
 
     @property
     def job_bytes(self) -> int:
+        """Bytes this daemon reserves for the job: every row, or in a domain the rows it holds
+        (the others' rows are their daemons' memory)."""
+        if self.domain:
+            return sum(1 for s in self.slots if s.alloc is not None) * self.row_stride
         return self.ep_size * self.row_stride
 
     def slot(self, rank: int) -> RankSlot:
@@ -762,7 +766,8 @@ class Registry:
                 field="spec.workspace_size_per_rank",
             )
         stride = self.backend.row_stride(size, device)
-        job_bytes = ep_size * stride
+        # in a domain the job's rows are spread over the nodes: each row is counted when allocated
+        job_bytes = stride if self.fed is not None else ep_size * stride
         if job_bytes > self.limits.max_job_bytes:
             raise errors.LimitExceeded(
                 f"job {name!r} needs {job_bytes} bytes, over the per-job limit of {self.limits.max_job_bytes}",
@@ -792,6 +797,16 @@ class Registry:
             raise errors.BackendError(
                 f"device {device} needs a row stride of {stride} bytes; job {job.name!r} uses {job.row_stride}"
             )
+        if job.domain:
+            held, total = job.job_bytes + stride, sum(j.job_bytes for j in self.jobs.values()) + stride
+            if held > self.limits.max_job_bytes:
+                raise errors.LimitExceeded(
+                    f"job {job.name!r} would hold {held} bytes on this node, over the per-job limit of "
+                    f"{self.limits.max_job_bytes}", needed=held, limit=self.limits.max_job_bytes)
+            if total > self.limits.max_total_bytes:
+                raise errors.LimitExceeded(
+                    f"job {job.name!r} needs {stride} more bytes; the daemon holds {total - stride} of its "
+                    f"{self.limits.max_total_bytes} limit", needed=stride, limit=self.limits.max_total_bytes)
         self.fd_budget(2)
         alloc = self.backend.allocate(job.size_per_rank, device)
         try:

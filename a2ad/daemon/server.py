@@ -743,6 +743,8 @@ class Daemon:
 
             readable, _, _ = select.select([sock], [], [], min(0.2, end - now))
             self.notifier.tick(self)  # the watchdog keeps being fed while we wait
+            if self.domain is not None:
+                self.domain.tick(time.monotonic())  # and the peers keep hearing this node
             if readable:
                 answer, extra = fdpass.recv_frame(sock, timeout=max(0.1, end - time.monotonic()))
                 fdpass.close_all(extra)
