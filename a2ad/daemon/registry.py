@@ -563,8 +563,11 @@ class Registry:
         row); None or a missing rank: the node holds it no more. ``fields``: the node's
         job-wide fields (generation, abort word, needs_rearm), of which an abort word or a
         re-arm need of the same generation is taken over. State changes go through the
-        job's policy as local ones do (``_lose``)."""
+        job's policy as local ones do (``_lose``), unless the report is of an older
+        generation than this daemon's copy (it reached here after the re-arm that dealt with
+        what it says: the mirror follows it, nothing more)."""
         ranks = ranks or {}
+        effects = fields is None or fields.get("generation", 0) >= job.generation
         for slot in job.slots:
             if slot.node == node and slot.rank not in ranks:
                 if slot.live:
@@ -586,7 +589,7 @@ class Registry:
             state = rec["state"]
             if slot.lost_with_node:
                 slot.lost_with_node = False
-                if state == L.RANK_ATTACHED and slot.state == L.RANK_DEAD:
+                if effects and state == L.RANK_ATTACHED and slot.state == L.RANK_DEAD:
                     # counted lost with its node, yet alive: the job's rounds cannot agree any
                     # more (the others dropped or aborted it): everyone goes through a re-arm
                     job.needs_rearm = True
@@ -595,7 +598,7 @@ class Registry:
                     log.warning("job %s: rank %d on node %s, counted lost with its node, is alive: the job re-arms",
                                 job.name, r, node)
             if state != slot.state:
-                self._remote_state(job, slot, state, f"(as node {node} reports)")
+                self._remote_state(job, slot, state, f"(as node {node} reports)", effects)
             self.dirty = True
         if fields is not None and fields.get("generation") == job.generation:
             word = fields.get("abort", 0)
@@ -613,7 +616,7 @@ class Registry:
         elif job.grace_deadline is None:
             self._start_grace(job)
 
-    def _remote_state(self, job: Job, slot: RankSlot, state: int, why: str) -> None:
+    def _remote_state(self, job: Job, slot: RankSlot, state: int, why: str, effects: bool = True) -> None:
         old = slot.state
         slot.state = state
         job.control.set_rank_state(slot.rank, state)
@@ -621,7 +624,7 @@ class Registry:
         if state == L.RANK_JOINING:
             job.last_join_seen = time.monotonic()
             job.grace_deadline = None
-        elif state in (L.RANK_DEAD, L.RANK_LEFT) and old in (L.RANK_JOINING, L.RANK_ATTACHED):
+        elif effects and state in (L.RANK_DEAD, L.RANK_LEFT) and old in (L.RANK_JOINING, L.RANK_ATTACHED):
             self._lose(job, slot, state, old == L.RANK_ATTACHED,
                        ("died " if state == L.RANK_DEAD else "left ") + why)
 
@@ -656,13 +659,18 @@ class Registry:
         """The second step: every node has prepared; release this daemon's held joins (with
         every row's handle) and recovers together."""
         for rec in table:
-            r = rec.get("rank")
-            if isinstance(r, int) and 0 <= r < job.ep_size:
-                slot = job.slots[r]
-                if slot.node is not None and slot.node == rec.get("node"):
-                    slot.remote = dict(slot.remote or {}, size=rec.get("size"), handle=rec.get("handle"),
-                                       handle_type=rec.get("handle_type"))
-                    slot.device = rec.get("device")
+            r, node = rec.get("rank"), rec.get("node")
+            if not (isinstance(r, int) and 0 <= r < job.ep_size) or node == job.home:
+                continue
+            slot = job.slots[r]
+            if slot.node is None and slot.alloc is None and not slot.live:
+                slot.node = node  # the release came before that node's report of the rank
+                slot.state = L.RANK_JOINING
+                job.control.set_rank_state(r, L.RANK_JOINING)
+            if slot.node == node:
+                slot.remote = dict(slot.remote or {}, size=rec.get("size"), handle=rec.get("handle"),
+                                   handle_type=rec.get("handle_type"))
+                slot.device = rec.get("device")
         now = time.monotonic()
         for slot in job.recovering():
             self._reply(slot.recovering, {"generation": job.generation})
@@ -878,6 +886,8 @@ class Registry:
         """One workspace entry of a join reply: a local row comes as the next fd, a remote one
         as its fabric handle (docs/PROTOCOL.md; protocol.py, "Handles in a join reply")."""
         if s.node is None:
+            if s.alloc is None:
+                raise errors.BackendError(f"job {job.name!r}: rank {s.rank}'s workspace is not known here")
             entry = {"kind": "workspace", "rank": s.rank, "size": s.alloc.size, "device": s.device}
             if job.home is not None:
                 entry.update(node=job.home, fd=True, handle_type=s.alloc.handle_type)
