@@ -216,19 +216,46 @@ def test_config_file_and_keys(tmp_path):
 
 
 def test_serve_refuses_a_bad_domain_setup(tmp_path):
-    """A node missing from the file, or a file that does not parse: the daemon exits 1 saying so."""
+    """A node missing from the file, a file that does not exist, --node without --domain: the
+    daemon exits 1 saying so."""
     rd = Path(tempfile.mkdtemp(prefix="a2ad-bad-"))
     try:
-        path = write_domain(tmp_path, {"a": free_port()})
-        for args, text in ((["--node", "zz"], "node 'zz' is not in domain 'testdom'"),
-                           (["--node", "a", "--domain", str(tmp_path / "none.toml")], "cannot read it")):
-            argv = ["--domain", str(path), *args] if "--domain" not in args else args
+        path = str(write_domain(tmp_path, {"a": free_port()}))
+        for argv, text in ((["--domain", path, "--node", "zz"], "node 'zz' is not in domain 'testdom'"),
+                           (["--domain", str(tmp_path / "none.toml"), "--node", "a"], "cannot read it"),
+                           (["--node", "a"], "--node names this node in a --domain file")):
             p = subprocess.run([sys.executable, "-m", "a2ad.tools.cli", "serve", "--runtime-dir", str(rd),
                                 "--backend", "host", *argv], capture_output=True, text=True, timeout=60, cwd=str(REPO))
             assert p.returncode == 1 and text in p.stderr, p.stderr
     finally:
         reap_keeper(rd)
         shutil.rmtree(rd, ignore_errors=True)
+
+
+def test_state_file_records_remote_ranks():
+    """A domain job's record: this node's name, its rows' fabric handles, the other nodes'
+    ranks as they last reported them; a record that puts a row on a remote rank is refused."""
+    from a2ad.daemon import persist
+    from a2ad.daemon.backends.base import Allocation
+    from a2ad.daemon.registry import Job, RankSlot
+
+    slots = [RankSlot(rank=0, state=L.RANK_ATTACHED, pid=11, uid=0, device="host", lease=b"l" * 32,
+                      alloc=Allocation(fd=-1, size=4096, device="host", handle_type="shm",
+                                       extra={"fabric_handle": b"h" * 32})),
+             RankSlot(rank=1, state=L.RANK_ATTACHED, pid=12, device="host", node="b",
+                      remote={"size": 4096, "handle_type": "shm", "handle": b"g" * 32, "handle_error": None})]
+    job = Job(name="rec", ep_size=2, spec={"max_num_tokens": 4, "top_k": 1, "num_experts": 2,
+                                           "workspace_size_per_rank": 4096}, size_per_rank=4096, row_stride=4096,
+              aux=L.aux_layout(2, 4), control_fd=-1, control=None, slots=slots, domain=True, home="a")
+    rec = persist.job_record(job)
+    assert persist.check_job_record(rec) is None, persist.check_job_record(rec)
+    assert rec["domain"] == {"node": "a", "confirmed": True}
+    assert rec["slots"][0]["alloc"]["fabric"] == b"h" * 32 and "node" not in rec["slots"][0]
+    assert rec["slots"][1]["node"] == "b" and rec["slots"][1]["remote"]["handle"] == b"g" * 32
+    assert rec["slots"][1]["lease"] is None and rec["slots"][1]["alloc"] is None
+    bad = dict(rec, slots=[rec["slots"][0], dict(rec["slots"][1], alloc={"size": 4096, "handle_type": "shm"})])
+    assert "a remote rank has no row here" in persist.check_job_record(bad)
+    assert "bad domain" in persist.check_job_record(dict(rec, domain={"node": 3}))
 
 
 # ======================================================= keys, the ZAP handler, hostile peers

@@ -81,6 +81,9 @@ def serve(args) -> int:
     # '<priority>message' lines, since journald adds the time, unit and pid itself
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), handlers=[log_handler(sys.stderr)])
     log = logging.getLogger("a2ad")
+    if args.node is not None and args.domain is None:
+        log.error("cannot start: --node names this node in a --domain file; pass --domain FILE too")
+        return 1
     cfg = Config(
         runtime_dir=runtime.resolve(args.runtime_dir),
         backend=args.backend,

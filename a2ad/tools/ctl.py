@@ -84,6 +84,10 @@ def show_status(st: dict) -> str:
     if "released_mapped_bytes" in mem:
         lines.append(f"              {_fmt_bytes(mem['released_mapped_bytes'])} released but still mapped by clients")
     lines.append(f"draining      {'yes' if st['draining'] else 'no'}")
+    dom = st.get("domain")
+    if dom:
+        peers = ", ".join(f"{n} {state}" for n, state in dom["nodes"].items() if state != "self")
+        lines.append(f"domain        {dom['domain']}, this is node {dom['node']}; peers: {peers or 'none'}")
     lat = st.get("rendezvous_latency_ms", {})
     if lat.get("count"):
         lines.append(f"rendezvous    {lat['count']} done, p50 {lat['p50']} ms, max {lat['max']} ms")
