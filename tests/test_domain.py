@@ -24,7 +24,6 @@ Every wait is bounded, and every daemon and rank process is stopped even when a 
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import queue
@@ -585,9 +584,9 @@ class Ranks:
         os.kill(self.procs[rank].pid, signal.SIGKILL)
 
     def reap(self, rank):
+        """Wait for a killed rank's process; what it reported before is forgotten (a replacement reports anew)."""
         self.procs[rank].join(10)
-        self.backlog = [i for i in self._drain() if i[0] != rank or i[1] == "error"] if False else [
-            i for i in self.backlog + self._drain() if i[0] != rank or i[1] == "error"]
+        self.backlog = [i for i in self.backlog + self._drain() if i[0] != rank or i[1] == "error"]
 
     def expect(self, what, ranks, timeout=90.0) -> dict:
         got = {}

@@ -207,14 +207,14 @@ def load_config(path: str | os.PathLike) -> DomainConfig:
 
 
 # ------------------------------------------------------------------------------------ keys
-def _root(key: bytes, domain: str) -> bytes:
+def _root(key: bytes) -> bytes:
     # BLAKE2b takes keys of at most 64 bytes: the shared key (any length) is hashed first
-    return hashlib.blake2b(key, digest_size=64, person=b"a2ad-domain-key", salt=b"").digest()
+    return hashlib.blake2b(key, digest_size=64, person=b"a2ad-domain-key").digest()
 
 
 def node_secret(key: bytes, domain: str, node: str) -> bytes:
     """The 32 bytes of ``node``'s CURVE secret key in ``domain`` (a keyed BLAKE2b of the names)."""
-    return hashlib.blake2b(f"{domain}\0{node}".encode(), digest_size=32, key=_root(key, domain),
+    return hashlib.blake2b(f"{domain}\0{node}".encode(), digest_size=32, key=_root(key),
                            person=b"a2ad-curve-node").digest()
 
 
