@@ -581,25 +581,27 @@ class Registry:
             slot = job.slots[r]
             if slot.node is None and (slot.alloc is not None or slot.live):
                 continue  # this daemon's own rank: a conflict that the job's coordinator settles
+            before = (slot.node, slot.pid, slot.device, slot.deaths, slot.attaches, slot.remote_waiting, slot.remote)
             slot.node = node
             slot.pid, slot.device, slot.uid = rec.get("pid"), rec.get("device"), None
             slot.deaths, slot.attaches = rec.get("deaths", 0), rec.get("attaches", 0)
             slot.remote_waiting = rec.get("waiting")
             slot.remote = {k: rec.get(k) for k in ("size", "handle_type", "handle", "handle_error")}
+            if before != (slot.node, slot.pid, slot.device, slot.deaths, slot.attaches, slot.remote_waiting, slot.remote):
+                self.dirty = True
             state = rec["state"]
             if slot.lost_with_node:
                 slot.lost_with_node = False
                 if effects and state == L.RANK_ATTACHED and slot.state == L.RANK_DEAD:
                     # counted lost with its node, yet alive: the job's rounds cannot agree any
                     # more (the others dropped or aborted it): everyone goes through a re-arm
-                    job.needs_rearm = True
+                    job.needs_rearm = self.dirty = True
                     if not job.control.abort_word:
                         job.control.set_abort(L.ABORT_REARM, r)
                     log.warning("job %s: rank %d on node %s, counted lost with its node, is alive: the job re-arms",
                                 job.name, r, node)
             if state != slot.state:
                 self._remote_state(job, slot, state, f"(as node {node} reports)", effects)
-            self.dirty = True
         if fields is not None and fields.get("generation") == job.generation:
             word = fields.get("abort", 0)
             if word and word != L.ABORT_DESTROYED and not job.control.abort_word:
@@ -612,7 +614,9 @@ class Registry:
                 job.needs_rearm = True
                 self.dirty = True
         if job.live_ranks():
-            job.grace_deadline = None
+            if job.grace_deadline is not None:
+                job.grace_deadline = None
+                self.dirty = True
         elif job.grace_deadline is None:
             self._start_grace(job)
 
