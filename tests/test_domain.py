@@ -640,14 +640,24 @@ class Ranks:
                 p.join(5)
 
 
-@pytest.mark.parametrize("policy", ["raise", "degrade"])
-def test_kill9_of_a_node_then_it_rejoins_with_replacements(cluster, policy):
+def _job_coordinated_by(node: str, prefix: str) -> str:
+    from a2ad.daemon.federation import coordinator_order
+
+    return next(f"{prefix}-{i}" for i in range(1000) if coordinator_order(f"{prefix}-{i}", "abc")[0] == node)
+
+
+@pytest.mark.parametrize("policy,coordinator", [("raise", "c"), ("degrade", "a")])
+def test_kill9_of_a_node_then_it_rejoins_with_replacements(cluster, policy, coordinator):
     """Three daemons, 6 ranks (2 on each). kill -9 of node c's daemon and both its ranks while
     rounds run: the ranks on a and b raise PeerLost (raise job) or serve on without ranks 4
     and 5 (degrade job) within the heartbeat bound. Then c's daemon restarts on its runtime
     folder (re-adopting the job from its fd keeper), rejoins the domain, a replacement pair
-    joins through it, and verified rounds resume on all 6 ranks."""
-    ep, job = 6, f"kill-{policy}"
+    joins through it, and verified rounds resume on all 6 ranks. In the raise case node c is
+    the job's coordinator: another node takes over while it is down, and c takes the job back
+    when it returns (the recover rendezvous runs with whichever it is then)."""
+    from a2ad.daemon.federation import coordinator_order
+
+    ep, job = 6, _job_coordinated_by(coordinator, f"kill-{policy}")
     c = cluster(["a", "b", "c"])
     for n in "abc":
         c.start(n)
@@ -684,6 +694,8 @@ def test_kill9_of_a_node_then_it_rejoins_with_replacements(cluster, policy):
         for n in "ab":  # (one node's verdict may reach the other's ranks, through its report, before its own)
             wait_for(lambda: c.states(n)["c"] == "down", LOSS_BOUND + 2, f"node {n} counting c lost")
             info = c.daemons[n].request("job_info", job=job)
+            assert info["domain"]["coordinator"] == next(x for x in coordinator_order(job, "abc") if x != "c")
+            assert info["domain"]["lost_nodes"] == ["c"], info["domain"]
             assert [info["ranks"][r]["state"] for r in (4, 5)] == ["dead", "dead"], info["ranks"]
             if policy == "degrade":
                 assert info["active_ranks"] == survivors and info["abort"] == "none", info
@@ -714,6 +726,7 @@ def test_kill9_of_a_node_then_it_rejoins_with_replacements(cluster, policy):
         dom = c.domain("a")
         peer = {x["name"]: x for x in dom["nodes"]}["c"]
         assert peer["losses"] >= 1 and peer["ups"] >= 2 and peer["state"] == "up", peer
+        assert c.daemons["a"].request("job_info", job=job)["domain"]["coordinator"] == coordinator
     finally:
         grp.close()
 

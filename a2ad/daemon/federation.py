@@ -110,6 +110,12 @@ class FedJob:
     released_on: dict | None = None
 
 
+def coordinator_order(job: str, nodes) -> list[str]:
+    """The nodes in the order that picks ``job``'s coordinator: highest random weight first
+    (a BLAKE2b of the job's and the node's names), the same on every node."""
+    return sorted(nodes, key=lambda n: hashlib.blake2b(f"{job}\0{n}".encode(), digest_size=8).digest(), reverse=True)
+
+
 def _decision(view: dict) -> dict:
     return {k: view[k] for k in ("ep_size", "spec", "owner_uid", "backend", "row_stride")}
 
@@ -252,8 +258,7 @@ class Federation:
         """The nodes in the order that picks ``job``'s coordinator (highest random weight)."""
         o = self._order_cache.get(job)
         if o is None:
-            o = sorted(self.nodes, key=lambda n: hashlib.blake2b(f"{job}\0{n}".encode(), digest_size=8).digest(),
-                       reverse=True)
+            o = coordinator_order(job, self.nodes)
             if len(self._order_cache) > 4096:
                 self._order_cache.clear()
             self._order_cache[job] = o
