@@ -130,8 +130,11 @@ def load_config(path: str | os.PathLike) -> DomainConfig:
     what is wrong with it."""
     try:
         import tomllib
-    except ImportError:  # Python 3.10
-        raise DomainConfigError("--domain needs Python 3.11 or later (tomllib)", field="domain") from None
+    except ImportError:  # Python 3.10: the same parser, as a package (a declared dependency there)
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise DomainConfigError("--domain needs tomli on Python 3.10 (pip install tomli)", field="domain") from None
     p = Path(path)
     try:
         raw = p.read_bytes()
