@@ -255,10 +255,10 @@ def serve_cuda(rank, ep, runtime_dir, job, shared, results, seed, pace=0.0):
     round; every round checked against the ranks its combine counted, and the indicator."""
     import time as _time
 
-    from test_degraded import _bits, _now
+    from test_degraded import _bits, _now, after_round, check_round
 
     try:
-        from a2ad.client import MoeAlltoAll, reference
+        from a2ad.client import MoeAlltoAll
 
         torch.set_num_threads(1)
         dev = torch.device("cuda", rank % torch.cuda.device_count())
@@ -272,7 +272,6 @@ def serve_cuda(rank, ep, runtime_dir, job, shared, results, seed, pace=0.0):
                           on_peer_loss="degrade", device=dev)
         att = a2a.attachment
         flag = att.workspace[rank, att.aux.flag_val : att.aux.flag_val + 4].view(torch.int32)
-        owner_of = torch.tensor([L.expert_owner(e, D_EXPERTS, ep) for e in range(D_EXPERTS)])
         results.put((rank, "attached", _now(), (a2a.generation, a2a.active_ranks)))
         g = torch.Generator().manual_seed(seed)
         s_experts = torch.zeros(D_T, D_TOP_K, dtype=torch.int32, device=dev)
@@ -310,30 +309,12 @@ def serve_cuda(rank, ep, runtime_dir, job, shared, results, seed, pace=0.0):
             rnd = int(flag.item()) - 1
             counted = _bits(a2a.last_round_active_ranks)
             assert int(a2a.last_round_active_mask.item()) == counted
-            owners = owner_of[experts.long()]
-            present = torch.tensor([[bool(counted >> int(q) & 1) for q in row] for row in owners]).reshape(D_T, D_TOP_K)
-            weight = torch.zeros(D_T)
-            for q in range(ep):
-                weight += ((owners == q) & present).any(dim=1).float() * (q + 1)
-            expected = hidden * weight[:, None]
-            lost = reference.lost_tokens(reference.route(experts, D_EXPERTS, ep), L.mask_ranks(counted))
-            assert torch.equal(lost, (~present).any(dim=1))
-            got = out.cpu()
-            if not torch.equal(got, expected):
-                raise AssertionError(f"rank {rank} round {rnd} (ranks {L.mask_ranks(counted)}): combine differs by "
-                                     f"{(got - expected).abs().max().item()}")
-            if not torch.equal(a2a.last_round_degraded.cpu(), lost):
-                raise AssertionError(f"rank {rank} round {rnd}: indicator differs (ranks {L.mask_ranks(counted)})")
-            records.append((rnd, done, counted, counted, int(lost.sum()), D_T))
-            shared["done"][rank] += 1
-            shared["mask"][rank] = counted
-            if n == 0:
-                if shared["stop_after"].value and not shared["stop"].value:
-                    shared["stop"].value = rnd + shared["stop_after"].value
-                results.put((rank, "first", done, rnd))
+            lost = check_round(rank, rnd, experts, hidden, out.cpu(), a2a.last_round_degraded.cpu(), counted, ep,
+                               D_EXPERTS)
+            records.append((rnd, done, counted, counted, lost, D_T))
+            stop = after_round(rank, n, rnd, done, counted, shared, results)
             n += 1
-            stop = shared["stop"].value
-            if stop and rnd + 1 >= stop:
+            if stop:
                 break
             if pace:
                 _time.sleep(pace)

@@ -33,6 +33,46 @@ def _bits(ranks) -> int:
 
 
 # ----------------------------------------------------------------------- rank bodies
+def check_round(rank, rnd, experts, hidden, out, degraded, counted, ep, num_experts) -> int:
+    """One round of a rank whose expert multiplies what it received by (q + 1): token t must
+    come back as hidden[t] times the sum of (q + 1) over the distinct ranks q of its experts in
+    ``counted`` (the ranks the combine counted), and ``degraded`` must mark exactly the tokens
+    with an expert elsewhere. CPU tensors. Returns how many tokens lost an expert."""
+    import torch
+
+    from a2ad.client import reference
+
+    t, top_k = experts.shape
+    owners = torch.tensor([L.expert_owner(int(e), num_experts, ep) for e in experts.flatten()]).reshape(t, top_k)
+    present = torch.tensor([[bool(counted >> int(q) & 1) for q in row] for row in owners]).reshape(t, top_k)
+    weight = torch.zeros(t)
+    for q in range(ep):
+        weight += ((owners == q) & present).any(dim=1).float() * (q + 1)
+    expected = hidden * weight[:, None]
+    lost = reference.lost_tokens(reference.route(experts, num_experts, ep), L.mask_ranks(counted))
+    assert torch.equal(lost, (~present).any(dim=1))
+    if not torch.equal(out, expected):
+        raise AssertionError(f"rank {rank} round {rnd} (ranks {L.mask_ranks(counted)}): combine differs by "
+                             f"{(out - expected).abs().max().item()}")
+    if not torch.equal(degraded, lost):
+        raise AssertionError(f"rank {rank} round {rnd}: indicator {degraded.tolist()} != {lost.tolist()} "
+                             f"(ranks {L.mask_ranks(counted)})")
+    return int(lost.sum())
+
+
+def after_round(rank, n, rnd, done, counted, shared, results) -> bool:
+    """A verified round's bookkeeping: the shared counters, the first round's report (which
+    sets the stop round when asked, ``shared['stop_after']``); whether to stop now."""
+    shared["done"][rank] += 1
+    shared["mask"][rank] = counted
+    if n == 0:
+        if shared["stop_after"].value and not shared["stop"].value:
+            shared["stop"].value = rnd + shared["stop_after"].value
+        results.put((rank, "first", done, rnd))
+    stop = shared["stop"].value
+    return bool(stop and rnd + 1 >= stop)
+
+
 def serve(rank, ep, runtime_dir, job, shared, results, seed, hang=None, pace=0.0):
     """Run verified rounds until the shared stop round, reporting each one.
 
@@ -46,7 +86,7 @@ def serve(rank, ep, runtime_dir, job, shared, results, seed, hang=None, pace=0.0
     try:
         import torch
 
-        from a2ad.client import MoeAlltoAll, reference
+        from a2ad.client import MoeAlltoAll
 
         torch.set_num_threads(1)
 
@@ -58,7 +98,6 @@ def serve(rank, ep, runtime_dir, job, shared, results, seed, hang=None, pace=0.0
                           on_peer_loss="degrade")
         att = a2a.attachment
         flag = att.workspace[rank, att.aux.flag_val : att.aux.flag_val + 4].view(torch.int32)
-        owner_of = torch.tensor([L.expert_owner(e, EXPERTS, ep) for e in range(EXPERTS)])
         results.put((rank, "attached", _now(), (a2a.generation, a2a.active_ranks)))
         g = torch.Generator().manual_seed(seed)
         records = []
@@ -81,30 +120,11 @@ def serve(rank, ep, runtime_dir, job, shared, results, seed, hang=None, pace=0.0
             assert int(a2a.last_round_active_mask) == counted
             sent_mask = a2a._plane.dispatch_mask
             # the reference: only the ranks the combine counted contribute
-            owners = owner_of[experts.long()]  # [t, top_k]
-            present = torch.tensor([[bool(counted >> int(q) & 1) for q in row] for row in owners]).reshape(t, TOP_K)
-            weight = torch.zeros(t)
-            for q in range(ep):
-                weight += ((owners == q) & present).any(dim=1).float() * (q + 1)
-            expected = hidden * weight[:, None]
-            lost = reference.lost_tokens(reference.route(experts, EXPERTS, ep), L.mask_ranks(counted))
-            assert torch.equal(lost, (~present).any(dim=1))
-            if not torch.equal(out, expected):
-                raise AssertionError(f"rank {rank} round {rnd} (ranks {L.mask_ranks(counted)}): combine differs by "
-                                     f"{(out - expected).abs().max().item()}")
-            if not torch.equal(a2a.last_round_degraded, lost):
-                raise AssertionError(f"rank {rank} round {rnd}: indicator {a2a.last_round_degraded.tolist()} != "
-                                     f"{lost.tolist()} (ranks {L.mask_ranks(counted)})")
-            records.append((rnd, done, counted, sent_mask, int(lost.sum()), t))
-            shared["done"][rank] += 1
-            shared["mask"][rank] = counted
-            if n == 0:
-                if shared["stop_after"].value and not shared["stop"].value:
-                    shared["stop"].value = rnd + shared["stop_after"].value
-                results.put((rank, "first", done, rnd))
+            lost = check_round(rank, rnd, experts, hidden, out, a2a.last_round_degraded, counted, ep, EXPERTS)
+            records.append((rnd, done, counted, sent_mask, lost, t))
+            stop = after_round(rank, n, rnd, done, counted, shared, results)
             n += 1
-            stop = shared["stop"].value
-            if stop and rnd + 1 >= stop:
+            if stop:
                 break
             if pace:
                 time.sleep(pace)
