@@ -45,6 +45,31 @@ from .plane import Plane
 _FIRST_SLEEP = 20e-6
 _MAX_SLEEP = 1e-3
 
+
+class _Patience:
+    """One bounded wait of the host plane: between polls it sleeps with a doubling pause,
+    and it gives up when the job's abort word is set or the timeout has passed."""
+
+    def __init__(self, timeout: float):
+        self.start = self.now = time.monotonic_ns()
+        self.deadline = self.start + int(timeout * 1e9)
+        self.pause = _FIRST_SLEEP
+
+    def give_up(self, cb) -> int | None:
+        """The status code to record (STATUS_ABORTED, STATUS_TIMEOUT), or None after a pause."""
+        self.now = time.monotonic_ns()
+        if cb.abort_word != L.ABORT_NONE:
+            return L.STATUS_ABORTED
+        if self.now >= self.deadline:
+            return L.STATUS_TIMEOUT
+        time.sleep(self.pause)
+        self.pause = min(self.pause * 2, _MAX_SLEEP)
+        return None
+
+    @property
+    def waited_ns(self) -> int:
+        return self.now - self.start
+
 _TSO_MACHINES = {"x86_64", "amd64", "i386", "i686"}
 
 
@@ -274,9 +299,7 @@ class HostPlane(Plane):
         cb, me, ep = self.att.control, self.ep_rank, self.ep_size
         if admit == L.ADMIT_JOINED:
             cb.set_admit_round(me, L.ADMIT_READY)
-        start = time.monotonic_ns()
-        deadline = start + int(self.timeout * 1e9)
-        pause = _FIRST_SLEEP
+        patience = _Patience(self.timeout)
         flag = int(self._flag_val.item())
         while True:
             admit = cb.admit_round(me)
@@ -292,16 +315,10 @@ class HostPlane(Plane):
             else:
                 admitted = cb.admitted_mask(ep)
                 peer = (admitted & -admitted).bit_length() - 1 if admitted else me
-            now = time.monotonic_ns()
-            if cb.abort_word != L.ABORT_NONE:
-                code = L.STATUS_ABORTED
-            elif now >= deadline:
-                code = L.STATUS_TIMEOUT
-            else:
-                time.sleep(pause)
-                pause = min(pause * 2, _MAX_SLEEP)
+            code = patience.give_up(cb)
+            if code is None:
                 continue
-            cb.record_status(me, code, peer, max(admit, flag), L.PHASE_DISPATCH, now - start)
+            cb.record_status(me, code, peer, max(admit, flag), L.PHASE_DISPATCH, patience.waited_ns)
             cb.raise_for(me, self.att.job)
 
     def sanitize(self, recv_ids: torch.Tensor, rt: int, invalid_id: int) -> None:
@@ -396,9 +413,7 @@ class HostPlane(Plane):
         (written before the flag), whatever became of them since; nothing counts from the
         others. Bounded by the timeout and abandoned when the abort word is set."""
         cb = self.att.control
-        start = time.monotonic_ns()
-        deadline = start + int(self.timeout * 1e9)
-        pause = _FIRST_SLEEP
+        patience = _Patience(self.timeout)
         degrade, ep = self.degrade, self.ep_size
         while True:
             pending = (flags != rnd).nonzero()
@@ -410,17 +425,11 @@ class HostPlane(Plane):
                 if not left:
                     return view & ~missing
                 pending = torch.tensor([[(left & -left).bit_length() - 1]])
-            now = time.monotonic_ns()
-            if cb.abort_word != L.ABORT_NONE:
-                code = L.STATUS_ABORTED
-            elif now >= deadline:
-                code = L.STATUS_TIMEOUT
-            else:
-                time.sleep(pause)
-                pause = min(pause * 2, _MAX_SLEEP)
+            code = patience.give_up(cb)
+            if code is None:
                 continue
             peer = int(pending[0, 0])
-            cb.record_status(self.ep_rank, code, peer, rnd, phase, now - start)
+            cb.record_status(self.ep_rank, code, peer, rnd, phase, patience.waited_ns)
             self.att.control.raise_for(self.ep_rank, self.att.job)
 
     def check(self) -> None:
