@@ -251,3 +251,69 @@ def release_holders(*procs: subprocess.Popen, kill: bool = False) -> None:
         for f in (p.stdin, p.stdout):
             if f is not None and not f.closed:
                 f.close()
+
+
+class RankReports:
+    """Reports of rank processes on one queue, each ``(rank, kind, t, value)``.
+
+    ``expect`` collects one report of a kind per rank, and an ``"error"`` report fails the
+    test at once; reports nobody has asked for yet wait in ``backlog``. ``wait_rounds`` is
+    for groups whose ranks count their completed rounds in ``self.shared["done"]``."""
+
+    def __init__(self, ctx):
+        self.results = ctx.Queue()
+        self.backlog: list = []
+
+    def expect(self, what, ranks, timeout=90.0) -> dict:
+        """``{rank: (t, value)}``: one ``what`` report from every rank in ``ranks``."""
+        import queue
+
+        got = {}
+        for item in list(self.backlog):
+            rank, kind, t, value = item
+            if kind == what and rank in ranks and rank not in got:
+                got[rank] = (t, value)
+                self.backlog.remove(item)
+        end = time.monotonic() + timeout
+        while set(got) != set(ranks):
+            try:
+                item = self.results.get(timeout=max(0.05, min(0.5, end - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() > end:
+                    raise AssertionError(f"waited {timeout} s for {what!r} from ranks {sorted(set(ranks) - set(got))}")
+                continue
+            rank, kind, t, value = item
+            if kind == "error":
+                raise AssertionError(f"rank {rank} failed: {value}")
+            if kind == what and rank in ranks and rank not in got:
+                got[rank] = (t, value)
+            else:
+                self.backlog.append(item)
+        return got
+
+    def drain(self) -> list:
+        """Every report that has arrived, moved into the backlog; returns them."""
+        import queue
+
+        out = []
+        while True:
+            try:
+                item = self.results.get_nowait()
+            except queue.Empty:
+                return out
+            self.backlog.append(item)
+            out.append(item)
+
+    def wait_rounds(self, ranks, n, timeout=90.0, what="rounds"):
+        """Until every rank in ``ranks`` completed ``n`` more rounds than now (an error report fails it)."""
+        done = self.shared["done"]
+        start = {r: done[r] for r in ranks}
+        end = time.monotonic() + timeout
+        while any(done[r] < start[r] + n for r in ranks):
+            for item in self.drain():
+                if item[1] == "error":
+                    raise AssertionError(f"rank {item[0]} failed: {item[3]}")
+            if time.monotonic() > end:
+                raise AssertionError(f"waited {timeout} s for {n} {what} on ranks {list(ranks)}: "
+                                     f"{ {r: done[r] - start[r] for r in ranks} }")
+            time.sleep(0.01)

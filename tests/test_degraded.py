@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import time
 import pytest
 
 from a2ad import errors, layout as L
-from helpers import REPO, DaemonProcess, reap_keeper, wait_for
+from helpers import REPO, DaemonProcess, RankReports, reap_keeper, wait_for
 
 HIDDEN, TOP_K, EXPERTS, MAX_T = 32, 2, 8, 8
 
@@ -137,14 +136,14 @@ def serve(rank, ep, runtime_dir, job, shared, results, seed, hang=None, pace=0.0
         results.put((rank, "error", 0.0, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-class Group:
+class Group(RankReports):
     """Rank processes of one degrade job; every wait on them is bounded, and close() ends
     every process still running (also when the test failed)."""
 
     def __init__(self, ep, runtime_dir, job):
         self.ctx = mp.get_context("spawn")
+        super().__init__(self.ctx)
         self.ep, self.runtime_dir, self.job = ep, str(runtime_dir), job
-        self.results = self.ctx.Queue()
         self.shared = {
             "done": self.ctx.Array("l", ep, lock=False),
             "mask": self.ctx.Array("l", ep, lock=False),
@@ -153,7 +152,6 @@ class Group:
         }
         self.procs: list = []
         self.by_rank: dict = {}
-        self.backlog: list = []
 
     def start(self, rank, seed, target=None, **kw):
         """Start rank ``rank``'s process running ``target`` (default :func:`serve`)."""
@@ -169,59 +167,11 @@ class Group:
         p = self.by_rank[rank]
         os.kill(p.pid, signal.SIGKILL)
         p.join(10)
-        self._drain()
+        self.drain()
         self.backlog = [item for item in self.backlog if item[0] != rank or item[1] == "error"]
 
     def done(self, rank) -> int:
         return self.shared["done"][rank]
-
-    def expect(self, what, ranks, timeout=60.0):
-        """One (t, value) per rank in ``ranks`` for report ``what``; fails on an error report."""
-        got = {}
-        for item in list(self.backlog):
-            rank, kind, t, value = item
-            if kind == what and rank in ranks and rank not in got:
-                got[rank] = (t, value)
-                self.backlog.remove(item)
-        end = time.monotonic() + timeout
-        while set(got) != set(ranks):
-            try:
-                item = self.results.get(timeout=max(0.05, min(0.5, end - time.monotonic())))
-            except queue.Empty:
-                if time.monotonic() > end:
-                    raise AssertionError(f"waited {timeout} s for {what!r} from ranks {sorted(set(ranks) - set(got))}")
-                continue
-            rank, kind, t, value = item
-            if kind == "error":
-                raise AssertionError(f"rank {rank} failed: {value}")
-            if kind == what and rank in ranks and rank not in got:
-                got[rank] = (t, value)
-            else:
-                self.backlog.append(item)
-        return got
-
-    def wait_rounds(self, ranks, n, timeout=30.0, what="rounds"):
-        """Until every rank in ``ranks`` completed ``n`` more rounds than now (error reports fail it)."""
-        start = {r: self.done(r) for r in ranks}
-        end = time.monotonic() + timeout
-        while any(self.done(r) < start[r] + n for r in ranks):
-            for item in self._drain():
-                if item[1] == "error":
-                    raise AssertionError(f"rank {item[0]} failed: {item[3]}")
-            if time.monotonic() > end:
-                raise AssertionError(f"waited {timeout} s for {n} {what} on ranks {ranks}: "
-                                     f"{ {r: self.done(r) - start[r] for r in ranks} }")
-            time.sleep(0.01)
-
-    def _drain(self):
-        out = []
-        while True:
-            try:
-                item = self.results.get_nowait()
-            except queue.Empty:
-                return out
-            self.backlog.append(item)
-            out.append(item)
 
     def close(self):
         for p in self.procs:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue
 import shutil
 import signal
 import socket
@@ -40,7 +39,7 @@ from pathlib import Path
 import pytest
 
 from a2ad import errors, layout as L, protocol
-from helpers import REPO, DaemonProcess, reap_keeper, wait_for
+from helpers import REPO, DaemonProcess, RankReports, reap_keeper, wait_for
 
 HB_INTERVAL, HB_MISSES = 0.25, 4  # a node is counted lost after 1 s of silence
 LOSS_BOUND = HB_INTERVAL * HB_MISSES
@@ -561,18 +560,17 @@ def node_serve(rank, ep, runtime_dir, shm, job, policy, shared, results, seed):
         results.put((rank, "error", _now(), f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-class Ranks:
+class Ranks(RankReports):
     """Rank processes of one job, spread over the nodes; every wait on them is bounded and
     ``close`` ends every process still running (also when the test failed)."""
 
     def __init__(self, ep, job, policy, shm):
         self.ctx = mp.get_context("spawn")
+        super().__init__(self.ctx)
         self.ep, self.job, self.policy, self.shm = ep, job, policy, str(shm)
-        self.results = self.ctx.Queue()
         self.shared = {"done": self.ctx.Array("l", ep, lock=False), "round": self.ctx.Array("l", ep, lock=False),
                        "gen": self.ctx.Array("l", ep, lock=False), "stop": self.ctx.Value("l", 0, lock=False)}
         self.procs: dict[int, mp.Process] = {}
-        self.backlog: list = []
 
     def start(self, rank, runtime_dir, seed):
         p = self.ctx.Process(target=node_serve, args=(rank, self.ep, str(runtime_dir), self.shm, self.job, self.policy,
@@ -586,50 +584,8 @@ class Ranks:
     def reap(self, rank):
         """Wait for a killed rank's process; what it reported before is forgotten (a replacement reports anew)."""
         self.procs[rank].join(10)
-        self.backlog = [i for i in self.backlog + self._drain() if i[0] != rank or i[1] == "error"]
-
-    def expect(self, what, ranks, timeout=90.0) -> dict:
-        got = {}
-        for item in list(self.backlog):
-            if item[1] == what and item[0] in ranks and item[0] not in got:
-                got[item[0]] = (item[2], item[3])
-                self.backlog.remove(item)
-        end = time.monotonic() + timeout
-        while set(got) != set(ranks):
-            try:
-                item = self.results.get(timeout=max(0.05, min(0.5, end - time.monotonic())))
-            except queue.Empty:
-                if time.monotonic() > end:
-                    raise AssertionError(f"waited {timeout} s for {what!r} from ranks {sorted(set(ranks) - set(got))}")
-                continue
-            if item[1] == "error":
-                raise AssertionError(f"rank {item[0]} failed: {item[3]}")
-            if item[1] == what and item[0] in ranks and item[0] not in got:
-                got[item[0]] = (item[2], item[3])
-            else:
-                self.backlog.append(item)
-        return got
-
-    def wait_rounds(self, ranks, n, timeout=90.0):
-        start = {r: self.shared["done"][r] for r in ranks}
-        end = time.monotonic() + timeout
-        while any(self.shared["done"][r] < start[r] + n for r in ranks):
-            for item in self._drain():
-                self.backlog.append(item)
-                if item[1] == "error":
-                    raise AssertionError(f"rank {item[0]} failed: {item[3]}")
-            if time.monotonic() > end:
-                raise AssertionError(f"waited {timeout} s for {n} rounds on ranks {list(ranks)}: "
-                                     f"{ {r: self.shared['done'][r] - start[r] for r in ranks} }")
-            time.sleep(0.01)
-
-    def _drain(self):
-        out = []
-        while True:
-            try:
-                out.append(self.results.get_nowait())
-            except queue.Empty:
-                return out
+        self.drain()
+        self.backlog = [i for i in self.backlog if i[0] != rank or i[1] == "error"]
 
     def close(self):
         for p in self.procs.values():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import time
 import pytest
 
 from a2ad import errors, layout as L
-from helpers import DaemonProcess, reap_keeper, wait_for
+from helpers import DaemonProcess, RankReports, reap_keeper, wait_for
 
 HIDDEN, TOP_K, EXPERTS, MAX_T, T = 64, 2, 8, 16, 6
 
@@ -135,16 +134,15 @@ def rank_body(rank, ep, runtime_dir, job, script, cmds, results):
         results.put((rank, "error", 0.0, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-class Ranks:
+class Ranks(RankReports):
     """Rank processes driven by scripts; every wait for them is bounded."""
 
     def __init__(self, ep, runtime_dir, job):
         self.ctx = mp.get_context("spawn")
+        super().__init__(self.ctx)
         self.ep, self.runtime_dir, self.job = ep, str(runtime_dir), job
-        self.results = self.ctx.Queue()
         self.procs: dict = {}
         self.cmds: dict = {}
-        self.backlog: list = []  # reports that arrived before they were asked for
 
     def start(self, rank, script):
         cmds = self.ctx.Queue()
@@ -155,31 +153,6 @@ class Ranks:
 
     def go(self, rank):
         self.cmds[rank].put("go")
-
-    def expect(self, what, ranks, timeout=90.0):
-        """Collect one (rank, what, t, value) per rank in ``ranks``; fail on an error report."""
-        got = {}
-        for item in list(self.backlog):
-            rank, kind, t, value = item
-            if kind == what and rank in ranks and rank not in got:
-                got[rank] = (t, value)
-                self.backlog.remove(item)
-        end = time.monotonic() + timeout
-        while set(got) != set(ranks):
-            try:
-                item = self.results.get(timeout=max(0.1, min(1.0, end - time.monotonic())))
-            except queue.Empty:
-                if time.monotonic() > end:
-                    raise AssertionError(f"waited {timeout} s for {what!r} from ranks {sorted(set(ranks) - set(got))}")
-                continue
-            rank, kind, t, value = item
-            if kind == "error":
-                raise AssertionError(f"rank {rank} failed: {value}")
-            if kind == what and rank in ranks and rank not in got:
-                got[rank] = (t, value)
-            else:
-                self.backlog.append(item)
-        return got
 
     def kill(self, rank):
         self.procs[rank].kill()
