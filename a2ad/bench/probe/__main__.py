@@ -1,0 +1,8 @@
+"""``python -m a2ad.bench.probe``."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
