@@ -33,61 +33,95 @@ The modules: ``workload`` (grid, routing and inputs, reference results and check
 (statistics, the rank's context, CUDA-graph and eager timing), ``impls`` (the implementations),
 ``ceilings`` (the NVLink ceilings), ``results`` (rows, comparisons, targets), ``report`` (tables,
 JSON, PERF.md), ``plotting`` (``--plot``), ``worker`` (one rank's process), ``cli`` (options and the
-launcher). ``python -m a2ad.bench.kernel_timing`` times the CUDA kernels alone on two GPUs.
+launcher). ``python -m a2ad.bench.kernel_timing`` times the CUDA kernels alone on two GPUs, and
+``python -m a2ad.bench.probe`` checks what the cuda backend relies on (driver, export/import,
+peer mappings).
+
+The names below load their module on first use, so that a submodule that must not import
+torch (the probe's daemon-like children) can be run with ``-m``.
 """
 
-from .cli import build_parser, main, prepare_flashinfer_archive, resolve_config
-from .common import IMPLS, SCHEMA, Skip, exception_text
-from .impls import FLASHINFER_MODULE, A2adJob, FiJob, a2ad_graphs, flashinfer_probe
-from .plotting import plot, plot_unavailable
-from .report import (
-    VS_NCCL_NOTE,
-    TABLE_COLUMNS,
-    format_capture,
-    format_eager_comparison,
-    format_graph_comparison,
-    format_markdown_table,
-    format_table,
-    format_targets,
-    make_report,
-    perf_doc,
-    write_json,
-)
-from .results import add_comparisons, add_speedups, build_row, capture_summary, comparisons, evaluate_targets
-from .timing import Ctx, percentile, run_eager, step_latencies, summarize
-from .workload import (
-    FULL_TOKENS,
-    Inputs,
-    check_combine,
-    check_received,
-    combine_bytes_per_token,
-    dispatch_bytes_per_token,
-    expert_owner_tensor,
-    expert_weights,
-    gbps,
-    logical_bytes,
-    make_inputs,
-    make_routing,
-    pack_rows,
-    permute_indices,
-    reference_combine,
-    remote_bytes,
-    remote_pairs,
-    same_rows_as_sets,
-    target_mask,
-    unpack_rows,
-    unpermute_sum,
-)
+from __future__ import annotations
 
-__all__ = [
-    "A2adJob", "Ctx", "FLASHINFER_MODULE", "FULL_TOKENS", "FiJob", "IMPLS", "Inputs", "SCHEMA", "Skip",
-    "TABLE_COLUMNS", "VS_NCCL_NOTE", "a2ad_graphs", "add_comparisons", "add_speedups", "build_parser", "build_row",
-    "capture_summary", "check_combine", "check_received", "combine_bytes_per_token", "comparisons",
-    "dispatch_bytes_per_token", "evaluate_targets", "exception_text", "expert_owner_tensor", "expert_weights",
-    "flashinfer_probe", "format_capture", "format_eager_comparison", "format_graph_comparison",
-    "format_markdown_table", "format_table", "format_targets", "gbps", "logical_bytes", "main", "make_inputs",
-    "make_report", "make_routing", "pack_rows", "percentile", "perf_doc", "permute_indices", "plot",
-    "plot_unavailable", "prepare_flashinfer_archive", "reference_combine", "remote_bytes", "remote_pairs",
-    "resolve_config", "run_eager", "same_rows_as_sets", "step_latencies", "summarize", "target_mask",
-    "unpack_rows", "unpermute_sum", "write_json",
-]
+import importlib
+
+_EXPORTS = {
+    "build_parser": "cli",
+    "main": "cli",
+    "prepare_flashinfer_archive": "cli",
+    "resolve_config": "cli",
+    "IMPLS": "common",
+    "SCHEMA": "common",
+    "Skip": "common",
+    "exception_text": "common",
+    "A2adJob": "impls",
+    "FLASHINFER_MODULE": "impls",
+    "FiJob": "impls",
+    "a2ad_graphs": "impls",
+    "flashinfer_probe": "impls",
+    "plot": "plotting",
+    "plot_unavailable": "plotting",
+    "TABLE_COLUMNS": "report",
+    "VS_NCCL_NOTE": "report",
+    "format_capture": "report",
+    "format_eager_comparison": "report",
+    "format_graph_comparison": "report",
+    "format_markdown_table": "report",
+    "format_table": "report",
+    "format_targets": "report",
+    "make_report": "report",
+    "perf_doc": "report",
+    "write_json": "report",
+    "add_comparisons": "results",
+    "add_speedups": "results",
+    "build_row": "results",
+    "capture_summary": "results",
+    "comparisons": "results",
+    "evaluate_targets": "results",
+    "Ctx": "timing",
+    "percentile": "timing",
+    "run_eager": "timing",
+    "step_latencies": "timing",
+    "summarize": "timing",
+    "FULL_TOKENS": "workload",
+    "Inputs": "workload",
+    "check_combine": "workload",
+    "check_received": "workload",
+    "combine_bytes_per_token": "workload",
+    "dispatch_bytes_per_token": "workload",
+    "expert_owner_tensor": "workload",
+    "expert_weights": "workload",
+    "gbps": "workload",
+    "logical_bytes": "workload",
+    "make_inputs": "workload",
+    "make_routing": "workload",
+    "pack_rows": "workload",
+    "permute_indices": "workload",
+    "reference_combine": "workload",
+    "remote_bytes": "workload",
+    "remote_pairs": "workload",
+    "same_rows_as_sets": "workload",
+    "target_mask": "workload",
+    "unpack_rows": "workload",
+    "unpermute_sum": "workload",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+_SUBMODULES = frozenset(_EXPORTS.values()) | {"ceilings", "kernel_timing", "worker", "probe"}
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)  # binds the attribute itself
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
