@@ -34,8 +34,11 @@ aligned; all int32)::
     RECV_RTS                    [ep_size]          written by source s: the runtime_max_tokens_per_rank
                                                    of its current dispatch (every rank must pass the same)
     DISPATCH_READY              [ep_size] u64      written by source s in one release store:
-                                                   ``(tokens s sent here << 32) | round`` (CUDA
-                                                   kernels: the count travels with the flag)
+                                                   ``(high << 32) | round``, high = rt * (max_tokens
+                                                   + 1) + (tokens s sent here) when that fits 32
+                                                   bits (max_tokens <= 65535), else the count
+                                                   (CUDA kernels: the count and rt travel with
+                                                   the flag; RECV_RTS is then not written)
     PAYLOAD_DATA                                   start of the payload area
 
 ``slices`` is ``ceil(max_tokens / COMBINE_SLICE_ROWS)``. The four last fields are
@@ -196,7 +199,8 @@ class AuxLayout:
     combine_slices: int
     #: [ep_size] int32, written by source s: its runtime_max_tokens_per_rank this round.
     recv_rts: int
-    #: [ep_size] uint64, written by source s: (count << 32) | round, one release store.
+    #: [ep_size] uint64, written by source s: (high << 32) | round, one release store; high is
+    #: rt * (max_num_tokens + 1) + count when max_num_tokens <= 65535, else count.
     dispatch_ready: int
     payload_data: int
     #: Bytes the daemon zeroes (everything before PAYLOAD_DATA).

@@ -368,6 +368,7 @@ __device__ void stage_slices(const CombineParams& p, const int* recv, int round,
 // for its rows' slices. Only the last block waits for the whole-region flags.
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p) {
+  wait_prior_grid();
   const int me = p.ws.ep_rank, ep = p.ws.ep_size;
   uint8_t* my_row = row_of(p.ws, me);
   int* block_counters = at<int>(my_row, p.aux.block_counters);
@@ -433,7 +434,8 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   }
 
   // 2. Release; the last block tells every peer that its outputs are ready.
-  const bool last = arrive_last(block_counters + layout::SLOT_COMBINE_ARRIVAL);
+  const bool last = arrive_last(block_counters + layout::SLOT_COMBINE_ARRIVAL, Writes::kLocal);
+  allow_dependents();  // every block is resident: the next kernel may be scheduled
   if (last) {
     const int q = threadIdx.x;
     if (q < ep) {
@@ -562,8 +564,7 @@ cudaError_t launch_typed(const CombineParams& p, cudaStream_t stream) {
       row_bytes >= kOverlapMinRowBytes) {
     q.overlap_stage_blocks = grid / kOverlapStageShare < 1 ? 1 : grid / kOverlapStageShare;
   }
-  combine_kernel<T, kVec><<<grid, kThreads, 0, stream>>>(q);
-  return cudaGetLastError();
+  return launch::overlapped(combine_kernel<T, kVec>, grid, kThreads, stream, q);
 }
 
 }  // namespace

@@ -155,6 +155,7 @@ struct ReadyWords {
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams p) {
   __shared__ TileRouting tr;
   __shared__ int s_count[kMaxEpSize];
+  wait_prior_grid();
   if (diag(p, kDiagNoop)) return;
   const int me = p.ws.ep_rank, ep = p.ws.ep_size;
   uint8_t* my_row = row_of(p.ws, me);
@@ -175,11 +176,14 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
   }
   // A one-block launch numbers its sends in shared memory (no global atomics).
   const bool one_block = gridDim.x == 1;
+  // The ready word carries rt with the count (job-wide: max_num_tokens is the same everywhere).
+  const int mnt = p.aux.max_num_tokens;
+  const bool compact = rt_in_ready_word(mnt);
   if (blockIdx.x == 0) {
     const int q = threadIdx.x;
-    if (q < ep && (view >> q & 1)) {
+    if (!compact && q < ep && (view >> q & 1)) {
       // Every peer checks this rank's rt against its own; the fence (or release) before
-      // the ready word covers this store.
+      // the ready word covers this store. (Compact: the ready word carries rt.)
       *reinterpret_cast<volatile int*>(row_of(p.ws, q) + p.aux.recv_rts + 4 * (int64_t)me) = p.rt;
     }
     if (one_block && q < ep) s_count[q] = 0;
@@ -256,10 +260,11 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
     __syncthreads();  // tr is rewritten by the next tile
   }
 
-  if (!arrive_last(block_counters + layout::SLOT_DISPATCH_ARRIVAL, diag(p, kDiagSkipFence),
+  if (!arrive_last(block_counters + layout::SLOT_DISPATCH_ARRIVAL, Writes::kRemote, diag(p, kDiagSkipFence),
                    diag(p, kDiagDoubleFence))) {
     return;
   }
+  allow_dependents();  // the other blocks are gone; this one only publishes and waits
   if (diag(p, kDiagNoPublish)) return;
   // Last block: every send is numbered and every payload store of the grid is visible.
   // One release store per peer carries the count and the round.
@@ -272,7 +277,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
     } else {
       count = ld_volatile(send_counters + q);
     }
-    st_release_sys_u64(at<uint64_t>(row_of(p.ws, q), p.aux.dispatch_ready + 8 * (int64_t)me), ready_word(count, round));
+    st_release_sys_u64(at<uint64_t>(row_of(p.ws, q), p.aux.dispatch_ready + 8 * (int64_t)me),
+                       ready_word(min(count, mnt), p.rt, mnt, round));
   } else if (one_block && q < ep) {
     send_counters[q] = 0;  // a rank outside the view: nothing was numbered for it
   }
@@ -288,13 +294,22 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
   }
   // Thread q now holds what peer q sent here; the protocol's per-source fields get it.
   __shared__ int s_peer;
+  __shared__ int s_rts[kMaxEpSize];
   if (threadIdx.x == 0) s_peer = kMaxEpSize;
   __syncthreads();
   if (q < ep) {
     if (seen >> q & 1) {
+      int r;
+      if (compact) {
+        const uint32_t high = static_cast<uint32_t>(count), m1 = static_cast<uint32_t>(mnt) + 1;
+        r = static_cast<int>(high / m1);
+        count = static_cast<int>(high % m1);
+      } else {
+        r = ld_volatile(at<int>(my_row, p.aux.recv_rts) + q);  // written before q's ready word
+      }
       at<int>(my_row, p.aux.recv_counters)[q] = count;
       at<int>(my_row, p.aux.dispatch_completion_flags)[q] = round;
-      const int r = ld_volatile(at<int>(my_row, p.aux.recv_rts) + q);  // written before q's ready word
+      s_rts[q] = r;
       if (r != p.rt) atomicMin(&s_peer, q);
     } else {
       at<int>(my_row, p.aux.recv_counters)[q] = 0;  // degraded mode: nothing came from q
@@ -306,8 +321,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
   if (threadIdx.x == 0) {
     if (s_peer < kMaxEpSize) {
       block_counters[layout::SLOT_RT_MISMATCH] = round;
-      write_input(p.ctl, layout::INPUT_RT_MISMATCH, s_peer, ld_volatile(at<int>(my_row, p.aux.recv_rts) + s_peer),
-                  round);
+      write_input(p.ctl, layout::INPUT_RT_MISMATCH, s_peer, s_rts[s_peer], round);
     } else if (bad_inv != 0) {
       const unsigned long long key = ~bad_inv;
       write_input(p.ctl, layout::INPUT_BAD_EXPERT, static_cast<int>(key >> 32),
@@ -458,7 +472,8 @@ cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   if (p.top_k < 1 || p.top_k > kMaxTopK || p.top_k > p.aux.topk_stride || p.num_experts < p.ws.ep_size ||
-      p.local_num_tokens < 0 || p.local_num_tokens > p.rt || p.num_payloads < 0 || p.num_payloads > kMaxPayloads ||
+      p.local_num_tokens < 0 || p.local_num_tokens > p.rt || p.rt > p.aux.max_num_tokens || p.num_payloads < 0 ||
+      p.num_payloads > kMaxPayloads ||
       (p.local_num_tokens > 0 && p.experts == nullptr) || (p.diag != 0 && !kTimingBuild)) {
     return cudaErrorInvalidValue;
   }
@@ -479,8 +494,7 @@ cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
-  dispatch_kernel<<<grid, kThreads, 0, stream>>>(q);
-  return cudaGetLastError();
+  return launch::overlapped(dispatch_kernel, grid, kThreads, stream, q);
 }
 
 }  // namespace a2ad

@@ -19,6 +19,24 @@ bool valid_control(const Control& c);
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Launch `kernel` with programmatic stream serialization allowed: it may be scheduled
+// while the previous kernel on the stream finishes (hiding the launch), and waits for
+// that kernel's completion itself (wait_prior_grid). Graph capture keeps the edge.
+template <typename Params>
+cudaError_t overlapped(void (*kernel)(Params), int grid, int threads, cudaStream_t stream, const Params& params) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, params);
+}
+
 inline int clamp_grid(int64_t want, int64_t most) {
   if (want < 1) want = 1;
   return static_cast<int>(want < most ? want : most);

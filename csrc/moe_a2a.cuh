@@ -60,7 +60,7 @@ struct AuxOffsets {
   int64_t combine_slice_flags;  // [ep_size, combine_slices] int32, written by the targets
   int combine_slices;         // ceil(max_num_tokens / COMBINE_SLICE_ROWS)
   int64_t recv_rts;           // [ep_size] int32, written by source s: its runtime_max_tokens_per_rank
-  int64_t dispatch_ready;     // [ep_size] uint64, written by source s: (count << 32) | round
+  int64_t dispatch_ready;     // [ep_size] uint64, written by source s: (high << 32) | round (ready_word)
 };
 
 // The job's control block as the kernels see it (host memory registered for GPU

@@ -81,6 +81,14 @@ __device__ __forceinline__ int atomic_add_acq_rel_gpu(int* p, int v) {
   return old;
 }
 
+// Programmatic dependent launch (the launchers allow it): a kernel may be scheduled while
+// the kernel before it on the stream finishes. wait_prior_grid() returns once that kernel
+// completed and its memory is visible (at once when there is no such dependency);
+// every kernel calls it before touching memory. allow_dependents() lets the next kernel
+// be scheduled (it still waits for this one's completion before touching memory).
+__device__ __forceinline__ void wait_prior_grid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void allow_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
 __device__ __forceinline__ int ld_volatile(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
 
 __device__ __forceinline__ uint8_t* row_of(const Workspace& ws, int q) { return ws.base + (int64_t)q * ws.row_stride; }
@@ -90,9 +98,18 @@ __device__ __forceinline__ T* at(uint8_t* row, int64_t off) {
   return reinterpret_cast<T*>(row + off);
 }
 
-// The ready word of dispatch: what source s tells target q in one store.
-__host__ __device__ __forceinline__ uint64_t ready_word(int count, int round) {
-  return (static_cast<uint64_t>(static_cast<uint32_t>(count)) << 32) | static_cast<uint32_t>(round);
+// The ready word of dispatch: what source s tells target q in one store. The low half is
+// the round; the high half the count and, when the job's max_num_tokens (mnt) lets both
+// fit in 32 bits, the source's rt too: rt * (mnt + 1) + count. Then the target learns both
+// from the word it waited for, with no read of RECV_RTS after the wait.
+__host__ __device__ __forceinline__ bool rt_in_ready_word(int mnt) {
+  return mnt >= 0 && (int64_t)(mnt + 1) * (mnt + 1) <= (int64_t{1} << 32);
+}
+
+__host__ __device__ __forceinline__ uint64_t ready_word(int count, int rt, int mnt, int round) {
+  uint32_t high = static_cast<uint32_t>(count);
+  if (rt_in_ready_word(mnt)) high = static_cast<uint32_t>(rt) * static_cast<uint32_t>(mnt + 1) + static_cast<uint32_t>(count);
+  return (static_cast<uint64_t>(high) << 32) | static_cast<uint32_t>(round);
 }
 
 // ---------------------------------------------------------------------------
@@ -238,20 +255,31 @@ __device__ __forceinline__ bool block_wait(ProbeOf probe_of, int ep_size, int ro
 // ---------------------------------------------------------------------------
 // Last-block arrival
 // ---------------------------------------------------------------------------
-// After __syncthreads, thread 0 fences once (fence.acq_rel.sys: cumulativity makes the
-// whole block's writes, ordered before it by the barrier, visible system-wide, as in a
-// cooperative-groups grid sync) and arrives on *counter. Returns true (in every
-// thread) in the block that arrived last; that block resets the counter for the next
-// launch. A grid of one block needs neither counter nor fence: it is the last block,
-// and the caller publishes with st.release.sys after this barrier, which is itself a
-// release covering every write the barrier ordered before it.
-// skip_fence / double_fence: timing diagnostics only.
-__device__ inline bool arrive_last(int* counter, bool skip_fence = false, bool double_fence = false) {
+// What the blocks publish through the arrival: kRemote, writes into peers' memory
+// (dispatch's payload stores); kLocal, writes into this GPU's memory only (combine's
+// staging), which peers read through this GPU's L2.
+enum class Writes { kRemote, kLocal };
+
+// After __syncthreads, thread 0 arrives on *counter. Returns true (in every thread) in
+// the block that arrived last; that block resets the counter for the next launch, and
+// the caller publishes with st.release.sys after this call.
+// - kRemote: thread 0 first fences once (fence.acq_rel.sys: cumulativity makes the
+//   whole block's writes, ordered before it by the barrier, visible system-wide, as in
+//   a cooperative-groups grid sync), then arrives with a gpu-scope acq_rel atomic.
+// - kLocal: no system fence: the gpu-scope acq_rel atomic alone releases the block's
+//   writes to the last block, whose system-scope release then covers them for the
+//   peers (causality order is transitive; each pair synchronizes at a scope that
+//   holds both of its threads).
+// A grid of one block needs neither counter nor fence: it is the last block, and the
+// caller's st.release.sys after this barrier is itself a release covering every write
+// the barrier ordered before it.
+// skip_fence / double_fence: timing diagnostics only (kRemote).
+__device__ inline bool arrive_last(int* counter, Writes writes, bool skip_fence = false, bool double_fence = false) {
   __shared__ int s_last;
   __syncthreads();
   if (gridDim.x == 1) return true;
   if (threadIdx.x == 0) {
-    if (!skip_fence) {
+    if (writes == Writes::kRemote && !skip_fence) {
       fence_acq_rel_sys();
       if (double_fence) fence_acq_rel_sys();
     }

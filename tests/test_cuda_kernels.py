@@ -319,12 +319,75 @@ def test_one_and_many_block_launches(make_job, ep_size, T, dtype, in_workspace):
         for r in range(ep_size):
             close(outs[r], combine_reference(job, experts[r], xs[r]), dtype)
             job.planes[r].check()
-            # the ready word each peer wrote here carries this round and the count now in RECV_COUNTERS
-            words = job.ws[r, job.aux.dispatch_ready : job.aux.dispatch_ready + 8 * ep_size].view(torch.int64).cpu()
-            counts = job.recv_counts(r)
-            for s in range(ep_size):
-                w = int(words[s]) & ((1 << 64) - 1)
-                assert w & 0xFFFFFFFF == job.flag_val(r) - 1 and w >> 32 == int(counts[s]), (r, s, hex(w))
+            # the ready word each peer wrote here carries this round, the count now in
+            # RECV_COUNTERS and the peer's rt
+            check_ready_words(job, r, 40)
+
+
+def ready_word_high(count, rt, max_tokens):
+    """The high half of a dispatch ready word: rt * (max_tokens + 1) + count when that fits
+    32 bits for every rt and count (max_tokens <= 65535), else the count alone."""
+    return rt * (max_tokens + 1) + count if (max_tokens + 1) ** 2 <= 1 << 32 else count
+
+
+def check_ready_words(job, r, rt):
+    words = job.ws[r, job.aux.dispatch_ready : job.aux.dispatch_ready + 8 * job.ep_size].view(torch.int64).cpu()
+    counts = job.recv_counts(r)
+    for s in range(job.ep_size):
+        w = int(words[s]) & ((1 << 64) - 1)
+        assert w & 0xFFFFFFFF == job.flag_val(r) - 1, (r, s, hex(w))
+        assert w >> 32 == ready_word_high(int(counts[s]), rt, job.max_tokens), (r, s, hex(w))
+
+
+@pytest.mark.parametrize("max_tokens", [65535, 65536])
+def test_rt_travels_with_the_ready_word_or_apart(make_job, max_tokens):
+    """Up to max_num_tokens 65535 the ready word carries the source's rt with the count and
+    the target reads no RECV_RTS; from 65536 on rt travels in RECV_RTS. Both ways: exact
+    rounds, and ranks that pass different rt get an InputError naming the peer and its rt,
+    then the job goes on."""
+    dtype = torch.bfloat16
+    ep_size, top_k, num_experts, hidden, T = 2, 4, 16, 64, 5
+    job = make_job(ep_size, max_tokens, top_k, num_experts, 2 * hidden + 4 * top_k, 2 * hidden)
+    pl = job.layout(8, [2 * hidden, 4 * top_k], 2 * hidden)
+
+    def exact_round():
+        experts = [rand_experts(T, top_k, num_experts) for _ in range(ep_size)]
+        xs = [torch.randn(T, hidden, device="cuda").to(dtype) for _ in range(ep_size)]
+        payloads = [[xs[r].view(torch.uint8), experts[r].view(torch.uint8)] for r in range(ep_size)]
+        outs = run_round(job, experts, payloads, pl, 0, dtype)
+        check_dispatch(job, experts, payloads, pl)
+        for r in range(ep_size):
+            close(outs[r], combine_reference(job, experts[r], xs[r]), dtype)
+            job.planes[r].check()
+            job.planes[r].check_input()  # nothing recorded
+            check_ready_words(job, r, 8)
+
+    exact_round()
+    # rank 1 passes rt 9 against rank 0's 8: every rank sees the other's rt
+    pl9 = L.payload_layout(job.aux, job.size, 9, [2 * hidden, 4 * top_k], 2 * hidden)
+    experts = [rand_experts(T, top_k, num_experts) for _ in range(ep_size)]
+    xs = [torch.randn(T, hidden, device="cuda").to(dtype) for _ in range(ep_size)]
+    pls, rts = [pl, pl9], [8, 9]
+
+    def dispatch(r):
+        job.planes[r].dispatch(experts[r], [xs[r].view(torch.uint8), experts[r].view(torch.uint8)], rts[r], pls[r],
+                               num_experts)
+
+    def combine(r):
+        comb = torch.ones(ep_size, rts[r], hidden, dtype=dtype, device="cuda")  # any data moved would show
+        return job.planes[r].combine(comb, T, rts[r], pls[r], False)
+
+    job.on_ranks(dispatch)
+    outs = job.on_ranks(combine)
+    job.join()
+    torch.cuda.synchronize()
+    for r in range(ep_size):
+        assert torch.count_nonzero(outs[r]) == 0  # a round with a mismatch moves no data
+        with pytest.raises(errors.InputError) as ei:
+            job.planes[r].check_input()
+        other = 1 - r
+        assert ei.value.details["peer"] == other and ei.value.details["peer_value"] == rts[other], str(ei.value)
+    exact_round()
 
 
 @pytest.mark.parametrize("dtype,hidden", [("bf16", 8192), ("fp32", 4100), ("bf16", 8201)])
