@@ -268,7 +268,7 @@ def _rows():
     rb = lambda T: T * 0.875 * 14400  # noqa: E731
     rows = []
     for T, (ad, ac, at), (nd, nc, nt) in [
-        (1, (8.0, 11.0, 18.0), (60.0, 60.0, 120.0)),
+        (1, (8.0, 9.5, 18.0), (60.0, 60.0, 120.0)),
         (1024, (60.0, 70.0, 125.0), (200.0, 200.0, 400.0)),
         (4096, (220.0, 180.0, 340.0), (250.0, 250.0, 500.0)),
     ]:
@@ -298,6 +298,37 @@ def test_speedups_and_targets():
     assert targets["dispatch+combine speedup vs NCCL, T=4096"]["status"] == "PASS"
     none = B.evaluate_targets(rows, {})
     assert {t["status"] for t in none if "copy-engine" in t["name"]} == {"n/a"}
+    assert {t["status"] for t in none if "vs FlashInfer" in t["name"]} == {"n/a"}  # no flashinfer rows
+
+
+def test_targets_against_flashinfer_and_the_thresholds():
+    """Dispatch and combine each against FlashInfer's graph at every T (min FI/a2ad >= 1.05);
+    T=1 within 10 us each; T=4096 at 90% (dispatch) and 85% (combine) of the copy engine."""
+    rows = _rows()
+
+    def fi(T, d, c):
+        remote = {"dispatch_bytes": 1.0, "combine_bytes": 1.0, "pairs_per_token": 1.0}
+        return B.build_row("flashinfer", T, 7168, 2, 8, 256, [d] * 3, [c] * 3, [d + c] * 3, remote,
+                           check={"ok": True, "why": ""}, timing="x")
+
+    # a2ad: T=1 8.0/9.5, T=1024 60/70, T=4096 220/180
+    rows += [fi(1, 8.8, 10.5), fi(1024, 66.0, 73.0), fi(4096, 240.0, 200.0)]
+    targets = {t["name"]: t for t in B.evaluate_targets(rows, CEIL)}
+    d = targets["dispatch vs FlashInfer, graph vs graph, every T (min FI/a2ad)"]
+    c = targets["combine vs FlashInfer, graph vs graph, every T (min FI/a2ad)"]
+    assert d["measured"] == pytest.approx(240 / 220) and d["status"] == "PASS" and d["target"] == ">= 1.05x"
+    assert c["measured"] == pytest.approx(73 / 70) and c["status"] == "MISS"  # 1.043 at T=1024
+    assert "T=1024: 1.04x" in c["detail"]
+    assert targets["T=1 combine latency (us)"]["target"] == "<= 10"
+    comb = targets["T=4096 combine remote GB/s / copy-engine two-way"]
+    assert comb["target"] == ">= 85%"
+    assert targets["T=4096 dispatch remote GB/s / copy-engine two-way"]["target"] == ">= 90%"
+    slow = [r for r in _rows() if not (r["impl"] == "a2ad" and r["tokens"] == 1)]
+    slow.append(B.build_row("a2ad", 1, 7168, 2, 8, 256, [10.5] * 3, [10.2] * 3, [18.0] * 3,
+                            {"dispatch_bytes": 1.0, "combine_bytes": 1.0, "pairs_per_token": 1.0},
+                            check={"ok": True, "why": ""}, timing="x"))
+    t1 = {t["name"]: t["status"] for t in B.evaluate_targets(slow, CEIL)}
+    assert t1["T=1 dispatch latency (us)"] == "MISS" and t1["T=1 combine latency (us)"] == "MISS"
 
 
 def test_table_and_report_formatting():
