@@ -92,23 +92,25 @@ def check_inventory(c: Checks) -> str:
     return f"{n} GPU(s), driver CUDA {v}"
 
 
-def check_fabric(c: Checks, ordinal: int) -> str:
-    r = run_child(["fabric", ordinal])
-    c.data.setdefault("fabric", {})[ordinal] = r
+def _recorded_child(c: Checks, name: str, ordinal: int) -> dict:
+    """Run child ``name`` on GPU ``ordinal``, keep and print its result; raise when it failed."""
+    r = run_child([name, ordinal])
+    c.data.setdefault(name, {})[ordinal] = r
     print(json.dumps(r, indent=2))
     if not r.get("ok"):
         raise RuntimeError(r.get("error") or r.get("stderr_tail"))
+    return r
+
+
+def check_fabric(c: Checks, ordinal: int) -> str:
+    r = _recorded_child(c, "fabric", ordinal)
     if r["posix_fd"].get("export_fd") != "ok":
         raise RuntimeError(f"POSIX-fd export failed: {r['posix_fd']}")
     return f"auto handle type: {r['auto_handle_type']}; fabric alone: {r['fabric']}"
 
 
 def check_overhead(c: Checks, ordinal: int) -> str:
-    r = run_child(["overhead", ordinal])
-    c.data.setdefault("overhead", {})[ordinal] = r
-    print(json.dumps(r, indent=2))
-    if not r.get("ok"):
-        raise RuntimeError(r.get("error") or r.get("stderr_tail"))
+    r = _recorded_child(c, "overhead", ordinal)
     t = run_child(["torch_overhead", ordinal])
     c.data.setdefault("torch_overhead", {})[ordinal] = t
     ctx = (r.get("context") or {}).get("bytes")
