@@ -108,7 +108,9 @@ __host__ __device__ __forceinline__ bool rt_in_ready_word(int mnt) {
 
 __host__ __device__ __forceinline__ uint64_t ready_word(int count, int rt, int mnt, int round) {
   uint32_t high = static_cast<uint32_t>(count);
-  if (rt_in_ready_word(mnt)) high = static_cast<uint32_t>(rt) * static_cast<uint32_t>(mnt + 1) + static_cast<uint32_t>(count);
+  if (rt_in_ready_word(mnt)) {
+    high = static_cast<uint32_t>(rt) * static_cast<uint32_t>(mnt + 1) + static_cast<uint32_t>(count);
+  }
   return (static_cast<uint64_t>(high) << 32) | static_cast<uint32_t>(round);
 }
 
