@@ -72,7 +72,7 @@ def after_round(rank, n, rnd, done, counted, shared, results) -> bool:
     return bool(stop and rnd + 1 >= stop)
 
 
-def serve(rank, ep, runtime_dir, job, shared, results, seed, hang=None, pace=0.0):
+def serve(rank, ep, runtime_dir, job, shared, results, seed, hang=None, pace=0.0, scribble=False):
     """Run verified rounds until the shared stop round, reporting each one.
 
     Rank q's expert multiplies what it received by (q + 1), so token t must come back as
@@ -81,6 +81,9 @@ def serve(rank, ep, runtime_dir, job, shared, results, seed, hang=None, pace=0.0
     exactly the tokens with an expert elsewhere. ``hang=(n, "dispatch"|"combine")`` stops
     before the dispatch, or between dispatch and combine, of this rank's round n (until
     killed). A rank's first round sets the stop round when asked (``shared['stop_after']``).
+    With ``scribble`` the rank behaves as a buggy client: each time ``shared['scribbles']`` is
+    raised it writes ``shared['scribble']`` over the control block's active mask (only the
+    daemon should), and reports it.
     """
     try:
         import torch
@@ -101,7 +104,12 @@ def serve(rank, ep, runtime_dir, job, shared, results, seed, hang=None, pace=0.0
         g = torch.Generator().manual_seed(seed)
         records = []
         n = 0
+        scribbled = 0
         while True:
+            if scribble and shared["scribbles"].value > scribbled:
+                att.control.set_active_mask(shared["scribble"].value, ep, time.monotonic_ns())
+                scribbled = shared["scribbles"].value
+                results.put((rank, "scribbled", _now(), scribbled))
             t = int(torch.randint(1, MAX_T + 1, (1,), generator=g))
             experts = torch.rand(t, EXPERTS, generator=g).argsort(dim=1)[:, :TOP_K].to(torch.int32)
             hidden = torch.randint(-8, 9, (t, HIDDEN), generator=g).to(torch.float32)
@@ -149,6 +157,8 @@ class Group(RankReports):
             "mask": self.ctx.Array("l", ep, lock=False),
             "stop": self.ctx.Value("l", 0, lock=False),
             "stop_after": self.ctx.Value("l", 0, lock=False),
+            "scribble": self.ctx.Value("l", 0, lock=False),
+            "scribbles": self.ctx.Value("l", 0, lock=False),
         }
         self.procs: list = []
         self.by_rank: dict = {}
@@ -313,6 +323,54 @@ def test_kill9_degrades_then_replacement_rejoins_while_serving(daemon_factory, g
     assert info["active_ranks"] == []  # every rank has left by now
     text = daemon.request("metrics")["text"]
     assert "a2ad_readmits_total 1.0" in text
+
+
+def test_the_daemon_keeps_its_own_active_mask(daemon_factory, groups):
+    """The control block's active mask is the daemon's published copy, in memory the job's
+    clients can write. After rank 2 died, rank 0, a buggy client, writes it back to "every
+    rank active": the daemon puts its own mask back within about a second and the survivors
+    serve on (their waits let rank 2 go again). Rank 0 writes it once more and rank 1 is
+    killed at once: the daemon's decision on rank 1 starts from its own mask (ranks 0 and 1),
+    not from what the client wrote, and rank 0 serves on alone, every round verified."""
+    daemon = daemon_factory("--grace", "5")
+    ep, job = 3, "scribble3"
+    grp = groups(ep, daemon.runtime_dir, job)
+    for r in range(ep):
+        grp.start(r, seed=300 + r, pace=0.001, scribble=r == 0)
+    grp.expect("attached", range(ep))
+    grp.wait_rounds(range(ep), 20)
+    grp.kill(2)
+    wait_for(lambda: all(not grp.shared["mask"][r] >> 2 & 1 for r in (0, 1)), 10, "survivors without rank 2")
+    grp.wait_rounds([0, 1], 20, what="rounds without rank 2")
+    info = daemon.request("job_info", job=job)
+    assert info["active_mask"] == 0b011 and info["mask_generation"] == 1 and info["mask_restores"] == 0, info
+    grp.shared["scribble"].value = 0b111
+    grp.shared["scribbles"].value = 1
+    grp.expect("scribbled", [0])
+    wait_for(lambda: daemon.request("job_info", job=job)["mask_restores"] == 1, 10, "the copy put back")
+    grp.wait_rounds([0, 1], 20, what="rounds after the copy was put back")
+    info = daemon.request("job_info", job=job)
+    assert info["active_mask"] == 0b011 and info["active_ranks"] == [0, 1], info
+    grp.shared["scribbles"].value = 2
+    grp.expect("scribbled", [0])
+    grp.kill(1)
+    wait_for(lambda: daemon.request("job_info", job=job)["active_mask"] == 0b001, 10, "the daemon dropping rank 1")
+    wait_for(lambda: grp.shared["mask"][0] == 0b001, 30, "rank 0 counting itself alone")
+    grp.wait_rounds([0], 20, what="rounds of rank 0 alone")
+    info = daemon.request("job_info", job=job)
+    assert info["active_mask"] == 0b001 and info["active_ranks"] == [0], info
+    assert info["ranks"][1]["state"] == "dead" and info["ranks"][2]["state"] == "dead"
+    out = ctl(daemon.runtime_dir, "job", job)
+    assert out.returncode == 0 and "put back" in out.stdout, out.stdout + out.stderr
+    text = daemon.request("metrics")["text"]
+    assert metric(text, "a2ad_job_active_mask", job) == 0b001
+    assert "a2ad_mask_restores_total" in text
+    grp.shared["stop"].value = 1  # rank 0 stops after its next round
+    recs = grp.expect("records", [0], timeout=60)[0][1]
+    grp.expect("done", [0])
+    rounds = [x[0] for x in recs]
+    assert rounds == list(range(rounds[0], rounds[0] + len(rounds)))  # every round verified in the rank
+    assert recs[-1][2] == 0b001
 
 
 def test_straddling_rounds_decided_by_the_combine_view(daemon_factory, groups):

@@ -49,6 +49,7 @@ _COUNTER_HELP = {
     "bad_requests": "Malformed or invalid requests answered with an error.",
     "rearms": "Job-wide re-arms: flags reset and generation bumped after a rank was lost or replaced.",
     "readmits": "Replacements let back into a degraded job while its other ranks kept serving.",
+    "mask_restores": "Times a degrade job's published active mask was found changed by a client and put back.",
 }
 
 _JOB_STATES = ("rendezvous", "ready", "degraded", "needs-rearm", "grace")

@@ -8,9 +8,10 @@ needs, besides the fds themselves (kept by an a2ad.daemon.fdstore), to re-adopt 
   ``flush()`` each turn; a failing write is retried with backoff and logged once per
   distinct failure.
 - The job's peer-loss policy travels in its spec (``on_peer_loss``; a record without it is a
-  job of the default policy); its active-rank mask and admit rounds live in the control
-  block, which the fd store keeps with the workspaces, so a restarted daemon finds them as
-  they were.
+  job of the default policy); its admit rounds live in the control block, which the fd store
+  keeps with the workspaces, so a restarted daemon finds them as they were. The active-rank
+  mask is recorded as the daemon decided it (``active_mask``; the control block holds only a
+  published copy that the job's clients can write); a record without it takes that copy.
 - A job of a domain (one that may span nodes) records this node's name and whether the
   domain's decision on its spec had arrived (``domain``); a rank whose row another node
   holds is recorded as that node last reported it (``node``, ``remote``: its row's size and
@@ -81,6 +82,7 @@ def job_record(job) -> dict:
         "rearms": job.rearms,
         "rendezvous_count": job.rendezvous_count,
         "needs_rearm": job.needs_rearm,
+        "active_mask": getattr(job, "mask", None),
         "created_wall": job.created_wall,
         "owner_uid": getattr(job, "owner_uid", None),
         "slots": [_slot_record(s) for s in job.slots],
@@ -271,6 +273,8 @@ def check_job_record(rec) -> str | None:
             return f"bad {key} {rec[key]!r}"
     if "needs_rearm" in rec and not isinstance(rec["needs_rearm"], bool):
         return f"bad needs_rearm {rec['needs_rearm']!r}"
+    if rec.get("active_mask") is not None and not _is_int(rec["active_mask"]):
+        return f"bad active_mask {rec['active_mask']!r}"
     if "created_wall" in rec and not (
         isinstance(rec["created_wall"], (int, float)) and not isinstance(rec["created_wall"], bool) and math.isfinite(rec["created_wall"])
     ):

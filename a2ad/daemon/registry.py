@@ -169,6 +169,13 @@ class Job:
     fed_attempt: int | None = None
     #: When a rank of the job (here or elsewhere) was last seen to start joining.
     last_join_seen: float = 0.0
+    #: Degrade jobs: the active-rank mask as this daemon decided it (None until the first
+    #: rendezvous). The control block's CB_ACTIVE_MASK is its published copy, in memory the
+    #: job's clients can write, so the daemon derives nothing from that copy and puts its own
+    #: value back when the copy differs.
+    mask: int | None = None
+    #: Times the published mask was found changed behind the daemon's back and put back.
+    mask_restores: int = 0
 
     def __post_init__(self):
         # a job adopted from a daemon that knew no policy ran with the default one
@@ -191,10 +198,10 @@ class Job:
         """The active-rank mask as the control block holds it (degrade jobs; None otherwise)."""
         if not self.degrade or self.control is None or getattr(self.control, "_mv", None) is None:
             return {"active_mask": None, "active_ranks": None, "admitting_ranks": None,
-                    "mask_generation": None, "degraded_s": None}
+                    "mask_generation": None, "degraded_s": None, "mask_restores": None}
         cb = self.control
-        mask = cb.active_mask
-        admitted = cb.admitted_mask(self.ep_size)
+        mask = self.mask if self.mask is not None else cb.active_mask
+        admitted = cb.admitted_mask(self.ep_size) & mask
         since = cb.degraded_since_ns
         return {
             "active_mask": mask,
@@ -202,6 +209,7 @@ class Job:
             "admitting_ranks": L.mask_ranks(mask & ~admitted),
             "mask_generation": cb.mask_generation,
             "degraded_s": None if not since else round(max(0, time.monotonic_ns() - since) / 1e9, 3),
+            "mask_restores": self.mask_restores,
         }
 
     @property
@@ -334,7 +342,8 @@ class Registry:
         self.leases: dict[object, tuple[Job, int]] = {}
         self.draining = False
         self.counters = {"joins": 0, "attaches": 0, "detaches": 0, "deaths": 0, "rendezvous": 0,
-                         "bad_requests": 0, "rearms": 0, "refused": 0, "readmits": 0}
+                         "bad_requests": 0, "rearms": 0, "refused": 0, "readmits": 0,
+                         "mask_restores": 0}
         self.rendezvous_latencies: list[float] = []
         self.on_rendezvous: Callable[[float], None] | None = None
         #: memory of freed jobs still mapped by processes: [{job, bytes, pids}]
@@ -530,11 +539,39 @@ class Registry:
         log.info("job %s: rank %d let back in without stopping the others (row re-initialized in %.1f ms); "
                  "its first dispatch joins the rounds", job.name, slot.rank, (time.monotonic() - t0) * 1e3)
 
+    @staticmethod
+    def job_mask(job: Job) -> int:
+        """The active mask as this daemon decided it; a job adopted from a state file that did
+        not record it takes the control block's copy once."""
+        if job.mask is None:
+            job.mask = job.control.active_mask & L.full_mask(job.ep_size)
+        return job.mask
+
     def _set_mask(self, job: Job, mask: int) -> bool:
-        changed = job.control.set_active_mask(mask, job.ep_size, time.monotonic_ns())
+        """Decide the job's active mask, keep it and publish it; whether it changed."""
+        mask &= L.full_mask(job.ep_size)
+        changed = mask != job.mask
+        job.mask = mask
+        job.control.set_active_mask(mask, job.ep_size, time.monotonic_ns())
         if changed:
             self.dirty = True
         return changed
+
+    def _check_published_mask(self, job: Job) -> None:
+        """Put the daemon's mask back when the control block's copy was changed by someone
+        else (only the daemon writes it)."""
+        if job.mask is None or job.freed or job.control is None or getattr(job.control, "_mv", None) is None:
+            return
+        seen = job.control.active_mask
+        if seen == job.mask:
+            return
+        job.control.set_active_mask(job.mask, job.ep_size, time.monotonic_ns())
+        job.mask_restores += 1
+        self.counters["mask_restores"] += 1
+        if job.mask_restores == 1 or job.mask_restores % 100 == 0:
+            log.warning("job %s: its control block's active mask was changed to %#x by something other than this "
+                        "daemon (a client writing the control block); put back %#x (%d time(s) so far)",
+                        job.name, seen, job.mask, job.mask_restores)
 
     def _drop_rank(self, job: Job, slot: RankSlot, why: str) -> None:
         """A rank of a degrade job that serves died or left: clear its bit (the others stop
@@ -543,7 +580,7 @@ class Registry:
         holding it (replacements waiting to be let in) are told through the abort word."""
         cb = job.control
         slot.readmitting = False
-        if self._set_mask(job, cb.active_mask & ~(1 << slot.rank)):
+        if self._set_mask(job, self.job_mask(job) & ~(1 << slot.rank)):
             log.warning("job %s: rank %d (pid %s) %s; the job serves on with ranks %s (mask generation %d)",
                         job.name, slot.rank, slot.pid, why, L.mask_ranks(cb.admitted_mask(job.ep_size)),
                         cb.mask_generation)
@@ -1034,7 +1071,7 @@ class Registry:
             if job.serving_degraded and not job.control.abort_word:
                 # it holds its handles: its bit goes back (its admit round still keeps it out
                 # of every round until its first dispatch is let in)
-                self._set_mask(job, job.control.active_mask | 1 << slot.rank)
+                self._set_mask(job, self.job_mask(job) | 1 << slot.rank)
                 job.readmits += 1
                 self.counters["readmits"] += 1
                 log.info("job %s: rank %d is active again (mask generation %d)", job.name, slot.rank,
@@ -1176,6 +1213,8 @@ class Registry:
 
     def expire(self, now: float) -> None:
         for job in list(self.jobs.values()):
+            if job.degrade:
+                self._check_published_mask(job)
             for slot in job.slots:
                 if slot.ticket is not None and now >= slot.ticket_expiry:
                     kind = slot.ticket_kind

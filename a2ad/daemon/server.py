@@ -632,6 +632,12 @@ class Daemon:
         job.rearms = rec.get("rearms", 0)
         job.rendezvous_count = rec.get("rendezvous_count", 0)
         job.needs_rearm = rec.get("needs_rearm", False)
+        if rec.get("active_mask") is not None:
+            job.mask = rec["active_mask"] & L.full_mask(ep_size)
+            if job.degrade and control.active_mask != job.mask:
+                log.warning("job %s: its control block's active mask %#x differs from the recorded %#x; put back",
+                            name, control.active_mask, job.mask)
+                control.set_active_mask(job.mask, ep_size, time.monotonic_ns())
         used.add(cb_name(name))
         try:
             for srec, slot in zip(rec["slots"], job.slots):

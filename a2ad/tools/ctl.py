@@ -125,6 +125,8 @@ def show_mask(j: dict) -> list[str]:
         lines.append(f"        degraded for {_duration(j['degraded_s'])}; {j.get('readmits', 0)} replacement(s) let back in so far")
     elif j.get("readmits"):
         lines.append(f"        {j['readmits']} replacement(s) let back in so far")
+    if j.get("mask_restores"):
+        lines.append(f"        the published mask was changed by a client and put back {j['mask_restores']} time(s)")
     return lines
 
 
