@@ -864,8 +864,12 @@ def test_check_job_record_flags_only_the_bad_record(runtime_dir, caplog):
     assert [p.read_bytes() for p in runtime_dir.iterdir() if ".bad-" in p.name] == [raw]
     for bad in ({}, {"name": "x"}, dict(good, ep_size=0), dict(good, ep_size=True), dict(good, slots=good["slots"][:1]),
                 dict(good, name="bad name"), dict(good, spec={}),
-                dict(good, slots=[dict(good["slots"][0], state=99), good["slots"][1]])):
+                dict(good, slots=[dict(good["slots"][0], state=99), good["slots"][1]]),
+                dict(good, active_mask="3"), dict(good, active_mask=-1)):
         assert persist.check_job_record(bad) is not None, bad
+    # the daemon's own active mask (degrade jobs), or none before the first rendezvous
+    assert persist.check_job_record(dict(good, active_mask=0b11)) is None
+    assert persist.check_job_record(dict(good, active_mask=None)) is None
 
 
 @pytest.mark.parametrize("kind", ["jobs-is-5", "garbage", "missing-fields"])
