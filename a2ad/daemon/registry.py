@@ -195,7 +195,8 @@ class Job:
         return self.degrade and self.rendezvous_count > 0 and not self.needs_rearm
 
     def mask_summary(self) -> dict:
-        """The active-rank mask as the control block holds it (degrade jobs; None otherwise)."""
+        """The active-rank mask as this daemon decided it, with the admit state the control
+        block holds (degrade jobs; None otherwise)."""
         if not self.degrade or self.control is None or getattr(self.control, "_mv", None) is None:
             return {"active_mask": None, "active_ranks": None, "admitting_ranks": None,
                     "mask_generation": None, "degraded_s": None, "mask_restores": None}
