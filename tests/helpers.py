@@ -243,14 +243,26 @@ def release_holders(*procs: subprocess.Popen, kill: bool = False) -> None:
             except OSError:
                 pass
     for p in procs:
-        try:
-            p.wait(15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
-        for f in (p.stdin, p.stdout):
-            if f is not None and not f.closed:
-                f.close()
+        finish_process(p, 15)
+
+
+def finish_process(p: subprocess.Popen, timeout: float) -> None:
+    """Wait up to ``timeout`` s for ``p`` to exit, then kill it; close its pipes."""
+    try:
+        p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait(5)
+    for f in (p.stdin, p.stdout, p.stderr):
+        if f is not None and not f.closed:
+            f.close()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listened on a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class RankReports:
@@ -303,6 +315,22 @@ class RankReports:
                 return out
             self.backlog.append(item)
             out.append(item)
+
+    def forget(self, rank):
+        """Drop what ``rank`` reported so far (a replacement reports anew); errors stay."""
+        self.drain()
+        self.backlog = [item for item in self.backlog if item[0] != rank or item[1] == "error"]
+
+    @staticmethod
+    def end_processes(procs, grace: float = 5.0) -> None:
+        """End every rank process still running (also after a failed test): ``grace`` s to
+        exit, then killed."""
+        for p in procs:
+            if p.is_alive():
+                p.join(grace)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
 
     def wait_rounds(self, ranks, n, timeout=90.0, what="rounds"):
         """Until every rank in ``ranks`` completed ``n`` more rounds than now (an error report fails it)."""

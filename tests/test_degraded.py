@@ -172,24 +172,33 @@ class Group(RankReports):
         self.by_rank[rank] = p
         return p
 
+    def start_serving(self, seed, rounds=20, scribbler=None):
+        """Start every rank serving (seed ``seed + rank``, 1 ms between rounds; rank
+        ``scribbler`` may scribble) and wait until each attached and did ``rounds`` rounds;
+        returns the attach reports."""
+        for r in range(self.ep):
+            self.start(r, seed=seed + r, pace=0.001, scribble=r == scribbler)
+        att = self.expect("attached", range(self.ep))
+        self.wait_rounds(range(self.ep), rounds)
+        return att
+
+    def wait_dropped(self, victim, survivors):
+        """Until every survivor's last combine counted no contribution from ``victim``."""
+        wait_for(lambda: all(not self.shared["mask"][r] >> victim & 1 for r in survivors), 10,
+                 f"survivors without rank {victim}")
+
     def kill(self, rank):
         """kill -9 the rank's process; what it reported before is forgotten (a replacement reports anew)."""
         p = self.by_rank[rank]
         os.kill(p.pid, signal.SIGKILL)
         p.join(10)
-        self.drain()
-        self.backlog = [item for item in self.backlog if item[0] != rank or item[1] == "error"]
+        self.forget(rank)
 
     def done(self, rank) -> int:
         return self.shared["done"][rank]
 
     def close(self):
-        for p in self.procs:
-            if p.is_alive():
-                p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        self.end_processes(self.procs)
 
 
 @pytest.fixture
@@ -249,19 +258,16 @@ def test_kill9_degrades_then_replacement_rejoins_while_serving(daemon_factory, g
     ep, victim, job = 4, 2, "degrade4"
     grp = groups(ep, daemon.runtime_dir, job)
     t0 = time.monotonic()
-    for r in range(ep):
-        grp.start(r, seed=100 + r, pace=0.001)
-    att = grp.expect("attached", range(ep))
+    att = grp.start_serving(seed=100, rounds=40)
     assert all(v == (0, [0, 1, 2, 3]) for _, v in att.values())
     info = daemon.request("job_info", job=job)
     assert info["on_peer_loss"] == "degrade" and info["active_ranks"] == [0, 1, 2, 3] and info["degraded_s"] is None
     survivors = [r for r in range(ep) if r != victim]
-    grp.wait_rounds(range(ep), 40)
     # kill -9 rank 2 in the middle of its rounds
     t_kill = _now()
     grp.kill(victim)
     victim_rounds = grp.done(victim)
-    wait_for(lambda: all(not grp.shared["mask"][r] >> victim & 1 for r in survivors), 10, "survivors without rank 2")
+    grp.wait_dropped(victim, survivors)
     grp.wait_rounds(survivors, 100, what="degraded rounds")
     # what the daemon and a2ad-ctl show now
     info = daemon.request("job_info", job=job)
@@ -335,12 +341,9 @@ def test_the_daemon_keeps_its_own_active_mask(daemon_factory, groups):
     daemon = daemon_factory("--grace", "5")
     ep, job = 3, "scribble3"
     grp = groups(ep, daemon.runtime_dir, job)
-    for r in range(ep):
-        grp.start(r, seed=300 + r, pace=0.001, scribble=r == 0)
-    grp.expect("attached", range(ep))
-    grp.wait_rounds(range(ep), 20)
+    grp.start_serving(seed=300, scribbler=0)
     grp.kill(2)
-    wait_for(lambda: all(not grp.shared["mask"][r] >> 2 & 1 for r in (0, 1)), 10, "survivors without rank 2")
+    grp.wait_dropped(2, (0, 1))
     grp.wait_rounds([0, 1], 20, what="rounds without rank 2")
     info = daemon.request("job_info", job=job)
     assert info["active_mask"] == 0b011 and info["mask_generation"] == 1 and info["mask_restores"] == 0, info
@@ -423,20 +426,18 @@ def test_straddling_rounds_decided_by_the_combine_view(daemon_factory, groups):
 
 
 def test_degraded_job_survives_a_daemon_restart(runtime_dir, groups):
-    """The policy (in the spec, in the state file) and the mask (in the control block, kept
-    with the workspaces) outlive a kill -9 of the daemon: the survivors serve on while no
+    """The policy (in the spec, in the state file) and the mask (the daemon's record in the
+    state file, its published copy in the control block kept with the workspaces) outlive a
+    kill -9 of the daemon: the survivors serve on while no
     daemon runs, the next daemon shows the same mask, and a replacement joins through it."""
     d1 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "30").start()
     d2 = None
     ep, victim, job = 3, 2, "restart3"
     grp = groups(ep, runtime_dir, job)
     try:
-        for r in range(ep):
-            grp.start(r, seed=40 + r, pace=0.001)
-        grp.expect("attached", range(ep))
-        grp.wait_rounds(range(ep), 20)
+        grp.start_serving(seed=40)
         grp.kill(victim)
-        wait_for(lambda: all(not grp.shared["mask"][r] >> victim & 1 for r in (0, 1)), 10, "survivors without rank 2")
+        grp.wait_dropped(victim, (0, 1))
         since = d1.request("job_info", job=job)["degraded_s"]
         d1.kill9()
         grp.wait_rounds([0, 1], 50, what="rounds with no daemon")
@@ -477,10 +478,7 @@ def test_a_rank_that_died_while_no_daemon_ran_is_dropped_not_aborted(runtime_dir
     ep, victim, job = 3, 1, "away3"
     grp = groups(ep, runtime_dir, job)
     try:
-        for r in range(ep):
-            grp.start(r, seed=60 + r, pace=0.001)
-        grp.expect("attached", range(ep))
-        grp.wait_rounds(range(ep), 20)
+        grp.start_serving(seed=60)
         d1.kill9()
         grp.kill(victim)
         t0 = time.monotonic()

@@ -28,7 +28,6 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,7 +38,7 @@ from pathlib import Path
 import pytest
 
 from a2ad import errors, layout as L, protocol
-from helpers import REPO, DaemonProcess, RankReports, reap_keeper, wait_for
+from helpers import REPO, DaemonProcess, RankReports, free_port, reap_keeper, wait_for
 
 HB_INTERVAL, HB_MISSES = 0.25, 4  # a node is counted lost after 1 s of silence
 LOSS_BOUND = HB_INTERVAL * HB_MISSES
@@ -49,15 +48,6 @@ KEY = "k" * 20 + "-a2ad-domain-test-key-" + "q" * 10
 
 def _now() -> float:
     return time.clock_gettime(time.CLOCK_MONOTONIC)
-
-
-def free_port() -> int:
-    s = socket.socket()
-    try:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-    finally:
-        s.close()
 
 
 def write_domain(folder: Path, nodes: dict[str, int], key: str = KEY, name: str = "testdom",
@@ -584,16 +574,10 @@ class Ranks(RankReports):
     def reap(self, rank):
         """Wait for a killed rank's process; what it reported before is forgotten (a replacement reports anew)."""
         self.procs[rank].join(10)
-        self.drain()
-        self.backlog = [i for i in self.backlog if i[0] != rank or i[1] == "error"]
+        self.forget(rank)
 
     def close(self):
-        for p in self.procs.values():
-            if p.is_alive():
-                p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        self.end_processes(self.procs.values())
 
 
 def _job_coordinated_by(node: str, prefix: str) -> str:

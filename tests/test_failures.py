@@ -159,12 +159,7 @@ class Ranks(RankReports):
         self.procs[rank].join(10)
 
     def close(self):
-        for p in self.procs.values():
-            if p.is_alive():
-                p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        self.end_processes(self.procs.values(), grace=10)
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from a2ad import errors, layout as L
 from a2ad.daemon import sdnotify
 from a2ad.client import attach
-from helpers import REPO, DaemonProcess, NotifyListener, release_holders, run_ranks, wait_attached, wait_for
+from helpers import REPO, DaemonProcess, NotifyListener, free_port, release_holders, run_ranks, wait_attached, wait_for
 
 SPEC = dict(max_num_tokens=32, top_k=2, num_experts=16, dispatch_bytes_per_token=256, combine_bytes_per_token=256)
 
@@ -39,12 +39,6 @@ a.close()
 
 
 # --------------------------------------------------------------------------- helpers
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _holder(rt: Path, job: str, rank: int, n: int) -> subprocess.Popen:
     p = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(rt), job, str(rank), str(n), json.dumps(SPEC)],
@@ -194,7 +188,7 @@ def test_notify_unit_level(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------ metrics
 def test_metrics_via_ctl_and_http(runtime_dir):
-    port = _free_port()
+    port = free_port()
     d = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "30", "--metrics-port", str(port))
     holders = []
     try:
@@ -252,7 +246,7 @@ def test_metrics_via_ctl_and_http(runtime_dir):
 
 
 def test_metrics_http_protocol_and_slow_clients(runtime_dir):
-    port = _free_port()
+    port = free_port()
     d = DaemonProcess(runtime_dir, "--backend", "host", "--metrics-port", str(port))
     try:
         d.start()

@@ -30,7 +30,8 @@ from a2ad import fdpass
 from a2ad.daemon import fdstore, persist
 from a2ad.daemon.fdstore import KeeperStore, cb_name, fdname_is_valid, normalize_name, parse_name, ws_name
 from a2ad.runtime import STATE_FILE, python_command
-from helpers import REPO, DaemonProcess, NotifyListener, fd_count, reap_keeper, release_holders, wait_attached, wait_for
+from helpers import (REPO, DaemonProcess, NotifyListener, fd_count, finish_process, reap_keeper, release_holders,
+                     wait_attached, wait_for)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -97,16 +98,8 @@ def _stop_keeper(runtime_dir: Path, *procs) -> None:
     except Exception:
         pass
     for p in procs:
-        if p is None:
-            continue
-        try:
-            p.wait(5)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
-        for f in (p.stdout, p.stderr):
-            if f is not None and not f.closed:
-                f.close()
+        if p is not None:
+            finish_process(p, 5)
 
 
 def _keeper_call(path: Path, req: dict, fds: list[int] | None = None):

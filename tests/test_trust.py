@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import DaemonProcess
+from helpers import DaemonProcess, free_port
 
 from a2ad import errors, runtime
 from a2ad.connection import DaemonClient
@@ -179,12 +179,6 @@ def test_daemon_of_another_uid_is_refused(other_daemon, scratch, monkeypatch):
 
 
 # ---------------------------------------------------------------------- metrics
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _scrape(port: int, timeout: float) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
         assert r.status == 200
@@ -206,7 +200,7 @@ def test_busy_metrics_port_is_named(runtime_dir):
 
 
 def test_idle_connections_cannot_block_a_scrape(runtime_dir):
-    port = _free_port()
+    port = free_port()
     d = DaemonProcess(runtime_dir, "--backend", "host", "--metrics-port", str(port))
     idle: list[socket.socket] = []
     try:
