@@ -1215,7 +1215,10 @@ class Registry:
     def expire(self, now: float) -> None:
         for job in list(self.jobs.values()):
             if job.degrade:
-                self._check_published_mask(job)
+                try:  # a failure here must not hold up the other jobs' timers
+                    self._check_published_mask(job)
+                except Exception:
+                    log.exception("job %s: checking its published active mask failed", job.name)
             for slot in job.slots:
                 if slot.ticket is not None and now >= slot.ticket_expiry:
                     kind = slot.ticket_kind
