@@ -190,10 +190,12 @@ class ControlBlock:
         mask = self.active_mask
         return L.effective_mask(mask, self.admit_rounds(ep_size), round)
 
-    def admitted_mask(self, ep_size: int) -> int:
+    def admitted_mask(self, ep_size: int, mask: int | None = None) -> int:
         """The ranks active now and admitted to some round (a replacement that waits for its
-        first round is not counted)."""
-        mask = self.active_mask
+        first round is not counted). ``mask``: the active mask to start from (the daemon
+        passes its own record; default: the published copy)."""
+        if mask is None:
+            mask = self.active_mask
         rounds = self.admit_rounds(ep_size)
         return sum(1 << q for q in L.mask_ranks(mask) if q < ep_size and rounds[q] >= 0)
 

@@ -202,7 +202,7 @@ class Job:
                     "mask_generation": None, "degraded_s": None, "mask_restores": None}
         cb = self.control
         mask = self.mask if self.mask is not None else cb.active_mask
-        admitted = cb.admitted_mask(self.ep_size) & mask
+        admitted = cb.admitted_mask(self.ep_size, mask)
         since = cb.degraded_since_ns
         return {
             "active_mask": mask,
@@ -513,8 +513,7 @@ class Registry:
         degrade job whose admitted ranks run on), instead of waiting for a job-wide re-arm."""
         if not job.serving_degraded or job.control.abort_word or job.recovering() or job.spans:
             return False
-        cb = job.control
-        admitted = cb.admitted_mask(job.ep_size)
+        admitted = job.control.admitted_mask(job.ep_size, self.job_mask(job))
         return any(s.rank != rank and s.state == L.RANK_ATTACHED and admitted >> s.rank & 1 for s in job.slots)
 
     def _readmit(self, job: Job, slot: RankSlot) -> None:
@@ -583,11 +582,11 @@ class Registry:
         slot.readmitting = False
         if self._set_mask(job, self.job_mask(job) & ~(1 << slot.rank)):
             log.warning("job %s: rank %d (pid %s) %s; the job serves on with ranks %s (mask generation %d)",
-                        job.name, slot.rank, slot.pid, why, L.mask_ranks(cb.admitted_mask(job.ep_size)),
+                        job.name, slot.rank, slot.pid, why, L.mask_ranks(cb.admitted_mask(job.ep_size, job.mask)),
                         cb.mask_generation)
         else:
             log.warning("job %s: rank %d (pid %s) %s", job.name, slot.rank, slot.pid, why)
-        if not cb.admitted_mask(job.ep_size):
+        if not cb.admitted_mask(job.ep_size, job.mask):
             job.needs_rearm = True
             if any(s.live for s in job.slots if s is not slot) and not cb.abort_word:
                 cb.set_abort(L.ABORT_PEER_LOST, slot.rank)
