@@ -557,7 +557,7 @@ class Registry:
             self.dirty = True
         return changed
 
-    def _check_published_mask(self, job: Job) -> None:
+    def restore_published_mask(self, job: Job) -> None:
         """Put the daemon's mask back when the control block's copy was changed by someone
         else (only the daemon writes it)."""
         if job.mask is None or job.freed or job.control is None or getattr(job.control, "_mv", None) is None:
@@ -1215,7 +1215,7 @@ class Registry:
         for job in list(self.jobs.values()):
             if job.degrade:
                 try:  # a failure here must not hold up the other jobs' timers
-                    self._check_published_mask(job)
+                    self.restore_published_mask(job)
                 except Exception:
                     log.exception("job %s: checking its published active mask failed", job.name)
             for slot in job.slots:

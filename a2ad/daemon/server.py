@@ -634,10 +634,8 @@ class Daemon:
         job.needs_rearm = rec.get("needs_rearm", False)
         if rec.get("active_mask") is not None:
             job.mask = rec["active_mask"] & L.full_mask(ep_size)
-            if job.degrade and control.active_mask != job.mask:
-                log.warning("job %s: its control block's active mask %#x differs from the recorded %#x; put back",
-                            name, control.active_mask, job.mask)
-                control.set_active_mask(job.mask, ep_size, time.monotonic_ns())
+            if job.degrade:
+                self.registry.restore_published_mask(job)  # a client may have written it while no daemon ran
         used.add(cb_name(name))
         try:
             for srec, slot in zip(rec["slots"], job.slots):
