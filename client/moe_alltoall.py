@@ -38,7 +38,7 @@ import warnings
 
 import torch
 
-from a2ad import errors, layout as L
+from a2ad import errors, layout as L, protocol
 from a2ad.layout import (  # noqa: F401  (metainfo index names, re-exported)
     BLOCK_COUNTERS_OFFSET_INDEX,
     COMBINE_COMPLETION_FLAGS_OFFSET_INDEX,
@@ -219,7 +219,7 @@ class MoeAlltoAll:
         num_experts = _int_arg("num_experts", num_experts, ep_size)
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise errors.InputError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        if on_peer_loss not in ("raise", "degrade"):
+        if on_peer_loss not in protocol.PEER_LOSS_POLICIES:
             raise errors.InputError(f"on_peer_loss must be 'raise' or 'degrade', got {on_peer_loss!r:.40}",
                                     argument="on_peer_loss")
         if workspace_size_per_rank is None:
