@@ -32,7 +32,7 @@ constexpr int kStageUnroll = 8;
 // A staging of at most this many bytes copies every slot (rt rows per source) instead of
 // the received rows: it then need not read RECV_COUNTERS first (a cold load on the
 // critical path of a small round); the extra rows are never pulled.
-constexpr int64_t kStageAllSlotsBytes = int64_t{256} << 10;
+constexpr int64_t kStageAllSlotsBytes = int64_t{1} << 20;
 
 // Probe of the combine flag target q wrote into this rank's row.
 struct CombineFlags {
@@ -385,19 +385,13 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   // The dispatch of this round saw a peer pass another rt: the regions do not line up, so
   // nothing is pulled and the output is zeros; the flags still go round so that every rank
   // completes the round (every rank saw the mismatch).
-  const bool mismatch = ld_volatile(block_counters + layout::SLOT_RT_MISMATCH) == round;
-  if (mismatch) {
-    uint8_t* out = static_cast<uint8_t*>(p.out);
-    const int64_t n = (int64_t)p.local_num_tokens * row_bytes;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-      out[i] = 0;
-    }
-    if (p.degraded != nullptr) {
-      for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < p.local_num_tokens;
-           i += (int64_t)gridDim.x * blockDim.x) {
-        p.degraded[i] = 0;
-      }
-    }
+  // (Read now, compared after the arrival: the staging's loads need not wait for it.)
+  const int mismatch_round = ld_volatile(block_counters + layout::SLOT_RT_MISMATCH);
+  // The arrival counter and the received counts: fetched into L2 now, while the staging
+  // reads the payload (they would be cold misses where they are used).
+  if (threadIdx.x < 32) {
+    prefetch_l2(block_counters, 4 * layout::BLOCK_COUNTER_SLOTS, threadIdx.x, 32);
+    prefetch_l2(recv, 4 * ep, threadIdx.x, 32);
   }
   const bool overlap = p.overlap_stage_blocks > 0;  // the launcher decides (enough rows to stage)
   const int nstage = p.overlap_stage_blocks;
@@ -429,7 +423,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
       const int64_t off = (int64_t)s * p.rt * row_bytes;
       // rotate the threads per source so that small copies spread over the grid
       const uint32_t my = (tid + static_cast<uint32_t>(s) * stride) % nthreads;
-      copy_bytes<>(my_row + p.combine_offset + off, p.payload + off, rows * row_bytes, my, nthreads);
+      copy_bytes<kCopyUnroll, true>(my_row + p.combine_offset + off, p.payload + off, rows * row_bytes, my, nthreads);
     }
   }
 
@@ -444,6 +438,21 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
       at<int>(my_row, p.aux.send_counters)[q] = 0;
     }
     if (threadIdx.x == 0) *at<int>(my_row, p.aux.flag_val) = round + 1;  // every block read R before arriving
+  }
+
+  const bool mismatch = mismatch_round == round;
+  if (mismatch) {
+    uint8_t* out = static_cast<uint8_t*>(p.out);
+    const int64_t n = (int64_t)p.local_num_tokens * row_bytes;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+      out[i] = 0;
+    }
+    if (p.degraded != nullptr) {
+      for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < p.local_num_tokens;
+           i += (int64_t)gridDim.x * blockDim.x) {
+        p.degraded[i] = 0;
+      }
+    }
   }
 
   // 3. Wait for every peer. Blocks with nothing to pull leave now; the last

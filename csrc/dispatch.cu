@@ -176,6 +176,12 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
   }
   // A one-block launch numbers its sends in shared memory (no global atomics).
   const bool one_block = gridDim.x == 1;
+  // The words this launch's atomics and its last block hit: fetched into L2 now, while
+  // the routing reads the expert ids (they would be two more cold misses after it).
+  if (threadIdx.x < 32) {
+    prefetch_l2(block_counters, 4 * layout::BLOCK_COUNTER_SLOTS, threadIdx.x, 32);
+    if (!one_block) prefetch_l2(send_counters, 4 * ep, threadIdx.x, 32);
+  }
   // The ready word carries rt with the count (job-wide: max_num_tokens is the same everywhere).
   const int mnt = p.aux.max_num_tokens;
   const bool compact = rt_in_ready_word(mnt);

@@ -91,6 +91,19 @@ __device__ __forceinline__ void allow_dependents() { asm volatile("griddepcontro
 
 __device__ __forceinline__ int ld_volatile(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
 
+// Ask L2 for the 32-byte sectors of [p, p + bytes), lane `lane` of `lanes` taking every
+// lanes-th sector. For the few words a kernel later hits with an atomic or a dependent
+// read: asked for at entry, their HBM fetch overlaps the kernel's first loads instead
+// of stalling it where they are used (every launch may find L2 cold).
+__device__ __forceinline__ void prefetch_l2(const void* p, int bytes, int lane, int lanes) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t first = a & ~uintptr_t{31};
+  const int sectors = static_cast<int>((a + bytes - first + 31) / 32);
+  for (int i = lane; i < sectors; i += lanes) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(first + 32 * static_cast<uintptr_t>(i)));
+  }
+}
+
 __device__ __forceinline__ uint8_t* row_of(const Workspace& ws, int q) { return ws.base + (int64_t)q * ws.row_stride; }
 
 template <typename T>
@@ -296,7 +309,7 @@ __device__ inline bool arrive_last(int* counter, Writes writes, bool skip_fence 
 // ---------------------------------------------------------------------------
 // Copies
 // ---------------------------------------------------------------------------
-template <typename V, int kUnroll = kCopyUnroll>
+template <typename V, int kUnroll, bool kBatchRest>
 __device__ __forceinline__ void copy_vectors(uint8_t* dst, const uint8_t* src, int64_t n, int64_t tid, int64_t nthreads) {
   V* d = reinterpret_cast<V*>(dst);
   const V* s = reinterpret_cast<const V*>(src);
@@ -311,14 +324,31 @@ __device__ __forceinline__ void copy_vectors(uint8_t* dst, const uint8_t* src, i
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) d[i + u * nthreads] = r[u];
   }
+  // The rest (fewer than kUnroll vectors per thread). kBatchRest: every load is issued
+  // before the first store. A plain loop waits for each load in turn (a store may alias
+  // the next load), so a small copy from cold memory pays that latency up to kUnroll - 1
+  // times; batched, the rest costs kUnroll - 1 more registers per vector.
+  if constexpr (kBatchRest && kUnroll > 1) {
+    V r[kUnroll - 1];
+#pragma unroll
+    for (int u = 0; u < kUnroll - 1; ++u) {
+      if (i + u * nthreads < n) r[u] = s[i + u * nthreads];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll - 1; ++u) {
+      if (i + u * nthreads < n) d[i + u * nthreads] = r[u];
+    }
+  } else {
 #pragma unroll 1
-  for (; i < n; i += nthreads) d[i] = s[i];
+    for (; i < n; i += nthreads) d[i] = s[i];
+  }
 }
+
 
 // Copy n bytes with the widest access both pointers allow (16/8/4/2/1 bytes),
 // threads tid of nthreads cooperating, kUnroll accesses in flight per thread.
-// Any width, any alignment.
-template <int kUnroll = kCopyUnroll>
+// Any width, any alignment. kBatchRest: see copy_vectors (for callers with registers to spare).
+template <int kUnroll = kCopyUnroll, bool kBatchRest = false>
 __device__ inline void copy_bytes(uint8_t* dst, const uint8_t* src, int64_t n, int64_t tid, int64_t nthreads) {
   if (n <= 0) return;
   const uintptr_t mis = reinterpret_cast<uintptr_t>(dst) ^ reinterpret_cast<uintptr_t>(src);
@@ -332,11 +362,11 @@ __device__ inline void copy_bytes(uint8_t* dst, const uint8_t* src, int64_t n, i
   n -= head;
   const int64_t nv = n >> shift;
   switch (shift) {
-    case 4: copy_vectors<uint4, kUnroll>(dst, src, nv, tid, nthreads); break;
-    case 3: copy_vectors<uint2, kUnroll>(dst, src, nv, tid, nthreads); break;
-    case 2: copy_vectors<uint32_t, kUnroll>(dst, src, nv, tid, nthreads); break;
-    case 1: copy_vectors<uint16_t, kUnroll>(dst, src, nv, tid, nthreads); break;
-    default: copy_vectors<uint8_t, kUnroll>(dst, src, nv, tid, nthreads); break;
+    case 4: copy_vectors<uint4, kUnroll, kBatchRest>(dst, src, nv, tid, nthreads); break;
+    case 3: copy_vectors<uint2, kUnroll, kBatchRest>(dst, src, nv, tid, nthreads); break;
+    case 2: copy_vectors<uint32_t, kUnroll, kBatchRest>(dst, src, nv, tid, nthreads); break;
+    case 1: copy_vectors<uint16_t, kUnroll, kBatchRest>(dst, src, nv, tid, nthreads); break;
+    default: copy_vectors<uint8_t, kUnroll, kBatchRest>(dst, src, nv, tid, nthreads); break;
   }
   for (int64_t b = (nv << shift) + tid; b < n; b += nthreads) dst[b] = src[b];
 }
