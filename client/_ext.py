@@ -43,6 +43,9 @@ ERROR_TAIL = 6000
 
 _lock = threading.Lock()
 _loaded: str | None = None
+#: The loaded extension as a Python module: the data-plane functions without torch's
+#: dispatcher (csrc/bindings.cpp), for the client's eager calls.
+_module = None
 
 
 def candidate_dirs() -> list[Path]:
@@ -191,13 +194,21 @@ def build_dir(digest: str, root: Path | None = None) -> Path:
 
 def load():
     """Build if needed, load once per process, and return ``torch.ops.a2ad``."""
-    global _loaded
+    global _loaded, _module
     import torch
 
     with _lock:
         if _loaded is None:
-            _loaded = _build_and_load()
+            _loaded, _module = _build_and_load()
     return torch.ops.a2ad
+
+
+def direct():
+    """The loaded extension's module (built and loaded as :func:`load` does): ``dispatch``,
+    ``combine`` and ``sanitize`` with the arguments of the ops of the same names, called
+    without torch's dispatcher."""
+    load()
+    return _module
 
 
 def _stderr(msg: str) -> None:
@@ -206,7 +217,8 @@ def _stderr(msg: str) -> None:
 
 def _build_and_load(
     archs: Sequence[str] | None = None, root: Path | None = None, log: Callable[[str], None] = _stderr
-) -> str:
+) -> tuple[str, object]:
+    """Build if needed and load; return the build folder and the extension's module."""
     import torch
     from torch.utils import cpp_extension
 
@@ -239,14 +251,14 @@ def _build_and_load(
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     try:
-        cpp_extension.load(
+        module = cpp_extension.load(
             name=name,
             sources=[str(src / n) for n in SOURCES],
             extra_cflags=["-O3", *defines],
             extra_cuda_cflags=["-O3", *defines, *gencode_flags(archs)],
             extra_include_paths=[str(src)],
             build_directory=str(out),
-            is_python_module=False,
+            is_python_module=True,
             verbose=False,
         )
     except (RuntimeError, OSError, ImportError) as exc:
@@ -257,9 +269,9 @@ def _build_and_load(
         ) from None
     if fresh:
         log(f"a2ad CUDA extension built in {time.monotonic() - started:.0f} s: {out}")
-    if not hasattr(torch.ops.a2ad, "dispatch"):
+    if not hasattr(torch.ops.a2ad, "dispatch") or not all(hasattr(module, f) for f in ("dispatch", "combine", "sanitize")):
         raise errors.BuildError(f"the a2ad extension in {out} loaded but registered no ops")
-    return str(out)
+    return str(out), module
 
 
 def build(archs: Sequence[str] | str | None = None, root: str | Path | None = None,
@@ -267,10 +279,10 @@ def build(archs: Sequence[str] | str | None = None, root: str | Path | None = No
     """Build (or find already built) the extension for *archs* under *root*; return its folder.
 
     For ``a2ad build-ext``; loads it into this process as well, as the build check."""
-    global _loaded
+    global _loaded, _module
     targets = cuda_archs(archs)
     with _lock:
-        path = _build_and_load(targets, Path(root) if root else None, log)
+        path, module = _build_and_load(targets, Path(root) if root else None, log)
         if _loaded is None and root is None and targets == cuda_archs():
-            _loaded = path
+            _loaded, _module = path, module
     return path

@@ -17,7 +17,8 @@ record; :meth:`CudaPlane.check_input` raises it as InputError.
 
 Everything fixed for this rank (the workspace, aux offsets, control block, timeout,
 SM budget) is checked and kept once, as a *plan* (``torch.ops.a2ad.make_plan``
-returns its handle); each call passes tensors, the handle and the per-call numbers.
+returns its handle); each call passes tensors, the handle and the per-call numbers, to
+the extension module's functions of the same names as the ops (no dispatcher on the way).
 """
 
 from __future__ import annotations
@@ -151,9 +152,11 @@ class CudaPlane(Plane):
         except BaseException:
             self.close()
             raise
-        self._dispatch_op = self._ops.dispatch.default
-        self._combine_op = self._ops.combine.default
-        self._sanitize_op = self._ops.sanitize.default
+        # the eager hot path: the extension's own functions (the ops' code without the dispatcher)
+        direct = _ext.direct()
+        self._dispatch_op = direct.dispatch
+        self._combine_op = direct.combine
+        self._sanitize_op = direct.sanitize
 
     def _make_plan(self) -> None:
         old, self.plan = self.plan, None

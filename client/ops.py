@@ -456,8 +456,7 @@ def _combine_impl(payload, local_num_tokens, workspace, metainfo, runtime_max_to
         out = rnd.plane.combine(payload, rnd.local_num_tokens, rt, layout, in_place)
     finally:
         rounds.owner = rounds.round = None
-    if hasattr(rnd.plane, "check_input"):  # the round is complete everywhere: input errors may surface
-        rnd.plane.check_input()
+    rnd.plane.check_input()  # the round is complete everywhere: input errors may surface
     return out
 
 

@@ -9,10 +9,16 @@
 // keeps it here and returns a handle (an int, so that the ops trace under torch.compile
 // like any op with int arguments); every data-plane call then passes tensors, the handle
 // and the few per-call numbers. `free_plan` drops it.
+//
+// The data-plane functions are also the extension module's own functions (pybind11,
+// `dispatch`, `combine`, `sanitize`): the same code without the dispatcher's argument
+// boxing, which costs an eager call a few microseconds more than the launch itself. The
+// client's eager path calls those; the ops remain for torch.compile and anyone else.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
+#include <torch/python.h>
 
 #include <cuda_runtime.h>
 
@@ -536,4 +542,33 @@ TORCH_LIBRARY_IMPL(a2ad, Autograd, m) {
   m.impl("sanitize", torch::CppFunction::makeFallthrough());
   m.impl("combine", torch::CppFunction::makeFallthrough());
   m.impl("initialize", torch::CppFunction::makeFallthrough());
+}
+
+// The module's direct entry points (see the top of this file). Lists arrive as vectors;
+// errors are the same std::runtime_error (RuntimeError in Python).
+namespace {
+
+void dispatch_direct(const Tensor& experts, const std::vector<Tensor>& payloads, Tensor workspace, int64_t plan,
+                     int64_t rt, const std::vector<int64_t>& payload_offsets) {
+  dispatch_cuda(experts, payloads, workspace, plan, rt, payload_offsets);
+}
+
+void sanitize_direct(Tensor recv_ids, const Tensor& workspace, int64_t plan, int64_t rt, int64_t invalid_id) {
+  sanitize_cuda(recv_ids, workspace, plan, rt, invalid_id);
+}
+
+Tensor combine_direct(const Tensor& payload, Tensor workspace, int64_t plan, int64_t local_num_tokens, int64_t rt,
+                      int64_t combine_offset, bool payload_in_workspace, const std::optional<Tensor>& degraded) {
+  return combine_cuda(payload, workspace, plan, local_num_tokens, rt, combine_offset, payload_in_workspace, degraded);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "a2ad kernels: direct entry points of the data-plane ops (same arguments as torch.ops.a2ad.*)";
+  m.def("dispatch", &dispatch_direct, "torch.ops.a2ad.dispatch without the dispatcher");
+  m.def("sanitize", &sanitize_direct, "torch.ops.a2ad.sanitize without the dispatcher");
+  m.def("combine", &combine_direct, "torch.ops.a2ad.combine without the dispatcher", pybind11::arg("payload"),
+        pybind11::arg("workspace"), pybind11::arg("plan"), pybind11::arg("local_num_tokens"), pybind11::arg("rt"),
+        pybind11::arg("combine_offset"), pybind11::arg("payload_in_workspace"), pybind11::arg("degraded") = pybind11::none());
 }
