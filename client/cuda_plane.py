@@ -34,6 +34,9 @@ from a2ad import errors, layout as L
 from . import _ext
 from .plane import Plane
 
+#: True while torch.compile traces (Dynamo folds it to a constant); False when running.
+_compiling = torch.compiler.is_compiling
+
 
 def aux_offsets(aux: L.AuxLayout) -> list[int]:
     """The ``aux`` list of the ops, in the order csrc/bindings.cpp documents."""
@@ -152,7 +155,8 @@ class CudaPlane(Plane):
         except BaseException:
             self.close()
             raise
-        # the eager hot path: the extension's own functions (the ops' code without the dispatcher)
+        # the eager hot path: the extension's own functions (the ops' code without the
+        # dispatcher); torch.compile, which cannot trace them, gets the ops
         direct = _ext.direct()
         self._dispatch_op = direct.dispatch
         self._combine_op = direct.combine
@@ -208,14 +212,16 @@ class CudaPlane(Plane):
         """
         if num_experts != self.num_experts:
             raise errors.InputError(f"num_experts {num_experts} differs from the job's {self.num_experts}")
-        self._dispatch_op(experts, payloads, self.att.workspace, self.plan, rt, pl.dispatch_offsets)
+        op = self._dispatch_op if not _compiling() else self._ops.dispatch.default
+        op(experts, payloads, self.att.workspace, self.plan, rt, pl.dispatch_offsets)
 
     def sanitize(self, recv_ids: torch.Tensor, rt: int, invalid_id: int) -> None:
         """Set every id of every slot that received no token to ``invalid_id``.
 
         recv_ids: ``[ep_size, rt, top_k]`` int32 view of this rank's received expert ids.
         """
-        self._sanitize_op(recv_ids, self.att.workspace, self.plan, rt, invalid_id)
+        op = self._sanitize_op if not _compiling() else self._ops.sanitize.default
+        op(recv_ids, self.att.workspace, self.plan, rt, invalid_id)
 
     def combine(self, payload: torch.Tensor, local_num_tokens: int, rt: int, pl: L.PayloadLayout,
                 payload_in_workspace: bool) -> torch.Tensor:
@@ -226,12 +232,13 @@ class CudaPlane(Plane):
         ``payload_in_workspace`` it must be this rank's combine region.
         Returns ``[local_num_tokens, hidden]`` of the payload's dtype.
         """
+        op = self._combine_op if not _compiling() else self._ops.combine.default
         if not self.degrade:
-            return self._combine_op(payload, self.att.workspace, self.plan, local_num_tokens, rt, pl.combine_offset,
-                                    payload_in_workspace)
+            return op(payload, self.att.workspace, self.plan, local_num_tokens, rt, pl.combine_offset,
+                      payload_in_workspace)
         degraded = torch.empty(local_num_tokens, dtype=torch.bool, device=payload.device)
-        out = self._combine_op(payload, self.att.workspace, self.plan, local_num_tokens, rt, pl.combine_offset,
-                               payload_in_workspace, degraded)
+        out = op(payload, self.att.workspace, self.plan, local_num_tokens, rt, pl.combine_offset,
+                 payload_in_workspace, degraded)
         self._degraded = degraded
         self._combined = True
         return out
