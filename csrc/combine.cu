@@ -356,6 +356,30 @@ __device__ void stage_slices(const CombineParams& p, const int* recv, int round,
   }
 }
 
+// Plain staging of every slot: the regions of the sources s != me (each `seg` 16-byte
+// vectors, at the same offset in the payload and the combine region) copied as one range,
+// so that each thread issues the loads of all its vectors, whatever the source, before
+// its first store: a small staging from cold memory costs one load latency, not one per
+// source.
+__device__ __forceinline__ void stage_all_slots(uint4* dst, const uint4* src, int64_t seg, int me, int ep, uint32_t tid,
+                                                uint32_t nthreads) {
+  const int64_t n = (int64_t)(ep - 1) * seg, skip = (int64_t)me * seg;
+#pragma unroll 1
+  for (int64_t i = tid; i < n; i += (int64_t)kCopyUnroll * nthreads) {
+    uint4 r[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t v = i + (int64_t)u * nthreads;
+      if (v < n) r[u] = src[v < skip ? v : v + seg];
+    }
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t v = i + (int64_t)u * nthreads;
+      if (v < n) dst[v < skip ? v : v + seg] = r[u];
+    }
+  }
+}
+
 // Grid: at most as many blocks as can be co-resident within lim.sm_budget SMs
 // (the launcher sizes it), because blocks wait for the flag that the last
 // block of the same grid writes. Phases: stage -> arrive (last block: flags,
@@ -408,22 +432,28 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   }
 
   // 1. Stage the rows that were received (RECV_COUNTERS) into the own combine region.
+  //    (Staging happens only when the payload is not the region, so this rank's own rows
+  //    are never staged: only this rank pulls them, from the payload.)
   if (overlap) {
     if (static_cast<int>(blockIdx.x) < nstage) stage_slices(p, recv, round, nstage);
   } else if (!p.payload_in_workspace) {
     const uint32_t nthreads = gridDim.x * blockDim.x;  // the launcher keeps grids small
     const uint32_t tid = blockIdx.x * blockDim.x + threadIdx.x;
-    const uint32_t stride = nthreads / static_cast<uint32_t>(ep);
-    const bool skip_self = self_from_payload(p);
-    const bool all_slots = (int64_t)(skip_self ? ep - 1 : ep) * p.rt * row_bytes <= kStageAllSlotsBytes;
-    for (int s = 0; s < ep; ++s) {
-      if (skip_self && s == me) continue;  // only this rank pulls its own rows: read from the payload
-      int rows = all_slots ? p.rt : ld_volatile(recv + s);
-      rows = rows < 0 ? 0 : rows > p.rt ? p.rt : rows;
-      const int64_t off = (int64_t)s * p.rt * row_bytes;
-      // rotate the threads per source so that small copies spread over the grid
-      const uint32_t my = (tid + static_cast<uint32_t>(s) * stride) % nthreads;
-      copy_bytes<kCopyUnroll, true>(my_row + p.combine_offset + off, p.payload + off, rows * row_bytes, my, nthreads);
+    const bool all_slots = (int64_t)(ep - 1) * p.rt * row_bytes <= kStageAllSlotsBytes;
+    if (kVec && all_slots) {
+      stage_all_slots(reinterpret_cast<uint4*>(my_row + p.combine_offset), reinterpret_cast<const uint4*>(p.payload),
+                      (int64_t)p.rt * row_bytes / 16, me, ep, tid, nthreads);
+    } else {
+      const uint32_t stride = nthreads / static_cast<uint32_t>(ep);
+      for (int s = 0; s < ep; ++s) {
+        if (s == me) continue;
+        int rows = all_slots ? p.rt : ld_volatile(recv + s);
+        rows = rows < 0 ? 0 : rows > p.rt ? p.rt : rows;
+        const int64_t off = (int64_t)s * p.rt * row_bytes;
+        // rotate the threads per source so that small copies spread over the grid
+        const uint32_t my = (tid + static_cast<uint32_t>(s) * stride) % nthreads;
+        copy_bytes<kCopyUnroll, true>(my_row + p.combine_offset + off, p.payload + off, rows * row_bytes, my, nthreads);
+      }
     }
   }
 
