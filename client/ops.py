@@ -277,7 +277,7 @@ def _check_peers(att, plane, inputs: bool) -> None:
     except (errors.PeerTimeout, errors.PeerLost, errors.JobDestroyed):
         att.rounds.owner = att.rounds.round = None
         raise
-    if inputs and hasattr(plane, "check_input"):
+    if inputs:
         plane.check_input()
 
 
