@@ -344,7 +344,6 @@ __device__ __forceinline__ void copy_vectors(uint8_t* dst, const uint8_t* src, i
   }
 }
 
-
 // Copy n bytes with the widest access both pointers allow (16/8/4/2/1 bytes),
 // threads tid of nthreads cooperating, kUnroll accesses in flight per thread.
 // Any width, any alignment. kBatchRest: see copy_vectors (for callers with registers to spare).
