@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import sys
+import sysconfig
 import threading
 import time
 from pathlib import Path
@@ -159,6 +160,13 @@ def toolchain_problems() -> list[str]:
             f"nvcc (the CUDA compiler) is missing: {where}. Install the CUDA toolkit{want} matching torch "
             "(e.g. NVIDIA's cuda-toolkit / cuda-nvcc package, or pip install nvidia-cuda-nvcc-cu12) and put its "
             "bin/ on PATH or set CUDA_HOME to its root"
+        )
+    include = sysconfig.get_paths().get("include")
+    if not include or not (Path(include) / "Python.h").is_file():
+        problems.append(
+            f"Python's C headers are missing (no Python.h in {include}); the extension is also a Python module: "
+            f"install them for this Python {sys.version_info.major}.{sys.version_info.minor} "
+            f"(e.g. the python{sys.version_info.major}.{sys.version_info.minor}-dev package)"
         )
     return problems
 

@@ -222,6 +222,20 @@ def test_build_ext_with_cpu_torch_says_so(venv, outside):
     assert "about a minute" not in r.stdout + r.stderr  # nothing was started
 
 
+def test_missing_python_headers_are_a_toolchain_problem(monkeypatch, tmp_path):
+    """The extension is a Python module too: without Python.h the build cannot work, and says so."""
+    import sysconfig
+
+    from a2ad.client import _ext
+
+    real = sysconfig.get_paths()
+    if (Path(real["include"]) / "Python.h").is_file():
+        assert not any("Python.h" in p for p in _ext.toolchain_problems())
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {**real, "include": str(tmp_path)})
+    problems = [p for p in _ext.toolchain_problems() if "Python.h" in p]
+    assert len(problems) == 1 and str(tmp_path) in problems[0] and "-dev" in problems[0], problems
+
+
 def test_arch_selection(monkeypatch):
     from a2ad.client import _ext
 
