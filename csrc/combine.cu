@@ -60,61 +60,53 @@ struct Elem<float> {
   __device__ static __forceinline__ void store_one(void* p, float f) { *static_cast<float*>(p) = f; }
 };
 
-template <>
-struct Elem<__nv_bfloat16> {
+// The two 16-bit types share everything but how an element converts to and from float
+// (Bits: lo/hi, the low/high element of a 32-bit word; one, a lone element; bits, the
+// rounded element of a float).
+template <typename Bits>
+struct Elem16 {
   static constexpr int kPerVec = 8;
-  __device__ static __forceinline__ void add2(uint32_t w, float* a) {
-    a[0] += __uint_as_float(w << 16);
-    a[1] += __uint_as_float(w & 0xffff0000u);
-  }
   __device__ static __forceinline__ void add(const uint4& v, float* a) {
-    add2(v.x, a);
-    add2(v.y, a + 2);
-    add2(v.z, a + 4);
-    add2(v.w, a + 6);
+    a[0] += Bits::lo(v.x);
+    a[1] += Bits::hi(v.x);
+    a[2] += Bits::lo(v.y);
+    a[3] += Bits::hi(v.y);
+    a[4] += Bits::lo(v.z);
+    a[5] += Bits::hi(v.z);
+    a[6] += Bits::lo(v.w);
+    a[7] += Bits::hi(v.w);
   }
   __device__ static __forceinline__ uint32_t pack2(float lo, float hi) {
-    return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
-           (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
+    return static_cast<uint32_t>(Bits::bits(lo)) | (static_cast<uint32_t>(Bits::bits(hi)) << 16);
   }
   __device__ static __forceinline__ uint4 pack(const float* a) {
     return make_uint4(pack2(a[0], a[1]), pack2(a[2], a[3]), pack2(a[4], a[5]), pack2(a[6], a[7]));
   }
   __device__ static __forceinline__ float load_one(const void* p) {
-    return __uint_as_float(static_cast<uint32_t>(__ldcg(static_cast<const unsigned short*>(p))) << 16);
+    return Bits::one(__ldcg(static_cast<const unsigned short*>(p)));
   }
-  __device__ static __forceinline__ void store_one(void* p, float f) {
-    *static_cast<unsigned short*>(p) = __bfloat16_as_ushort(__float2bfloat16_rn(f));
-  }
+  __device__ static __forceinline__ void store_one(void* p, float f) { *static_cast<unsigned short*>(p) = Bits::bits(f); }
+};
+
+struct Bf16Bits {
+  __device__ static __forceinline__ float lo(uint32_t w) { return __uint_as_float(w << 16); }
+  __device__ static __forceinline__ float hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+  __device__ static __forceinline__ float one(unsigned short u) { return __uint_as_float(static_cast<uint32_t>(u) << 16); }
+  __device__ static __forceinline__ unsigned short bits(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
+};
+
+struct HalfBits {
+  __device__ static __forceinline__ float one(unsigned short u) { return __half2float(__ushort_as_half(u)); }
+  __device__ static __forceinline__ float lo(uint32_t w) { return one(static_cast<unsigned short>(w & 0xffffu)); }
+  __device__ static __forceinline__ float hi(uint32_t w) { return one(static_cast<unsigned short>(w >> 16)); }
+  __device__ static __forceinline__ unsigned short bits(float f) { return __half_as_ushort(__float2half_rn(f)); }
 };
 
 template <>
-struct Elem<__half> {
-  static constexpr int kPerVec = 8;
-  __device__ static __forceinline__ void add2(uint32_t w, float* a) {
-    a[0] += __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu)));
-    a[1] += __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16)));
-  }
-  __device__ static __forceinline__ void add(const uint4& v, float* a) {
-    add2(v.x, a);
-    add2(v.y, a + 2);
-    add2(v.z, a + 4);
-    add2(v.w, a + 6);
-  }
-  __device__ static __forceinline__ uint32_t pack2(float lo, float hi) {
-    return static_cast<uint32_t>(__half_as_ushort(__float2half_rn(lo))) |
-           (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(hi))) << 16);
-  }
-  __device__ static __forceinline__ uint4 pack(const float* a) {
-    return make_uint4(pack2(a[0], a[1]), pack2(a[2], a[3]), pack2(a[4], a[5]), pack2(a[6], a[7]));
-  }
-  __device__ static __forceinline__ float load_one(const void* p) {
-    return __half2float(__ushort_as_half(__ldcg(static_cast<const unsigned short*>(p))));
-  }
-  __device__ static __forceinline__ void store_one(void* p, float f) {
-    *static_cast<unsigned short*>(p) = __half_as_ushort(__float2half_rn(f));
-  }
-};
+struct Elem<__nv_bfloat16> : Elem16<Bf16Bits> {};
+
+template <>
+struct Elem<__half> : Elem16<HalfBits> {};
 
 struct PullGeometry {
   int64_t units;        // 16-byte vectors (kVec) or elements per token
