@@ -277,8 +277,11 @@ def _build_and_load(
         ) from None
     if fresh:
         log(f"a2ad CUDA extension built in {time.monotonic() - started:.0f} s: {out}")
-    if not hasattr(torch.ops.a2ad, "dispatch") or not all(hasattr(module, f) for f in ("dispatch", "combine", "sanitize")):
+    if not hasattr(torch.ops.a2ad, "dispatch"):
         raise errors.BuildError(f"the a2ad extension in {out} loaded but registered no ops")
+    missing = [f for f in ("dispatch", "combine", "sanitize") if not hasattr(module, f)]
+    if missing:
+        raise errors.BuildError(f"the a2ad extension in {out} loaded but its module lacks {', '.join(missing)}")
     return str(out), module
 
 
