@@ -194,6 +194,14 @@ class Job:
         others."""
         return self.degrade and self.rendezvous_count > 0 and not self.needs_rearm
 
+    @property
+    def decided_mask(self) -> int:
+        """The active mask as this daemon decided it; for a job adopted from a state file that
+        did not record it, the control block's copy, bounded to the job's ranks."""
+        if self.mask is not None:
+            return self.mask
+        return self.control.active_mask & L.full_mask(self.ep_size)
+
     def mask_summary(self) -> dict:
         """The active-rank mask as this daemon decided it, with the admit state the control
         block holds (degrade jobs; None otherwise)."""
@@ -201,7 +209,7 @@ class Job:
             return {"active_mask": None, "active_ranks": None, "admitting_ranks": None,
                     "mask_generation": None, "degraded_s": None, "mask_restores": None}
         cb = self.control
-        mask = self.mask if self.mask is not None else cb.active_mask
+        mask = self.decided_mask
         admitted = cb.admitted_mask(self.ep_size, mask)
         since = cb.degraded_since_ns
         return {
@@ -541,10 +549,10 @@ class Registry:
 
     @staticmethod
     def job_mask(job: Job) -> int:
-        """The active mask as this daemon decided it; a job adopted from a state file that did
-        not record it takes the control block's copy once."""
+        """:attr:`Job.decided_mask`, kept: a job adopted without a recorded mask takes the
+        control block's copy once."""
         if job.mask is None:
-            job.mask = job.control.active_mask & L.full_mask(job.ep_size)
+            job.mask = job.decided_mask
         return job.mask
 
     def _set_mask(self, job: Job, mask: int) -> bool:
