@@ -952,3 +952,22 @@ def test_quick_bench_on_two_gpus(tmp_path):
     assert any(row["impl"] == "a2ad" for row in res["rows"])
     assert any(row["impl"] == "nccl" for row in res["rows"])
     assert res["ceilings"]["ce_two_way"]["per_gpu_gbps"] > 0
+
+
+def test_kernel_timing_plan_runs_the_diagnostics_at_each_asked_t():
+    """The timing harness runs every diagnostic at each T it is given (T=1 when none), then
+    the kernels as they serve at T=4096; a bad --tokens is refused before any GPU work."""
+    from a2ad.bench import kernel_timing as KT
+
+    cp = SimpleNamespace(DIAG_NOOP=16, DIAG_SKIP_COPY=1, DIAG_SKIP_FENCE=2, DIAG_NO_PUBLISH=8, DIAG_NO_WAIT=4,
+                         DIAG_DOUBLE_FENCE=32)
+    default = KT.plan(cp)
+    assert [t for _, t, _ in default] == [1] * 8 + [4096]
+    two = KT.plan(cp, [8, 128])
+    assert [t for _, t, _ in two] == [8] * 8 + [128] * 8 + [4096]
+    assert [d for _, t, d in two if t == 8] == [d for _, t, d in default if t == 1]
+    assert {16, 1 | 2 | 8, 1 | 8, 8, 4, 32} <= {d for _, _, d in two}
+    for bad in ("0", "8,5000", "x", ","):
+        r = subprocess.run([sys.executable, "-m", "a2ad.bench.kernel_timing", "--tokens", bad],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "--tokens" in r.stderr, (bad, r.stderr)

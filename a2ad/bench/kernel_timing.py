@@ -200,19 +200,22 @@ class TwoGpuJob:
                 "c90": q(cs, 0.9), "starved": starved}
 
 
-def plan(cp) -> list[tuple[str, int, int]]:
-    """``(label, T, diag)`` per configuration, in the order they run (``cp``: a2ad.client.cuda_plane)."""
-    return [
-        ("default", 1, 0),
-        ("diag no-op dispatch kernel (launch floor)", 1, cp.DIAG_NOOP),
-        ("diag routing only (no copy, fence, publish)", 1, cp.DIAG_SKIP_COPY | cp.DIAG_SKIP_FENCE | cp.DIAG_NO_PUBLISH),
-        ("diag routing + fence (no copy, publish)", 1, cp.DIAG_SKIP_COPY | cp.DIAG_NO_PUBLISH),
-        ("diag local work only (no publish, no wait)", 1, cp.DIAG_NO_PUBLISH),
-        ("diag publish, no wait", 1, cp.DIAG_NO_WAIT),
-        ("diag double fence (the fence's cost, added)", 1, cp.DIAG_DOUBLE_FENCE),
-        ("default again (noise)", 1, 0),
-        ("default", 4096, 0),
-    ]
+def plan(cp, tokens: list[int] | None = None) -> list[tuple[str, int, int]]:
+    """``(label, T, diag)`` per configuration, in the order they run (``cp``: a2ad.client.cuda_plane):
+    the diagnostics at every T of ``tokens`` (default: T=1), then the kernels as they serve at T=4096."""
+    rows = []
+    for T in tokens or [1]:
+        rows += [
+            ("default", T, 0),
+            ("diag no-op dispatch kernel (launch floor)", T, cp.DIAG_NOOP),
+            ("diag routing only (no copy, fence, publish)", T, cp.DIAG_SKIP_COPY | cp.DIAG_SKIP_FENCE | cp.DIAG_NO_PUBLISH),
+            ("diag routing + fence (no copy, publish)", T, cp.DIAG_SKIP_COPY | cp.DIAG_NO_PUBLISH),
+            ("diag local work only (no publish, no wait)", T, cp.DIAG_NO_PUBLISH),
+            ("diag publish, no wait", T, cp.DIAG_NO_WAIT),
+            ("diag double fence (the fence's cost, added)", T, cp.DIAG_DOUBLE_FENCE),
+            ("default again (noise)", T, 0),
+        ]
+    return rows + [("default", 4096, 0)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -225,11 +228,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--num-experts", type=int, default=256)
     p.add_argument("--no-l2-flush", action="store_true", help="do not overwrite 2 x L2 before every round")
+    p.add_argument("--tokens", default="1",
+                   help="comma-separated T (each at most 4096) at which the diagnostics run (default 1)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        tokens = [int(x) for x in args.tokens.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--tokens: comma-separated integers, got {args.tokens!r}")
+    if not tokens or any(not 1 <= t <= 4096 for t in tokens):
+        parser.error(f"--tokens: each T in [1, 4096], got {args.tokens!r}")
     # the diagnostics exist only in the timing build: ask for it before the extension is first loaded
     os.environ[TIMING_ENV] = "1"
     from .common import ensure_client_package
@@ -247,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     job = TwoGpuJob(4096, args.top_k, args.num_experts, args.hidden)
     rows, cur_T = [], None
     try:
-        for label, T, dg in plan(cp):
+        for label, T, dg in plan(cp, tokens):
             if T != cur_T:
                 job.inputs(T)
                 cur_T = T
