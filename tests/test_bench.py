@@ -967,6 +967,7 @@ def test_kernel_timing_plan_runs_the_diagnostics_at_each_asked_t():
     assert [t for _, t, _ in two] == [8] * 8 + [128] * 8 + [4096]
     assert [d for _, t, d in two if t == 8] == [d for _, t, d in default if t == 1]
     assert {16, 1 | 2 | 8, 1 | 8, 8, 4, 32} <= {d for _, _, d in two}
+    assert KT.plan(cp, [8, 128], diags=False) == [("default", 8, 0), ("default", 128, 0), ("default", 4096, 0)]
     for bad in ("0", "8,5000", "x", ","):
         r = subprocess.run([sys.executable, "-m", "a2ad.bench.kernel_timing", "--tokens", bad],
                            capture_output=True, text=True, timeout=120)

@@ -1,10 +1,15 @@
-"""Two-GPU timing of the CUDA kernels alone and of their diagnostics, no daemon:
+"""Timing of the CUDA kernels alone and of their diagnostics, no daemon:
 ``python -m a2ad.bench.kernel_timing`` (2 GPUs, one process).
 
 Ranks 0 and 1 run on cuda:0 and cuda:1 over a VMM workspace mapped on both (as the daemon
 does), each rank's dispatch and combine in its own CUDA graph; replays are queued behind a
 GPU sleep and L2 is flushed before each round (as in a2ad-bench). Per round the slowest
 rank's interval counts; medians and p10-p90 over the rounds.
+
+``--one-gpu`` puts both ranks on cuda:0 instead (one device buffer holds both rows, each rank
+gets a third of the SMs, as the kernel tests do): no NVLink, so it shows what a change
+costs or saves on the GPU itself (launches, atomics, fences, kernel boundaries), not the
+figures a2ad-bench reports.
 
 The diagnostics (``CudaPlane.diag``, the ``DIAG_*`` bits of a2ad.client.cuda_plane) take
 parts of dispatch away to show what each part costs. They exist only in the timing build
@@ -30,51 +35,64 @@ TIMING_ENV = "A2AD_KERNEL_TIMING"
 
 
 class TwoGpuJob:
-    """One job of two ranks, rank r on cuda:r, each with its stream, CudaPlane and L2 flush buffer."""
+    """One job of two ranks, rank r on cuda:r (both on cuda:0 with ``one_gpu``), each with its
+    stream, CudaPlane and L2 flush buffer."""
 
-    def __init__(self, max_tokens: int, top_k: int, num_experts: int, hidden: int, timeout: float = 2.0):
+    def __init__(self, max_tokens: int, top_k: int, num_experts: int, hidden: int, timeout: float = 2.0,
+                 one_gpu: bool = False):
         from a2ad import cuda_driver as cd
         from a2ad.client.cuda_map import CudaMapping
-        from a2ad.client.cuda_plane import CudaPlane, initialize_row
+        from a2ad.client.cuda_plane import CudaPlane, initialize_row, sm_count
 
         ep = 2
         self.ep_size, self.top_k, self.num_experts, self.hidden = ep, top_k, num_experts, hidden
+        self.devs = [0] * ep if one_gpu else list(range(ep))
         self.widths = [2 * hidden, 4 * top_k, 4 * top_k]  # bf16 hidden, int32 ids, fp32 scales (as the bench)
         self.aux = L.aux_layout(ep, max_tokens)
         self.size = L.workspace_size_per_rank(ep, max_tokens, sum(self.widths), 2 * hidden)
-        gran = max(cd.granularity(d) for d in range(ep))
-        self.row_stride = L.pad_up(self.size, gran)
-        self.handles, fds = [], []
-        for d in range(ep):
-            h, _ = cd.create(self.row_stride, d, cd.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
-            self.handles.append(h)
-            fds.append(cd.export_fd(h))
-        self.maps = []
-        for r in range(ep):  # every rank maps every row on its own device, as attach does
-            dups = [os.dup(f) for f in fds]
-            self.maps.append(CudaMapping(dups, self.size, self.row_stride, r))
-            for f in dups:
+        self.handles, self.maps = [], []
+        budget = 0
+        if one_gpu:
+            # one buffer, row q at q * row_stride (as the kernel tests); the SMs split so that
+            # both ranks' grids are resident together (combine sizes its grid to be co-resident)
+            self.row_stride = L.pad_up(self.size, 1 << 16)
+            self._buf = torch.zeros(ep * self.row_stride, dtype=torch.uint8, device="cuda:0")
+            self.ws = [self._buf.as_strided((ep, self.size), (self.row_stride, 1))] * ep
+            budget = max(1, sm_count() // (ep + 1))
+        else:
+            gran = max(cd.granularity(d) for d in range(ep))
+            self.row_stride = L.pad_up(self.size, gran)
+            fds = []
+            for d in range(ep):
+                h, _ = cd.create(self.row_stride, d, cd.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+                self.handles.append(h)
+                fds.append(cd.export_fd(h))
+            for r in range(ep):  # every rank maps every row on its own device, as attach does
+                dups = [os.dup(f) for f in fds]
+                self.maps.append(CudaMapping(dups, self.size, self.row_stride, r))
+                for f in dups:
+                    os.close(f)
+            for f in fds:
                 os.close(f)
-        for f in fds:
-            os.close(f)
-        self.ws = [m.tensor for m in self.maps]
+            self.ws = [m.tensor for m in self.maps]
         self._mm = mmap.mmap(-1, L.CONTROL_BLOCK_SIZE)
         self.control = ControlBlock(self._mm, owner=self._mm)
         self.control.initialize(ep)
         self.streams, self.flush, self.planes = [], [], []
         for r in range(ep):
-            with torch.cuda.device(r):
+            d = self.devs[r]
+            with torch.cuda.device(d):
                 self.streams.append(torch.cuda.Stream())
-                l2 = int(getattr(torch.cuda.get_device_properties(r), "L2_cache_size", 0) or (50 << 20))
-                self.flush.append(torch.empty(2 * l2, dtype=torch.uint8, device=f"cuda:{r}"))
+                l2 = int(getattr(torch.cuda.get_device_properties(d), "L2_cache_size", 0) or (50 << 20))
+                self.flush.append(torch.empty(2 * l2, dtype=torch.uint8, device=f"cuda:{d}"))
                 att = SimpleNamespace(
                     job="timing", ep_rank=r, ep_size=ep,
                     spec={"max_num_tokens": max_tokens, "top_k": top_k, "num_experts": num_experts},
-                    backend="cuda", device=torch.device("cuda", r), workspace=self.ws[r],
+                    backend="cuda", device=torch.device("cuda", d), workspace=self.ws[r],
                     size_per_rank=self.size, row_stride=self.row_stride, aux=self.aux, control=self.control,
                     generation=0,
                 )
-                self.planes.append(CudaPlane(att, timeout))
+                self.planes.append(CudaPlane(att, timeout, sm_budget=budget))
                 initialize_row(self.ws[r], r, self.aux)
                 torch.cuda.synchronize()
         # GPU sleep cycles per us (to queue the replays behind a known delay)
@@ -105,7 +123,7 @@ class TwoGpuJob:
         self.pl = L.payload_layout(self.aux, self.size, T, self.widths, 2 * self.hidden)
         self.experts, self.payloads, self.comb = [], [], []
         for r in range(self.ep_size):
-            dev = f"cuda:{r}"
+            dev = f"cuda:{self.devs[r]}"
             e = torch.rand(T, self.num_experts, device=dev).argsort(dim=1)[:, : self.top_k].to(torch.int32).contiguous()
             x = torch.randn(T, self.hidden, device=dev).bfloat16()
             sc = torch.rand(T, self.top_k, device=dev)
@@ -123,13 +141,13 @@ class TwoGpuJob:
     def on(self, r: int) -> contextlib.ExitStack:
         """Rank r's device and stream current."""
         stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.device(r))
+        stack.enter_context(torch.cuda.device(self.devs[r]))
         stack.enter_context(torch.cuda.stream(self.streams[r]))
         return stack
 
     def sync(self) -> None:
-        for r in range(self.ep_size):
-            torch.cuda.synchronize(r)
+        for d in sorted(set(self.devs)):
+            torch.cuda.synchronize(d)
 
     def eager_round(self) -> None:
         for fn in (self.d, self.c):
@@ -149,7 +167,7 @@ class TwoGpuJob:
             p.check()
         gd, gc = [], []
         for r in range(self.ep_size):
-            with torch.cuda.device(r):
+            with torch.cuda.device(self.devs[r]):
                 # A capture stream of this device: torch.cuda.graph's default capture stream is
                 # one per process, made on the device current at its first use, so capturing on
                 # cuda:1 with it would leave the graph empty and run rank 1's kernels eagerly
@@ -200,11 +218,15 @@ class TwoGpuJob:
                 "c90": q(cs, 0.9), "starved": starved}
 
 
-def plan(cp, tokens: list[int] | None = None) -> list[tuple[str, int, int]]:
+def plan(cp, tokens: list[int] | None = None, diags: bool = True) -> list[tuple[str, int, int]]:
     """``(label, T, diag)`` per configuration, in the order they run (``cp``: a2ad.client.cuda_plane):
-    the diagnostics at every T of ``tokens`` (default: T=1), then the kernels as they serve at T=4096."""
+    the diagnostics at every T of ``tokens`` (default: T=1), then the kernels as they serve at
+    T=4096. Without ``diags``, the kernels as they serve at each T only."""
     rows = []
     for T in tokens or [1]:
+        if not diags:
+            rows.append(("default", T, 0))
+            continue
         rows += [
             ("default", T, 0),
             ("diag no-op dispatch kernel (launch floor)", T, cp.DIAG_NOOP),
@@ -230,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-l2-flush", action="store_true", help="do not overwrite 2 x L2 before every round")
     p.add_argument("--tokens", default="1",
                    help="comma-separated T (each at most 4096) at which the diagnostics run (default 1)")
+    p.add_argument("--no-diags", action="store_true", help="only the kernels as they serve, at each T of --tokens")
+    p.add_argument("--one-gpu", action="store_true",
+                   help="both ranks on cuda:0, a third of the SMs each (no NVLink: the on-GPU costs only)")
     return p
 
 
@@ -252,14 +277,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from a2ad.client import cuda_plane as cp
 
-    if torch.cuda.device_count() < 2:
-        print("timing needs 2 GPUs")
+    if torch.cuda.device_count() < (1 if args.one_gpu else 2):
+        print("timing needs 2 GPUs (or --one-gpu and 1)")
         return 1
     flush = not args.no_l2_flush
-    job = TwoGpuJob(4096, args.top_k, args.num_experts, args.hidden)
+    job = TwoGpuJob(4096, args.top_k, args.num_experts, args.hidden, one_gpu=args.one_gpu)
     rows, cur_T = [], None
     try:
-        for label, T, dg in plan(cp, tokens):
+        for label, T, dg in plan(cp, tokens, diags=not args.no_diags):
             if T != cur_T:
                 job.inputs(T)
                 cur_T = T
@@ -274,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                   + ("  STARVED" if r["starved"] else ""), flush=True)
     finally:
         job.close()
-    print(f"\nhidden {args.hidden}, top_k {args.top_k}, {args.num_experts} experts, 2 ranks on cuda:0 / cuda:1")
+    where = "both on cuda:0 (--one-gpu)" if args.one_gpu else "on cuda:0 / cuda:1"
+    print(f"\nhidden {args.hidden}, top_k {args.top_k}, {args.num_experts} experts, 2 ranks {where}")
     print("\n| stage | T | diag | L2 flush | dispatch us (p10-p90) | combine us (p10-p90) |")
     print("| --- | --: | --: | --: | --: | --: |")
     for label, T, dg, r in rows:
