@@ -348,27 +348,40 @@ __device__ void stage_slices(const CombineParams& p, const int* recv, int round,
   }
 }
 
-// Plain staging of every slot: the regions of the sources s != me (each `seg` 16-byte
-// vectors, at the same offset in the payload and the combine region) copied as one range,
-// so that each thread issues the loads of all its vectors, whatever the source, before
-// its first store: a small staging from cold memory costs one load latency, not one per
-// source.
-__device__ __forceinline__ void stage_all_slots(uint4* dst, const uint4* src, int64_t seg, int me, int ep, uint32_t tid,
-                                                uint32_t nthreads) {
-  const int64_t n = (int64_t)(ep - 1) * seg, skip = (int64_t)me * seg;
-#pragma unroll 1
-  for (int64_t i = tid; i < n; i += (int64_t)kCopyUnroll * nthreads) {
-    uint4 r[kCopyUnroll];
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      const int64_t v = i + (int64_t)u * nthreads;
-      if (v < n) r[u] = src[v < skip ? v : v + seg];
-    }
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      const int64_t v = i + (int64_t)u * nthreads;
-      if (v < n) dst[v < skip ? v : v + seg] = r[u];
-    }
+// Whether a plain staging copies every slot (rt rows per source) instead of the rows
+// RECV_COUNTERS says were received (then it does not read them).
+__host__ __device__ inline bool stages_all_slots(const CombineParams& p, int64_t row_bytes) {
+  return (int64_t)(p.ws.ep_size - 1) * p.rt * row_bytes <= kStageAllSlotsBytes;
+}
+
+// Plain staging (not overlapped, the payload not in the workspace): the rows of the
+// sources s != me that were received (every slot, see stages_all_slots) copied into the
+// own combine region, threads tid of nthreads.
+template <bool kVec>
+__device__ __forceinline__ void stage_rows(const CombineParams& p, const int* recv, int64_t row_bytes, uint32_t tid,
+                                           uint32_t nthreads) {
+  const int me = p.ws.ep_rank, ep = p.ws.ep_size;
+  uint8_t* region = row_of(p.ws, me) + p.combine_offset;
+  const bool all_slots = stages_all_slots(p, row_bytes);
+  if (kVec && all_slots) {
+    // The regions of the sources s != me (each `seg` 16-byte vectors, at the same offset
+    // in the payload and the combine region) copied as one range, so that each thread
+    // issues the loads of all its vectors, whatever the source, before its first store:
+    // a small staging from cold memory costs one load latency, not one per source.
+    const int64_t seg = (int64_t)p.rt * row_bytes / 16;
+    copy_vectors<uint4, kCopyUnroll, true>(region, p.payload, (int64_t)(ep - 1) * seg, tid, nthreads,
+                                           SkipRange{(int64_t)me * seg, seg});
+    return;
+  }
+  const uint32_t stride = nthreads / static_cast<uint32_t>(ep);
+  for (int s = 0; s < ep; ++s) {
+    if (s == me) continue;
+    int rows = all_slots ? p.rt : ld_volatile(recv + s);
+    rows = rows < 0 ? 0 : rows > p.rt ? p.rt : rows;
+    const int64_t off = (int64_t)s * p.rt * row_bytes;
+    // rotate the threads per source so that small copies spread over the grid
+    const uint32_t my = (tid + static_cast<uint32_t>(s) * stride) % nthreads;
+    copy_bytes<kCopyUnroll, true>(region + off, p.payload + off, rows * row_bytes, my, nthreads);
   }
 }
 
@@ -403,14 +416,17 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   // completes the round (every rank saw the mismatch).
   // (Read now, compared after the arrival: the staging's loads need not wait for it.)
   const int mismatch_round = ld_volatile(block_counters + layout::SLOT_RT_MISMATCH);
-  // The arrival counter and the received counts: fetched into L2 now, while the staging
-  // reads the payload (they would be cold misses where they are used).
-  if (threadIdx.x < 32) {
-    prefetch_l2(block_counters, 4 * layout::BLOCK_COUNTER_SLOTS, threadIdx.x, 32);
-    prefetch_l2(recv, 4 * ep, threadIdx.x, 32);
-  }
   const bool overlap = p.overlap_stage_blocks > 0;  // the launcher decides (enough rows to stage)
   const int nstage = p.overlap_stage_blocks;
+  // The arrival counter and, when the staging reads them, the received counts: fetched
+  // into L2 now, while the staging reads the payload (they would be cold misses where
+  // they are used).
+  if (threadIdx.x < 32) {
+    prefetch_l2(block_counters, 4 * layout::BLOCK_COUNTER_SLOTS, threadIdx.x, 32);
+    if (!p.payload_in_workspace && (overlap || !stages_all_slots(p, row_bytes))) {
+      prefetch_l2(recv, 4 * ep, threadIdx.x, 32);
+    }
+  }
   // Overlapped: this rank's send counts, as positions (read before arriving: the last block zeroes them).
   __shared__ int s_pos[kMaxEpSize + 1];
   if (overlap && threadIdx.x == 0) {
@@ -429,24 +445,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   if (overlap) {
     if (static_cast<int>(blockIdx.x) < nstage) stage_slices(p, recv, round, nstage);
   } else if (!p.payload_in_workspace) {
-    const uint32_t nthreads = gridDim.x * blockDim.x;  // the launcher keeps grids small
-    const uint32_t tid = blockIdx.x * blockDim.x + threadIdx.x;
-    const bool all_slots = (int64_t)(ep - 1) * p.rt * row_bytes <= kStageAllSlotsBytes;
-    if (kVec && all_slots) {
-      stage_all_slots(reinterpret_cast<uint4*>(my_row + p.combine_offset), reinterpret_cast<const uint4*>(p.payload),
-                      (int64_t)p.rt * row_bytes / 16, me, ep, tid, nthreads);
-    } else {
-      const uint32_t stride = nthreads / static_cast<uint32_t>(ep);
-      for (int s = 0; s < ep; ++s) {
-        if (s == me) continue;
-        int rows = all_slots ? p.rt : ld_volatile(recv + s);
-        rows = rows < 0 ? 0 : rows > p.rt ? p.rt : rows;
-        const int64_t off = (int64_t)s * p.rt * row_bytes;
-        // rotate the threads per source so that small copies spread over the grid
-        const uint32_t my = (tid + static_cast<uint32_t>(s) * stride) % nthreads;
-        copy_bytes<kCopyUnroll, true>(my_row + p.combine_offset + off, p.payload + off, rows * row_bytes, my, nthreads);
-      }
-    }
+    stage_rows<kVec>(p, recv, row_bytes, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
   }
 
   // 2. Release; the last block tells every peer that its outputs are ready.

@@ -309,8 +309,22 @@ __device__ inline bool arrive_last(int* counter, Writes writes, bool skip_fence 
 // ---------------------------------------------------------------------------
 // Copies
 // ---------------------------------------------------------------------------
-template <typename V, int kUnroll, bool kBatchRest>
-__device__ __forceinline__ void copy_vectors(uint8_t* dst, const uint8_t* src, int64_t n, int64_t tid, int64_t nthreads) {
+// Where vector v of a copy lies in both buffers: v itself (a plain range), or, with
+// SkipRange, v past [skip, skip + len) (one copy of the regions either side of a gap).
+struct Contiguous {
+  __device__ __forceinline__ int64_t operator()(int64_t v) const { return v; }
+};
+
+struct SkipRange {
+  int64_t skip, len;
+  __device__ __forceinline__ int64_t operator()(int64_t v) const { return v < skip ? v : v + len; }
+};
+
+// Vectors [0, n) (placed by `place`) from src to dst, threads tid of nthreads
+// cooperating, kUnroll loads in flight per thread.
+template <typename V, int kUnroll, bool kBatchRest, typename Place = Contiguous>
+__device__ __forceinline__ void copy_vectors(uint8_t* dst, const uint8_t* src, int64_t n, int64_t tid, int64_t nthreads,
+                                             Place place = Place{}) {
   V* d = reinterpret_cast<V*>(dst);
   const V* s = reinterpret_cast<const V*>(src);
   int64_t i = tid;
@@ -320,9 +334,9 @@ __device__ __forceinline__ void copy_vectors(uint8_t* dst, const uint8_t* src, i
   for (; i + (kUnroll - 1) * nthreads < n; i += kUnroll * nthreads) {
     V r[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) r[u] = s[i + u * nthreads];
+    for (int u = 0; u < kUnroll; ++u) r[u] = s[place(i + u * nthreads)];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) d[i + u * nthreads] = r[u];
+    for (int u = 0; u < kUnroll; ++u) d[place(i + u * nthreads)] = r[u];
   }
   // The rest (fewer than kUnroll vectors per thread). kBatchRest: every load is issued
   // before the first store. A plain loop waits for each load in turn (a store may alias
@@ -332,15 +346,15 @@ __device__ __forceinline__ void copy_vectors(uint8_t* dst, const uint8_t* src, i
     V r[kUnroll - 1];
 #pragma unroll
     for (int u = 0; u < kUnroll - 1; ++u) {
-      if (i + u * nthreads < n) r[u] = s[i + u * nthreads];
+      if (i + u * nthreads < n) r[u] = s[place(i + u * nthreads)];
     }
 #pragma unroll
     for (int u = 0; u < kUnroll - 1; ++u) {
-      if (i + u * nthreads < n) d[i + u * nthreads] = r[u];
+      if (i + u * nthreads < n) d[place(i + u * nthreads)] = r[u];
     }
   } else {
 #pragma unroll 1
-    for (; i < n; i += nthreads) d[i] = s[i];
+    for (; i < n; i += nthreads) d[place(i)] = s[place(i)];
   }
 }
 
