@@ -46,6 +46,7 @@ class TwoGpuJob:
 
         ep = 2
         self.ep_size, self.top_k, self.num_experts, self.hidden = ep, top_k, num_experts, hidden
+        self.one_gpu = one_gpu
         self.devs = [0] * ep if one_gpu else list(range(ep))
         self.widths = [2 * hidden, 4 * top_k, 4 * top_k]  # bf16 hidden, int32 ids, fp32 scales (as the bench)
         self.aux = L.aux_layout(ep, max_tokens)
@@ -192,9 +193,19 @@ class TwoGpuJob:
                     done.append(ev)
             marks = [[] for _ in range(self.ep_size)]
             for _i in range(rounds):
+                flushed = None
+                if flush and self.one_gpu:
+                    # one L2: flushed once, and every rank starts after it (two flushes side by
+                    # side on one GPU end far apart, and a rank's dispatch would wait out the skew)
+                    with self.on(0):
+                        self.flush[0].zero_()
+                        flushed = torch.cuda.Event()
+                        flushed.record()
                 for r in range(self.ep_size):
                     with self.on(r):
-                        if flush:
+                        if flushed is not None:
+                            self.streams[r].wait_event(flushed)
+                        elif flush:
                             self.flush[r].zero_()
                         m = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
                         m[0].record()
