@@ -356,7 +356,7 @@ __host__ __device__ inline bool stages_all_slots(const CombineParams& p, int64_t
 
 // Plain staging (not overlapped, the payload not in the workspace): the rows of the
 // sources s != me that were received (every slot, see stages_all_slots) copied into the
-// own combine region, threads tid of nthreads.
+// own combine region, threads tid of nthreads (32 bits: the launcher keeps grids small).
 template <bool kVec>
 __device__ __forceinline__ void stage_rows(const CombineParams& p, const int* recv, int64_t row_bytes, uint32_t tid,
                                            uint32_t nthreads) {
