@@ -96,7 +96,13 @@ class TwoGpuJob:
                 self.planes.append(CudaPlane(att, timeout, sm_budget=budget))
                 initialize_row(self.ws[r], r, self.aux)
                 torch.cuda.synchronize()
-        # GPU sleep cycles per us (to queue the replays behind a known delay)
+        # GPU sleep cycles per us (to queue the replays behind a known delay). The sleep kernel
+        # runs once first: its first launch loads it, and that time would count as sleep
+        # (every later sleep would then be too short to cover the queueing).
+        for d in sorted(set(self.devs)):
+            with torch.cuda.device(d):
+                torch.cuda._sleep(1000)
+                torch.cuda.synchronize()
         with torch.cuda.device(0):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
@@ -300,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
                 job.inputs(T)
                 cur_T = T
             try:
-                r = job.time(dg, rounds=200 if T < 4096 else 40, flush=flush)
+                # 600 rounds in chunks of 50 behind one sleep each (200 at once filled the
+                # launch queue while the GPU slept: the CPU blocked and the GPU then waited for it)
+                r = job.time(dg, rounds=50, chunks=12, flush=flush) if T < 4096 else job.time(dg, rounds=40, flush=flush)
             except Exception as exc:  # keep going: print what failed
                 print(f"{label} T={T}: {type(exc).__name__}: {exc}", flush=True)
                 continue
