@@ -634,8 +634,6 @@ class Daemon:
         job.needs_rearm = rec.get("needs_rearm", False)
         if rec.get("active_mask") is not None:
             job.mask = rec["active_mask"] & L.full_mask(ep_size)
-            if job.degrade:
-                self.registry.restore_published_mask(job)  # a client may have written it while no daemon ran
         used.add(cb_name(name))
         try:
             for srec, slot in zip(rec["slots"], job.slots):
@@ -673,6 +671,13 @@ class Daemon:
                 self.registry.drop_pidfd(slot)
             control.close()
             raise
+        if job.degrade:
+            # a client may have written the published mask while no daemon ran; a failure here
+            # must not cost the job its adoption (the timer tick checks again)
+            try:
+                self.registry.restore_published_mask(job)
+            except Exception:
+                log.exception("job %s: checking its published active mask failed", name)
         if not job.live_ranks():
             job.grace_deadline = time.monotonic() + self.cfg.grace
         return job
