@@ -84,8 +84,11 @@ class TwoGpuJob:
             d = self.devs[r]
             with torch.cuda.device(d):
                 self.streams.append(torch.cuda.Stream())
-                l2 = int(getattr(torch.cuda.get_device_properties(d), "L2_cache_size", 0) or (50 << 20))
-                self.flush.append(torch.empty(2 * l2, dtype=torch.uint8, device=f"cuda:{d}"))
+                if one_gpu and r > 0:  # one L2, flushed from rank 0's stream only (see time())
+                    self.flush.append(self.flush[0])
+                else:
+                    l2 = int(getattr(torch.cuda.get_device_properties(d), "L2_cache_size", 0) or (50 << 20))
+                    self.flush.append(torch.empty(2 * l2, dtype=torch.uint8, device=f"cuda:{d}"))
                 att = SimpleNamespace(
                     job="timing", ep_rank=r, ep_size=ep,
                     spec={"max_num_tokens": max_tokens, "top_k": top_k, "num_experts": num_experts},
