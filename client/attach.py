@@ -244,6 +244,18 @@ class _Shared:
         finally:
             probe.close()
 
+    # ------------------------------------------------------------ checkpoints
+    def suspend(self) -> None:
+        with self.lock:
+            self._mapping.suspend()
+
+    def resume(self) -> None:
+        with self.lock:
+            before = self.workspace.data_ptr()
+            self._mapping.resume()
+            if self._mapping.tensor.data_ptr() != before:
+                raise errors.BackendError("the workspace was mapped again at another address")
+
     # ------------------------------------------------------------ teardown
     def forked_away(self) -> None:
         """In a forked child: this attachment is the parent's. Close the child's copy of the
@@ -415,6 +427,15 @@ class Attachment:
         ctl = self._shared.control
         return ctl.abort_word == L.ABORT_NONE and ctl.status(self._shared.ep_rank).code == L.STATUS_OK
 
+    def suspend(self) -> None:
+        """Unmap every rank's workspace, keeping its addresses reserved (checkpoint_prepare); the
+        lease stays open and the job in the daemon. The caller quiesced its work first."""
+        self._live().suspend()
+
+    def resume(self) -> None:
+        """Map the workspace again at the same addresses (checkpoint_restore)."""
+        self._live().resume()
+
     def lease_alive(self) -> bool:
         """False once the daemon end of the lease connection closed (daemon restarted or gone)."""
         return self._shared.lease_alive()
@@ -502,6 +523,14 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def _share_key(runtime_dir, job: str, ep_rank: int) -> tuple:
     return (os.getpid(), os.path.realpath(runtime.resolve(runtime_dir)), job, int(ep_rank))
+
+
+def held(runtime_dir, job: str, ep_rank: int) -> bool:
+    """Whether this process holds an open, shareable attachment of ``job`` rank ``ep_rank``."""
+    key = _share_key(runtime_dir, job, ep_rank)
+    with _TABLE_LOCK:
+        shared = _TABLE.get(key)
+        return shared is not None and shared.shareable()
 
 
 def _normalized(spec: dict, ep_size: int) -> dict:
