@@ -20,12 +20,17 @@ and never synchronizes with the GPU.
 
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 
 import torch
 
 from a2ad import errors, layout as L
+
+#: Whether a2ad.layout.payload_layout takes the payload dtypes and the EPLB region (the
+#: agreement check between ranks and the EPLB gather); checked once.
+_LAYOUT_KW = {"dtypes", "eplb_stats_num_experts"} <= set(inspect.signature(L.payload_layout).parameters)
 
 #: Combine payload dtypes (the combine sums in float32 and returns the payload's dtype).
 COMBINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -104,14 +109,27 @@ def rank_mask_arg(name: str, mask, ep_rank: int, ep_size: int, device: torch.dev
 class Round:
     """What a dispatch leaves for its combine."""
 
-    __slots__ = ("rt", "local_num_tokens", "layout", "plane", "eplb")
+    __slots__ = ("rt", "local_num_tokens", "layout", "plane", "eplb", "layout_kw")
 
-    def __init__(self, rt: int, local_num_tokens: int, layout: L.PayloadLayout, plane, eplb=None):
+    def __init__(self, rt: int, local_num_tokens: int, layout: L.PayloadLayout, plane, eplb=None, layout_kw=None):
         self.rt = rt
         self.local_num_tokens = local_num_tokens
         self.layout = layout
         self.plane = plane
         self.eplb = eplb
+        self.layout_kw = layout_kw
+
+
+_TAKES: dict = {}
+
+
+def _takes(plane, name: str) -> bool:
+    """Whether ``plane.combine`` takes the keyword ``name`` (checked once per plane class)."""
+    key = (type(plane), name)
+    got = _TAKES.get(key)
+    if got is None:
+        got = _TAKES[key] = name in inspect.signature(type(plane).combine).parameters
+    return got
 
 
 def _owner_name(owner) -> str:
@@ -295,18 +313,22 @@ class Front:
             self._eplb_out = torch.zeros(self.ep_size, n, dtype=torch.int32, device=self.device)
         return stats if stats.is_contiguous() else stats.contiguous()
 
-    def layout(self, rt: int, nbytes: tuple[int, ...], dtypes=None) -> L.PayloadLayout:
-        key = (rt, nbytes)
-        layout = self._layouts.get(key)
-        if layout is None:
+    def layout(self, rt: int, nbytes: tuple[int, ...], payloads, eplb: int) -> tuple[L.PayloadLayout, dict]:
+        """The round's payload layout (cached by shape) and the layout arguments its combine reuses."""
+        key = (rt, nbytes, eplb, *[p.dtype for p in payloads]) if _LAYOUT_KW else (rt, nbytes)
+        got = self._layouts.get(key)
+        if got is None:
+            kw = {"dtypes": [p.dtype for p in payloads], "eplb_stats_num_experts": eplb} if _LAYOUT_KW else {}
             try:
-                layout = L.payload_layout(self.att.aux, self.att.size_per_rank, rt, nbytes)
+                layout = L.payload_layout(self.att.aux, self.att.size_per_rank, rt, nbytes, **kw)
+                kw = dict(kw)
             except L.LayoutError as exc:
                 raise errors.InputError(str(exc), argument="input_payloads") from None
             if len(self._layouts) > 256:
                 self._layouts.clear()
-            self._layouts[key] = layout
-        return layout
+            kw["_key"] = key  # the combine layouts of this round are cached under it
+            got = self._layouts[key] = (layout, kw)
+        return got
 
     def dispatch(self, owner, experts, payloads, rt, top_k: int, num_experts: int, *, invalid_id=None,
                  ids_index=None, eplb_local_stats=None, caller_mask=None):
@@ -326,7 +348,10 @@ class Front:
         experts = self.check_experts(experts, rt, top_k, num_experts, plane)
         num_tokens = experts.shape[0]
         payloads, nbytes = self.check_payloads(payloads, num_tokens)
-        layout = self.layout(rt, nbytes)
+        if eplb_local_stats is not None:
+            eplb_local_stats = self._check_eplb(eplb_local_stats)
+        layout, layout_kw = self.layout(rt, nbytes, payloads,
+                                        self.eplb_stats_num_experts if eplb_local_stats is not None else 0)
         if layout.dispatch_end > rounds.combine_floor:
             raise errors.InputError(
                 f"these payloads need bytes [{att.aux.payload_data}, {layout.dispatch_end}) of every row at "
@@ -339,7 +364,7 @@ class Front:
         kw = {}
         eplb = None
         if eplb_local_stats is not None:
-            kw["eplb_local_stats"] = self._check_eplb(eplb_local_stats)
+            kw["eplb_local_stats"] = eplb_local_stats
             kw["eplb_gathered"] = eplb = self._eplb_out
         if caller_mask is not None:
             kw["caller_mask"] = caller_mask
@@ -347,7 +372,7 @@ class Front:
             plane.dispatch(experts, payloads, rt, layout, num_experts, **kw)
         else:
             plane.dispatch(experts, payloads, rt, layout, num_experts)
-        rounds.owner, rounds.round = owner, Round(rt, num_tokens, layout, plane, eplb)
+        rounds.owner, rounds.round = owner, Round(rt, num_tokens, layout, plane, eplb, layout_kw)
         received = self._received(layout, rt, nbytes, payloads)
         if ids_index is not None:
             plane.sanitize(received[ids_index], rt, invalid_id)
@@ -388,12 +413,14 @@ class Front:
     # --- combine ----------------------------------------------------------------------
     def combine_layout(self, rnd: Round, bytes_per_token: int) -> L.PayloadLayout:
         """The round's layout with its combine region at the end of the row (moe_alltoall's module doc)."""
-        key = (rnd.rt, rnd.layout.dispatch_bytes_per_token, bytes_per_token)
+        lkw = rnd.layout_kw
+        key = (bytes_per_token, lkw["_key"])
         layout = self._combine_layouts.get(key)
         if layout is None:
             try:
                 layout = L.payload_layout(
-                    self.att.aux, self.att.size_per_rank, rnd.rt, rnd.layout.dispatch_bytes_per_token, bytes_per_token)
+                    self.att.aux, self.att.size_per_rank, rnd.rt, rnd.layout.dispatch_bytes_per_token, bytes_per_token,
+                    **{k: v for k, v in lkw.items() if k != "_key"})
             except L.LayoutError as exc:
                 raise errors.InputError(str(exc), argument="payload") from None
             if len(self._combine_layouts) > 256:
@@ -480,9 +507,14 @@ class Front:
         else:
             raise errors.InputError("payload_in_workspace must be a bool", argument="payload_in_workspace")
         kw = {}
+        copy_to = None
         if output is not None:
-            kw["output"] = self._check_output(output, rnd.local_num_tokens, shape[2],
-                                              torch.bfloat16 if low_precision else payload.dtype)
+            output = self._check_output(output, rnd.local_num_tokens, shape[2],
+                                        torch.bfloat16 if low_precision else payload.dtype)
+            if _takes(rnd.plane, "output"):
+                kw["output"] = output
+            else:  # a plane that cannot write into the caller's buffer: one copy
+                copy_to = output
         if low_precision:
             if payload.dtype not in (torch.bfloat16, torch.float16):
                 raise errors.InputError(
@@ -505,6 +537,9 @@ class Front:
         # the round is complete on every rank: now input errors the kernels found may surface
         if not att.control.quiet(self.ep_rank):
             rnd.plane.check_input()
+        if copy_to is not None:
+            copy_to.copy_(out)
+            return copy_to
         return out
 
     def _unaliased(self, payload, layout, nbytes, rt):

@@ -88,13 +88,7 @@ _SHARED: dict[tuple[str, int], _Shared] = {}
 
 
 def aux_for(ep_size: int, max_num_tokens: int, eplb_stats_num_experts: int = 0):
-    if eplb_stats_num_experts:
-        try:
-            return L.aux_layout(ep_size, max_num_tokens, eplb_stats_num_experts=eplb_stats_num_experts)
-        except TypeError:
-            raise errors.InputError(
-                "eplb_stats_num_experts > 0 needs a layout with an EPLB region, which this build lacks",
-                argument="eplb_stats_num_experts") from None
+    """The aux layout of a workspace (the EPLB region, if any, lies in each round's payload layout)."""
     return L.aux_layout(ep_size, max_num_tokens)
 
 

@@ -1,0 +1,567 @@
+"""FlashInfer 0.7.2 parity of the front end: calls written as a FlashInfer user writes them (only
+the import changed), ``job=`` omitted with a real gloo torch.distributed group, two engines of
+one geometry side by side, instances sharing one attachment, caller-owned workspaces (several
+ranks of one CPU tensor in one process, in threads), the caller's active-rank mask,
+checkpoint_prepare / checkpoint_restore keeping the addresses, ``MoeAlltoAll`` under
+``torch.compile(fullgraph=True)``, and every refusal of the new arguments.
+
+Multi-process scenarios run in the shared pool of real client processes against a real
+host-backend daemon; each rank checks its results against ``a2ad.client.reference``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from _helpers_dataplane import job_name, rank_pool  # noqa: F401  (fixture)
+from a2ad import errors
+
+HIDDEN = 32
+TOP_K = 4
+NUM_EXPERTS = 8
+MAX_TOKENS = 6
+INVALID = -1
+
+
+class Mapping:
+    """What FlashInfer's Mapping offers MoeAlltoAll."""
+
+    def __init__(self, rank, size):
+        self.moe_ep_rank = rank
+        self.moe_ep_size = size
+
+
+def _round(seed, ep, tokens=None, active=None):
+    """Every rank's inputs, what every rank receives, and every rank's combine (reference)."""
+    from a2ad.client import reference as ref
+
+    g = torch.Generator().manual_seed(seed)
+    if tokens is None:
+        tokens = torch.randint(0, MAX_TOKENS + 1, (ep,), generator=g).tolist()
+    rt = max(1, max(tokens))
+    inputs = ref.make_round(seed, tokens, HIDDEN, TOP_K, NUM_EXPERTS, torch.bfloat16)
+    payloads = [[i.hidden, i.experts, i.scales] for i in inputs]
+    routings, received = ref.dispatch([i.experts for i in inputs], payloads, NUM_EXPERTS, rt, INVALID, 1)
+    outputs = [ref.toy_expert(r.payloads[0], r.payloads[1], r.payloads[2], q, NUM_EXPERTS, ep)
+               for q, r in enumerate(received)]
+    return rt, inputs, received, ref.combine(routings, outputs, active)
+
+
+def _expert(got, rank, ep):
+    from a2ad.client import reference as ref
+
+    return ref.toy_expert(got[0], got[1], got[2], rank, NUM_EXPERTS, ep)
+
+
+def _check_received(rank, got, expected):
+    from a2ad.client import reference as ref
+
+    problems = ref.dispatch_mismatches(got, expected.recv_counts, expected)
+    assert not problems, f"rank {rank}: " + "; ".join(problems)
+
+
+class _Env:
+    """A runtime folder through the environment (a FlashInfer caller passes none) and a gloo group."""
+
+    def __init__(self, runtime_dir, store=None, rank=0, size=1):
+        self.runtime_dir, self.store, self.rank, self.size = runtime_dir, store, rank, size
+
+    def __enter__(self):
+        self._old = os.environ.get("A2AD_RUNTIME_DIR")
+        os.environ["A2AD_RUNTIME_DIR"] = self.runtime_dir
+        if self.store is not None:
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", init_method=f"file://{self.store}", rank=self.rank, world_size=self.size,
+                                    timeout=__import__("datetime").timedelta(seconds=60))
+        return self
+
+    def __exit__(self, *exc):
+        if self.store is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+        if self._old is None:
+            os.environ.pop("A2AD_RUNTIME_DIR", None)
+        else:
+            os.environ["A2AD_RUNTIME_DIR"] = self._old
+
+
+# ---------------------------------------------------------------------------
+# Scenarios (run in every rank's process)
+# ---------------------------------------------------------------------------
+def flashinfer_user(rank, ep, runtime_dir, store, rounds, seed0):
+    """A FlashInfer user's MoE layer; the only change is the import. No job name anywhere: the
+    ranks agree on one through the default torch.distributed group. Returns the job name."""
+    with _Env(runtime_dir, store, rank, ep):
+        # from flashinfer.comm.trtllm_moe_alltoall import MoeAlltoAll, moe_a2a_active_rank_mask
+        from a2ad.client import MoeAlltoAll, moe_a2a_active_rank_mask
+
+        moe_a2a = MoeAlltoAll(Mapping(rank, ep), max_num_tokens=MAX_TOKENS, top_k=TOP_K, num_experts=NUM_EXPERTS,
+                              hidden_size=HIDDEN, mnnvl_config=None, eplb_stats_num_experts=0, enable_rank_mask=False,
+                              backend="trtllm")
+        try:
+            assert moe_a2a.ep_rank == rank and moe_a2a.ep_size == ep and moe_a2a.enable_eplb is False
+            assert moe_a2a.metainfo.dtype == torch.int64
+            for rnd in range(rounds):
+                rt, inputs, received, combined = _round(seed0 + rnd, ep)
+                mine = inputs[rank]
+                # FlashInfer's moe_ep wrapper passes these two even when they are None
+                recv = moe_a2a.dispatch(mine.experts, [mine.hidden, mine.experts, mine.scales], rt,
+                                        invalid_token_expert_id=INVALID, expert_id_payload_index=1,
+                                        eplb_local_stats=None, active_rank_mask=None)
+                assert moe_a2a.eplb_gathered_stats is None
+                saved = [t.clone() for t in recv]
+                y = _expert(recv, rank, ep)
+                if rnd % 3 == 0:
+                    out = moe_a2a.combine(y, rt)
+                elif rnd % 3 == 1:  # vLLM: into its own buffer
+                    buf = torch.empty(mine.experts.shape[0], HIDDEN, dtype=torch.bfloat16)
+                    out = moe_a2a.combine(y, rt, output=buf)
+                    assert out is buf
+                else:
+                    out = moe_a2a.combine(y, runtime_max_tokens_per_rank=rt, payload_in_workspace=False,
+                                          output_dtype=torch.bfloat16, use_low_precision=False, active_rank_mask=None)
+                _check_received(rank, saved, received[rank])
+                assert torch.equal(out, combined[rank]), f"rank {rank} round {rnd}: combine differs"
+            mask = moe_a2a_active_rank_mask(range(ep), ep)
+            assert mask.dtype == torch.uint64 and mask.shape == (1,) and int(mask.view(torch.int64)) == (1 << ep) - 1
+            return moe_a2a.attachment.job
+        finally:
+            moe_a2a.close()
+
+
+def two_engines(rank, runtime_dir, stores, rounds):
+    """Ranks 0-1 are one engine, ranks 2-3 another: same geometry, same node, own groups."""
+    engine, erank = divmod(rank, 2)
+    return flashinfer_user(erank, 2, runtime_dir, stores[engine], rounds, 100 * (engine + 1))
+
+
+def shared_instances(rank, ep, runtime_dir, store):
+    """Instances of one geometry share one attachment; another geometry is another job;
+    releasing the last instance releases it (the next instance makes a new job)."""
+    from a2ad.client import MoeAlltoAll
+
+    with _Env(runtime_dir, store, rank, ep):
+        a = MoeAlltoAll(Mapping(rank, ep), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN)
+        b = MoeAlltoAll(Mapping(rank, ep), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN)
+        other = MoeAlltoAll(Mapping(rank, ep), MAX_TOKENS + 2, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN)
+        try:
+            first = a.attachment.job
+            assert b.attachment.job == first and a.attachment.handles == 2
+            assert a.workspace.data_ptr() == b.workspace.data_ptr()
+            assert other.attachment.job != first and other.attachment.handles == 1
+            for obj in (a, b, other):
+                rt, inputs, received, combined = _round(300, ep)
+                mine = inputs[rank]
+                got = obj.dispatch(mine.experts, [mine.hidden, mine.experts, mine.scales], rt, INVALID, 1)
+                assert torch.equal(obj.combine(_expert(got, rank, ep), rt), combined[rank])
+        finally:
+            a.close()
+            b.close()
+            other.close()
+        again = MoeAlltoAll(Mapping(rank, ep), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN)
+        try:
+            assert again.attachment.job != first, "a released geometry's job was joined again"
+            rt, inputs, _, combined = _round(301, ep)
+            mine = inputs[rank]
+            got = again.dispatch(mine.experts, [mine.hidden, mine.experts, mine.scales], rt, INVALID, 1)
+            assert torch.equal(again.combine(_expert(got, rank, ep), rt), combined[rank])
+        finally:
+            again.close()
+        return True
+
+
+def checkpoint_round_trip(rank, ep, runtime_dir, job):
+    """checkpoint_prepare unmaps (dispatch refused meanwhile), checkpoint_restore maps the rows again
+    at the same addresses: views taken before stay valid and rounds go on."""
+    from a2ad.client import MoeAlltoAll
+
+    a2a = MoeAlltoAll(Mapping(rank, ep), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN, job=job,
+                      runtime_dir=runtime_dir, timeout=20.0)
+    layer2 = MoeAlltoAll(Mapping(rank, ep), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN, job=job,
+                         runtime_dir=runtime_dir, timeout=20.0)
+    try:
+        ptr = a2a.workspace.data_ptr()
+        view = a2a.workspace[rank, -64:]  # a view taken before the checkpoint (the combine region's end)
+        rt, inputs, _, combined = _round(400, ep)
+        mine = inputs[rank]
+        got = a2a.dispatch(mine.experts, [mine.hidden, mine.experts, mine.scales], rt, INVALID, 1)
+        with pytest.raises(errors.StateError, match="active"):
+            a2a.checkpoint_prepare()  # a round is open
+        assert torch.equal(a2a.combine(_expert(got, rank, ep), rt), combined[rank])
+        view.fill_(rank + 7)  # only this rank's own combine writes there
+        a2a.checkpoint_prepare()
+        a2a.checkpoint_prepare()  # repeated: a no-op
+        for obj in (a2a, layer2):  # the attachment is shared: every instance is unmapped
+            with pytest.raises(errors.StateError, match="checkpoint_restore"):
+                obj.dispatch(mine.experts, [mine.hidden], rt)
+        assert a2a.attachment.lease_alive()
+        layer2.checkpoint_restore()
+        a2a.checkpoint_restore()  # repeated: a no-op
+        assert a2a.workspace.data_ptr() == ptr and layer2.workspace.data_ptr() == ptr
+        assert bool((view == rank + 7).all()), "the row's bytes did not survive the checkpoint"
+        for seed in (401, 402):
+            rt, inputs, received, combined = _round(seed, ep)
+            mine = inputs[rank]
+            got = layer2.dispatch(mine.experts, [mine.hidden, mine.experts, mine.scales], rt, INVALID, 1)
+            _check_received(rank, [t.clone() for t in got], received[rank])
+            assert torch.equal(layer2.combine(_expert(got, rank, ep), rt), combined[rank])
+        return True
+    finally:
+        a2a.close()
+        layer2.close()
+
+
+def _layer(a2a, experts, hidden, scales, rt):
+    got = a2a.dispatch(experts, [hidden, experts, scales], rt, INVALID, 1)
+    from a2ad.client import reference as ref
+
+    y = ref.toy_expert(got[0], got[1], got[2], a2a.ep_rank, NUM_EXPERTS, a2a.ep_size)
+    return a2a.combine(y, rt)
+
+
+def compiled_methods(rank, ep, runtime_dir, job, backend, rounds):
+    """MoeAlltoAll.dispatch / combine inside torch.compile(fullgraph=True), every round checked,
+    then the same object eagerly."""
+    from a2ad.client import MoeAlltoAll
+
+    a2a = MoeAlltoAll(Mapping(rank, ep), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN, job=job,
+                      runtime_dir=runtime_dir, timeout=20.0)
+    torch._dynamo.reset()
+    try:
+        step = torch.compile(_layer, backend=backend, fullgraph=True)
+        for rnd in range(rounds):
+            rt, inputs, _, combined = _round(500 + rnd, ep, tokens=[5, 3, 4, 2][:ep])
+            mine = inputs[rank]
+            out = step(a2a, mine.experts, mine.hidden, mine.scales, rt)
+            assert a2a.phase == "idle"
+            assert torch.equal(out, combined[rank]), f"rank {rank} round {rnd}: compiled combine differs"
+            rt, inputs, _, combined = _round(600 + rnd, ep)
+            mine = inputs[rank]
+            assert torch.equal(_layer(a2a, mine.experts, mine.hidden, mine.scales, rt), combined[rank])
+        return rounds
+    finally:
+        a2a.close()
+
+
+# ---------------------------------------------------------------------------
+# Tests: daemon jobs
+# ---------------------------------------------------------------------------
+def test_flashinfer_user_without_job_agrees_through_torch_distributed(rank_pool, daemon, tmp_path):
+    names = rank_pool.run(2, flashinfer_user, 2, str(daemon.runtime_dir), str(tmp_path / "store"), 4, 10,
+                          timeout=180.0)
+    assert names[0] == names[1] and names[0].startswith("fi-2x6-"), names
+
+
+def test_two_engines_of_one_geometry_never_share_a_job(rank_pool, daemon, tmp_path):
+    stores = [str(tmp_path / "engine0"), str(tmp_path / "engine1")]
+    names = rank_pool.run(4, two_engines, str(daemon.runtime_dir), stores, 3, timeout=240.0)
+    assert names[0] == names[1] and names[2] == names[3], names
+    assert names[0] != names[2], f"two engines joined one job: {names}"
+
+
+def test_instances_of_one_geometry_share_an_attachment(rank_pool, daemon, tmp_path):
+    assert rank_pool.run(2, shared_instances, 2, str(daemon.runtime_dir), str(tmp_path / "store"),
+                         timeout=180.0) == [True, True]
+
+
+def test_checkpoint_round_trip_keeps_the_addresses(rank_pool, daemon):
+    assert rank_pool.run(2, checkpoint_round_trip, 2, str(daemon.runtime_dir), job_name("ckpt"),
+                         timeout=120.0) == [True, True]
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_moe_alltoall_methods_under_torch_compile_fullgraph(rank_pool, daemon, backend):
+    res = rank_pool.run(2, compiled_methods, 2, str(daemon.runtime_dir), job_name("fic"), backend, 2, timeout=300.0)
+    assert res == [2, 2]
+
+
+def test_without_job_or_communicator_is_a_clear_error():
+    from a2ad.client import MoeAlltoAll
+
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(errors.InputError, match="pass job=") as exc:
+        MoeAlltoAll(Mapping(0, 1), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN)
+    assert exc.value.details["argument"] == "job"
+    # an mnnvl_config without a comm_backend names no communicator either
+    with pytest.raises(errors.InputError, match="pass job="):
+        MoeAlltoAll(Mapping(0, 1), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN, mnnvl_config=object())
+
+
+def test_backend_values_a2ad_cannot_honour_are_refused():
+    import a2ad.client as c
+
+    for call in (
+        lambda: c.MoeAlltoAll(Mapping(0, 1), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN, backend="cake",
+                              job="x"),
+        lambda: c.moe_a2a_get_workspace_size_per_rank(2, 4, 64, 64, backend="cake"),
+        lambda: c.MoeAlltoAll.get_moe_workspace_size_per_rank(2, 2, 4, 64, backend="cake"),
+        lambda: c.moe_a2a_initialize(torch.zeros(1, 1 << 16, dtype=torch.uint8), 0, 1, 4, backend="cake"),
+    ):
+        with pytest.raises(errors.InputError, match="cake.*trtllm") as exc:
+            call()
+        assert exc.value.details["argument"] == "backend"
+    assert c.moe_a2a_get_workspace_size_per_rank(2, 4, 64, 64, 0, backend="trtllm") == \
+        c.moe_a2a_get_workspace_size_per_rank(2, 4, 64, 64)
+
+
+def test_new_arguments_are_refused_clearly_on_a_daemon_job(daemon):
+    """One rank of a daemon job in this process: each wrong use of the new arguments is an
+    InputError naming the argument, and leaves the rank usable."""
+    from a2ad.client import MoeAlltoAll, moe_a2a_active_rank_mask
+
+    a2a = MoeAlltoAll(Mapping(0, 1), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN, job=job_name("firef"),
+                      runtime_dir=str(daemon.runtime_dir), timeout=20.0)
+    try:
+        rt, inputs, _, combined = _round(700, 1, tokens=[4])
+        mine = inputs[0]
+        pl = [mine.hidden, mine.experts, mine.scales]
+        with pytest.raises(errors.InputError) as exc:  # FlashInfer: ValueError (InputError is one)
+            a2a.dispatch(mine.experts, pl, rt, active_rank_mask=moe_a2a_active_rank_mask([0], 1))
+        assert exc.value.details["argument"] == "active_rank_mask" and isinstance(exc.value, ValueError)
+        with pytest.raises(errors.InputError) as exc:
+            a2a.dispatch(mine.experts, pl, rt, eplb_local_stats=torch.zeros(NUM_EXPERTS, dtype=torch.int32))
+        assert exc.value.details["argument"] == "eplb_local_stats"
+        assert a2a.phase == "idle"
+        got = a2a.dispatch(mine.experts, pl, rt, INVALID, 1)
+        y = _expert(got, 0, 1)
+        stray = y.clone()
+        with pytest.raises(errors.InputError) as exc:  # flagged in the workspace, but it is not
+            a2a.combine(stray, rt, payload_in_workspace=True)
+        assert exc.value.details["argument"] == "payload_in_workspace"
+        with pytest.raises(errors.InputError) as exc:
+            a2a.combine(y, rt, output=torch.empty(3, HIDDEN, dtype=torch.bfloat16))
+        assert exc.value.details["argument"] == "output"
+        with pytest.raises(errors.InputError) as exc:
+            a2a.combine(y, rt, output=torch.empty(4, HIDDEN, dtype=torch.float32))
+        assert exc.value.details["argument"] == "output"
+        assert a2a.phase == "dispatched"
+        assert torch.equal(a2a.combine(y, rt), combined[0])
+    finally:
+        a2a.close()
+
+
+def test_functional_payload_flagged_in_workspace_wrongly_is_refused(daemon):
+    """The functional ops refuse what MoeAlltoAll.combine refuses (one validation boundary)."""
+    import a2ad.client as c
+
+    a2a = c.MoeAlltoAll(Mapping(0, 1), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN, job=job_name("fipiw"),
+                        runtime_dir=str(daemon.runtime_dir), timeout=20.0)
+    try:
+        ws, meta = a2a.workspace, a2a.metainfo
+        rt, inputs, _, combined = _round(710, 1, tokens=[3])
+        mine = inputs[0]
+        got, cpo, stats = c.moe_a2a_dispatch(mine.experts, [mine.hidden, mine.experts, mine.scales], ws, meta, rt, 0,
+                                             1, TOP_K, NUM_EXPERTS)
+        assert stats is None
+        y = _expert(got, 0, 1)
+        with pytest.raises(errors.InputError) as exc:
+            c.moe_a2a_combine(y, 3, ws, meta, rt, 0, 1, TOP_K, cpo, payload_in_workspace=True)
+        assert exc.value.details["argument"] == "payload_in_workspace"
+        out = c.moe_a2a_combine(y, 3, ws, meta, rt, 0, 1, TOP_K, cpo, payload_in_workspace=False)
+        assert torch.equal(out, combined[0])
+    finally:
+        a2a.close()
+
+
+# ---------------------------------------------------------------------------
+# Tests: caller-owned workspaces (no daemon)
+# ---------------------------------------------------------------------------
+def _run_ranks(fn, ep):
+    """fn(rank) in one thread per rank; returns the results, re-raising the first failure."""
+    results, failures = {}, {}
+
+    def body(r):
+        try:
+            results[r] = fn(r)
+        except BaseException as exc:  # reported below
+            failures[r] = exc
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(ep)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank thread did not finish"
+    if failures:
+        raise next(iter(failures.values()))
+    return [results[r] for r in range(ep)]
+
+
+def _workspace(ep):
+    import a2ad.client as c
+
+    size = c.moe_a2a_get_workspace_size_per_rank(ep, MAX_TOKENS, 2 * HIDDEN + 8 * TOP_K, 2 * HIDDEN)
+    return torch.zeros(ep, size, dtype=torch.uint8)
+
+
+def test_caller_owned_cpu_workspace_runs_several_ranks_in_one_process():
+    """moe_a2a_initialize on a plain CPU tensor, then FlashInfer's functional calls from one
+    thread per rank: every round matches the reference."""
+    import a2ad.client as c
+
+    ep = 4
+    ws = _workspace(ep)
+    metas = [c.moe_a2a_initialize(ws, r, ep, MAX_TOKENS, timeout=20.0) for r in range(ep)]
+    try:
+        for rnd in range(3):
+            rt, inputs, received, combined = _round(800 + rnd, ep)
+
+            def rank_round(r):
+                mine = inputs[r]
+                recv, cpo, stats = c.moe_a2a_dispatch(mine.experts, [mine.hidden, mine.experts, mine.scales], ws,
+                                                      metas[r], rt, r, ep, TOP_K, NUM_EXPERTS)
+                assert stats is None
+                c.moe_a2a_sanitize_expert_ids(recv[1], ws, metas[r], r, INVALID)
+                saved = [t.clone() for t in recv]
+                out = c.moe_a2a_combine(_expert(recv, r, ep), mine.experts.shape[0], ws, metas[r], rt, r, ep, TOP_K,
+                                        cpo)
+                return saved, out
+
+            for r, (saved, out) in enumerate(_run_ranks(rank_round, ep)):
+                _check_received(r, saved, received[r])
+                assert torch.equal(out, combined[r]), f"rank {r} round {rnd}: combine differs"
+    finally:
+        c.moe_a2a_release(ws)
+    with pytest.raises(errors.StateError, match="moe_a2a_initialize"):  # released: no longer found
+        c.moe_a2a_dispatch(inputs[0].experts, [inputs[0].hidden], ws, metas[0], rt, 0, ep, TOP_K, NUM_EXPERTS)
+
+
+def test_caller_owned_workspace_wait_is_bounded():
+    """A rank that never dispatches: the other's wait ends in PeerTimeout after the timeout."""
+    import a2ad.client as c
+
+    ws = _workspace(2)
+    meta = c.moe_a2a_initialize(ws, 0, 2, MAX_TOKENS, timeout=0.5)
+    c.moe_a2a_initialize(ws, 1, 2, MAX_TOKENS, timeout=0.5)
+    try:
+        _, inputs, _, _ = _round(900, 2, tokens=[3, 3])
+        t0 = time.monotonic()
+        with pytest.raises(errors.PeerTimeout) as exc:
+            c.moe_a2a_dispatch(inputs[0].experts, [inputs[0].hidden], ws, meta, 3, 0, 2, TOP_K, NUM_EXPERTS)
+        assert time.monotonic() - t0 < 10
+        assert exc.value.details["peer"] == 1
+    finally:
+        c.moe_a2a_release(ws)
+
+
+def test_moe_a2a_initialize_refuses_bad_workspaces():
+    import a2ad.client as c
+
+    for ws, args, arg in (
+        (torch.zeros(2, 1 << 16, dtype=torch.int32), (0, 2, 4), "workspace"),
+        (torch.zeros(3, 1 << 16, dtype=torch.uint8), (0, 2, 4), "workspace"),
+        (torch.zeros(2, 64, dtype=torch.uint8), (0, 2, 4), "workspace"),
+        (torch.zeros(2, 1 << 16, dtype=torch.uint8), (2, 2, 4), "ep_rank"),
+        (torch.zeros(2, 1 << 16, dtype=torch.uint8), (0, 2, 0), "max_num_tokens"),
+        ("not a tensor", (0, 2, 4), "workspace"),
+    ):
+        with pytest.raises(errors.InputError) as exc:
+            c.moe_a2a_initialize(ws, *args)
+        assert exc.value.details["argument"] == arg, (args, exc.value)
+
+
+def test_active_rank_mask_checks():
+    """The mask's form is checked at the call: FlashInfer's CPU uint64 tensor or an int64 one,
+    this rank's bit set, no rank outside the job; only with enable_rank_mask=True."""
+    import a2ad.client as c
+
+    ws = _workspace(2)
+    meta = c.moe_a2a_initialize(ws, 0, 2, MAX_TOKENS, timeout=5.0)
+    try:
+        _, inputs, _, _ = _round(950, 2, tokens=[2, 2])
+        e, h = inputs[0].experts, inputs[0].hidden
+        for mask, kw, match in (
+            (c.moe_a2a_active_rank_mask([0], 2), {}, "enable_rank_mask"),
+            (c.moe_a2a_active_rank_mask([1], 2), {"enable_rank_mask": True}, "own bit"),
+            (torch.tensor([0b101], dtype=torch.int64), {"enable_rank_mask": True}, "outside"),
+            (torch.tensor([1, 0], dtype=torch.int64), {"enable_rank_mask": True}, r"\[1\]"),
+            (torch.tensor([1.0]), {"enable_rank_mask": True}, "uint64"),
+            ([0], {"enable_rank_mask": True}, "torch.Tensor"),
+        ):
+            with pytest.raises(errors.InputError, match=match) as exc:
+                c.moe_a2a_dispatch(e, [h], ws, meta, 2, 0, 2, TOP_K, NUM_EXPERTS, active_rank_mask=mask, **kw)
+            assert exc.value.details["argument"] == "active_rank_mask"
+        with pytest.raises(errors.InputError):
+            c.moe_a2a_active_rank_mask([2], 2)
+        m = c.moe_a2a_active_rank_mask(torch.tensor([0, 2]), 3)
+        assert m.dtype == torch.uint64 and int(m.view(torch.int64)) == 0b101
+    finally:
+        c.moe_a2a_release(ws)
+
+
+def test_active_rank_mask_drops_the_masked_rank():
+    """Three ranks of a caller-owned workspace; ranks 0 and 1 run a round with rank 2 masked off:
+    nothing is sent to rank 2, and the combine sums only ranks 0 and 1's experts."""
+    import a2ad.client as c
+
+    ep = 3
+    ws = _workspace(ep)
+    metas = [c.moe_a2a_initialize(ws, r, ep, MAX_TOKENS, timeout=20.0) for r in range(ep)]
+    try:
+        rt, inputs, _, combined = _round(960, ep, tokens=[5, 4, 0], active={0, 1})
+        mask = c.moe_a2a_active_rank_mask([0, 1], ep)
+
+        def rank_round(r):
+            mine = inputs[r]
+            recv, cpo, _ = c.moe_a2a_dispatch(mine.experts, [mine.hidden, mine.experts, mine.scales], ws, metas[r],
+                                              rt, r, ep, TOP_K, NUM_EXPERTS, enable_rank_mask=True,
+                                              active_rank_mask=mask)
+            return c.moe_a2a_combine(_expert(recv, r, ep), mine.experts.shape[0], ws, metas[r], rt, r, ep, TOP_K,
+                                     cpo, enable_rank_mask=True, active_rank_mask=mask)
+
+        outs = _run_ranks(rank_round, 2)
+        for r in range(2):
+            assert torch.equal(outs[r], combined[r]), f"rank {r}: masked combine differs"
+    finally:
+        c.moe_a2a_release(ws)
+
+
+# ---------------------------------------------------------------------------
+# GPU: several ranks on one GPU in one process, on a caller-owned workspace
+# ---------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("ep", [2, 4])
+def test_caller_owned_cuda_workspace_runs_several_ranks_on_one_gpu(ep):
+    """FlashInfer's own test setup: one [ep_size, size_per_rank] CUDA tensor, every rank in this
+    process on its own stream (the kernels wait for each other across streams)."""
+    import a2ad.client as c
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ws = _workspace(ep).to(dev)
+    metas = [c.moe_a2a_initialize(ws, r, ep, MAX_TOKENS, timeout=20.0) for r in range(ep)]
+    streams = [torch.cuda.Stream(dev) for _ in range(ep)]
+    try:
+        for rnd in range(3):
+            rt, inputs, received, combined = _round(1000 + rnd, ep)
+            main = torch.cuda.current_stream(dev)
+            recv, cpos = {}, {}
+            for r in range(ep):
+                streams[r].wait_stream(main)
+                with torch.cuda.stream(streams[r]):
+                    mine = inputs[r]
+                    pl = [mine.hidden.to(dev), mine.experts.to(dev), mine.scales.to(dev)]
+                    recv[r], cpos[r], _ = c.moe_a2a_dispatch(pl[1], pl, ws, metas[r], rt, r, ep, TOP_K, NUM_EXPERTS)
+                    c.moe_a2a_sanitize_expert_ids(recv[r][1], ws, metas[r], r, INVALID)
+            outs, saved = {}, {}
+            for r in range(ep):
+                with torch.cuda.stream(streams[r]):
+                    saved[r] = [t.clone() for t in recv[r]]
+                    y = _expert([t for t in saved[r]], r, ep)
+                    outs[r] = c.moe_a2a_combine(y, inputs[r].experts.shape[0], ws, metas[r], rt, r, ep, TOP_K, cpos[r])
+            for r in range(ep):
+                main.wait_stream(streams[r])
+            torch.cuda.synchronize(dev)
+            for r in range(ep):
+                _check_received(r, [t.cpu() for t in saved[r]], received[r])
+                assert torch.equal(outs[r].cpu(), combined[r]), f"rank {r} round {rnd}: combine differs"
+    finally:
+        torch.cuda.synchronize(dev)
+        c.moe_a2a_release(ws)
