@@ -13,7 +13,10 @@ how the object is made, in the two functions below:
      workspace handles: FlashInfer allocates the         runs the rendezvous)
      workspace in every worker)
     MoeAlltoAll(mapping, ..., mnnvl_config=cfg)         MoeAlltoAll(mapping, ..., mnnvl_config=cfg,
-                                                                    job="model-ep")   # cfg is ignored
+                                                                    job="model-ep")
+                                                        (job= may be left out where a communicator is
+                                                         there to agree on one: cfg.comm_backend or the
+                                                         default torch.distributed group)
 
 Run with no arguments it runs both sides when FlashInfer imports and the GPUs are there
 (FlashInfer's MoeAlltoAll needs one CUDA GPU per rank), else the a2ad side alone (host
@@ -72,7 +75,7 @@ def a2ad_moe_alltoall(run: moe_layer.RunConfig, rank: int, device: torch.device)
 
     cfg = run.layer
     return MoeAlltoAll(Mapping(), cfg.max_tokens, cfg.top_k, cfg.num_experts, hidden_size=cfg.hidden,
-                       mnnvl_config=None,  # accepted and ignored: the daemon picks the memory handles
+                       mnnvl_config=None,  # only its comm_backend is used: the daemon picks the memory handles
                        job=run.job,  # every rank of the group names the same job
                        runtime_dir=run.runtime_dir, device=device if device.type == "cuda" else None,
                        timeout=run.timeout)
@@ -131,7 +134,8 @@ def main(argv=None) -> int:
         parser.error("need --experts >= --ranks and 1 <= --top-k <= --experts")
     sides, why = pick_sides(args.sides, args.ranks)
     print(f"{NAME}: the differences: the import (flashinfer.comm.trtllm_moe_alltoall -> a2ad.client), "
-          f"job= (a2ad: the group's name), mnnvl_config (a2ad: accepted and ignored); "
+          f"job= (a2ad: the group's name, optional with a communicator), mnnvl_config (a2ad: only its "
+          f"comm_backend is used); "
           f"dispatch/combine calls are the same code for both")
     if why is not None:
         print(f"{NAME}: FlashInfer side skipped: {why}")

@@ -523,6 +523,108 @@ def test_active_rank_mask_drops_the_masked_rank():
         c.moe_a2a_release(ws)
 
 
+def test_eplb_stats_are_gathered_in_the_dispatch_round():
+    """eplb_local_stats of every rank come back as eplb_gathered_stats [ep_size, E] (row r: rank r's)."""
+    import a2ad.client as c
+
+    ep, n_stats = 2, 16
+    size = c.moe_a2a_get_workspace_size_per_rank(ep, MAX_TOKENS, 2 * HIDDEN + 8 * TOP_K, 2 * HIDDEN, n_stats)
+    assert size > c.moe_a2a_get_workspace_size_per_rank(ep, MAX_TOKENS, 2 * HIDDEN + 8 * TOP_K, 2 * HIDDEN)
+    ws = torch.zeros(ep, size, dtype=torch.uint8)
+    metas = [c.moe_a2a_initialize(ws, r, ep, MAX_TOKENS, n_stats, timeout=20.0) for r in range(ep)]
+    try:
+        stats = [torch.arange(n_stats, dtype=torch.int32) * (r + 1) + 100 * r for r in range(ep)]
+        for rnd in range(2):
+            rt, inputs, _, combined = _round(970 + rnd, ep)
+
+            def rank_round(r):
+                mine = inputs[r]
+                recv, cpo, gathered = c.moe_a2a_dispatch(mine.experts, [mine.hidden, mine.experts, mine.scales], ws,
+                                                         metas[r], rt, r, ep, TOP_K, NUM_EXPERTS,
+                                                         eplb_local_stats=stats[r] + rnd)
+                got = gathered.clone()
+                out = c.moe_a2a_combine(_expert(recv, r, ep), mine.experts.shape[0], ws, metas[r], rt, r, ep, TOP_K,
+                                        cpo)
+                return got, out
+
+            for r, (got, out) in enumerate(_run_ranks(rank_round, ep)):
+                assert got.shape == (ep, n_stats) and got.dtype == torch.int32
+                assert torch.equal(got, torch.stack(stats) + rnd), f"rank {r}: gathered stats differ"
+                assert torch.equal(out, combined[r])
+        with pytest.raises(errors.InputError) as exc:  # the length must be eplb_stats_num_experts
+            c.moe_a2a_dispatch(inputs[0].experts, [inputs[0].hidden], ws, metas[0], rt, 0, ep, TOP_K, NUM_EXPERTS,
+                               eplb_local_stats=torch.zeros(n_stats + 1, dtype=torch.int32))
+        assert exc.value.details["argument"] == "eplb_local_stats"
+    finally:
+        c.moe_a2a_release(ws)
+
+
+def _one_rank(hidden):
+    import a2ad.client as c
+
+    size = c.moe_a2a_get_workspace_size_per_rank(1, MAX_TOKENS, 2 * hidden + 8 * TOP_K, 2 * hidden)
+    ws = torch.zeros(1, size, dtype=torch.uint8)
+    return ws, c.moe_a2a_initialize(ws, 0, 1, MAX_TOKENS, timeout=5.0)
+
+
+def _one_rank_round(ws, meta, hidden, seed, **combine_kw):
+    """One round of a one-rank caller-owned workspace; returns (plain combine input, result)."""
+    import a2ad.client as c
+
+    g = torch.Generator().manual_seed(seed)
+    experts = torch.randint(0, NUM_EXPERTS, (5, TOP_K), generator=g, dtype=torch.int32)
+    hid = torch.randn(5, hidden, generator=g).to(torch.bfloat16)
+    recv, cpo, _ = c.moe_a2a_dispatch(experts, [hid, experts], ws, meta, 5, 0, 1, TOP_K, NUM_EXPERTS)
+    y = recv[0] * 0.5
+    return c.moe_a2a_combine(y, 5, ws, meta, 5, 0, 1, TOP_K, cpo, **combine_kw)
+
+
+def test_quantized_combine_outputs_match_the_quantizer():
+    """output_dtype / output_scales / sf_layout: the combine's result quantized by client.quant."""
+    import a2ad.client as c
+    from a2ad.client import quant
+
+    hidden = 64
+    ws, meta = _one_rank(hidden)
+    try:
+        plain = _one_rank_round(ws, meta, hidden, 1)
+        for dtype, sdtype, layout in ((torch.float8_e4m3fn, torch.uint8, quant.SfLayout.layout_linear),
+                                      (torch.uint8, torch.float8_e4m3fn, quant.SfLayout.layout_128x4),
+                                      (torch.uint8, torch.uint8, quant.SfLayout.layout_8x4)):
+            (dshape, ddtype), (sshape, sd) = quant.output_shapes(5, hidden, dtype, layout, scales_dtype=sdtype)
+            scales = torch.empty(sshape, dtype=sd)
+            out = _one_rank_round(ws, meta, hidden, 1, output_dtype=dtype, output_scales=scales, sf_layout=layout,
+                                  output_scalar_scale=1.0)
+            want, want_scales = quant.quantize(plain, dtype, layout, scalar_scale=1.0,
+                                               out_scales=torch.empty(sshape, dtype=sd))
+            assert out.dtype == ddtype and tuple(out.shape) == tuple(dshape)
+            assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), (dtype, layout)
+            assert torch.equal(scales.view(torch.uint8), want_scales.view(torch.uint8)), (dtype, layout)
+        with pytest.raises(errors.InputError) as exc:
+            _one_rank_round(ws, meta, hidden, 1, output_scales=torch.empty(5, 2, dtype=torch.uint8))
+        assert exc.value.details["argument"] == "output_scales"
+    finally:
+        c.moe_a2a_release(ws)
+
+
+def test_low_precision_combine_returns_bfloat16_close_to_the_bf16_combine():
+    import a2ad.client as c
+
+    hidden = 64
+    ws, meta = _one_rank(hidden)
+    try:
+        plain = _one_rank_round(ws, meta, hidden, 2)
+        low = _one_rank_round(ws, meta, hidden, 2, use_low_precision=True)
+        assert low.dtype == torch.bfloat16 and low.shape == plain.shape
+        err = (low.float() - plain.float()).abs().max() / plain.float().abs().max()
+        assert 0 < err < 0.07, f"FP8 combine relative error {err}"  # e4m3: 3 mantissa bits
+        buf = torch.empty_like(plain)
+        assert _one_rank_round(ws, meta, hidden, 2, use_low_precision=True, output=buf) is buf
+        assert torch.equal(buf, low)
+    finally:
+        c.moe_a2a_release(ws)
+
+
 # ---------------------------------------------------------------------------
 # GPU: several ranks on one GPU in one process, on a caller-owned workspace
 # ---------------------------------------------------------------------------
