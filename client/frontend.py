@@ -82,7 +82,8 @@ def rank_mask_arg(name: str, mask, ep_rank: int, ep_size: int, device: torch.dev
     Accepts FlashInfer's CPU uint64 ``[1]`` tensor (:func:`moe_a2a_active_rank_mask`) and an
     int64 ``[1]`` tensor, on the CPU or on this rank's device (a device mask can change
     between CUDA graph replays). A host mask must keep this rank's own bit and name no
-    rank outside ``[0, ep_size)``; a device mask is not read back (no sync)."""
+    rank outside ``[0, ep_size)`` and goes to the plane as it is (its value is taken at the
+    call, also while a CUDA graph is captured); a device mask is not read back (no sync)."""
     if not isinstance(mask, torch.Tensor):
         raise errors.InputError(f"{name} must be a torch.Tensor (moe_a2a_active_rank_mask), got "
                                 f"{type(mask).__name__}", argument=name)
@@ -101,8 +102,6 @@ def rank_mask_arg(name: str, mask, ep_rank: int, ep_size: int, device: torch.dev
         if bits >> ep_size:
             raise errors.InputError(f"{name} sets bits of ranks outside [0, ep_size={ep_size}): {bits:#x}",
                                     argument=name)
-        if device.type != "cpu":
-            mask = mask.to(device, non_blocking=True)
     return mask if mask.is_contiguous() else mask.contiguous()
 
 

@@ -18,8 +18,9 @@ import time
 import pytest
 import torch
 
-from _helpers_dataplane import job_name, rank_pool  # noqa: F401  (fixture)
+from _helpers_dataplane import dataplane_daemons, job_name, make_job, rank_pool, run_job  # noqa: F401  (fixtures)
 from a2ad import errors
+from dataplane_cases import _assert_combined
 
 HIDDEN = 32
 TOP_K = 4
@@ -608,19 +609,34 @@ def test_quantized_combine_outputs_match_the_quantizer():
 
 
 def test_low_precision_combine_returns_bfloat16_close_to_the_bf16_combine():
+    """use_low_precision=True between two ranks of a caller-owned workspace: FP8 rows on the wire,
+    bfloat16 out, close to the bf16 combine (and not equal: the rows from the peer were FP8)."""
     import a2ad.client as c
 
-    hidden = 64
-    ws, meta = _one_rank(hidden)
+    ep, hidden = 2, 64
+    size = c.moe_a2a_get_workspace_size_per_rank(ep, MAX_TOKENS, 2 * hidden + 4 * TOP_K, 2 * hidden)
+    ws = torch.zeros(ep, size, dtype=torch.uint8)
+    metas = [c.moe_a2a_initialize(ws, r, ep, MAX_TOKENS, timeout=20.0) for r in range(ep)]
+    g = torch.Generator().manual_seed(3)
+    experts = [torch.randint(0, NUM_EXPERTS, (5, TOP_K), generator=g, dtype=torch.int32) for _ in range(ep)]
+    hid = [torch.randn(5, hidden, generator=g).to(torch.bfloat16) for _ in range(ep)]
+
+    def rank_round(r, **kw):
+        recv, cpo, _ = c.moe_a2a_dispatch(experts[r], [hid[r], experts[r]], ws, metas[r], 5, r, ep, TOP_K, NUM_EXPERTS)
+        return c.moe_a2a_combine(recv[0] * 0.5, 5, ws, metas[r], 5, r, ep, TOP_K, cpo, **kw)
+
     try:
-        plain = _one_rank_round(ws, meta, hidden, 2)
-        low = _one_rank_round(ws, meta, hidden, 2, use_low_precision=True)
-        assert low.dtype == torch.bfloat16 and low.shape == plain.shape
-        err = (low.float() - plain.float()).abs().max() / plain.float().abs().max()
-        assert 0 < err < 0.07, f"FP8 combine relative error {err}"  # e4m3: 3 mantissa bits
-        buf = torch.empty_like(plain)
-        assert _one_rank_round(ws, meta, hidden, 2, use_low_precision=True, output=buf) is buf
-        assert torch.equal(buf, low)
+        plain = _run_ranks(rank_round, ep)
+        low = _run_ranks(lambda r: rank_round(r, use_low_precision=True), ep)
+        bufs = [torch.empty(5, hidden, dtype=torch.bfloat16) for _ in range(ep)]
+        into = _run_ranks(lambda r: rank_round(r, use_low_precision=True, output=bufs[r]), ep)
+        errs = []
+        for r in range(ep):
+            assert low[r].dtype == torch.bfloat16 and low[r].shape == plain[r].shape
+            errs.append(float((low[r].float() - plain[r].float()).abs().max() / plain[r].float().abs().max()))
+            assert into[r] is bufs[r] and torch.equal(bufs[r], low[r])
+        assert max(errs) < 0.07, f"FP8 combine relative error {errs}"  # e4m3: 3 mantissa bits
+        assert max(errs) > 0, "use_low_precision=True gave the bf16 combine's bits: no FP8 on the wire"
     finally:
         c.moe_a2a_release(ws)
 
@@ -663,7 +679,65 @@ def test_caller_owned_cuda_workspace_runs_several_ranks_on_one_gpu(ep):
             torch.cuda.synchronize(dev)
             for r in range(ep):
                 _check_received(r, [t.cpu() for t in saved[r]], received[r])
-                assert torch.equal(outs[r].cpu(), combined[r]), f"rank {r} round {rnd}: combine differs"
+                _assert_combined(outs[r], combined[r], "cuda", f"rank {r} round {rnd}")
     finally:
         torch.cuda.synchronize(dev)
         c.moe_a2a_release(ws)
+
+
+def graph_across_checkpoint(rank, job, replays):
+    """dispatch + combine with a device active_rank_mask captured in one CUDA graph; replayed,
+    then checkpoint_prepare / checkpoint_restore, then replayed again: the graph stays valid
+    because the rows come back at the same addresses."""
+    import dataplane_cases as cases
+    from a2ad.client import MoeAlltoAll
+    from a2ad.client import reference as ref
+
+    dev = job.device(rank)
+    torch.cuda.set_device(dev)
+    a2a = MoeAlltoAll(Mapping(rank, job.ep_size), job.max_num_tokens, job.top_k, job.num_experts,
+                      hidden_size=job.hidden, enable_rank_mask=True, job=job.name, runtime_dir=job.runtime_dir,
+                      timeout=job.timeout)
+    cases._OPEN[job.name] = a2a  # closed by run_job
+    rt, ep = job.max_num_tokens, job.ep_size
+
+    def inputs(seed):
+        ins = ref.make_round(seed, [rt] * ep, job.hidden, job.top_k, job.num_experts, torch.bfloat16)
+        payloads = [[i.hidden, i.experts, i.scales] for i in ins]
+        routings, received = ref.dispatch([i.experts for i in ins], payloads, job.num_experts, rt, INVALID, 1)
+        outputs = [ref.toy_expert(r.payloads[0], r.payloads[1], r.payloads[2], q, job.num_experts, ep)
+                   for q, r in enumerate(received)]
+        return payloads[rank], ref.combine(routings, outputs)[rank]
+
+    payloads0, _ = inputs(0)
+    s_payloads = [p.to(dev) for p in payloads0]
+    s_mask = torch.tensor([(1 << ep) - 1], dtype=torch.int64, device=dev)
+    stream = torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            got = a2a.dispatch(s_payloads[1], s_payloads, rt, INVALID, 1, active_rank_mask=s_mask)
+            y = ref.toy_expert(got[0], got[1], got[2], rank, job.num_experts, ep)
+            s_out = a2a.combine(y, rt, active_rank_mask=s_mask)
+    torch.cuda.current_stream(dev).wait_stream(stream)
+    ptr = a2a.workspace.data_ptr()
+    for i in range(2 * replays):
+        if i == replays:
+            a2a.checkpoint_prepare()
+            a2a.checkpoint_restore()
+            assert a2a.workspace.data_ptr() == ptr
+        payloads, want = inputs(i + 1)
+        for sp, p in zip(s_payloads, payloads):
+            sp.copy_(p)
+        graph.replay()
+        _assert_combined(s_out, want, "cuda", f"rank {rank} replay {i}")
+    a2a.check()
+    return 2 * replays
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_with_device_rank_mask_survives_a_checkpoint(rank_pool, dataplane_daemons):
+    job = make_job(dataplane_daemons, "cuda", "figraph", 2)
+    assert run_job(rank_pool, job, graph_across_checkpoint, 3, timeout=300.0) == [6, 6]
