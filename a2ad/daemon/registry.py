@@ -57,10 +57,6 @@ class Held:
     deadline: float
 
 
-# kept for readers of older code and tests
-PendingJoin = Held
-
-
 @dataclass
 class RankSlot:
     rank: int
@@ -102,10 +98,6 @@ class RankSlot:
     @property
     def live(self) -> bool:
         return self.state in (L.RANK_JOINING, L.RANK_ATTACHED)
-
-    @property
-    def is_remote(self) -> bool:
-        return self.node is not None
 
     @property
     def waiting(self) -> str | None:
@@ -238,9 +230,6 @@ class Job:
     def spans(self) -> bool:
         """Whether some rank's row is held by another node's daemon."""
         return any(s.node is not None for s in self.slots)
-
-    def local_slots(self) -> list[RankSlot]:
-        return [s for s in self.slots if s.node is None]
 
     def live_ranks(self) -> list[int]:
         return [s.rank for s in self.slots if s.live]
