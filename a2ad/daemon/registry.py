@@ -1,13 +1,28 @@
-"""The job registry: jobs, their rank slots, rendezvous, tickets, leases, re-arm, recover and
-free. It owns no socket: callers hand it requests and events, and it answers with a reply or
-an error, and queues what else it decided in two lists that the server carries out:
+"""The job registry: jobs and their rendezvous, re-arm, recover, timers, free and adoption.
+It owns no socket: callers hand it requests and events, and it answers with a reply or an
+error, and queues what else it decided in two lists that the server carries out:
 
 - ``outbox``: (ZeroMQ identity, encoded frame) for held replies it releases (rendezvous,
   recover) or ends with an error (timeouts, spec mismatch, destroy);
 - ``closing``: lease connections (opaque objects of the fd socket) to close.
 
-It watches the processes of joining ranks with pidfds (plain fds, no I/O), which the server
-polls and hands back through :meth:`Registry.pid_exited`.
+Its rooms:
+
+- jobs.py: ``Job`` and ``RankSlot``, and ``Job.set_rank_state``, the one writer of a rank's
+  state;
+- leases.py (``Leases``): tickets, lease connections and pidfds, from a released join to an
+  attached rank and to its death or departure;
+- policy.py (``LossPolicy``): what losing a rank does by the job's policy, re-admission into
+  a degraded job, the active mask;
+- mirror.py (``Mirror``): in a domain, other nodes' ranks as they report them and the two
+  steps of a rendezvous its coordinator decides;
+- this module: the Registry itself (join, rendezvous and re-arm, recover, operator requests,
+  timers, teardown, adoption of a previous daemon's jobs).
+
+A join in order: ``Registry.join`` (here) seats the rank and holds its reply;
+``_maybe_release`` answers every held join with a ticket (``Leases._issue_ticket``);
+``Leases.redeem`` and ``Leases.delivered`` hand the fds over and make the connection the
+rank's lease.
 
 In a domain (federation.py) a job may span nodes: its slots for ranks whose rows another
 node's daemon holds are *remote* (``RankSlot.node`` names that node) and mirror what that
@@ -97,8 +112,36 @@ class Registry(Leases, LossPolicy, Mirror):
 
     # --------------------------------------------------------------------- join
     def join(self, peer: Peer, identity: bytes, rid: int, f: dict) -> None:
-        """Register a join. The reply is held until the rendezvous (see ``outbox``); errors
-        raise at once."""
+        """Register a join (``f``: the request's fields, checked by protocol.py). The reply is
+        held until the rendezvous (see ``outbox``); errors raise at once. The steps: the
+        joining process is who it says (``_check_joiner``) and under its cap of held joins;
+        a pidfd is opened on it; the job is created or its spec checked (``_new_job``,
+        ``_check_job``); its rank's slot is claimed and given a row (``_claim_slot``); the
+        rank is seated in the slot, its reply held (``_seat``); then the rendezvous is
+        released if it is complete, or the rank let straight back into a degraded job
+        (``_release_or_wait``)."""
+        self._check_joiner(peer, f)
+        spec = protocol.normalize_spec(f["spec"], f["ep_size"])
+        job = self.jobs.get(f["job"])
+        self._check_held_joins(peer, job, f)
+        pidfd = self._open_pidfd(f["pid"])
+        try:
+            if job is None:
+                job = self._new_job(peer, f, spec)
+            else:
+                self._check_job(job, peer, f, spec)
+            slot = self._claim_slot(job, f)
+        except BaseException:
+            if pidfd is not None:
+                os.close(pidfd)
+            if job is not None and not job.freed and not job.live_ranks() and job.grace_deadline is None:
+                self._start_grace(job)
+            raise
+        replacing = self._seat(job, slot, peer, identity, rid, f, pidfd)
+        self._release_or_wait(job, slot, replacing)
+
+    def _check_joiner(self, peer: Peer, f: dict) -> None:
+        """The joining process is the one it claims to be, on a device this daemon serves."""
         if peer.uid is not None and not peer.pid:
             # the kernel gave the peer's pid as 0: it lives in a pid namespace the daemon cannot
             # see into, so its claimed pid would name some other process here
@@ -110,78 +153,94 @@ class Registry(Leases, LossPolicy, Mirror):
         if peer.pid and peer.pid != f["pid"]:
             raise errors.PermissionDenied(f"join claims pid {f['pid']} but comes from pid {peer.pid}")
         self.backend.check_device(f["device"])
-        spec = protocol.normalize_spec(f["spec"], f["ep_size"])
-        name, rank = f["job"], f["ep_rank"]
-        job = self.jobs.get(name)
-        # a join that completes its rendezvous is released at once: it is never held; nor is a
-        # replacement let back into a degraded job that kept serving
+
+    def _check_held_joins(self, peer: Peer, job: Job | None, f: dict) -> None:
+        """A uid holds at most ``max_held_joins_per_uid`` joins waiting for their rendezvous.
+        A join that completes its rendezvous is released at once: it is never held; nor is a
+        replacement let back into a degraded job that kept serving."""
+        rank = f["ep_rank"]
         completes = f["ep_size"] == 1 or (
             job is not None and job.ep_size == f["ep_size"]
             and (all(s.live for s in job.slots if s.rank != rank) or self._readmits(job, rank))
         )
-        if peer.uid is not None and not completes:
-            held = sum(1 for j in self.jobs.values() for s in j.slots if s.pending is not None and s.uid == peer.uid)
-            if held >= self.limits.max_held_joins_per_uid:
-                self.counters["refused"] += 1
-                raise errors.LimitExceeded(
-                    f"uid {peer.uid} already holds {held} joins waiting for their rendezvous "
-                    f"(limit {self.limits.max_held_joins_per_uid})",
-                    needed=held + 1, limit=self.limits.max_held_joins_per_uid,
-                )
-        # the joining process must exist before anything is created for it
+        if peer.uid is None or completes:
+            return
+        held = sum(1 for j in self.jobs.values() for s in j.slots if s.pending is not None and s.uid == peer.uid)
+        if held >= self.limits.max_held_joins_per_uid:
+            self.counters["refused"] += 1
+            raise errors.LimitExceeded(
+                f"uid {peer.uid} already holds {held} joins waiting for their rendezvous "
+                f"(limit {self.limits.max_held_joins_per_uid})",
+                needed=held + 1, limit=self.limits.max_held_joins_per_uid,
+            )
+
+    @staticmethod
+    def _open_pidfd(pid: int) -> int | None:
+        """A pidfd on the joining process, which must exist before anything is created for it
+        (None: no pidfd support; a death during the rendezvous is then caught by its timeout)."""
         try:
-            pidfd = os.pidfd_open(f["pid"])
+            return os.pidfd_open(pid)
         except ProcessLookupError:
-            raise errors.InvalidField(f"pid {f['pid']} is not a running process", field="pid") from None
+            raise errors.InvalidField(f"pid {pid} is not a running process", field="pid") from None
         except OSError:
-            pidfd = None  # no pidfd support: a death during rendezvous is caught by the timeout
-        try:
-            if job is None:
-                if self.draining:
-                    raise errors.Draining("the daemon is draining: no new jobs are accepted")
-                confirmed = True
-                if self.fed is not None:
-                    # what the domain already decided about this job (another node created it)
-                    confirmed = self.fed.check_new_job(name, f["ep_size"], spec, peer)
-                job = self._create_job(name, f["ep_size"], spec, peer.uid, f["device"])
-                if self.fed is not None:
-                    self.fed.job_created(job, confirmed)
-            else:
-                if not self.auth.may_use(peer, job.owner_uid):
-                    raise errors.PermissionDenied(f"job {name!r} belongs to another user; choose another job name")
-                mismatch = job.spec_mismatch(f["ep_size"], spec)
-                if mismatch is not None:
-                    self._refuse_waiting(job, mismatch)
-                    if self.fed is not None and job.domain and job.confirmed:
-                        self.fed.spread_refusal(job, mismatch)  # the ranks waiting on other nodes hear it too
-                    raise mismatch
-            slot = job.slot(rank)
-            if slot.node is not None:
-                if slot.live:
-                    raise errors.RankTaken(
-                        f"job {name!r} rank {rank} is held by live pid {slot.pid} on node {slot.node} "
-                        f"({L.RANK_STATE_NAMES[slot.state]})", holder_pid=slot.pid, node=slot.node)
-                raise errors.RankTaken(
-                    f"job {name!r} rank {rank} has its workspace on node {slot.node}: a replacement joins through "
-                    "that node's daemon", node=slot.node)
+            return None
+
+    def _new_job(self, peer: Peer, f: dict, spec: dict) -> Job:
+        """The first join of a job creates it (in a domain: as the domain decided it, if it has)."""
+        if self.draining:
+            raise errors.Draining("the daemon is draining: no new jobs are accepted")
+        name = f["job"]
+        confirmed = True
+        if self.fed is not None:
+            # what the domain already decided about this job (another node created it)
+            confirmed = self.fed.check_new_job(name, f["ep_size"], spec, peer)
+        job = self._create_job(name, f["ep_size"], spec, peer.uid, f["device"])
+        if self.fed is not None:
+            self.fed.job_created(job, confirmed)
+        return job
+
+    def _check_job(self, job: Job, peer: Peer, f: dict, spec: dict) -> None:
+        """A join of an existing job: the peer may use it, and asks for the job's spec (a
+        mismatch ends the joins already waiting too)."""
+        if not self.auth.may_use(peer, job.owner_uid):
+            raise errors.PermissionDenied(f"job {job.name!r} belongs to another user; choose another job name")
+        mismatch = job.spec_mismatch(f["ep_size"], spec)
+        if mismatch is not None:
+            self._refuse_waiting(job, mismatch)
+            if self.fed is not None and job.domain and job.confirmed:
+                self.fed.spread_refusal(job, mismatch)  # the ranks waiting on other nodes hear it too
+            raise mismatch
+
+    def _claim_slot(self, job: Job, f: dict) -> RankSlot:
+        """The joining rank's slot: free, this daemon's, with a row on the declared device."""
+        name, rank = job.name, f["ep_rank"]
+        slot = job.slot(rank)
+        if slot.node is not None:
             if slot.live:
                 raise errors.RankTaken(
-                    f"job {name!r} rank {rank} is held by live pid {slot.pid} ({L.RANK_STATE_NAMES[slot.state]})",
-                    holder_pid=slot.pid,
-                )
-            if slot.alloc is not None and slot.device != f["device"]:
-                raise errors.InvalidField(
-                    f"job {name!r} rank {rank}'s workspace lives on {slot.device}; a replacement must declare the same device",
-                    field="device",
-                )
-            if slot.alloc is None:
-                self._allocate(job, slot, f["device"])
-        except BaseException:
-            if pidfd is not None:
-                os.close(pidfd)
-            if job is not None and not job.freed and not job.live_ranks() and job.grace_deadline is None:
-                self._start_grace(job)
-            raise
+                    f"job {name!r} rank {rank} is held by live pid {slot.pid} on node {slot.node} "
+                    f"({L.RANK_STATE_NAMES[slot.state]})", holder_pid=slot.pid, node=slot.node)
+            raise errors.RankTaken(
+                f"job {name!r} rank {rank} has its workspace on node {slot.node}: a replacement joins through "
+                "that node's daemon", node=slot.node)
+        if slot.live:
+            raise errors.RankTaken(
+                f"job {name!r} rank {rank} is held by live pid {slot.pid} ({L.RANK_STATE_NAMES[slot.state]})",
+                holder_pid=slot.pid,
+            )
+        if slot.alloc is not None and slot.device != f["device"]:
+            raise errors.InvalidField(
+                f"job {name!r} rank {rank}'s workspace lives on {slot.device}; a replacement must declare the same device",
+                field="device",
+            )
+        if slot.alloc is None:
+            self._allocate(job, slot, f["device"])
+        return slot
+
+    def _seat(self, job: Job, slot: RankSlot, peer: Peer, identity: bytes, rid: int, f: dict,
+              pidfd: int | None) -> bool:
+        """The rank joins its slot: its pid watched, a fresh lease, its reply held until the
+        rendezvous (or the request's timeout). Whether it replaces an earlier holder."""
         replacing = slot.state == L.RANK_DEAD or slot.attaches > 0
         self.drop_pidfd(slot)
         job.set_rank_state(slot, L.RANK_JOINING)
@@ -191,7 +250,7 @@ class Registry(Leases, LossPolicy, Mirror):
         slot.lease = new_secret()
         if pidfd is not None:
             slot.pidfd = pidfd
-            self.pidfds[pidfd] = (job, rank)
+            self.pidfds[pidfd] = (job, slot.rank)
         timeout = min(f.get("timeout", 60.0), self.limits.max_rendezvous_timeout)
         slot.pending = Held(identity=identity, request_id=rid, deadline=time.monotonic() + timeout)
         job.grace_deadline = None
@@ -201,21 +260,26 @@ class Registry(Leases, LossPolicy, Mirror):
         self.counters["joins"] += 1
         self.dirty = True
         log.info(
-            "job %s: rank %d %s (pid %d, device %s); %d/%d ranks present",
-            name, rank, "rejoined" if replacing else "joined", f["pid"], f["device"], len(job.live_ranks()), job.ep_size,
+            "job %s: rank %d %s (pid %d, device %s); %d/%d ranks present", job.name, slot.rank,
+            "rejoined" if replacing else "joined", f["pid"], f["device"], len(job.live_ranks()), job.ep_size,
         )
-        if self._readmits(job, rank):
+        return replacing
+
+    def _release_or_wait(self, job: Job, slot: RankSlot, replacing: bool) -> None:
+        """A seated join: let straight back into a degraded job that kept serving, or released
+        with the others once the rendezvous is complete (in a domain: by its coordinator)."""
+        if self._readmits(job, slot.rank):
             self._readmit(job, slot)
-        else:
-            if job.domain and job.spans and job.serving_degraded and replacing:
-                # the others serve on other nodes, whose control blocks this daemon cannot
-                # write: a replacement comes back through a job-wide re-arm (docs/DOMAIN.md)
-                job.needs_rearm = True
-                if not job.control.abort_word:
-                    job.control.set_abort(L.ABORT_REARM, rank)
-                log.info("job %s: rank %d's replacement comes back through a job-wide re-arm (the job spans nodes)",
-                         name, rank)
-            self._maybe_release(job)
+            return
+        if job.domain and job.spans and job.serving_degraded and replacing:
+            # the others serve on other nodes, whose control blocks this daemon cannot
+            # write: a replacement comes back through a job-wide re-arm (docs/DOMAIN.md)
+            job.needs_rearm = True
+            if not job.control.abort_word:
+                job.control.set_abort(L.ABORT_REARM, slot.rank)
+            log.info("job %s: rank %d's replacement comes back through a job-wide re-arm (the job spans nodes)",
+                     job.name, slot.rank)
+        self._maybe_release(job)
 
     def _refuse_waiting(self, job: Job, exc: errors.SpecMismatch) -> None:
         """A join that does not match the job's spec: the ranks already waiting in its
@@ -398,7 +462,7 @@ class Registry(Leases, LossPolicy, Mirror):
         self.dirty = True
         log.info("job %s: re-armed at generation %d in %.1f ms", job.name, job.generation, (time.monotonic() - t0) * 1e3)
 
-    # ----------------------------------------------------------- lease requests
+    # ------------------------------------------------------------------ recover
     def recover(self, peer: Peer, identity: bytes, rid: int, f: dict) -> None:
         """Hold this (attached, quiesced) rank until the job is re-armed with all ranks present."""
         job, slot = self._slot_for_lease(f["job"], f["ep_rank"], f["lease"])

@@ -4,9 +4,9 @@ metrics port and timers, and stop (keeping jobs for the next daemon) or hand ove
 successor.
 
 The rooms: requests are decoded and authorized in commands.py, which calls the registry
-(registry.py: jobs, ranks, rendezvous, leases); the fd socket is fdsock.py; who may do
-what is auth.py; the state file is persist.py and the fds that outlive the daemon are in
-fdstore.py. In a domain (``--domain``), the links to the other nodes' daemons are
+(registry.py: jobs, rendezvous, adoption; its rooms jobs.py, leases.py, policy.py and
+mirror.py); the fd socket is fdsock.py; who may do what is auth.py; the state file is
+persist.py and the fds that outlive the daemon are in fdstore.py. In a domain (``--domain``), the links to the other nodes' daemons are
 domain.py and the jobs that span nodes federation.py; their sockets sit in the same poll
 loop. Nothing here is on the data path.
 """
