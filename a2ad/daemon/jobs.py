@@ -252,19 +252,25 @@ class Job:
             "ranks_dead": sum(1 for s in self.slots if s.state == L.RANK_DEAD),
         }
 
-    def spec_mismatch(self, ep_size: int, spec: dict) -> errors.SpecMismatch | None:
-        """The SpecMismatch naming the first field where a join differs from the job, or None."""
+    def spec_mismatch(self, ep_size: int, spec: dict, rank: int | None = None, pid: int | None = None,
+                      node: str | None = None) -> errors.SpecMismatch | None:
+        """The SpecMismatch naming the first field where a join differs from the job, or None.
+        ``rank``, ``pid``, ``node``: who asked (named in the error, which the ranks already
+        waiting in the job's rendezvous hear too)."""
+        who = ""
+        if rank is not None:
+            who = f"; the join was rank {rank}" + (f" (pid {pid})" if pid else "") + (f" on node {node}" if node else "")
         if ep_size != self.ep_size:
             return errors.SpecMismatch(
-                f"job {self.name!r}: ep_size differs (job has {self.ep_size}, join asked for {ep_size})",
-                field="ep_size", job_value=self.ep_size, requested=ep_size,
+                f"job {self.name!r}: ep_size differs (job has {self.ep_size}, join asked for {ep_size}){who}",
+                field="ep_size", job_value=self.ep_size, requested=ep_size, rank=rank, node=node,
             )
         for key in sorted(set(self.spec) | set(spec)):
             a, b = self.spec.get(key), spec.get(key)
             if a != b:
                 return errors.SpecMismatch(
-                    f"job {self.name!r}: spec field {key} differs (job has {a}, join asked for {b})",
-                    field=key, job_value=a, requested=b,
+                    f"job {self.name!r}: spec field {key} differs (job has {a}, join asked for {b}){who}",
+                    field=key, job_value=a, requested=b, rank=rank, node=node,
                 )
         return None
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -93,6 +94,11 @@ class Registry(Leases, LossPolicy, Mirror):
         self.fd_budget: Callable[[int], None] = lambda n: None
 
     # ------------------------------------------------------------------ lookups
+    @property
+    def node_name(self) -> str:
+        """This daemon's node: its name in the domain, or the short host name."""
+        return self.fed.node if self.fed is not None else socket.gethostname().split(".")[0]
+
     def job_for(self, peer: Peer, name: str) -> Job:
         """The job ``name`` as ``peer`` may see it: NoSuchJob for a job of another user (its
         existence is not revealed), unless the peer is an admin."""
@@ -204,7 +210,7 @@ class Registry(Leases, LossPolicy, Mirror):
         mismatch ends the joins already waiting too)."""
         if not self.auth.may_use(peer, job.owner_uid):
             raise errors.PermissionDenied(f"job {job.name!r} belongs to another user; choose another job name")
-        mismatch = job.spec_mismatch(f["ep_size"], spec)
+        mismatch = job.spec_mismatch(f["ep_size"], spec, rank=f["ep_rank"], pid=f["pid"], node=self.node_name)
         if mismatch is not None:
             self._refuse_waiting(job, mismatch)
             if self.fed is not None and job.domain and job.confirmed:
@@ -543,6 +549,13 @@ class Registry(Leases, LossPolicy, Mirror):
                     self.restore_published_mask(job)
                 except Exception:
                     log.exception("job %s: checking its published active mask failed", job.name)
+            # who is absent is taken once, at the moment of the timeouts: a rank whose own wait
+            # ends in this same pass was there, and is not named missing to the others
+            absent = not_quiesced = None
+            if any(h is not None and now >= h.deadline for s in job.slots for h in (s.pending, s.recovering)):
+                absent = job.missing_ranks()
+                not_quiesced = [s.rank for s in job.slots
+                                if not s.live or (s.state == L.RANK_ATTACHED and s.recovering is None)]
             for slot in job.slots:
                 if slot.ticket is not None and now >= slot.ticket_expiry:
                     kind = slot.ticket_kind
@@ -550,13 +563,13 @@ class Registry(Leases, LossPolicy, Mirror):
                     if kind == "join" and slot.state == L.RANK_JOINING:
                         self._mark(job, slot, L.RANK_DEAD, "never redeemed its ticket")
                 if slot.recovering is not None and now >= slot.recovering.deadline:
-                    missing = [s.rank for s in job.slots if not s.live or (s.state == L.RANK_ATTACHED and s.recovering is None)]
+                    missing = not_quiesced
                     self._fail(slot.recovering, errors.RendezvousTimeout(
                         f"job {job.name!r}: recovery timed out waiting for rank(s) {missing}", missing_ranks=missing))
                     log.warning("job %s: rank %d's recovery timed out; waiting for %s", job.name, slot.rank, missing)
                     slot.recovering = None
                 if slot.pending is not None and now >= slot.pending.deadline:
-                    missing = job.missing_ranks()
+                    missing = absent
                     lost = sorted({s.node for s in job.slots if s.rank in missing and s.lost_with_node})
                     self._fail(slot.pending, errors.RendezvousTimeout(
                         f"job {job.name!r}: rendezvous timed out waiting for rank(s) {missing}"
