@@ -98,3 +98,133 @@ def test_a_spec_mismatch_names_the_rank_and_node_that_asked(daemon):
         assert reply.payload["rank"] == 2 and reply.payload["node"] == node and reply.payload["field"] == "top_k"
     finally:
         waiting.close()
+
+
+# ------------------------------------------------------------------- per-uid caps
+UID_A, UID_B = 12346, 12347
+NOGROUP_GID = 65534
+
+
+def _nogroup() -> str | None:
+    import grp
+
+    try:
+        return grp.getgrgid(NOGROUP_GID).gr_name
+    except KeyError:
+        return None
+
+
+def _attach_as(uid: int, runtime_dir, prefix: str, n: int):
+    """Fork a client that becomes ``uid`` (gid nogroup) and attaches up to ``n`` one-rank jobs
+    PREFIX0.. through the raw protocol, stopping at the first refusal; it reports each
+    attempt (["ok"] or [code, message, details]) on a pipe, then holds its jobs until its
+    pipe of orders closes. Returns (pid, results file, orders fd)."""
+    import json
+
+    from a2ad import fdpass
+
+    results_r, results_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child: every module it needs is imported already
+        code = 1
+        try:
+            os.close(results_r)
+            os.close(go_w)
+            os.setgroups([])
+            os.setgid(NOGROUP_GID)
+            os.setuid(uid)
+            c = DaemonClient(runtime_dir, timeout=10)
+            out, held = [], []
+            for i in range(n):
+                try:
+                    r = c.request("join", job=f"{prefix}{i}", ep_rank=0, ep_size=1, spec=SPEC, pid=os.getpid(),
+                                  device="host", timeout=10.0)
+                except errors.A2ADError as exc:
+                    out.append([exc.code, exc.message, exc.details])
+                    break
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(str(c.fd_path))
+                fdpass.send_frame(s, {"v": 1, "ticket": r["ticket"]})
+                answer, fds = fdpass.recv_frame(s, timeout=10)
+                out.append(["ok"] if answer.get("ok") else ["fd_refused", str(answer), {}])
+                held.append((s, fds))
+            os.write(results_w, (json.dumps(out) + "\n").encode())
+            os.read(go_r, 1)  # EOF: the test is done with us
+            code = 0
+        except BaseException as exc:
+            os.write(results_w, (json.dumps([["child_error", repr(exc), {}]]) + "\n").encode())
+        finally:
+            os._exit(code)
+    os.close(results_w)
+    os.close(go_r)
+    return pid, os.fdopen(results_r), go_w
+
+
+def _results(f, timeout: float = 60.0) -> list:
+    import json
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(f, selectors.EVENT_READ)
+    try:
+        assert sel.select(timeout), f"the other uid's client reported nothing in {timeout} s"
+    finally:
+        sel.close()
+    return json.loads(f.readline())
+
+
+def _end_child(pid: int, f, go_w: int) -> None:
+    os.close(go_w)
+    f.close()
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+
+def _tiny_job_bytes() -> int:
+    from a2ad.daemon.backends.host import HostBackend
+
+    return HostBackend().row_stride(protocol.normalize_spec(SPEC, 1)["workspace_size_per_rank"], "host")
+
+
+@pytest.mark.parametrize("cap", ["jobs", "fds", "bytes"])
+def test_one_uid_attaching_many_tiny_jobs_stops_at_its_cap_and_another_is_still_served(daemon_factory, cap):
+    """A uid attaching one-rank jobs is refused at its cap, and the refusal names the cap; a
+    second uid is served as before, and so is an admin (root). Each tiny job holds 3 fds here:
+    its control block, its row and its rank's lease connection."""
+    if os.geteuid() != 0 or _nogroup() is None:
+        pytest.skip("needs root and a group with gid 65534 to run clients as other uids")
+    option, value, fits = {
+        "jobs": ("--max-jobs-per-uid", "4", 4),
+        "fds": ("--max-fds-per-uid", "7", 2),  # 3 + 3 fit; a third job's 3 more do not
+        "bytes": ("--max-bytes-per-uid", str(_tiny_job_bytes() * 5 // 2), 2),
+    }[cap]
+    d = daemon_factory("--group", _nogroup(), option, value)
+    a = _attach_as(UID_A, d.runtime_dir, "a", fits + 3)
+    try:
+        got = _results(a[1])
+        assert [r[0] for r in got] == ["ok"] * fits + ["limit_exceeded"], got
+        code, message, details = got[-1]
+        assert option in message and f"uid {UID_A}" in message, message
+        assert details["cap"] == option and details["limit"] == int(value), details
+        b = _attach_as(UID_B, d.runtime_dir, "b", 1)
+        try:
+            assert _results(b[1]) == [["ok"]], "another uid was not served"
+        finally:
+            _end_child(*b)
+        st = d.request("status")
+        assert st["limits"][f"{cap}_per_uid"] == int(value), st["limits"]
+        owners = [j["owner_uid"] for j in st["jobs"]]
+        assert owners.count(UID_A) == fits and owners.count(UID_B) == 1, owners
+        with DaemonClient(d.runtime_dir, timeout=10) as c:  # an admin is not capped
+            for i in range(fits + 1):
+                c.request("join", job=f"root{i}", ep_rank=0, ep_size=1, spec=SPEC, pid=os.getpid(), device="host",
+                          timeout=10.0)
+    finally:
+        _end_child(*a)

@@ -63,6 +63,18 @@ class Limits:
     max_total_bytes: int = 1 << 42
     #: joins held in a rendezvous at once, per uid
     max_held_joins_per_uid: int = 256
+    #: what one uid's jobs may hold at once (None: no cap); admins are not capped
+    max_jobs_per_uid: int | None = 256
+    max_fds_per_uid: int | None = None
+    max_bytes_per_uid: int | None = None
+
+
+#: The per-uid caps: (usage key, option that sets it, Limits field, what it counts).
+UID_CAPS = (
+    ("jobs", "--max-jobs-per-uid", "max_jobs_per_uid", "jobs"),
+    ("fds", "--max-fds-per-uid", "max_fds_per_uid", "file descriptors"),
+    ("bytes", "--max-bytes-per-uid", "max_bytes_per_uid", "bytes of workspace"),
+)
 
 
 class Registry(Leases, LossPolicy, Mirror):
@@ -110,6 +122,34 @@ class Registry(Leases, LossPolicy, Mirror):
     def visible_jobs(self, peer: Peer) -> list[Job]:
         return [j for j in self.jobs.values() if self.auth.may_use(peer, j.owner_uid)]
 
+    def uid_usage(self, uid: int | None) -> dict[str, int]:
+        """What the jobs ``uid`` created hold on this daemon: jobs, fds (control blocks, rows,
+        lease connections and pidfds) and bytes."""
+        jobs = fds = nbytes = 0
+        for j in self.jobs.values():
+            if j.owner_uid != uid:
+                continue
+            jobs += 1
+            nbytes += j.job_bytes
+            fds += 1 + sum((s.alloc is not None) + (s.lease_conn is not None) + (s.pidfd is not None) for s in j.slots)
+        return {"jobs": jobs, "fds": fds, "bytes": nbytes}
+
+    def _check_uid_caps(self, peer: Peer, **need: int) -> None:
+        """Refuse a join that would take ``peer``'s jobs past a per-uid cap (``need``: what it
+        adds, by usage key); the refusal names the cap. Admins are not capped."""
+        if peer.uid is None or not any(need.values()) or self.auth.is_admin(peer):
+            return
+        use = self.uid_usage(peer.uid)
+        for key, option, attr, what in UID_CAPS:
+            cap, more = getattr(self.limits, attr), need.get(key, 0)
+            if cap is None or not more or use[key] + more <= cap:
+                continue
+            self.counters["refused"] += 1
+            raise errors.LimitExceeded(
+                f"uid {peer.uid}'s jobs hold {use[key]} {what} on this daemon and this join needs {more} more, "
+                f"over the per-uid cap of {cap} ({option}); end a job first, or ask the operator to raise it",
+                needed=use[key] + more, limit=cap, cap=option)
+
     def _reply(self, held: Held, payload: dict) -> None:
         self.outbox.append((held.identity, protocol.encode_reply(held.request_id, payload)))
 
@@ -136,7 +176,7 @@ class Registry(Leases, LossPolicy, Mirror):
                 job = self._new_job(peer, f, spec)
             else:
                 self._check_job(job, peer, f, spec)
-            slot = self._claim_slot(job, f)
+            slot = self._claim_slot(job, f, peer)
         except BaseException:
             if pidfd is not None:
                 os.close(pidfd)
@@ -200,7 +240,7 @@ class Registry(Leases, LossPolicy, Mirror):
         if self.fed is not None:
             # what the domain already decided about this job (another node created it)
             confirmed = self.fed.check_new_job(name, f["ep_size"], spec, peer)
-        job = self._create_job(name, f["ep_size"], spec, peer.uid, f["device"])
+        job = self._create_job(name, f["ep_size"], spec, peer, f["device"])
         if self.fed is not None:
             self.fed.job_created(job, confirmed)
         return job
@@ -217,8 +257,9 @@ class Registry(Leases, LossPolicy, Mirror):
                 self.fed.spread_refusal(job, mismatch)  # the ranks waiting on other nodes hear it too
             raise mismatch
 
-    def _claim_slot(self, job: Job, f: dict) -> RankSlot:
-        """The joining rank's slot: free, this daemon's, with a row on the declared device."""
+    def _claim_slot(self, job: Job, f: dict, peer: Peer) -> RankSlot:
+        """The joining rank's slot: free, this daemon's, with a row on the declared device
+        (within the joining uid's caps: a row, its pidfd and then its lease connection)."""
         name, rank = job.name, f["ep_rank"]
         slot = job.slot(rank)
         if slot.node is not None:
@@ -239,7 +280,9 @@ class Registry(Leases, LossPolicy, Mirror):
                 f"job {name!r} rank {rank}'s workspace lives on {slot.device}; a replacement must declare the same device",
                 field="device",
             )
-        if slot.alloc is None:
+        new_row = slot.alloc is None
+        self._check_uid_caps(peer, fds=1 + new_row, bytes=job.row_stride if new_row and job.domain else 0)
+        if new_row:
             self._allocate(job, slot, f["device"])
         return slot
 
@@ -306,7 +349,8 @@ class Registry(Leases, LossPolicy, Mirror):
         slot.lease = None
         self.dirty = True
 
-    def _create_job(self, name: str, ep_size: int, spec: dict, owner_uid: int | None, device: str) -> Job:
+    def _create_job(self, name: str, ep_size: int, spec: dict, peer: Peer, device: str) -> Job:
+        owner_uid = peer.uid
         size = spec["workspace_size_per_rank"]
         aux = L.aux_layout(ep_size, spec["max_num_tokens"])
         if size < L.pad_up(aux.aux_data_size) + 1:
@@ -329,6 +373,8 @@ class Registry(Leases, LossPolicy, Mirror):
                 f"job {name!r} needs {job_bytes} bytes; the daemon holds {total} of its {self.limits.max_total_bytes} limit",
                 needed=job_bytes, limit=self.limits.max_total_bytes,
             )
+        # its control block, the first rank's row and that rank's pidfd (then lease connection)
+        self._check_uid_caps(peer, jobs=1, fds=3, bytes=job_bytes)
         self.fd_budget(ep_size + 2)
         cfd, cb = new_control_block(ep_size, L.POLICY_CODES[spec.get("on_peer_loss", protocol.DEFAULT_PEER_LOSS)])
         job = Job(

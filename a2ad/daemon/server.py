@@ -85,6 +85,12 @@ class Config:
     #: The `a2ad serve` arguments, so that an upgrade can start a successor just like us.
     argv: list[str] = field(default_factory=list)
     max_held_joins_per_uid: int = 256
+    #: what one uid's jobs may hold at once (admins are not capped); None: the default
+    max_jobs_per_uid: int = 256
+    #: None: half the open-file limit
+    max_fds_per_uid: int | None = None
+    #: None: half the per-daemon memory limit
+    max_bytes_per_uid: int | None = None
     max_handshakes_per_uid: int = 64
     max_zmq_peers_per_uid: int = 256
     #: The domain config file (TOML) of a multi-node NVLink domain, and this node's name in it.
@@ -114,6 +120,8 @@ class Daemon:
             config.max_total_bytes = total_limit
         if config.max_job_bytes is None:
             config.max_job_bytes = min(job_limit, config.max_total_bytes)
+        if config.max_bytes_per_uid is None:
+            config.max_bytes_per_uid = max(1, config.max_total_bytes // 2)
         self.started = time.monotonic()
         self.stopping = False
         self.free_on_stop = False
@@ -127,7 +135,8 @@ class Daemon:
         self.registry = Registry(self.backend, self.store, self.auth, Limits(
             grace=config.grace, max_rendezvous_timeout=config.max_rendezvous_timeout,
             max_job_bytes=config.max_job_bytes, max_total_bytes=config.max_total_bytes,
-            max_held_joins_per_uid=config.max_held_joins_per_uid,
+            max_held_joins_per_uid=config.max_held_joins_per_uid, max_jobs_per_uid=config.max_jobs_per_uid,
+            max_bytes_per_uid=config.max_bytes_per_uid,
         ))
         self.registry.on_rendezvous = self.rendezvous_hist.observe
         self.registry.fd_budget = self._fd_budget
@@ -147,6 +156,9 @@ class Daemon:
         self._sock_mode = 0o600
         self._sock_gid: int | None = None
         self.nofile = raise_nofile_limit()
+        if config.max_fds_per_uid is None:
+            config.max_fds_per_uid = max(1, self.nofile[0] // 2)
+        self.registry.limits.max_fds_per_uid = config.max_fds_per_uid
         self._next_store_check = 0.0
         self.domain = self.fed = None
         if config.domain is not None:
@@ -762,12 +774,16 @@ class Daemon:
                 "max_total_bytes": self.cfg.max_total_bytes,
             },
             "counters": dict(self.registry.counters),
+            "uid_usage": self.registry.uid_usage(peer.uid) if peer.uid is not None else None,
             "fd_store": self.store.kind if store_state == "ok" else f"{self.store.kind} ({store_state})",
             "fd_store_state": store_state,
             "state_file": "ok" if self.state.healthy else f"failing: {self.state.last_error}",
             "limits": {
                 "open_files": self.nofile[0],
                 "held_joins_per_uid": self.cfg.max_held_joins_per_uid,
+                "jobs_per_uid": self.cfg.max_jobs_per_uid,
+                "fds_per_uid": self.cfg.max_fds_per_uid,
+                "bytes_per_uid": self.cfg.max_bytes_per_uid,
                 "fd_handshakes_per_uid": self.cfg.max_handshakes_per_uid,
                 "ctl_connections_per_uid": self.cfg.max_zmq_peers_per_uid,
             },
