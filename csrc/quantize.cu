@@ -1,0 +1,193 @@
+// Block quantization of a combine output [T, H] (bf16, fp16 or fp32) to MXFP8, MXFP4 or NVFP4,
+// the scale factors written in the linear, 128x4 or 8x4 layout.
+//
+// The numerics are those of client/quant_reference.py, bit for bit (see its docstring):
+// MX scales by the OCP rule 2^(floor(log2(amax)) - emax_elem), clamped to UE8M0's
+// [-127, 127]; NVFP4 by the exact fp32 operation sequence
+//   sf = ue4m3(amax * (s * fp32(1/6))),  q = e2m1(v * min(1 / (float(sf) * (1 / s)), FLT_MAX)),
+// every step one IEEE operation rounded to nearest even (the _rn intrinsics keep the compiler
+// from contracting them into FMAs); elements rounded to nearest even and saturated; a block
+// holding NaN or Inf gets the NaN scale (0xFF, or 0x7F for UE4M3) and zero element bytes.
+//
+// One thread per (row, scale column) of the padded scale array: inside [T, H / block] it
+// quantizes that block; in the padding it writes a zero scale.
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace a2ad {
+namespace {
+
+constexpr int kQuantThreads = 256;
+
+enum QuantFormat : int { kMXFP8 = 0, kMXFP4 = 1, kNVFP4 = 2 };
+enum SfLayoutCode : int { kSwizzle128x4 = 0, kSwizzle8x4 = 1, kLinear = 2 };
+enum InDtype : int { kBf16 = 0, kFp16 = 1, kFp32 = 2 };
+
+__device__ __forceinline__ float load_elem(const void* x, int dtype, int64_t i) {
+  if (dtype == kFp32) return static_cast<const float*>(x)[i];
+  const uint16_t u = static_cast<const uint16_t*>(x)[i];
+  if (dtype == kBf16) return __uint_as_float(static_cast<uint32_t>(u) << 16);
+  return __half2float(__ushort_as_half(u));
+}
+
+// floor(log2(a)) of a finite a > 0 (normal or subnormal fp32).
+__device__ __forceinline__ int floor_log2(float a) {
+  const uint32_t bits = __float_as_uint(a);
+  const int e = static_cast<int>((bits >> 23) & 0xFF);
+  if (e != 0) return e - 127;
+  return (31 - __clz(static_cast<int>(bits))) - 149;
+}
+
+// 2^n as fp32 for n in [-127, 127], from the bits.
+__device__ __forceinline__ float pow2(int n) {
+  const int biased = n + 127;
+  return __uint_as_float(biased > 0 ? static_cast<uint32_t>(biased) << 23 : (1u << 22));
+}
+
+// E4M3 code of y: round to nearest even, saturating at 448.
+__device__ __forceinline__ uint8_t e4m3_code(float y) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3));
+}
+
+__device__ __forceinline__ float e4m3_value(uint8_t code) {
+  __nv_fp8_storage_t s = code;
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(s, __NV_E4M3);
+  return __half2float(__half(h));
+}
+
+// E2M1 code of y (finite or infinite): round to nearest even, saturating at 6.
+__device__ __forceinline__ uint32_t e2m1_code(float y) {
+  const float a = fabsf(y);
+  uint32_t c = 0;
+  c += a > 0.25f;   // 0 | 0.5: a tie stays at the even code 0
+  c += a >= 0.75f;  // 0.5 | 1: a tie goes up to the even code 2
+  c += a > 1.25f;   // 1 | 1.5
+  c += a >= 1.75f;  // 1.5 | 2
+  c += a > 2.5f;    // 2 | 3
+  c += a >= 3.5f;   // 3 | 4
+  c += a > 5.0f;    // 4 | 6
+  return c | ((__float_as_uint(y) >> 31) << 3);
+}
+
+__device__ __forceinline__ int64_t scale_offset(int64_t r, int64_t c, int64_t cols, int64_t col_tiles, int layout) {
+  if (layout == kLinear) return r * cols + c;
+  if (layout == kSwizzle128x4) {
+    const int64_t rr = r % 128;
+    return ((r / 128) * col_tiles + c / 4) * 512 + (rr % 32) * 16 + (rr / 32) * 4 + c % 4;
+  }
+  return ((r / 8) * col_tiles + c / 4) * 32 + (r % 8) * 4 + c % 4;
+}
+
+struct QuantParams {
+  const void* x;
+  uint8_t* out;
+  uint8_t* scales;
+  const float* scale_ptr;  // NVFP4 global scale on the device, or null: use scale
+  float scale;
+  int64_t T, H, cols, prows, pcols;
+  int dtype, fmt, layout, block;
+};
+
+template <int BLOCK>
+__device__ void quantize_block(const QuantParams& p, int64_t r, int64_t c, int64_t sf_at) {
+  float v[BLOCK];
+  const int64_t base = r * p.H + c * BLOCK;
+  bool finite = true;
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < BLOCK; ++i) {
+    v[i] = load_elem(p.x, p.dtype, base + i);
+    finite = finite && isfinite(v[i]);
+    amax = fmaxf(amax, fabsf(v[i]));
+  }
+  uint8_t codes[BLOCK];
+  uint8_t sf;
+  if (!finite) {
+    sf = p.fmt == kNVFP4 ? 0x7F : 0xFF;
+#pragma unroll
+    for (int i = 0; i < BLOCK; ++i) codes[i] = 0;
+  } else if (p.fmt != kNVFP4) {
+    const int emax_elem = p.fmt == kMXFP8 ? 8 : 2;
+    int e = -127;
+    if (amax > 0.0f) e = max(-127, min(127, floor_log2(amax) - emax_elem));
+    sf = static_cast<uint8_t>(e + 127);
+    const float inv = pow2(-e);
+#pragma unroll
+    for (int i = 0; i < BLOCK; ++i) {
+      const float y = __fmul_rn(v[i], inv);
+      codes[i] = p.fmt == kMXFP8 ? e4m3_code(fminf(fmaxf(y, -448.0f), 448.0f)) : static_cast<uint8_t>(e2m1_code(y));
+    }
+  } else {
+    const float s = p.scale_ptr ? *p.scale_ptr : p.scale;
+    const float sfv = __fmul_rn(amax, __fmul_rn(s, 1.0f / 6.0f));
+    sf = e4m3_code(fminf(sfv, 448.0f));
+    float outs = 0.0f;
+    if (amax != 0.0f) outs = fminf(__frcp_rn(__fmul_rn(e4m3_value(sf), __frcp_rn(s))), 3.402823466e38f);
+#pragma unroll
+    for (int i = 0; i < BLOCK; ++i) codes[i] = static_cast<uint8_t>(e2m1_code(__fmul_rn(v[i], outs)));
+  }
+  if (p.fmt == kMXFP8) {
+    uint8_t* dst = p.out + base;
+#pragma unroll
+    for (int i = 0; i < BLOCK; ++i) dst[i] = codes[i];
+  } else {
+    uint8_t* dst = p.out + base / 2;
+#pragma unroll
+    for (int i = 0; i < BLOCK / 2; ++i) dst[i] = static_cast<uint8_t>(codes[2 * i] | (codes[2 * i + 1] << 4));
+  }
+  p.scales[sf_at] = sf;
+}
+
+__global__ void __launch_bounds__(kQuantThreads) quantize_kernel(const QuantParams p) {
+  const int64_t n = p.prows * p.pcols;
+  const int64_t col_tiles = p.pcols / 4;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / p.pcols, c = i - r * p.pcols;
+    const int64_t at = scale_offset(r, c, p.cols, col_tiles, p.layout);
+    if (r >= p.T || c >= p.cols) {
+      p.scales[at] = 0;
+    } else if (p.block == 16) {
+      quantize_block<16>(p, r, c, at);
+    } else {
+      quantize_block<32>(p, r, c, at);
+    }
+  }
+}
+
+}  // namespace
+
+// Quantize x [T, H] (dtype: 0 bf16, 1 fp16, 2 fp32; contiguous) to fmt (0 MXFP8, 1 MXFP4,
+// 2 NVFP4) into out (T*H bytes for MXFP8, T*H/2 for FP4) and scales (the padded extent of
+// layout: 0 128x4, 1 8x4, 2 linear). The caller checks the arguments.
+cudaError_t launch_quantize(const void* x, int dtype, int64_t T, int64_t H, uint8_t* out, uint8_t* scales, int fmt,
+                            int layout, float scale, const float* scale_ptr, cudaStream_t stream) {
+  QuantParams p{};
+  p.x = x;
+  p.out = out;
+  p.scales = scales;
+  p.scale_ptr = scale_ptr;
+  p.scale = scale;
+  p.T = T;
+  p.H = H;
+  p.dtype = dtype;
+  p.fmt = fmt;
+  p.layout = layout;
+  p.block = fmt == kNVFP4 ? 16 : 32;
+  if (H % p.block != 0 || T < 0 || fmt < 0 || fmt > 2 || layout < 0 || layout > 2) return cudaErrorInvalidValue;
+  p.cols = H / p.block;
+  const int64_t rm = layout == kSwizzle128x4 ? 128 : (layout == kSwizzle8x4 ? 8 : 1);
+  const int64_t cm = layout == kLinear ? 1 : 4;
+  p.prows = (T + rm - 1) / rm * rm;
+  p.pcols = (p.cols + cm - 1) / cm * cm;
+  const int64_t n = p.prows * p.pcols;
+  if (n == 0) return cudaSuccess;
+  int64_t grid = (n + kQuantThreads - 1) / kQuantThreads;
+  if (grid > 65535) grid = 65535;
+  quantize_kernel<<<static_cast<unsigned>(grid), kQuantThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace a2ad
