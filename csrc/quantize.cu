@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace a2ad {
 namespace {
@@ -25,40 +26,95 @@ enum QuantFormat : int { kMXFP8 = 0, kMXFP4 = 1, kNVFP4 = 2 };
 enum SfLayoutCode : int { kSwizzle128x4 = 0, kSwizzle8x4 = 1, kLinear = 2 };
 enum InDtype : int { kBf16 = 0, kFp16 = 1, kFp32 = 2 };
 
-__device__ __forceinline__ float load_elem(const void* x, int dtype, int64_t i) {
+// The per-block arithmetic is also compiled for the host (tests/test_quant.py builds it with a
+// host driver and checks it against the reference without a GPU): these few wrappers are the
+// only code that differs between the two.
+#define A2AD_QDEV __host__ __device__ __forceinline__
+
+A2AD_QDEV uint32_t f2u(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+
+A2AD_QDEV float u2f(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+// One fp32 multiply / reciprocal, rounded to nearest even, never contracted into an FMA.
+A2AD_QDEV float mul_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return mul_rn(a, b);
+#else
+  volatile float r = a * b;
+  return r;
+#endif
+}
+
+A2AD_QDEV float rcp_rn(float a) {
+#ifdef __CUDA_ARCH__
+  return rcp_rn(a);
+#else
+  volatile float r = 1.0f / a;
+  return r;
+#endif
+}
+
+A2AD_QDEV int clz32(uint32_t v) {
+#ifdef __CUDA_ARCH__
+  return __clz(static_cast<int>(v));
+#else
+  return v ? __builtin_clz(v) : 32;
+#endif
+}
+
+A2AD_QDEV bool is_finite(float v) { return (f2u(v) & 0x7F800000u) != 0x7F800000u; }
+
+A2AD_QDEV float load_elem(const void* x, int dtype, int64_t i) {
   if (dtype == kFp32) return static_cast<const float*>(x)[i];
   const uint16_t u = static_cast<const uint16_t*>(x)[i];
-  if (dtype == kBf16) return __uint_as_float(static_cast<uint32_t>(u) << 16);
-  return __half2float(__ushort_as_half(u));
+  if (dtype == kBf16) return u2f(static_cast<uint32_t>(u) << 16);
+  __half_raw h;
+  h.x = u;
+  return __half2float(__half(h));
 }
 
 // floor(log2(a)) of a finite a > 0 (normal or subnormal fp32).
-__device__ __forceinline__ int floor_log2(float a) {
-  const uint32_t bits = __float_as_uint(a);
+A2AD_QDEV int floor_log2(float a) {
+  const uint32_t bits = f2u(a);
   const int e = static_cast<int>((bits >> 23) & 0xFF);
   if (e != 0) return e - 127;
-  return (31 - __clz(static_cast<int>(bits))) - 149;
+  return (31 - clz32(bits)) - 149;
 }
 
 // 2^n as fp32 for n in [-127, 127], from the bits.
-__device__ __forceinline__ float pow2(int n) {
+A2AD_QDEV float pow2(int n) {
   const int biased = n + 127;
-  return __uint_as_float(biased > 0 ? static_cast<uint32_t>(biased) << 23 : (1u << 22));
+  return u2f(biased > 0 ? static_cast<uint32_t>(biased) << 23 : (1u << 22));
 }
 
 // E4M3 code of y: round to nearest even, saturating at 448.
-__device__ __forceinline__ uint8_t e4m3_code(float y) {
+A2AD_QDEV uint8_t e4m3_code(float y) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3));
 }
 
-__device__ __forceinline__ float e4m3_value(uint8_t code) {
-  __nv_fp8_storage_t s = code;
-  const __half_raw h = __nv_cvt_fp8_to_halfraw(s, __NV_E4M3);
+A2AD_QDEV float e4m3_value(uint8_t code) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code), __NV_E4M3);
   return __half2float(__half(h));
 }
 
 // E2M1 code of y (finite or infinite): round to nearest even, saturating at 6.
-__device__ __forceinline__ uint32_t e2m1_code(float y) {
+A2AD_QDEV uint32_t e2m1_code(float y) {
   const float a = fabsf(y);
   uint32_t c = 0;
   c += a > 0.25f;   // 0 | 0.5: a tie stays at the even code 0
@@ -68,10 +124,10 @@ __device__ __forceinline__ uint32_t e2m1_code(float y) {
   c += a > 2.5f;    // 2 | 3
   c += a >= 3.5f;   // 3 | 4
   c += a > 5.0f;    // 4 | 6
-  return c | ((__float_as_uint(y) >> 31) << 3);
+  return c | ((f2u(y) >> 31) << 3);
 }
 
-__device__ __forceinline__ int64_t scale_offset(int64_t r, int64_t c, int64_t cols, int64_t col_tiles, int layout) {
+A2AD_QDEV int64_t scale_offset(int64_t r, int64_t c, int64_t cols, int64_t col_tiles, int layout) {
   if (layout == kLinear) return r * cols + c;
   if (layout == kSwizzle128x4) {
     const int64_t rr = r % 128;
@@ -91,7 +147,7 @@ struct QuantParams {
 };
 
 template <int BLOCK>
-__device__ void quantize_block(const QuantParams& p, int64_t r, int64_t c, int64_t sf_at) {
+A2AD_QDEV void quantize_block(const QuantParams& p, int64_t r, int64_t c, int64_t sf_at) {
   float v[BLOCK];
   const int64_t base = r * p.H + c * BLOCK;
   bool finite = true;
@@ -99,7 +155,7 @@ __device__ void quantize_block(const QuantParams& p, int64_t r, int64_t c, int64
 #pragma unroll
   for (int i = 0; i < BLOCK; ++i) {
     v[i] = load_elem(p.x, p.dtype, base + i);
-    finite = finite && isfinite(v[i]);
+    finite = finite && is_finite(v[i]);
     amax = fmaxf(amax, fabsf(v[i]));
   }
   uint8_t codes[BLOCK];
@@ -116,17 +172,17 @@ __device__ void quantize_block(const QuantParams& p, int64_t r, int64_t c, int64
     const float inv = pow2(-e);
 #pragma unroll
     for (int i = 0; i < BLOCK; ++i) {
-      const float y = __fmul_rn(v[i], inv);
+      const float y = mul_rn(v[i], inv);
       codes[i] = p.fmt == kMXFP8 ? e4m3_code(fminf(fmaxf(y, -448.0f), 448.0f)) : static_cast<uint8_t>(e2m1_code(y));
     }
   } else {
     const float s = p.scale_ptr ? *p.scale_ptr : p.scale;
-    const float sfv = __fmul_rn(amax, __fmul_rn(s, 1.0f / 6.0f));
+    const float sfv = mul_rn(amax, mul_rn(s, 1.0f / 6.0f));
     sf = e4m3_code(fminf(sfv, 448.0f));
     float outs = 0.0f;
-    if (amax != 0.0f) outs = fminf(__frcp_rn(__fmul_rn(e4m3_value(sf), __frcp_rn(s))), 3.402823466e38f);
+    if (amax != 0.0f) outs = fminf(rcp_rn(mul_rn(e4m3_value(sf), rcp_rn(s))), 3.402823466e38f);
 #pragma unroll
-    for (int i = 0; i < BLOCK; ++i) codes[i] = static_cast<uint8_t>(e2m1_code(__fmul_rn(v[i], outs)));
+    for (int i = 0; i < BLOCK; ++i) codes[i] = static_cast<uint8_t>(e2m1_code(mul_rn(v[i], outs)));
   }
   if (p.fmt == kMXFP8) {
     uint8_t* dst = p.out + base;
@@ -140,21 +196,38 @@ __device__ void quantize_block(const QuantParams& p, int64_t r, int64_t c, int64
   p.scales[sf_at] = sf;
 }
 
+// Entry i of the padded scale array (row-major over [prows, pcols]): quantize its block, or
+// zero a padding entry.
+A2AD_QDEV void quantize_entry(const QuantParams& p, int64_t i) {
+  const int64_t r = i / p.pcols, c = i - r * p.pcols;
+  const int64_t at = scale_offset(r, c, p.cols, p.pcols / 4, p.layout);
+  if (r >= p.T || c >= p.cols) {
+    p.scales[at] = 0;
+  } else if (p.block == 16) {
+    quantize_block<16>(p, r, c, at);
+  } else {
+    quantize_block<32>(p, r, c, at);
+  }
+}
+
 __global__ void __launch_bounds__(kQuantThreads) quantize_kernel(const QuantParams p) {
   const int64_t n = p.prows * p.pcols;
-  const int64_t col_tiles = p.pcols / 4;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = i / p.pcols, c = i - r * p.pcols;
-    const int64_t at = scale_offset(r, c, p.cols, col_tiles, p.layout);
-    if (r >= p.T || c >= p.cols) {
-      p.scales[at] = 0;
-    } else if (p.block == 16) {
-      quantize_block<16>(p, r, c, at);
-    } else {
-      quantize_block<32>(p, r, c, at);
-    }
+    quantize_entry(p, i);
   }
+}
+
+// The padded extent of the scale array; false for arguments the kernel does not take.
+inline bool plan_quantize(QuantParams& p) {
+  p.block = p.fmt == kNVFP4 ? 16 : 32;
+  if (p.H % p.block != 0 || p.T < 0 || p.fmt < 0 || p.fmt > 2 || p.layout < 0 || p.layout > 2) return false;
+  p.cols = p.H / p.block;
+  const int64_t rm = p.layout == kSwizzle128x4 ? 128 : (p.layout == kSwizzle8x4 ? 8 : 1);
+  const int64_t cm = p.layout == kLinear ? 1 : 4;
+  p.prows = (p.T + rm - 1) / rm * rm;
+  p.pcols = (p.cols + cm - 1) / cm * cm;
+  return true;
 }
 
 }  // namespace
@@ -175,13 +248,7 @@ cudaError_t launch_quantize(const void* x, int dtype, int64_t T, int64_t H, uint
   p.dtype = dtype;
   p.fmt = fmt;
   p.layout = layout;
-  p.block = fmt == kNVFP4 ? 16 : 32;
-  if (H % p.block != 0 || T < 0 || fmt < 0 || fmt > 2 || layout < 0 || layout > 2) return cudaErrorInvalidValue;
-  p.cols = H / p.block;
-  const int64_t rm = layout == kSwizzle128x4 ? 128 : (layout == kSwizzle8x4 ? 8 : 1);
-  const int64_t cm = layout == kLinear ? 1 : 4;
-  p.prows = (T + rm - 1) / rm * rm;
-  p.pcols = (p.cols + cm - 1) / cm * cm;
+  if (!plan_quantize(p)) return cudaErrorInvalidValue;
   const int64_t n = p.prows * p.pcols;
   if (n == 0) return cudaSuccess;
   int64_t grid = (n + kQuantThreads - 1) / kQuantThreads;

@@ -5,6 +5,9 @@ reference, bit for bit, for every format, layout and input dtype."""
 from __future__ import annotations
 
 import math
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -243,3 +246,62 @@ def test_argument_errors():
         quant.quantize(torch.zeros(4, 64, dtype=torch.int32), torch.float8_e4m3fn, 2)
     with pytest.raises(errors.InputError, match=r"x: must be \[T, H\]"):
         quant.quantize(torch.zeros(64), torch.float8_e4m3fn, 2)
+
+
+# --- the kernel's arithmetic, run on the host ----------------------------------------------
+
+NATIVE = Path(__file__).resolve().parent / "native"
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+_DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_FMT_CODE = {"mxfp8": 0, "mxfp4": 1, "nvfp4": 2}
+
+
+@pytest.fixture(scope="module")
+def host_driver(tmp_path_factory):
+    """csrc/quantize.cu's per-block code built with a host driver (needs nvcc, no GPU)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not on PATH")
+    out = tmp_path_factory.mktemp("quant_driver") / "quantize_host_driver"
+    cmd = [nvcc, "-arch=sm_90", "-std=c++17", "-O2", "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
+           "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__", f"-I{CSRC}", "-o", str(out),
+           str(NATIVE / "quantize_host_driver.cu")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
+    return out
+
+
+def _run_driver(driver, tmp_path, x, name, layout, scale):
+    src = tmp_path / "in.bin"
+    src.write_bytes(x.contiguous().view(torch.uint8).numpy().tobytes())
+    out, sc = tmp_path / "out.bin", tmp_path / "scales.bin"
+    T, H = x.shape
+    args = [str(driver), str(src), str(_DTYPE_CODE[x.dtype]), str(T), str(H), str(_FMT_CODE[name]), str(int(layout)),
+            repr(float(scale)), str(out), str(sc)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    data = torch.frombuffer(bytearray(out.read_bytes()), dtype=torch.uint8)
+    scales = torch.frombuffer(bytearray(sc.read_bytes()), dtype=torch.uint8)
+    return data, scales
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fmt", FORMATS, ids=[f[0] for f in FORMATS])
+def test_kernel_arithmetic_on_host_matches_reference(fmt, host_driver, tmp_path):
+    """The kernel's own code (every layout, every input dtype, padding included) against the
+    reference; the GPU run of the same code is tests/test_quant_cuda.py."""
+    name = fmt[0]
+    cases = [(random_input(130, 96 if name != "nvfp4" else 48, torch.bfloat16, seed=11), layout) for layout in LAYOUTS]
+    for dtype in (torch.float16, torch.float32):
+        x = random_input(20, 64, dtype, seed=5)
+        if dtype == torch.float32:
+            x[7, :8] = torch.tensor([1e-40, -3e-42, 2.0 ** -149, 0.0, 1e-39, 5e-41, -1e-45, 1e-38])
+            x[8, :32] = 1e-40
+        cases.append((x, quant.SfLayout.layout_8x4))
+    for x, layout in cases:
+        s = nvfp4_scale(x) if name == "nvfp4" else 1.0
+        s = float(torch.tensor(s, dtype=torch.float32))  # what the kernel receives
+        data, scales = _run_driver(host_driver, tmp_path, x, name, layout, s)
+        rdata, rscales = ref.quantize(x, name, REF_LAYOUT[layout], s)
+        assert torch.equal(data, rdata.reshape(-1)), f"{name} {layout.name} {x.dtype}: data differs"
+        assert torch.equal(scales, rscales.reshape(-1)), f"{name} {layout.name} {x.dtype}: scales differ"
