@@ -80,15 +80,6 @@ A2AD_QDEV int clz32(uint32_t v) {
 
 A2AD_QDEV bool is_finite(float v) { return (f2u(v) & 0x7F800000u) != 0x7F800000u; }
 
-A2AD_QDEV float load_elem(const void* x, int dtype, int64_t i) {
-  if (dtype == kFp32) return static_cast<const float*>(x)[i];
-  const uint16_t u = static_cast<const uint16_t*>(x)[i];
-  if (dtype == kBf16) return u2f(static_cast<uint32_t>(u) << 16);
-  __half_raw h;
-  h.x = u;
-  return __half2float(__half(h));
-}
-
 // floor(log2(a)) of a finite a > 0 (normal or subnormal fp32).
 A2AD_QDEV int floor_log2(float a) {
   const uint32_t bits = f2u(a);
@@ -144,21 +135,72 @@ struct QuantParams {
   float scale;
   int64_t T, H, cols, prows, pcols;
   int dtype, fmt, layout, block;
+  bool x_aligned, out_aligned;  // 16-byte aligned base pointers: blocks move as 16-byte vectors
 };
 
-template <int BLOCK>
+// Element i of a block held as 32-bit words (elements in memory order, little-endian).
+template <int DTYPE>
+A2AD_QDEV float elem_of(const uint32_t* w, int i) {
+  if constexpr (DTYPE == kFp32) {
+    return u2f(w[i]);
+  } else {
+    const uint32_t h = (w[i / 2] >> (16 * (i % 2))) & 0xFFFFu;
+    if constexpr (DTYPE == kBf16) {
+      return u2f(h << 16);
+    } else {
+      __half_raw r;
+      r.x = static_cast<unsigned short>(h);
+      return __half2float(__half(r));
+    }
+  }
+}
+
+// WORDS 32-bit words to dst: as 16-byte (or, for two words, 8-byte) vectors when aligned.
+template <int WORDS>
+A2AD_QDEV void store_words(uint8_t* dst, const uint32_t* o, bool aligned) {
+  if (aligned && WORDS % 4 == 0) {
+#pragma unroll
+    for (int k = 0; k < WORDS / 4; ++k) {
+      reinterpret_cast<uint4*>(dst)[k] = make_uint4(o[4 * k], o[4 * k + 1], o[4 * k + 2], o[4 * k + 3]);
+    }
+  } else if (aligned && WORDS == 2) {
+    reinterpret_cast<uint2*>(dst)[0] = make_uint2(o[0], o[1]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < WORDS; ++k) std::memcpy(dst + 4 * k, &o[k], 4);
+  }
+}
+
+template <int BLOCK, int DTYPE>
 A2AD_QDEV void quantize_block(const QuantParams& p, int64_t r, int64_t c, int64_t sf_at) {
-  float v[BLOCK];
+  constexpr int kEsz = DTYPE == kFp32 ? 4 : 2;
+  constexpr int kWords = BLOCK * kEsz / 4;  // a multiple of 4
   const int64_t base = r * p.H + c * BLOCK;
+  const unsigned char* src = static_cast<const unsigned char*>(p.x) + base * kEsz;
+  uint32_t w[kWords];
+  if (p.x_aligned) {
+#pragma unroll
+    for (int k = 0; k < kWords / 4; ++k) {
+      const uint4 q = reinterpret_cast<const uint4*>(src)[k];
+      w[4 * k] = q.x;
+      w[4 * k + 1] = q.y;
+      w[4 * k + 2] = q.z;
+      w[4 * k + 3] = q.w;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kWords; ++k) std::memcpy(&w[k], src + 4 * k, 4);
+  }
+  float v[BLOCK];
   bool finite = true;
   float amax = 0.0f;
 #pragma unroll
   for (int i = 0; i < BLOCK; ++i) {
-    v[i] = load_elem(p.x, p.dtype, base + i);
+    v[i] = elem_of<DTYPE>(w, i);
     finite = finite && is_finite(v[i]);
     amax = fmaxf(amax, fabsf(v[i]));
   }
-  uint8_t codes[BLOCK];
+  uint32_t codes[BLOCK];
   uint8_t sf;
   if (!finite) {
     sf = p.fmt == kNVFP4 ? 0x7F : 0xFF;
@@ -173,7 +215,7 @@ A2AD_QDEV void quantize_block(const QuantParams& p, int64_t r, int64_t c, int64_
 #pragma unroll
     for (int i = 0; i < BLOCK; ++i) {
       const float y = mul_rn(v[i], inv);
-      codes[i] = p.fmt == kMXFP8 ? e4m3_code(fminf(fmaxf(y, -448.0f), 448.0f)) : static_cast<uint8_t>(e2m1_code(y));
+      codes[i] = p.fmt == kMXFP8 ? e4m3_code(fminf(fmaxf(y, -448.0f), 448.0f)) : e2m1_code(y);
     }
   } else {
     const float s = p.scale_ptr ? *p.scale_ptr : p.scale;
@@ -182,18 +224,40 @@ A2AD_QDEV void quantize_block(const QuantParams& p, int64_t r, int64_t c, int64_
     float outs = 0.0f;
     if (amax != 0.0f) outs = fminf(rcp_rn(mul_rn(e4m3_value(sf), rcp_rn(s))), 3.402823466e38f);
 #pragma unroll
-    for (int i = 0; i < BLOCK; ++i) codes[i] = static_cast<uint8_t>(e2m1_code(mul_rn(v[i], outs)));
+    for (int i = 0; i < BLOCK; ++i) codes[i] = e2m1_code(mul_rn(v[i], outs));
   }
+  // The block's output bytes as 32-bit words: BLOCK bytes of E4M3 codes, or BLOCK / 2 bytes of
+  // E2M1 pairs (element 2j in the low nibble of byte j).
   if (p.fmt == kMXFP8) {
-    uint8_t* dst = p.out + base;
+    uint32_t o[BLOCK / 4];
 #pragma unroll
-    for (int i = 0; i < BLOCK; ++i) dst[i] = codes[i];
+    for (int k = 0; k < BLOCK / 4; ++k) {
+      o[k] = codes[4 * k] | (codes[4 * k + 1] << 8) | (codes[4 * k + 2] << 16) | (codes[4 * k + 3] << 24);
+    }
+    store_words<BLOCK / 4>(p.out + base, o, p.out_aligned);
   } else {
-    uint8_t* dst = p.out + base / 2;
+    uint32_t o[BLOCK / 8];
 #pragma unroll
-    for (int i = 0; i < BLOCK / 2; ++i) dst[i] = static_cast<uint8_t>(codes[2 * i] | (codes[2 * i + 1] << 4));
+    for (int k = 0; k < BLOCK / 8; ++k) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) word |= codes[8 * k + j] << (4 * j);
+      o[k] = word;
+    }
+    store_words<BLOCK / 8>(p.out + base / 2, o, p.out_aligned);
   }
   p.scales[sf_at] = sf;
+}
+
+template <int BLOCK>
+A2AD_QDEV void quantize_block_any(const QuantParams& p, int64_t r, int64_t c, int64_t sf_at) {
+  if (p.dtype == kBf16) {
+    quantize_block<BLOCK, kBf16>(p, r, c, sf_at);
+  } else if (p.dtype == kFp16) {
+    quantize_block<BLOCK, kFp16>(p, r, c, sf_at);
+  } else {
+    quantize_block<BLOCK, kFp32>(p, r, c, sf_at);
+  }
 }
 
 // Entry i of the padded scale array (row-major over [prows, pcols]): quantize its block, or
@@ -204,9 +268,9 @@ A2AD_QDEV void quantize_entry(const QuantParams& p, int64_t i) {
   if (r >= p.T || c >= p.cols) {
     p.scales[at] = 0;
   } else if (p.block == 16) {
-    quantize_block<16>(p, r, c, at);
+    quantize_block_any<16>(p, r, c, at);
   } else {
-    quantize_block<32>(p, r, c, at);
+    quantize_block_any<32>(p, r, c, at);
   }
 }
 
@@ -218,7 +282,8 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_kernel(const QuantPara
   }
 }
 
-// The padded extent of the scale array; false for arguments the kernel does not take.
+// The padded extent of the scale array and the pointers' alignment (set x and out first);
+// false for arguments the kernel does not take.
 inline bool plan_quantize(QuantParams& p) {
   p.block = p.fmt == kNVFP4 ? 16 : 32;
   if (p.H % p.block != 0 || p.T < 0 || p.fmt < 0 || p.fmt > 2 || p.layout < 0 || p.layout > 2) return false;
@@ -227,6 +292,8 @@ inline bool plan_quantize(QuantParams& p) {
   const int64_t cm = p.layout == kLinear ? 1 : 4;
   p.prows = (p.T + rm - 1) / rm * rm;
   p.pcols = (p.cols + cm - 1) / cm * cm;
+  p.x_aligned = reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
+  p.out_aligned = reinterpret_cast<uintptr_t>(p.out) % 16 == 0;
   return true;
 }
 

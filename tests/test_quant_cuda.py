@@ -175,3 +175,25 @@ def test_agrees_with_flashinfer_quantizers(swizzled):
     _deq_error_bound(x, fdeq, 16, lambda amax: amax / 3.0)
     same = (fq.view(torch.uint8).cpu() == ours.cpu()).float().mean().item()
     assert same > 0.98, same
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=[f[0] for f in FORMATS])
+def test_cuda_unaligned_buffers(fmt):
+    """x and out at odd offsets into their allocations (the kernel's element-wise path)."""
+    name, od, sd = fmt
+    T, H = 33, 64
+    x_ref = random_input(T, H, torch.bfloat16, seed=21)
+    buf = torch.zeros(T * H + 1, dtype=torch.bfloat16, device="cuda")
+    x = buf[1:].view(T, H)
+    x.copy_(x_ref.cuda())
+    assert x.is_contiguous() and x.data_ptr() % 16 != 0
+    (dshape, ddtype), (sshape, sdtype) = quant.output_shapes(T, H, od, quant.SfLayout.layout_128x4, scales_dtype=sd)
+    n = math.prod(dshape)
+    obuf = torch.zeros(n + 1, dtype=torch.uint8, device="cuda")
+    out = obuf[1:].view(dshape).view(ddtype)
+    assert out.data_ptr() % 16 != 0
+    s = nvfp4_scale(x_ref) if name == "nvfp4" else None
+    quant.quantize(x, od, quant.SfLayout.layout_128x4, scalar_scale=s, out=out, scales_dtype=sd)
+    rdata, _ = ref.quantize(x_ref, name, "128x4", s if s is not None else 1.0)
+    assert torch.equal(out.view(torch.uint8).cpu(), rdata)
+    assert obuf[0].item() == 0  # nothing written before out

@@ -1,6 +1,6 @@
 // Runs the quantize kernel's per-block arithmetic (csrc/quantize.cu) on the host, entry by
 // entry of the padded scale array, so that tests/test_quant.py can check it against the
-// reference quantizer where no GPU is present.
+// reference quantizer where no GPU is present (both the 16-byte vector and the unaligned paths).
 //
 // usage: quantize_host_driver IN DTYPE T H FMT LAYOUT SCALE OUT SCALES
 //   IN: the raw [T, H] input (DTYPE 0 bf16, 1 fp16, 2 fp32); OUT, SCALES: files written.
@@ -42,6 +42,9 @@ int main(int argc, char** argv) {
   p.layout = std::atoi(argv[6]);
   p.scale = std::strtof(argv[7], nullptr);
   p.scale_ptr = nullptr;
+  std::vector<unsigned char> out(static_cast<size_t>(p.fmt == 0 ? p.T * p.H : p.T * p.H / 2), 0xEE);
+  p.x = in.data();
+  p.out = out.data();
   if (!a2ad::plan_quantize(p)) {
     std::fprintf(stderr, "bad arguments\n");
     return 2;
@@ -51,11 +54,22 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "input holds %zu bytes, expected %lld\n", in.size(), static_cast<long long>(p.T * p.H * elem));
     return 2;
   }
-  std::vector<unsigned char> out(static_cast<size_t>(p.fmt == 0 ? p.T * p.H : p.T * p.H / 2), 0xEE);
   std::vector<unsigned char> scales(static_cast<size_t>(p.prows * p.pcols), 0xEE);
-  p.x = in.data();
-  p.out = out.data();
   p.scales = scales.data();
+  if (!p.x_aligned || !p.out_aligned) {
+    std::fprintf(stderr, "host buffers are not 16-byte aligned\n");
+    return 2;
+  }
   for (int64_t i = 0; i < p.prows * p.pcols; ++i) a2ad::quantize_entry(p, i);
+  // The unaligned paths (element-wise loads and stores) must give the same bytes.
+  std::vector<unsigned char> out2(out.size(), 0x11), scales2(scales.size(), 0x11);
+  p.out = out2.data();
+  p.scales = scales2.data();
+  p.x_aligned = p.out_aligned = false;
+  for (int64_t i = 0; i < p.prows * p.pcols; ++i) a2ad::quantize_entry(p, i);
+  if (out2 != out || scales2 != scales) {
+    std::fprintf(stderr, "the unaligned path differs from the vectorized one\n");
+    return 1;
+  }
   return write_all(argv[8], out) && write_all(argv[9], scales) ? 0 : 1;
 }
