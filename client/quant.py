@@ -29,13 +29,17 @@ checks the extent only) and must be contiguous.
 NVFP4 needs ``scalar_scale`` (FlashInfer's ``output_scalar_scale``: the per-tensor fp32
 encode scale): a positive finite float, or a 1-element tensor (on CUDA it is read by the
 kernel, so passing a device tensor adds no host sync). MX formats ignore it.
+
+The CUDA path makes no host sync and is capturable in a CUDA graph; under ``torch.compile``
+the kernel is the op ``torch.ops.a2ad_quant.quantize_into`` (eager calls go to the
+extension's function directly), so :func:`quantize` traces with ``fullgraph=True``.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -203,14 +207,31 @@ def quantize(x: torch.Tensor, output_dtype, sf_layout=None, scalar_scale=None, o
 
 # --- CUDA --------------------------------------------------------------------------------
 
-def _quantize_cuda(x, fmt, layout, scale, out, out_scales) -> None:
+@torch.library.custom_op("a2ad_quant::quantize_into", mutates_args=("out", "scales"), device_types="cuda")
+def _quantize_op(x: torch.Tensor, out: torch.Tensor, scales: torch.Tensor, fmt: int, layout: int, scale: float,
+                 scale_t: Optional[torch.Tensor]) -> None:
+    """The kernel as a torch op, so that :func:`quantize` traces under ``torch.compile``."""
     from . import _ext
 
+    _ext.direct().quantize(x, out, scales, fmt, layout, scale, scale_t)
+
+
+@_quantize_op.register_fake
+def _quantize_op_fake(x, out, scales, fmt, layout, scale, scale_t) -> None:
+    return None
+
+
+def _quantize_cuda(x, fmt, layout, scale, out, out_scales) -> None:
     xs = x if x.is_contiguous() else x.contiguous()
     scale_t = scale if isinstance(scale, torch.Tensor) else None
     scale_f = 1.0 if scale_t is not None else float(scale)
-    _ext.direct().quantize(xs, out.view(torch.uint8), out_scales.view(torch.uint8), _FORMAT_CODE[fmt], int(layout),
-                           scale_f, scale_t)
+    args = (xs, out.view(torch.uint8), out_scales.view(torch.uint8), _FORMAT_CODE[fmt], int(layout), scale_f, scale_t)
+    if torch.compiler.is_compiling():
+        _quantize_op(*args)
+    else:  # eager: the extension's function directly, without the dispatcher's boxing
+        from . import _ext
+
+        _ext.direct().quantize(*args)
 
 
 # --- host --------------------------------------------------------------------------------

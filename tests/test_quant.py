@@ -305,3 +305,17 @@ def test_kernel_arithmetic_on_host_matches_reference(fmt, host_driver, tmp_path)
         rdata, rscales = ref.quantize(x, name, REF_LAYOUT[layout], s)
         assert torch.equal(data, rdata.reshape(-1)), f"{name} {layout.name} {x.dtype}: data differs"
         assert torch.equal(scales, rscales.reshape(-1)), f"{name} {layout.name} {x.dtype}: scales differ"
+
+
+def test_traces_under_torch_compile_fullgraph():
+    """quantize traces without a graph break (the front end's combine calls it under
+    torch.compile(fullgraph=True)); the compiled result equals the eager one."""
+    x = random_input(10, 64, torch.bfloat16, seed=13)
+
+    def f(x):
+        return quant.quantize(x, torch.uint8, quant.SfLayout.layout_128x4, scalar_scale=3.0,
+                              scales_dtype=torch.float8_e4m3fn)
+
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    want = f(x)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8))

@@ -197,3 +197,20 @@ def test_cuda_unaligned_buffers(fmt):
     rdata, _ = ref.quantize(x_ref, name, "128x4", s if s is not None else 1.0)
     assert torch.equal(out.view(torch.uint8).cpu(), rdata)
     assert obuf[0].item() == 0  # nothing written before out
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_cuda_traces_under_torch_compile_fullgraph(backend):
+    x = random_input(70, 128, torch.bfloat16, seed=14).cuda()
+    s_dev = torch.tensor([nvfp4_scale(x.cpu())], device="cuda")
+
+    def f(x, s):
+        a = quant.quantize(x, torch.float8_e4m3fn, quant.SfLayout.layout_8x4)
+        b = quant.quantize(x, torch.uint8, quant.SfLayout.layout_128x4, scalar_scale=s,
+                           scales_dtype=torch.float8_e4m3fn)
+        return a + b
+
+    got = torch.compile(f, fullgraph=True, backend=backend)(x, s_dev)
+    want = f(x, s_dev)
+    for g, w in zip(got, want):
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
