@@ -282,9 +282,9 @@ def _quantize_host(x, fmt, layout, scale, out, out_scales) -> None:
     block = BLOCK[fmt]
     cols = H // block
     v = x.to(torch.float32).reshape(T, cols, block)
-    bad = ~torch.isfinite(v).all(dim=-1)  # [T, cols]
-    amax = torch.where(bad.unsqueeze(-1), torch.zeros((), dtype=torch.float32), v.abs()).amax(dim=-1) \
-        if v.numel() else torch.zeros(T, cols, dtype=torch.float32)
+    amax = v.abs().amax(dim=-1) if v.numel() else torch.zeros(T, cols, dtype=torch.float32)  # NaN propagates
+    bad = ~torch.isfinite(amax)  # [T, cols]: the block holds a NaN or an infinity
+    amax = amax.masked_fill(bad, 0.0)
     if fmt in (MXFP8, MXFP4):
         emax_elem = 8 if fmt == MXFP8 else 2
         _, e = torch.frexp(amax)  # amax = m * 2**e, 0.5 <= m < 1
@@ -305,7 +305,7 @@ def _quantize_host(x, fmt, layout, scale, out, out_scales) -> None:
         y = v * outs.unsqueeze(-1)
         sc = torch.where(bad, torch.full_like(sc, 0x7F), sc)
         codes = _e2m1_codes(y)
-    codes = torch.where(bad.unsqueeze(-1), torch.zeros((), dtype=torch.uint8), codes).reshape(T, H)
+    codes = codes.masked_fill_(bad.unsqueeze(-1), 0).reshape(T, H)
     if fmt == MXFP8:
         out.view(torch.uint8).copy_(codes)
     else:

@@ -158,6 +158,8 @@ def test_agrees_with_flashinfer_quantizers(swizzled):
     T, H = 8, 128
     x = (torch.randn(T, H, generator=g) * 4).to(torch.bfloat16)
     # MXFP8
+    mx_params = inspect.signature(fns["mxfp8_quantize"]).parameters
+    assert "is_sf_swizzled_layout" in mx_params, f"mxfp8_quantize{inspect.signature(fns['mxfp8_quantize'])}"
     fq, fs = fns["mxfp8_quantize"](x.cuda(), is_sf_swizzled_layout=swizzled)
     fdeq = ref.dequantize(fq.view(torch.uint8).cpu(), fs.view(torch.uint8).cpu().reshape(-1)[: math.prod(
         quant.output_shapes(T, H, torch.float8_e4m3fn, layout)[1][0])], "mxfp8", lname, T, H)
@@ -165,6 +167,7 @@ def test_agrees_with_flashinfer_quantizers(swizzled):
     # NVFP4
     s = nvfp4_scale(x)
     params = inspect.signature(fns["fp4_quantize"]).parameters
+    assert "is_sf_swizzled_layout" in params, f"fp4_quantize{inspect.signature(fns['fp4_quantize'])}"
     kw = {"sf_vec_size": 16, "is_sf_swizzled_layout": swizzled}
     if "sf_use_ue8m0" in params:
         kw["sf_use_ue8m0"] = False
