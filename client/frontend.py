@@ -337,7 +337,9 @@ class Front:
         ``[ep_size, rt, elements_per_token]`` of each payload's dtype, backed by this
         rank's workspace row. ``caller_mask``: an int64 ``[1]`` tensor (rank_mask_arg)."""
         att = self.att
-        plane = self.plane(top_k, num_experts)
+        plane = self._plane
+        if plane is None:
+            plane = self.plane(top_k, num_experts)
         self.check_peers(plane, inputs=True)
         rounds = att.rounds
         if rounds.owner is not None:

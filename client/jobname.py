@@ -111,8 +111,3 @@ def agree(key: tuple, ep_rank: int, ep_size: int, mnnvl_config, held, label: str
         _NAMES[key] = name
     return name
 
-
-def forget(key: tuple, name: str) -> None:
-    with _LOCK:
-        if _NAMES.get(key) == name:
-            del _NAMES[key]

@@ -61,6 +61,10 @@ __all__ = [
     *METAINFO_INDEX,
 ]
 
+#: True while torch.compile traces (Dynamo folds it to a constant); False when running.
+_compiling = torch.compiler.is_compiling
+
+
 def _check_backend(backend) -> None:
     from .ops import check_backend
 
@@ -249,13 +253,11 @@ class MoeAlltoAll:
         self.timeout = float(timeout)
         self._backend = backend
         self.mnnvl_mem = None  # FlashInfer's MNNVL allocation: the daemon's here
-        self._name_key = None
         if job is None:
             key = (str(runtime_dir), ep_rank, ep_size, max_num_tokens, top_k, num_experts, workspace_size_per_rank,
                    eplb_stats_num_experts, on_peer_loss, str(device))
             job = jobname.agree(key, ep_rank, ep_size, mnnvl_config, lambda name: held(runtime_dir, name, ep_rank),
                                 label=f"{ep_size}x{max_num_tokens}")
-            self._name_key = key
         self._att = attach(
             job,
             ep_rank,
@@ -480,7 +482,7 @@ class MoeAlltoAll:
         later one, the next dispatch, or :meth:`check`), naming the token and id or the peer
         and its value; the job goes on. On the host backend both raise at once.
         """
-        if torch.compiler.is_compiling():
+        if _compiling():
             return self._dispatch_traced(token_selected_experts, input_payloads, runtime_max_tokens_per_rank,
                                          invalid_token_expert_id, expert_id_payload_index, eplb_local_stats,
                                          active_rank_mask)
@@ -569,9 +571,7 @@ class MoeAlltoAll:
         Returns ``[local_num_tokens, hidden]`` of the payload's dtype, summed in float32.
         Afterwards the state is "idle" (also when a wait on a peer failed).
         """
-        from .ops import _quantized, finish_output
-
-        if torch.compiler.is_compiling():
+        if _compiling():
             return self._combine_traced(payload, runtime_max_tokens_per_rank, payload_in_workspace, output_dtype,
                                         output_scales, output_scalar_scale, sf_layout, output, use_low_precision,
                                         active_rank_mask)
@@ -580,14 +580,17 @@ class MoeAlltoAll:
         mask = self._caller_mask(active_rank_mask) if active_rank_mask is not None else None
         plain = output_dtype is None and output_scales is None
         if not plain:
+            from .ops import _quantized
+
             plain = not _quantized(output_dtype, output_scales) and output_dtype in (None, payload.dtype)
         out = self._front.combine(
             self._token, payload, runtime_max_tokens_per_rank, payload_in_workspace,
             output=output if plain else None, low_precision=use_low_precision, caller_mask=mask,
-            end_round=self._end_round,
         )
         if plain:
             return out
+        from .ops import finish_output
+
         return finish_output(out, output_dtype, output_scales, output_scalar_scale, sf_layout, output, copy=True)
 
     def _combine_traced(self, payload, rt, payload_in_workspace, output_dtype, output_scales, output_scalar_scale,
