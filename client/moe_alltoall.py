@@ -628,16 +628,17 @@ class MoeAlltoAll:
 
     def checkpoint_restore(self, comm_backend=None) -> None:
         """Map the workspace again at the same virtual addresses (captured CUDA graphs stay valid);
-        repeated calls are no-ops. ``comm_backend`` (FlashInfer's argument): when given, its
-        rank and size must be this rank's and ep_size (else StateError), and its ``barrier``
-        ends the call once every rank restored."""
+        repeated calls are no-ops. ``comm_backend`` (FlashInfer's argument), when given: a
+        communicator of exactly the EP group must have this rank's rank, a larger one a
+        multiple of ep_size ranks (else StateError), and its ``barrier`` ends the call once
+        every member restored."""
         att = self._live()
         rounds = att.rounds
         if rounds.owner is not UNMAPPED:
             return
         if comm_backend is not None:
             size, rank = int(comm_backend.Get_size()), int(comm_backend.Get_rank())
-            if size % att.ep_size or rank % att.ep_size != att.ep_rank and size == att.ep_size:
+            if size % att.ep_size or (size == att.ep_size and rank != att.ep_rank):
                 raise errors.StateError(
                     f"Cannot remap the workspace: the communicator's rank/size {rank}/{size} does not match "
                     f"this rank's {att.ep_rank}/{att.ep_size}")

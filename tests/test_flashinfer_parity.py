@@ -143,6 +143,57 @@ def two_engines(rank, runtime_dir, stores, rounds):
     return flashinfer_user(erank, 2, runtime_dir, stores[engine], rounds, 100 * (engine + 1))
 
 
+class _Comm:
+    """A FlashInfer CommBackend (Get_rank, Get_size, allgather, bcast, barrier) over the
+    default torch.distributed group, as FlashInfer's TorchDistBackend is."""
+
+    def Get_rank(self):  # noqa: N802
+        return torch.distributed.get_rank()
+
+    def Get_size(self):  # noqa: N802
+        return torch.distributed.get_world_size()
+
+    def allgather(self, data):
+        out = [None] * self.Get_size()
+        torch.distributed.all_gather_object(out, data)
+        return out
+
+    def bcast(self, data, root):
+        box = [data]
+        torch.distributed.broadcast_object_list(box, src=root)
+        return box[0]
+
+    def barrier(self):
+        torch.distributed.barrier()
+
+
+class _MnnvlConfig:
+    def __init__(self, comm_backend):
+        self.comm_backend = comm_backend
+
+
+def world_of_two_groups(rank, runtime_dir, store, via_config):
+    """Four ranks, one communicator, two EP groups of two (moe_ep_rank = rank % 2): each group
+    agrees on its own job. ``via_config``: the communicator comes as mnnvl_config.comm_backend
+    (else the default torch.distributed group). Returns the job name."""
+    from a2ad.client import MoeAlltoAll
+
+    ep, erank = 2, rank % 2
+    with _Env(runtime_dir, store, rank, 4):
+        cfg = _MnnvlConfig(_Comm()) if via_config else None
+        a2a = MoeAlltoAll(Mapping(erank, ep), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN, mnnvl_config=cfg)
+        try:
+            rt, inputs, _, combined = _round(350 + rank // 2, ep)
+            mine = inputs[erank]
+            got = a2a.dispatch(mine.experts, [mine.hidden, mine.experts, mine.scales], rt, INVALID, 1)
+            assert torch.equal(a2a.combine(_expert(got, erank, ep), rt), combined[erank])
+            a2a.checkpoint_prepare()
+            a2a.checkpoint_restore(cfg.comm_backend if via_config else None)  # FlashInfer passes its comm
+            return a2a.attachment.job
+        finally:
+            a2a.close()
+
+
 def shared_instances(rank, ep, runtime_dir, store):
     """Instances of one geometry share one attachment; another geometry is another job;
     releasing the last instance releases it (the next instance makes a new job)."""
@@ -229,25 +280,30 @@ def _layer(a2a, experts, hidden, scales, rt):
     return a2a.combine(y, rt)
 
 
-def compiled_methods(rank, ep, runtime_dir, job, backend, rounds):
+def compiled_methods(rank, ep, runtime_dir, job, backend, rounds, cuda=False):
     """MoeAlltoAll.dispatch / combine inside torch.compile(fullgraph=True), every round checked,
     then the same object eagerly."""
     from a2ad.client import MoeAlltoAll
 
+    dev = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
     a2a = MoeAlltoAll(Mapping(rank, ep), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN, job=job,
                       runtime_dir=runtime_dir, timeout=20.0)
     torch._dynamo.reset()
+    kind = "cuda" if cuda else "host"
     try:
         step = torch.compile(_layer, backend=backend, fullgraph=True)
         for rnd in range(rounds):
             rt, inputs, _, combined = _round(500 + rnd, ep, tokens=[5, 3, 4, 2][:ep])
             mine = inputs[rank]
-            out = step(a2a, mine.experts, mine.hidden, mine.scales, rt)
+            out = step(a2a, mine.experts.to(dev), mine.hidden.to(dev), mine.scales.to(dev), rt)
             assert a2a.phase == "idle"
-            assert torch.equal(out, combined[rank]), f"rank {rank} round {rnd}: compiled combine differs"
+            _assert_combined(out, combined[rank], kind, f"rank {rank} round {rnd} compiled")
             rt, inputs, _, combined = _round(600 + rnd, ep)
             mine = inputs[rank]
-            assert torch.equal(_layer(a2a, mine.experts, mine.hidden, mine.scales, rt), combined[rank])
+            out = _layer(a2a, mine.experts.to(dev), mine.hidden.to(dev), mine.scales.to(dev), rt)
+            _assert_combined(out, combined[rank], kind, f"rank {rank} round {rnd} eager")
         return rounds
     finally:
         a2a.close()
@@ -269,6 +325,13 @@ def test_two_engines_of_one_geometry_never_share_a_job(rank_pool, daemon, tmp_pa
     assert names[0] != names[2], f"two engines joined one job: {names}"
 
 
+@pytest.mark.parametrize("via_config", [False, True], ids=["default-group", "mnnvl-config"])
+def test_a_communicator_of_several_ep_groups_gives_each_its_job(rank_pool, daemon, tmp_path, via_config):
+    names = rank_pool.run(4, world_of_two_groups, str(daemon.runtime_dir), str(tmp_path / "store"), via_config,
+                          timeout=240.0)
+    assert names[0] == names[1] and names[2] == names[3] and names[0] != names[2], names
+
+
 def test_instances_of_one_geometry_share_an_attachment(rank_pool, daemon, tmp_path):
     assert rank_pool.run(2, shared_instances, 2, str(daemon.runtime_dir), str(tmp_path / "store"),
                          timeout=180.0) == [True, True]
@@ -282,6 +345,15 @@ def test_checkpoint_round_trip_keeps_the_addresses(rank_pool, daemon):
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_moe_alltoall_methods_under_torch_compile_fullgraph(rank_pool, daemon, backend):
     res = rank_pool.run(2, compiled_methods, 2, str(daemon.runtime_dir), job_name("fic"), backend, 2, timeout=300.0)
+    assert res == [2, 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_moe_alltoall_methods_under_torch_compile_fullgraph_cuda(rank_pool, dataplane_daemons, backend):
+    runtime_dir = str(dataplane_daemons("cuda").runtime_dir)
+    res = rank_pool.run(2, compiled_methods, 2, runtime_dir, job_name("ficg"), backend, 2, True, timeout=300.0)
     assert res == [2, 2]
 
 
