@@ -573,7 +573,9 @@ __device__ __forceinline__ void combine_waited(const CombineParams& p, uint8_t* 
                                                uint64_t bad) {
   const int q = threadIdx.x;
   if (q < p.ws.ep_size && (view >> q & 1)) at<int>(my_row, p.aux.combine_completion_flags)[q] = round;
-  if (bad != 0 && threadIdx.x == 0) {
+  // (a record the dispatch of the round wrote, not yet raised, is kept: it came first)
+  const int64_t rec = layout::CB_INPUT + (int64_t)p.ctl.ep_rank * layout::INPUT_RECORD_SIZE + layout::INPUT_CODE;
+  if (bad != 0 && threadIdx.x == 0 && *cb_field<uint32_t>(p.ctl, rec) == layout::INPUT_OK) {
     const int peer = __ffsll(static_cast<long long>(bad)) - 1;
     const uint64_t w = *reinterpret_cast<const volatile unsigned long long*>(
         at<uint64_t>(my_row, p.aux.combine_ready) + peer);
