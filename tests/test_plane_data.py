@@ -62,3 +62,15 @@ def test_caller_mask_leaves_a_rank_out(rank_pool, dataplane_daemons, backend, de
     job = make_job(dataplane_daemons, backend, "cmask", 4, hidden=32, num_experts=16)
     results = run_job(rank_pool, job, pc.caller_mask_round, 2, device_mask)
     assert [r["skipped"] for r in results] == [False, False, True, False]
+
+
+def test_kernel_timing_times_the_fp8_combine_beside_bf16():
+    """``kernel_timing --low-precision``: every bf16 row at a T is followed by the FP8 combine's."""
+    from a2ad.bench import kernel_timing as KT
+    from a2ad.client import cuda_plane as cp
+
+    rows = KT.plan(cp, [1, 128], diags=False, low_precision=True)
+    assert rows == [("default", 1, 0), (KT.FP8_LABEL, 1, 0), ("default", 128, 0), (KT.FP8_LABEL, 128, 0),
+                    ("default", 4096, 0), (KT.FP8_LABEL, 4096, 0)]
+    assert KT.plan(cp, [1], diags=False) == [("default", 1, 0), ("default", 4096, 0)]
+    assert KT.build_parser().parse_args(["--low-precision", "--one-gpu"]).low_precision
