@@ -570,9 +570,11 @@ __device__ __forceinline__ void stage_rows(const CombineParams& p, const int* re
 // rank's own row), and a target whose combine descriptor differs is reported (the input
 // record; nothing is read from it).
 __device__ __forceinline__ void combine_waited(const CombineParams& p, uint8_t* my_row, int round, uint64_t view,
-                                               uint64_t bad) {
+                                               uint64_t seen, uint64_t bad) {
   const int q = threadIdx.x;
-  if (q < p.ws.ep_size && (view >> q & 1)) at<int>(my_row, p.aux.combine_completion_flags)[q] = round;
+  if (q < p.ws.ep_size && (view >> q & 1) && (seen >> q & 1)) {
+    at<int>(my_row, p.aux.combine_completion_flags)[q] = round;
+  }
   // (a record the dispatch of the round wrote, not yet raised, is kept: it came first)
   const int64_t rec = layout::CB_INPUT + (int64_t)p.ctl.ep_rank * layout::INPUT_RECORD_SIZE + layout::INPUT_CODE;
   if (bad != 0 && threadIdx.x == 0 && *cb_field<uint32_t>(p.ctl, rec) == layout::INPUT_OK) {
@@ -710,7 +712,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
                                           give_up, &unused, view, &seen, &bad, static_cast<int>(p.spec))) {
       return;
     }
-    if (last) combine_waited(p, my_row, round, view, bad);
+    if (last) combine_waited(p, my_row, round, view, seen, bad);
   } else if (last) {
     // Degraded mode (never overlapped): the poller alone waits, letting go of a peer whose
     // bit is cleared, and posts whose flags it saw; every block counts exactly those (a
@@ -719,7 +721,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
                     &seen, &bad, static_cast<int>(p.spec))) {
       return;
     }
-    combine_waited(p, my_row, round, view, bad);
+    combine_waited(p, my_row, round, view, seen, bad);
     seen &= ~bad;
     if (threadIdx.x == 0) {
       *reinterpret_cast<volatile unsigned long long*>(block_counters + layout::SLOT_COMBINE_SEEN) = seen;

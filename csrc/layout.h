@@ -42,6 +42,7 @@ constexpr int INPUT_CODE = 0;
 constexpr int INPUT_INDEX = 4;
 constexpr int INPUT_VALUE = 8;
 constexpr int INPUT_ROUND = 12;
+constexpr int INPUT_OK = 0;
 constexpr int INPUT_BAD_EXPERT = 1;
 constexpr int INPUT_RT_MISMATCH = 2;
 constexpr int INPUT_SPEC_MISMATCH = 3;
