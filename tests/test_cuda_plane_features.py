@@ -127,7 +127,8 @@ def test_combine_width_mismatch_reads_nothing_from_the_peer(make_job):
 @pytest.mark.parametrize("ep_size,num_stats", [(2, 7), (4, 256)])
 def test_eplb_stats_gathered_eager_and_in_graphs(make_job, ep_size, num_stats):
     T, top_k, E, hidden = 16, 4, 32, 128
-    job = make_job(ep_size, T, top_k, E, 2 * hidden + 4 * top_k, 2 * hidden, )
+    # the EPLB region comes first in the payload area: room for it in the dispatch bytes
+    job = make_job(ep_size, T, top_k, E, 2 * hidden + 4 * top_k + 4 * num_stats, 2 * hidden)
     pl = L.payload_layout(job.aux, job.size, T, [2 * hidden, 4 * top_k], 2 * hidden,
                           eplb_stats_num_experts=num_stats)
     job.rt = T
