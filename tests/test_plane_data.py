@@ -74,3 +74,78 @@ def test_kernel_timing_times_the_fp8_combine_beside_bf16():
                     ("default", 4096, 0), (KT.FP8_LABEL, 4096, 0)]
     assert KT.plan(cp, [1], diags=False) == [("default", 1, 0), ("default", 4096, 0)]
     assert KT.build_parser().parse_args(["--low-precision", "--one-gpu"]).low_precision
+
+
+def test_fp8_rows_scales_and_round_trip():
+    """The FP8 row format: e4m3 bytes, then one E8M0 byte (k + 127) per 32 elements, padded to 16;
+    k the smallest exponent with amax * 2^-k <= 448; the round trip within 2^-4 relative for
+    normal values, zeros exact."""
+    import torch
+
+    from a2ad import layout as L
+    from a2ad.client.host_plane import dequantize_fp8, quantize_fp8
+
+    assert L.fp8_row_bytes(7168) == 7392 and L.fp8_row_bytes(2880) == 2976 and L.fp8_row_bytes(32) == 48
+    x = torch.zeros(4, 64)
+    x[0, :32] = 448.0          # k = 0
+    x[1, :32] = 450.0          # just above (the next bf16): k = 1
+    x[2, :32] = 1.0            # k = -8: 256 * 2^-8
+    x[3, 32:] = 1e-30          # tiny: a small k, still exact to 2^-4
+    rows = quantize_fp8(x.to(torch.bfloat16))
+    assert rows.shape == (4, 80) and rows.dtype == torch.uint8
+    scales = rows[:, 64:66].to(torch.int32) - 127
+    assert scales[0, 0] == 0 and scales[1, 0] == 1 and scales[2, 0] == -8
+    assert scales[0, 1] == -126  # an all-zero block: the smallest exponent
+    back = dequantize_fp8(rows, 64)
+    assert torch.equal(back[0, :32], torch.full((32,), 448.0)) and torch.equal(back[2, :32], torch.ones(32))
+    assert torch.equal(back[0, 32:], torch.zeros(32))
+    tiny = x[3, 32:].to(torch.bfloat16).float()
+    assert float(((back[3, 32:] - tiny).abs() / tiny).max()) <= 2.0 ** -4
+    g = torch.Generator().manual_seed(5)
+    y = (torch.randn(64, 2880, generator=g) * torch.logspace(-3, 3, 64)[:, None]).to(torch.bfloat16)
+    yb = dequantize_fp8(quantize_fp8(y), 2880)
+    yf = y.float()
+    blocks_max = yf.abs().reshape(64, -1, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(64, 2880)
+    normal = yf.abs() >= blocks_max * 2.0 ** -7  # e4m3 normals start 2^-6 below 448 ~ 2^8.8
+    rel = ((yb - yf).abs() / yf.abs().clamp(min=1e-30))[normal]
+    assert float(rel.max()) <= 2.0 ** -4, float(rel.max())
+
+
+def test_payload_descriptors_name_the_first_difference():
+    import torch
+
+    from a2ad import layout as L
+    from a2ad.control import spec_mismatch_error
+
+    a = L.payload_spec([16, 8, 8], [torch.bfloat16, torch.int32, torch.float32], 0)
+    b = L.payload_spec([14, 8, 8], [torch.bfloat16, torch.int32, torch.float32], 0)
+    assert L.spec_mismatch(a, a) is None
+    assert L.spec_mismatch(a, b) == (L.SPEC_FIELD_WIDTH + 0, 16, 14)
+    c = L.payload_spec([16, 8, 8], [torch.bfloat16, torch.int32, torch.int32], 0)
+    field, mine, theirs = L.spec_mismatch(a, c)
+    assert field == L.SPEC_FIELD_DTYPE + 2 and L.DTYPE_NAMES[mine] == "float32" and L.DTYPE_NAMES[theirs] == "int32"
+    assert L.spec_mismatch(a, L.payload_spec([16, 8], None, 0))[0] == L.SPEC_FIELD_COUNT
+    assert L.spec_mismatch(a, L.payload_spec([16, 8, 8], [torch.bfloat16, torch.int32, torch.float32], 9))[0] == \
+        L.SPEC_FIELD_EPLB
+    msg = str(spec_mismatch_error("j", 1, 0, L.SPEC_FIELD_WIDTH, 16, 14, 7))
+    assert "input_payloads[0] bytes per token" in msg and "this rank 16, rank 0 14" in msg and "round 7" in msg
+    s1 = L.combine_spec(7168, torch.bfloat16)
+    s2 = L.combine_spec(7168, torch.bfloat16, low_precision=True)
+    msg = str(spec_mismatch_error("j", 0, 1, L.SPEC_FIELD_COMBINE, s1, s2, 3))
+    assert "low_precision=False" in msg and "low_precision=True" in msg
+
+
+def test_layout_places_eplb_and_fp8_regions():
+    from a2ad import layout as L
+
+    aux = L.aux_layout(4, 64)
+    size = L.workspace_size_per_rank(4, 64, 2 * 256 + 16, 2 * 256, eplb_stats_num_experts=100)
+    pl = L.payload_layout(aux, size, 64, [512, 16], 512, eplb_stats_num_experts=100)
+    assert pl.eplb_offset == aux.payload_data and pl.dispatch_offsets[0] >= pl.eplb_offset + 4 * 4 * 100
+    assert pl.dispatch_offsets[0] % L.ALIGN == 0 and pl.spec[8] == 100
+    off = L.fp8_combine_offset(pl, 4, 256, False)
+    assert off % L.ALIGN == 0 and off + 4 * 64 * L.fp8_row_bytes(256) <= size and off >= pl.combine_offset
+    import pytest
+
+    with pytest.raises(L.LayoutError, match="low-precision combine region"):
+        L.fp8_combine_offset(pl, 4, 256, True)  # no room below the bf16 region in this workspace
