@@ -422,6 +422,29 @@ def test_new_arguments_are_refused_clearly_on_a_daemon_job(daemon):
         a2a.close()
 
 
+def test_eplb_and_rank_mask_on_a_daemon_job(daemon):
+    """MoeAlltoAll(eplb_stats_num_experts=..., enable_rank_mask=True): eplb_gathered_stats between
+    dispatch and combine, a mask naming this rank accepted (host and int64 forms)."""
+    from a2ad.client import MoeAlltoAll, moe_a2a_active_rank_mask
+
+    a2a = MoeAlltoAll(Mapping(0, 1), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN, eplb_stats_num_experts=12,
+                      enable_rank_mask=True, job=job_name("fieplb"), runtime_dir=str(daemon.runtime_dir), timeout=20.0)
+    try:
+        assert a2a.enable_eplb and a2a.eplb_stats_num_experts == 12 and a2a.enable_rank_mask
+        for seed, mask in ((720, moe_a2a_active_rank_mask([0], 1)), (721, torch.tensor([1], dtype=torch.int64))):
+            rt, inputs, _, combined = _round(seed, 1, tokens=[4])
+            mine = inputs[0]
+            stats = torch.arange(12, dtype=torch.int32) + seed
+            got = a2a.dispatch(mine.experts, [mine.hidden, mine.experts, mine.scales], rt, INVALID, 1,
+                               eplb_local_stats=stats, active_rank_mask=mask)
+            assert torch.equal(a2a.eplb_gathered_stats, stats.unsqueeze(0))
+            out = a2a.combine(_expert(got, 0, 1), rt, active_rank_mask=mask)
+            assert a2a.eplb_gathered_stats is None
+            assert torch.equal(out, combined[0])
+    finally:
+        a2a.close()
+
+
 def test_functional_payload_flagged_in_workspace_wrongly_is_refused(daemon):
     """The functional ops refuse what MoeAlltoAll.combine refuses (one validation boundary)."""
     import a2ad.client as c
