@@ -517,9 +517,9 @@ class Front:
             else:  # a plane that cannot write into the caller's buffer: one copy
                 copy_to = output
         if low_precision:
-            if payload.dtype not in (torch.bfloat16, torch.float16):
+            if payload.dtype is not torch.bfloat16:
                 raise errors.InputError(
-                    f"use_low_precision=True takes a bfloat16 or float16 payload, got {payload.dtype}",
+                    f"use_low_precision=True takes a bfloat16 payload, got {payload.dtype}",
                     argument="use_low_precision")
             kw["low_precision"] = True
         if caller_mask is not None:

@@ -705,6 +705,24 @@ def test_quantized_combine_outputs_match_the_quantizer():
         c.moe_a2a_release(ws)
 
 
+def test_low_precision_combine_takes_bfloat16_payloads():
+    import a2ad.client as c
+
+    hidden = 64
+    ws, meta = _one_rank(hidden)
+    try:
+        experts = torch.zeros(3, TOP_K, dtype=torch.int32)
+        recv, cpo, _ = c.moe_a2a_dispatch(experts, [torch.ones(3, hidden, dtype=torch.bfloat16)], ws, meta, 3, 0, 1,
+                                          TOP_K, NUM_EXPERTS)
+        with pytest.raises(errors.InputError) as exc:
+            c.moe_a2a_combine(recv[0].to(torch.float16), 3, ws, meta, 3, 0, 1, TOP_K, cpo, use_low_precision=True)
+        assert exc.value.details["argument"] == "use_low_precision"
+        out = c.moe_a2a_combine(recv[0], 3, ws, meta, 3, 0, 1, TOP_K, cpo, use_low_precision=True)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, torch.ones(3, hidden, dtype=torch.bfloat16))
+    finally:
+        c.moe_a2a_release(ws)
+
+
 def test_low_precision_combine_returns_bfloat16_close_to_the_bf16_combine():
     """use_low_precision=True between two ranks of a caller-owned workspace: FP8 rows on the wire,
     bfloat16 out, close to the bf16 combine (and not equal: the rows from the peer were FP8)."""
