@@ -17,10 +17,14 @@ What lives here (and nothing about jobs: that is federation.py):
   connection simply waits for the loop's next turn). It accepts exactly the public keys of
   the configured nodes other than this one; anything else is refused and logged;
 - heartbeats, and the state of every peer: ``connecting`` (never heard since this daemon
-  started), ``up``, ``down`` (silent for ``heartbeat_interval * heartbeat_misses``);
-- the message bus: msgpack maps with an envelope, size-capped by the socket, decoded with
-  limits; a message that does not decode or does not fit the envelope is dropped, counted
-  and logged (rate-limited) and never reaches the federation.
+  started), ``up``, ``down`` (silent for ``heartbeat_interval * heartbeat_misses``); a
+  daemon instance of a peer that a newer one replaced and that speaks again means two
+  daemons run as that node name: logged, shown in the status, and its messages dropped;
+- the message bus: msgpack maps with an envelope, at most MAX_MESSAGE bytes on both ends
+  (the socket's own limit leaves room for CURVE's overhead and more, so a larger message is
+  logged and dropped here instead of taking the link with it), decoded with limits; a
+  message that does not decode or does not fit the envelope is dropped, counted and logged
+  (rate-limited) and never reaches the federation.
 
 Every socket is non-blocking and polled by the daemon's loop (:meth:`Domain.sockets`,
 :meth:`Domain.service`, :meth:`Domain.tick`, :meth:`Domain.next_deadline`). The federation
