@@ -464,3 +464,66 @@ def test_frame_cap_counts_curve_overhead_and_oversize_is_logged(cluster):
         assert f"a frame of {D.MAX_MESSAGE + 1} bytes, over the {D.MAX_MESSAGE}-byte cap" in log, log[-2000:]
     finally:
         fake.close()
+
+
+# ================================================================ the checks, one by one
+def test_report_and_release_table_checks():
+    """What a report and a release table are checked against, field by field; a report is
+    kept as its checked copy (extra fields dropped, in the report and in its rank records)."""
+    from types import SimpleNamespace
+
+    spec = {"max_num_tokens": 4, "top_k": 1, "num_experts": 2, "workspace_size_per_rank": 10000,
+            "on_peer_loss": "raise"}
+    rank = _rank(1, 12288, b"h" * 32)
+    good = {"job": "j", "seq": 3, "gone": False, "ep_size": 2, "spec": spec, "owner_uid": 1000, "backend": "host",
+            "row_stride": 12288, "size_per_rank": 10000, "confirmed": True, "generation": 4, "rendezvous_count": 1,
+            "needs_rearm": False, "abort": 0, "abort_rank": -1, "ranks": [dict(rank, colour="red")], "pad": b"x" * 100,
+            "t": "job", "v": 1}
+    kept = F._check_report(good)
+    assert "pad" not in kept and "t" not in kept and set(kept["ranks"][0]) == set(F.RANK_FIELDS)
+    assert set(kept) == {"job", "seq", "gone", *F.REPORT_FIELDS, "ranks"}
+    assert F._check_report({"job": "j", "seq": 4, "gone": True, "junk": 1}) == {"job": "j", "seq": 4, "gone": True}
+
+    def bad(match, **over):
+        with pytest.raises(ValueError, match=match):
+            F._check_report(dict(good, **over))
+
+    def bad_rank(match, **over):
+        bad(match, ranks=[dict(rank, **over)])
+
+    bad_rank("bad device", device=12345)
+    bad_rank("bad device", device="")
+    bad_rank("bad device", device="x" * 129)
+    bad_rank(r"bad row size \(must be in \[10000, 12288\]\)", size=0)
+    bad_rank("bad row size", size=12289)
+    bad_rank("bad rank", rank=2)
+    bad_rank("bad state", state=True)
+    bad_rank("bad state", state=99)
+    bad_rank("bad pid", pid=0)
+    bad_rank("bad counts", deaths=-1)
+    bad_rank("bad handle", handle=b"")
+    bad_rank("bad handle", handle=b"h" * 257)
+    bad_rank("bad handle type", handle_type="")
+    bad_rank("bad handle error", handle_error="e" * (F.MAX_HANDLE_ERROR + 1))
+    bad("bad ranks", ranks=[rank, rank, rank])
+    bad("bad rank", ranks=[rank, dict(rank)])
+    bad("bad size_per_rank", size_per_rank=9999)
+    bad("bad row_stride", row_stride=9999)
+    bad("bad abort word", abort=77)
+    bad("bad abort rank", abort_rank=2)
+    bad("bad backend", backend="h" * 17)
+    bad("bad generation", generation=-1)
+    bad("bad owner_uid", owner_uid=2**40)
+    bad("spec not normalized", spec={k: v for k, v in spec.items() if k != "on_peer_loss"})
+    bad("seq", seq=0)
+    job = SimpleNamespace(ep_size=2, size_per_rank=10000, row_stride=12288)
+    table = [{"rank": r, "node": "a", "device": "host", "size": 12288, "handle_type": "shm", "handle": b"h" * 32}
+             for r in range(2)]
+    F._check_table(table, job, ["a", "b"])
+    for r1, match in ((dict(device=12345), "rank 1's device 12345"), (dict(size=0), "rank 1's row size 0"),
+                      (dict(node="zz"), "rank 1's node 'zz' is not a node of the domain"),
+                      (dict(rank=0), r"rank 0"), (dict(handle="str"), "rank 1's handle")):
+        with pytest.raises(ValueError, match=match):
+            F._check_table([table[0], dict(table[1], **r1)], job, ["a", "b"])
+    with pytest.raises(ValueError, match="not 2 records"):
+        F._check_table(table[:1], job, ["a", "b"])
