@@ -240,8 +240,8 @@ def test_a_bad_release_table_is_refused(cluster, monkeypatch):
 # =========================================================== only the coordinator decides
 def test_decide_prepare_release_from_a_non_coordinator_are_refused(cluster):
     """Job coordinated by node b (configured, not started: a counts it possibly up for the
-    10 s loss bound). The fake node c sends a decide with another spec, a prepare and a
-    release: each refused and logged by a; rank 0's join keeps waiting and ends in a
+    10 s loss bound). The fake node c sends a decide with another spec, a prepare, a
+    release, a refusal of a's join and a rank refusal: each refused and logged by a; rank 0's join keeps waiting and ends in a
     RendezvousTimeout, not in the SpecMismatch or BackendError the lies would have caused."""
     c = cluster(["a", "b", "c"], interval=0.5, misses=20)
     job = _job("nc", "b", "abc")
@@ -263,7 +263,11 @@ def test_decide_prepare_release_from_a_non_coordinator_are_refused(cluster):
         fake.send("release", job=job, attempt=5, generation=rep["generation"] + 1, rendezvous_count=1,
                   table=[{"rank": 0, "node": "a", "device": "host", "size": rep["row_stride"], "handle_type": "shm",
                           "handle": rep["ranks"][0]["handle"]}])
-        wait_for(lambda: c.daemons["a"].log().count("not the job's coordinator") >= 2, 10, "a logging the refusals")
+        # a refusal of another node's join, and a rank refusal: the coordinator's to send, too
+        fake.send("refuse", job=job, kind="spec", field="top_k", job_value=2, requested=1, node="a",
+                  decision=decision, message=None)
+        fake.send("refuse_rank", job=job, rank=0, holder="c")
+        wait_for(lambda: c.daemons["a"].log().count("not the job's coordinator") >= 5, 10, "a logging the refusals")
         time.sleep(0.3)
         info = c.daemons["a"].request("job_info", job=job)
         assert info["ranks"][0]["state"] == "joining" and info["domain"]["tentative"], info
@@ -271,9 +275,9 @@ def test_decide_prepare_release_from_a_non_coordinator_are_refused(cluster):
         th.join(30)
         assert isinstance(got[0], errors.RendezvousTimeout), got
         log = c.daemons["a"].log()
-        for t in ("decide", "prepare", "release"):
+        for t in ("decide", "prepare", "release", "refuse", "refuse_rank"):
             assert re.search(rf"refused a '{t}' of job {job} from node c, which is not the job's coordinator", log), log[-3000:]
-        assert c.daemons["a"].request("domain")["federation"]["refused_messages"] >= 3
+        assert c.daemons["a"].request("domain")["federation"]["refused_messages"] >= 5
     finally:
         fake.close()
 
