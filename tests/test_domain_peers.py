@@ -26,9 +26,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -41,7 +38,7 @@ import zmq
 from a2ad import errors, layout as L
 from a2ad.daemon import domain as D
 from a2ad.daemon import federation as F
-from helpers import REPO, DaemonProcess, free_port, rss_kib, wait_for
+from helpers import DaemonProcess, free_port, rss_kib, wait_for
 from test_domain import KEY, Cluster, _attach_in_thread, _rank_states, ctl, write_domain
 
 DOM = "testdom"

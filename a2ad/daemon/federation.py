@@ -386,10 +386,6 @@ class Federation:
                       "as this node sees the domain)", t, name, node, coord)
         return f"node {node} is not the job's coordinator here (node {coord} is)"
 
-    def _refused(self, why: str, *args) -> None:
-        self.counters["refused_messages"] += 1
-        self._ratelog(logging.WARNING, ("refused", why), "domain: " + why, *args)
-
     # --------------------------------------------------------- registry's calls
     def check_new_job(self, name: str, ep_size: int, spec: dict, peer) -> bool:
         """A join creates ``name`` on this node: check it against what the domain already
