@@ -19,7 +19,8 @@ buggy daemon would use.
 - two daemons running as the same node: detected, logged, shown by ``a2ad-ctl status`` and
   the metrics, no flapping; cleared once one of them stops;
 - a frame of exactly the message cap gets through; one over it is logged and dropped while
-  the link stays.
+  the link stays; one over the socket's own limit closes the link, logged;
+- the report and release-table checks, field by field.
 """
 
 from __future__ import annotations
@@ -435,7 +436,8 @@ def test_two_daemons_as_one_node_are_detected(cluster):
 # ======================================================================= the frame cap
 def test_frame_cap_counts_curve_overhead_and_oversize_is_logged(cluster):
     """A message of exactly MAX_MESSAGE bytes (what a sender's check allows) arrives; one a
-    byte over is dropped and logged, and the link stays."""
+    byte over is dropped and logged, and the link stays; one over the socket's own limit
+    closes the link, and that is logged."""
     c = cluster(["a", "c"])
     c.start("a")
     fake = FakeNode(c, "c", "a")
@@ -463,6 +465,12 @@ def test_frame_cap_counts_curve_overhead_and_oversize_is_logged(cluster):
         assert fake.disconnections() == 0
         log = c.daemons["a"].log()
         assert f"a frame of {D.MAX_MESSAGE + 1} bytes, over the {D.MAX_MESSAGE}-byte cap" in log, log[-2000:]
+        # past the socket's own limit libzmq closes the connection: that is logged too
+        fake.send_raw(b"x" * (D.MAX_FRAME + 1))
+        wait_for(lambda: f"sent a frame over the {D.MAX_FRAME}-byte socket limit" in c.daemons["a"].log(), 10,
+                 "a logging the closed connection")
+        wait_for(lambda: fake.disconnections() >= 1, 10, "the test node's link closed")
+        assert c.daemons["a"].request("hello")["pid"] == c.daemons["a"].pid
     finally:
         fake.close()
 
