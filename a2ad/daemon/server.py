@@ -26,7 +26,7 @@ from pathlib import Path
 import zmq
 
 from a2ad import __version__, errors, fdpass, layout as L, protocol, runtime
-from a2ad.control import ControlBlock
+from a2ad.control import ControlBlock, hold_job
 from a2ad.daemon import metrics, persist, sdnotify
 from a2ad.daemon.auth import Auth, Peer
 from a2ad.daemon.backends import make_backend
@@ -81,6 +81,9 @@ class Config:
     metrics_port: int | None = None
     #: auto | systemd | keeper | none: where workspace fds survive a daemon restart
     fd_store: str = "auto"
+    #: Seconds the fd keeper keeps a job once no daemon is connected and no rank attached
+    #: (None: the keeper's default, keeper.DEFAULT_LINGER).
+    keeper_linger: float | None = None
     #: Wait for the previous daemon to hand over the runtime folder (upgrade successor).
     takeover: bool = False
     #: The `a2ad serve` arguments, so that an upgrade can start a successor just like us.
@@ -219,6 +222,10 @@ class Daemon:
         handover = self._handover_socket()
         self.lock = None if handover is not None else self._take_lock(rd, wait=self.cfg.takeover)
         store_held = True  # until the store is known to hold nothing, a failure leaves it be
+        if self.cfg.keeper_linger is not None:
+            from a2ad.daemon.keeper import LINGER_ENV
+
+            os.environ[LINGER_ENV] = repr(float(self.cfg.keeper_linger))  # every keeper we start inherits it
         try:
             self.store = make_store(self.cfg.fd_store, rd)
             self.registry.store = self.store
@@ -611,6 +618,7 @@ class Daemon:
         if not memfd.adopt_memfd(cfd, L.CONTROL_BLOCK_SIZE, "control block"):
             log.warning("job %s: its control block cannot be sealed (from an older daemon)", name)
         aux = L.aux_layout(ep_size, rec["spec"]["max_num_tokens"])
+        hold_job(cfd)  # held already when the store kept the daemon's description; taken if not
         control = ControlBlock.map_fd(cfd)
         job = Job(
             name=name, ep_size=ep_size, spec=rec["spec"], size_per_rank=rec["size_per_rank"],
@@ -824,6 +832,7 @@ class Daemon:
             if reg.jobs:
                 log.info("stopping: %d job(s) with attached ranks kept for the next daemon: %s",
                          len(reg.jobs), ", ".join(sorted(reg.jobs)[:20]))
+                self._log_kept(list(reg.jobs.values()))
             self._flush()
         if reg.jobs and not self.handover:
             self._write_state_now()
@@ -843,6 +852,29 @@ class Daemon:
         if self.lock is not None:
             self.lock.release()
         log.info("stopped")
+
+    def _log_kept(self, jobs: list[Job]) -> None:
+        """Say who holds the kept jobs' memory now the daemon goes, and how to free it."""
+        nbytes = sum(j.job_bytes for j in jobs)
+        what = f"{len(jobs)} job(s), {nbytes} bytes"
+        kind = self.store.kind
+        if kind == "keeper":
+            pid, linger = _keeper_info(self.cfg.runtime_dir)
+            who = f"the fd keeper (pid {pid})" if pid else f"the fd keeper at {self.cfg.runtime_dir / 'keeper.sock'}"
+            log.warning(
+                "stopping: %s holds %s for the next daemon on %s; if none comes back it frees each job %s after "
+                "its last rank is gone (--keeper-linger); to free them now: start a2ad serve and run a2ad-ctl shutdown "
+                "--free-jobs, or %s", who, what, self.cfg.runtime_dir,
+                f"{linger:g} s" if isinstance(linger, (int, float)) else "some time",
+                f"kill {pid}" if pid else "kill the keeper",
+            )
+        elif kind == "systemd":
+            log.warning(
+                "stopping: systemd's fd store holds %s for the next start of the unit; to free them now: "
+                "start it and run a2ad-ctl shutdown --free-jobs (or systemctl clean --what=fdstore on systemd 254+)", what)
+        else:
+            log.warning("stopping with --fd-store none: %s are held by no one once this daemon exits; their ranks "
+                        "get JobDestroyed at their next call and their memory is freed when they close it", what)
 
     # ----------------------------------------------------------------- status
     def status(self, peer: Peer | None = None) -> dict:
@@ -926,6 +958,28 @@ def _stop_process(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+def _keeper_info(runtime_dir: Path) -> tuple[int | None, float | None]:
+    """(pid, linger) of the fd keeper serving ``runtime_dir``, asked on a connection of its
+    own; (None, None) when it does not answer within a second."""
+    from a2ad.daemon.keeper import KEEPER_SOCK
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        s.settimeout(1.0)
+        s.connect(str(Path(runtime_dir) / KEEPER_SOCK))
+        fdpass.send_frame(s, {"op": "ping"}, timeout=1.0)
+        reply, extra = fdpass.recv_frame(s, timeout=1.0)
+        fdpass.close_all(extra)
+    except (OSError, errors.A2ADError):
+        return None, None
+    finally:
+        s.close()
+    if not isinstance(reply, dict):
+        return None, None
+    pid = reply.get("pid")
+    return (pid if isinstance(pid, int) else None), reply.get("linger")
 
 
 def _count_fds() -> int:

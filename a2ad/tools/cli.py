@@ -30,6 +30,15 @@ def _port(text: str) -> int:
     return n
 
 
+def _seconds(text: str) -> float:
+    from a2ad.daemon.keeper import parse_linger
+
+    try:
+        return parse_linger(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runtime-dir", help="folder for sockets, lock and state (default: $A2AD_RUNTIME_DIR, "
                    "/run/a2ad where writable, $XDG_RUNTIME_DIR/a2ad, else a per-user temp folder)")
@@ -60,6 +69,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fd-store", choices=["auto", "systemd", "keeper", "none"], default="auto",
                    help="where workspace fds survive a daemon restart: systemd's fd store under systemd, "
                         "else a small keeper process (auto, the default); none loses jobs on restart")
+    p.add_argument("--keeper-linger", type=_seconds, default=None, metavar="SECONDS",
+                   help="with the fd keeper: seconds it keeps a job once no daemon is connected and no rank is "
+                        "attached, then frees it (default 600)")
     p.add_argument("--takeover", action="store_true",
                    help="wait for the previous daemon to hand over the runtime folder (used by upgrade)")
     p.add_argument("--metrics-port", type=_port, metavar="PORT",
@@ -100,6 +112,7 @@ def serve(args) -> int:
         max_zmq_peers_per_uid=args.max_ctl_connections_per_uid,
         metrics_port=args.metrics_port,
         fd_store=args.fd_store,
+        keeper_linger=args.keeper_linger,
         takeover=args.takeover,
         argv=list(getattr(args, "serve_argv", [])),
         domain=args.domain,
