@@ -430,3 +430,93 @@ except Exception as exc:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+# --------------------------------------------------------------------------- item: metrics name no other user's job
+def _scrape(port: int) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def _metrics_as(uid: int, runtime_dir: Path) -> str:
+    """``metrics`` over ctl.sock from a forked child running as ``uid`` (gid 65534)."""
+    from a2ad.connection import DaemonClient
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(uid)
+            with DaemonClient(runtime_dir, timeout=10) as c:
+                text = c.request("metrics")["text"]
+            os.write(w, text.encode())
+            code = 0
+        except BaseException as exc:
+            os.write(w, f"CHILD ERROR {exc!r}".encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    chunks = []
+    with os.fdopen(r, "rb") as f:
+        chunks.append(f.read())
+    _, status = os.waitpid(pid, 0)
+    out = b"".join(chunks).decode()
+    assert status == 0, out
+    return out
+
+
+def test_metrics_name_other_users_jobs_only_to_admins(runtime_dir):
+    import grp
+
+    if os.getuid() != 0:
+        pytest.skip("needs root to ask as a second uid")
+    try:
+        group = grp.getgrgid(65534).gr_name
+    except KeyError:
+        pytest.skip("no group 65534 on this machine")
+    from helpers import free_port
+
+    other = 12345
+    port = free_port()
+    args = ("--backend", "host", "--grace", "30", "--fd-store", "keeper", "--group", group,
+            "--allow-uid", str(other), "--metrics-port", str(port))
+    d = DaemonProcess(runtime_dir, *args)
+    d2 = None
+    holder = None
+    job = "secret-model:layer0"
+    try:
+        d.start()
+        holder = subprocess.Popen([sys.executable, "-c", r"""
+import sys
+from a2ad.client import attach
+a = attach(sys.argv[2], 0, 1, runtime_dir=sys.argv[1], timeout=60, max_num_tokens=16, top_k=2, num_experts=8,
+           workspace_size_per_rank=1 << 20, on_peer_loss="degrade")
+print("ATTACHED", flush=True)
+sys.stdin.read()
+a.close()
+""", str(runtime_dir), job], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=str(REPO))
+        _read_line(holder, "ATTACHED", 60)
+        own = d.request("metrics")["text"]  # root: an admin
+        assert f'a2ad_job_active_ranks{{job="{job}"}}' in own, own
+        http = _scrape(port)
+        assert job not in http and "a2ad_jobs 1.0" in http, http
+        theirs = _metrics_as(other, runtime_dir)
+        assert job not in theirs and "a2ad_jobs 1.0" in theirs and "a2ad_job_active_ranks" in theirs, theirs
+        print("figure: /metrics and another uid's a2ad-ctl metrics count the job (a2ad_jobs 1) without naming it")
+        d.kill9()
+        d2 = DaemonProcess(runtime_dir, *args, "--metrics-job-names")
+        d2.start()
+        assert f'a2ad_job_active_ranks{{job="{job}"}}' in _scrape(port)
+    finally:
+        if holder is not None:
+            release_holders(holder)
+        if d2 is not None:
+            d2.stop()
+        d.stop()
+        reap_keeper(runtime_dir)

@@ -145,10 +145,11 @@ def cmd_shutdown(d, f, ctx) -> dict:
 
 
 def cmd_metrics(d, f, ctx) -> dict:
-    """Reply: {text}: the daemon's metrics in Prometheus text format."""
+    """Reply: {text}: the daemon's metrics in Prometheus text format (series naming a job
+    only for the jobs the asking uid may see, as in status)."""
     from a2ad.daemon.metrics import render
 
-    return {"text": render(d)}
+    return {"text": render(d, ctx.peer)}
 
 
 COMMANDS: dict[str, Callable] = {

@@ -79,6 +79,8 @@ class Config:
     admin_group: str | None = None
     #: serve GET /metrics on 127.0.0.1:PORT from the poll loop (None: off)
     metrics_port: int | None = None
+    #: name jobs in the HTTP /metrics series (anyone on the node can read that port)
+    metrics_job_names: bool = False
     #: auto | systemd | keeper | none: where workspace fds survive a daemon restart
     fd_store: str = "auto"
     #: Seconds the fd keeper keeps a job once no daemon is connected and no rank attached

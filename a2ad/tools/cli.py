@@ -76,6 +76,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="wait for the previous daemon to hand over the runtime folder (used by upgrade)")
     p.add_argument("--metrics-port", type=_port, metavar="PORT",
                    help="also serve Prometheus metrics at http://127.0.0.1:PORT/metrics (loopback only; default off)")
+    p.add_argument("--metrics-job-names", action="store_true",
+                   help="name every user's jobs in the series of the metrics port (any local user can read it); "
+                        "by default only a2ad-ctl metrics names jobs, those the asking user may see")
     p.add_argument("--domain", metavar="FILE",
                    help="the config file (TOML) of the multi-node NVLink domain this node belongs to: its nodes, "
                         "their addresses and the shared key (docs/DOMAIN.md); jobs may then span nodes")
@@ -111,6 +114,7 @@ def serve(args) -> int:
         max_handshakes_per_uid=args.max_fd_handshakes_per_uid,
         max_zmq_peers_per_uid=args.max_ctl_connections_per_uid,
         metrics_port=args.metrics_port,
+        metrics_job_names=args.metrics_job_names,
         fd_store=args.fd_store,
         keeper_linger=args.keeper_linger,
         takeover=args.takeover,
