@@ -137,7 +137,7 @@ class Daemon:
         ))
         self.registry.on_rendezvous = self.rendezvous_hist.observe
         self.registry.fd_budget = self._fd_budget
-        self.state = persist.StateWriter(config.runtime_dir)
+        self.state = persist.StateWriter(config.runtime_dir, reserve=True)
         self._ctx: zmq.Context | None = None
         self.router: zmq.Socket | None = None
         self.monitor: zmq.Socket | None = None
@@ -839,10 +839,7 @@ class Daemon:
         if reg.jobs and not self.handover:
             self._write_state_now()
         elif not reg.jobs:
-            try:  # nothing is left to re-adopt
-                (self.cfg.runtime_dir / runtime.STATE_FILE).unlink()
-            except FileNotFoundError:
-                pass
+            self.state.remove()  # nothing is left to re-adopt
         self._deliver()
         self._unbind()
         kept = bool(reg.jobs)
@@ -906,7 +903,9 @@ class Daemon:
             "counters": dict(self.registry.counters),
             "fd_store": self.store.kind if store_state == "ok" else f"{self.store.kind} ({store_state})",
             "fd_store_state": store_state,
-            "state_file": "ok" if self.state.healthy else f"failing: {self.state.last_error}",
+            "state_file": "ok" if self.state.healthy else f"failing: {self.state.last_error}" + (
+                "; kept in the reserve" if self.state.in_reserve else
+                f"; the reserve fails too: {self.state.reserve_error}" if self.state.reserve_error else ""),
             "limits": {
                 "open_files": self.nofile[0],
                 "held_joins_per_uid": self.cfg.max_held_joins_per_uid,
