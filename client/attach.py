@@ -481,7 +481,9 @@ class Attachment:
     def maintain(self, force: bool = False) -> None:
         """Cheap and rate-limited, called on the data path: if the daemon restarted, reconnect
         the lease. It never waits on an absent daemon (a socket left by a dead one refuses the
-        connection at once) and backs off exponentially (up to 8 s) while there is none."""
+        connection at once) and backs off exponentially (up to 8 s) while there is none. While
+        the lease is down it also tests, every 0.5 s, whether any daemon or fd store still
+        holds the job; once none does, the next call raises JobDestroyed. Never raises."""
         self._live().maintain(force)
 
     def close(self) -> None:
