@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -392,44 +393,80 @@ def test_keeper_holding_1100_fds_survives_a_second_connection(runtime_dir):
 
 
 # --------------------------------------------------------------------------- item: keeper peer credentials
-def test_keeper_serves_only_its_own_uid(runtime_dir):
-    """Even with the socket's mode opened to everyone, another uid's connection is closed
-    unanswered (SO_PEERCRED), and the keeper's own uid is served."""
+def _ping_as(uid: int | None, path: Path) -> str:
+    """'ANSWERED' or 'REFUSED <error>' for a ping to the keeper at ``path`` from a forked
+    child running as ``uid`` (None: this process's uid)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(r)
+            if uid is not None:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(uid)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)
+            s.connect(str(path))
+            try:
+                fdpass.send_frame(s, {"op": "ping"}, timeout=5)
+                fdpass.recv_frame(s, timeout=5)
+                out = "ANSWERED"
+            except Exception as exc:
+                out = f"REFUSED {type(exc).__name__}"
+            os.write(w, out.encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        out = f.read().decode()
+    os.waitpid(pid, 0)
+    return out
+
+
+def test_keeper_serves_only_its_own_uid_not_even_root(tmp_path):
+    """A keeper running as another uid than root (as the daemon's keeper does under systemd's
+    User=): with its socket opened to everyone, root and a third uid are closed unanswered
+    (SO_PEERCRED); its own uid is served."""
+    import a2ad.daemon.fdstore  # noqa: F401  (imported before the child drops its uid)
+    from a2ad.daemon import keeper
+
     if os.getuid() != 0:
-        pytest.skip("needs root to connect as a second uid")
-    path = runtime_dir / KEEPER_SOCK
-    proc = _start_keeper(path)
+        pytest.skip("needs root to run the keeper as a second uid")
+    owner = 65534
+    folder = Path(tempfile.mkdtemp(prefix="a2ad-k-"))
+    path = folder / KEEPER_SOCK
+    pid = None
     try:
-        runtime_dir.chmod(0o755)
-        path.chmod(0o666)
-        child = subprocess.run(
-            [sys.executable, "-c", r"""
-import os, socket, sys
-os.setgid(65534); os.setuid(65534)
-from a2ad import fdpass
-s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-s.settimeout(5)
-s.connect(sys.argv[1])
-try:
-    fdpass.send_frame(s, {"op": "get", "chunked": True}, timeout=5)
-    reply, fds = fdpass.recv_frame(s, timeout=5)
-    print("ANSWERED", reply, len(fds))
-except Exception as exc:
-    print("REFUSED", type(exc).__name__)
-""", str(path)], capture_output=True, text=True, timeout=30, cwd=str(REPO))
-        assert child.stdout.startswith("REFUSED"), (child.stdout, child.stderr)
-        assert _keeper_call(runtime_dir, {"op": "ping"})["ok"]
-        assert proc.poll() is None
+        os.chown(folder, owner, 65534)
+        folder.chmod(0o755)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the keeper
+            code = 1
+            try:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(owner)
+                sys.stdout = open(os.devnull, "w")
+                code = keeper.serve(str(path), linger=60)
+            finally:
+                os._exit(code)
+        wait_for(path.exists, 20, "the keeper's socket")
+        path.chmod(0o666)  # only the peer check stands between the keeper and anyone
+        assert _ping_as(owner, path) == "ANSWERED"
+        assert _ping_as(None, path).startswith("REFUSED"), "root was served by another uid's keeper"
+        assert _ping_as(12345, path).startswith("REFUSED")
+        assert _ping_as(owner, path) == "ANSWERED"  # and it is still up
     finally:
-        try:
-            _keeper_call(runtime_dir, {"op": "exit"})
-        except OSError:
-            pass
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        if pid:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- item: metrics name no other user's job
