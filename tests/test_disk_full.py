@@ -196,3 +196,25 @@ def test_a_full_disk_with_no_room_in_the_reserve_refuses_new_jobs(small_fs):
     assert why is not None and "cannot be written" in why and "reserve" in why, why
     print(f"figure: refusal with the reserve full: {why}")
     assert len(persist.load(rt)["jobs"]) == 40  # the last copy that fitted
+
+
+def test_a_torn_reserve_copy_falls_back_to_the_other(tmp_path):
+    """The reserve's two copies alternate; a copy whose write did not finish (its CRC does
+    not match) is passed over for the other, and a newer state file wins over both."""
+    res = persist.Reserve(tmp_path)
+    assert res.ensure(1000)
+    one = persist.encode_state([_rec(1)], "host", 1)
+    two = persist.encode_state([_rec(1), _rec(2)], "host", 2)
+    res.write(one, 1)
+    res.write(two, 2)
+    assert persist.load(tmp_path)["seq"] == 2
+    with open(res.path, "r+b") as f:  # tear copy 2 (the second slot): one byte of its data
+        f.seek(res.copy + 64)
+        b = f.read(1)
+        f.seek(res.copy + 64)
+        f.write(bytes([b[0] ^ 0xFF]))
+    got = persist.load(tmp_path)
+    assert got["seq"] == 1 and [r["name"] for r in got["jobs"]] == ["j1"]
+    assert persist.Reserve(tmp_path)._next == 1  # a restarted writer overwrites the torn (older) copy first
+    persist.write_state(tmp_path, [_rec(7)], "host", seq=5)
+    assert [r["name"] for r in persist.load(tmp_path)["jobs"]] == ["j7"]

@@ -253,7 +253,11 @@ class Reserve:
             st = os.stat(self.path, follow_symlinks=False)
             if st.st_size and st.st_size % (2 * _PAGE) == 0:
                 self.copy = st.st_size // 2
-        except OSError:
+                # overwrite the older (or torn) copy first: the newest intact one stays
+                with open(self.path, "rb") as f:
+                    seqs = [_intact_seq(f, i * self.copy, self.copy) for i in range(2)]
+                self._next = 0 if seqs[0] <= seqs[1] else 1
+        except (OSError, struct.error):
             pass
 
     def ensure(self, need: int) -> bool:
@@ -318,6 +322,19 @@ class Reserve:
         except FileNotFoundError:
             pass
         self.copy = 0
+
+
+def _intact_seq(f, offset: int, copy: int) -> int:
+    """The sequence number of the reserve's copy at ``offset`` when it is intact, else -1."""
+    f.seek(offset)
+    head = f.read(_RES_HEAD.size)
+    if len(head) != _RES_HEAD.size:
+        return -1
+    magic, seq, length, crc = _RES_HEAD.unpack(head)
+    if magic != _RES_MAGIC or length > copy - _RES_HEAD.size:
+        return -1
+    data = f.read(length)
+    return seq if len(data) == length and zlib.crc32(data) == crc else -1
 
 
 def load_reserve(runtime_dir: Path) -> dict | None:
