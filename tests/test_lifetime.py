@@ -297,6 +297,11 @@ def test_serve_refuses_a_bad_keeper_linger(runtime_dir):
                                         "--keeper-linger", "-1"), capture_output=True, text=True, timeout=60,
                          cwd=str(REPO))
     assert out.returncode == 2 and "--keeper-linger" in out.stderr and ">= 0" in out.stderr, out.stderr
+    out = subprocess.run(python_command("a2ad.tools.cli", "serve", "--runtime-dir", str(runtime_dir), "--backend", "host"),
+                         capture_output=True, text=True, timeout=60, cwd=str(REPO),
+                         env=dict(os.environ, A2AD_KEEPER_LINGER="soon"))
+    assert out.returncode == 1 and "$A2AD_KEEPER_LINGER" in out.stderr and "'soon'" in out.stderr, out.stderr
+    assert not [p for p in runtime_dir.iterdir()], list(runtime_dir.iterdir())  # no lock, socket or keeper left
 
 
 # --------------------------------------------------------------------------- item: fds above 1024

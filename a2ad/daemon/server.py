@@ -232,13 +232,18 @@ class Daemon:
                 self.auth.admin_gids.add(grp.getgrnam(self.cfg.admin_group).gr_gid)
             except KeyError:
                 raise errors.InvalidField(f"admin group {self.cfg.admin_group!r} does not exist", field="admin_group") from None
+        from a2ad.daemon.keeper import LINGER_ENV, parse_linger
+
+        if self.cfg.keeper_linger is not None:
+            os.environ[LINGER_ENV] = repr(parse_linger(self.cfg.keeper_linger))  # every keeper we start inherits it
+        elif LINGER_ENV in os.environ:
+            try:
+                parse_linger(os.environ[LINGER_ENV])
+            except ValueError as exc:
+                raise errors.InvalidField(f"${LINGER_ENV}: {exc}", field="keeper_linger") from None
         handover = self._handover_socket()
         self.lock = None if handover is not None else self._take_lock(rd, wait=self.cfg.takeover)
         store_held = True  # until the store is known to hold nothing, a failure leaves it be
-        if self.cfg.keeper_linger is not None:
-            from a2ad.daemon.keeper import LINGER_ENV
-
-            os.environ[LINGER_ENV] = repr(float(self.cfg.keeper_linger))  # every keeper we start inherits it
         try:
             self.store = make_store(self.cfg.fd_store, rd)
             self.registry.store = self.store
