@@ -137,13 +137,13 @@ class _Linger:
     def __init__(self, linger: float):
         self.linger = linger
         self.gone_since: float | None = None  # since when no connection stands
-        self.seen: dict[str, float] = {}      # job -> when a rank was last seen attached
+        self.free_since: dict[str, float] = {}  # job -> the first look that found no rank attached
         self.next_scan = 0.0
         self.freed = 0
 
     def connected(self) -> None:
         self.gone_since = None
-        self.seen.clear()
+        self.free_since.clear()
 
     def scan(self, store: _Store, now: float) -> None:
         if self.gone_since is None:
@@ -159,15 +159,15 @@ class _Linger:
             except ValueError:
                 cfd = None
             if cfd is not None and ranks_present(cfd):
-                self.seen[job] = now
+                self.free_since.pop(job, None)
                 continue
-            since = max(self.gone_since, self.seen.get(job, self.gone_since))
+            since = max(self.gone_since, self.free_since.setdefault(job, now))
             if now - since < self.linger:
                 continue
             nbytes = store.bytes_held(names)
             for n in names:
                 store.drop(n)
-            self.seen.pop(job, None)
+            self.free_since.pop(job, None)
             self.freed += 1
             _say(f"freed job {job} ({len(names)} fd(s), {nbytes} bytes): no daemon connected for "
                  f"{now - self.gone_since:.1f} s and no rank attached for {now - since:.1f} s (linger {self.linger:g} s)")
