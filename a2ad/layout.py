@@ -669,6 +669,9 @@ ABORT_DESTROYED = 3
 ABORT_REARM = 4
 #: A live rank of a running job left it cleanly (close/leave); ABORT_PEER_LOST is for deaths.
 ABORT_PEER_LEFT = 5
+#: Set by a rank itself once it found that no daemon and no fd store holds its job any more
+#: (the control block's holder lock is free: see a2ad/control.py, "Holder and rank locks").
+ABORT_ORPHANED = 6
 ABORT_NAMES = {
     ABORT_NONE: "none",
     ABORT_PEER_LOST: "peer lost",
@@ -676,6 +679,7 @@ ABORT_NAMES = {
     ABORT_DESTROYED: "job destroyed",
     ABORT_REARM: "re-arm requested",
     ABORT_PEER_LEFT: "peer left",
+    ABORT_ORPHANED: "no holder",
 }
 
 # Rank states.

@@ -40,6 +40,15 @@ def _port(text: str) -> int:
     return n
 
 
+def _seconds(text: str) -> float:
+    from a2ad.daemon.keeper import parse_linger
+
+    try:
+        return parse_linger(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runtime-dir", help="folder for sockets, lock and state (default: $A2AD_RUNTIME_DIR, "
                    "/run/a2ad where writable, $XDG_RUNTIME_DIR/a2ad, else a per-user temp folder)")
@@ -78,10 +87,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fd-store", choices=["auto", "systemd", "keeper", "none"], default="auto",
                    help="where workspace fds survive a daemon restart: systemd's fd store under systemd, "
                         "else a small keeper process (auto, the default); none loses jobs on restart")
+    p.add_argument("--keeper-linger", type=_seconds, default=None, metavar="SECONDS",
+                   help="with the fd keeper: seconds it keeps a job once no daemon is connected and no rank is "
+                        "attached, then frees it (default 600)")
     p.add_argument("--takeover", action="store_true",
                    help="wait for the previous daemon to hand over the runtime folder (used by upgrade)")
     p.add_argument("--metrics-port", type=_port, metavar="PORT",
                    help="also serve Prometheus metrics at http://127.0.0.1:PORT/metrics (loopback only; default off)")
+    p.add_argument("--metrics-job-names", action="store_true",
+                   help="name every user's jobs in the series of the metrics port (any local user can read it); "
+                        "by default only a2ad-ctl metrics names jobs, those the asking user may see")
     p.add_argument("--domain", metavar="FILE",
                    help="the config file (TOML) of the multi-node NVLink domain this node belongs to: its nodes, "
                         "their addresses and the shared key (docs/DOMAIN.md); jobs may then span nodes")
@@ -120,7 +135,9 @@ def serve(args) -> int:
         max_handshakes_per_uid=args.max_fd_handshakes_per_uid,
         max_zmq_peers_per_uid=args.max_ctl_connections_per_uid,
         metrics_port=args.metrics_port,
+        metrics_job_names=args.metrics_job_names,
         fd_store=args.fd_store,
+        keeper_linger=args.keeper_linger,
         takeover=args.takeover,
         argv=list(getattr(args, "serve_argv", [])),
         domain=args.domain,
