@@ -236,6 +236,34 @@ def test_missing_python_headers_are_a_toolchain_problem(monkeypatch, tmp_path):
     assert len(problems) == 1 and str(tmp_path) in problems[0] and "-dev" in problems[0], problems
 
 
+def test_build_ext_with_an_nvcc_wrapper_says_to_set_cuda_home(venv, outside):
+    """An nvcc on PATH that is a wrapper script (its folder's parent has no CUDA headers): with
+    CUDA_HOME unset torch would guess that parent, and the build would stop on a missing
+    cuda_runtime.h; build-ext says so first, and names the toolkit the wrapper runs."""
+    toolkit = outside / "toolkit"
+    (toolkit / "bin").mkdir(parents=True, exist_ok=True)
+    (toolkit / "include").mkdir(exist_ok=True)
+    (toolkit / "include" / "cuda_runtime.h").write_text("/* stand-in */\n")
+    real = toolkit / "bin" / "nvcc"
+    real.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.8'\n")
+    real.chmod(0o755)
+    wrap = outside / "wrapper" / "bin"
+    wrap.mkdir(parents=True, exist_ok=True)
+    (wrap / "nvcc").write_text(f'#!/bin/sh\nexec {real} "$@"\n')
+    (wrap / "nvcc").chmod(0o755)
+    path = os.pathsep.join([str(venv / "bin"), str(wrap)] + [d for d in os.environ.get("PATH", "").split(os.pathsep)
+                                                               if d and not (Path(d) / "nvcc").exists()])
+    env = {k: v for k, v in clean_env(PATH=path, A2AD_EXT_DIR=str(outside / "ext-cache")).items()
+           if k not in ("CUDA_HOME", "CUDA_PATH")}
+    r = subprocess.run([str(venv / "bin" / "a2ad"), "build-ext"], cwd=str(outside), capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode != 0, r.stdout + r.stderr
+    err = r.stderr
+    assert "CUDA_HOME is not set" in err and "include/cuda_runtime.h" in err, err
+    assert f"guessed from the nvcc on PATH ({wrap / 'nvcc'}) as {wrap.parent}" in err, err
+    assert f"CUDA_HOME={toolkit}" in err, err
+
+
 def test_arch_selection(monkeypatch):
     from a2ad.client import _ext
 
