@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """One worker of examples/ops_restart.sh: runs the MoE layer of moe_layer.py round after round.
 
+A helper, not an example of its own (hence its folder): ops_restart.sh starts it with the
+arguments it needs.
+
 Every round is a forward through a2ad (dispatch, local experts, combine) checked against the
 same layer computed in this process. A token's result depends only on this rank's tokens and
 the shared weights, so the check holds whatever round number the peers are at (a
@@ -19,11 +22,14 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-import moe_layer  # beside this file
 from a2ad.client import A2ADError, MoeAlltoAll, PeerLost
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import moe_layer  # noqa: E402  examples/moe_layer.py
 
 ROUND_TOKENS = 16
 
