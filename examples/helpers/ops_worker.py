@@ -24,13 +24,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from a2ad.client import A2ADError, MoeAlltoAll, PeerLost
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import moe_layer  # noqa: E402  examples/moe_layer.py
-
 ROUND_TOKENS = 16
 
 
@@ -45,6 +38,14 @@ def main() -> int:
     p.add_argument("--pause", type=float, default=0.02, help="seconds between rounds (default 0.02)")
     p.add_argument("--timeout", type=float, default=30.0, help="bound of the rendezvous, of every wait and of recover")
     args = p.parse_args()
+    # imported once the arguments are parsed, so that --help and a usage error answer at once
+    import torch
+
+    from a2ad.client import A2ADError, MoeAlltoAll, PeerLost
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import moe_layer  # examples/moe_layer.py
+
     torch.set_num_threads(1)
     say = lambda msg: print(f"  [worker {args.rank}, pid {os.getpid()}] {msg}", flush=True)  # noqa: E731
 
