@@ -91,7 +91,7 @@ if [ "${A2AD_SETUP_FORCE:-0}" != 1 ] && why=$(installed_check 2>&1); then
     exit 0
 fi
 [ -n "${why:-}" ] && say "${why##*$'\n'}"
-if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" >/dev/null 2>&1; then
     if [ -n "${A2AD_TORCH_INDEX:-}" ]; then
         say "installing torch $TORCH_VERSION from A2AD_TORCH_INDEX (none found; this may take a few minutes) ..."
         "$PY" -m pip install -q --disable-pip-version-check "torch==$TORCH_VERSION" --index-url "$A2AD_TORCH_INDEX"
