@@ -62,10 +62,12 @@ def test_every_program_in_examples_is_an_example_or_a_named_helper():
         f"examples/ holds {PROGRAMS}: every program there must run with no arguments and be run by "
         "tests/test_examples.py, or live in examples/helpers/")
     texts = "\n".join((EXAMPLES / p).read_text() for p in PROGRAMS)
-    helpers = sorted((EXAMPLES / "helpers").iterdir())
+    helpers = sorted(p for p in (EXAMPLES / "helpers").iterdir() if p.is_file() and p.suffix == ".py"
+                     and p.name != "__init__.py")
     assert helpers, "examples/helpers/ is empty: remove the folder"
     for h in helpers:
-        assert f"helpers/{h.name}" in texts, f"examples/helpers/{h.name} is used by no example"
+        assert f"helpers/{h.name}" in texts or f"helpers.{h.stem} import" in texts, \
+            f"examples/helpers/{h.name} is used by no example"
         assert "helper" in h.read_text()[:600].lower(), f"examples/helpers/{h.name}: its docstring must say it is a helper"
 
 
