@@ -29,14 +29,14 @@ ROUND_TOKENS = 16
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--job", default="ops-example")
-    p.add_argument("--runtime-dir", required=True)
+    p.add_argument("--rank", type=int, required=True, help="this worker's expert-parallel rank")
+    p.add_argument("--ranks", type=int, default=2, help="ranks of the job (default 2)")
+    p.add_argument("--job", default="ops-example", help="the job's name (default ops-example)")
+    p.add_argument("--runtime-dir", required=True, help="the daemon's runtime folder")
     p.add_argument("--progress", required=True, help="file that holds the number of verified rounds")
     p.add_argument("--stop", required=True, help="stop once this file exists")
     p.add_argument("--pause", type=float, default=0.02, help="seconds between rounds (default 0.02)")
-    p.add_argument("--timeout", type=float, default=30.0, help="bound of the rendezvous, of every wait and of recover")
+    p.add_argument("--timeout", type=float, default=30.0, help="bound of the rendezvous, of every wait and of recover, seconds (default 30)")
     args = p.parse_args()
     # imported once the arguments are parsed, so that --help and a usage error answer at once
     import torch
