@@ -282,13 +282,16 @@ class ControlBlock:
         PeerLeft when a rank left the running job cleanly; PeerLost when the job was
         otherwise aborted (naming the rank whose loss caused it, else the peer the wait
         was on) or the rank's last wait was aborted; PeerTimeout when its last wait ran
-        out. ``details['reason']`` is the ABORT_* reason. Both data planes use it.
+        out. ``details['reason']`` is the ABORT_* reason (a number, where the abort word caused it)
+        and ``details['reason_name']`` says it in words (``ABORT_NAMES``; for a rank's own
+        aborted wait "wait aborted", for a rank the daemon no longer counts "not an active
+        rank"). Both data planes use it.
         """
         abort = self.abort_word
         if abort == L.ABORT_DESTROYED:
-            raise errors.JobDestroyed(destroyed_message(job), job=job, reason=abort)
+            raise errors.JobDestroyed(destroyed_message(job), job=job, reason=abort, reason_name=abort_name(abort))
         if abort == L.ABORT_ORPHANED:
-            raise errors.JobDestroyed(orphaned_message(job), job=job, reason=abort)
+            raise errors.JobDestroyed(orphaned_message(job), job=job, reason=abort, reason_name=abort_name(abort))
         rec = self.status(rank)
         if abort != L.ABORT_NONE:
             lost = self.abort_rank
@@ -302,14 +305,16 @@ class ControlBlock:
                     rank=lost,
                     generation=self.generation,
                     reason=abort,
+                    reason_name=abort_name(abort),
                 )
             raise errors.PeerLost(
-                f"job {job}: {L.ABORT_NAMES.get(abort, f'aborted ({abort})')}"
+                f"job {job}: {abort_name(abort)}"
                 + (f" (rank {lost})" if lost >= 0 else "")
                 + "; call recover() to resume once every rank is back",
                 rank=lost,
                 generation=self.generation,
                 reason=abort,
+                reason_name=abort_name(abort),
             )
         if rec.code == L.STATUS_TIMEOUT:
             raise errors.PeerTimeout(
@@ -325,6 +330,7 @@ class ControlBlock:
                 f"rank {rank}: {rec.phase_name} of round {rec.round} was aborted while waiting for rank {rec.peer}",
                 rank=rec.peer,
                 generation=self.generation,
+                reason_name=WAIT_ABORTED,
             )
         if rec.code == L.STATUS_NOT_ACTIVE:
             raise errors.PeerLost(
@@ -332,9 +338,21 @@ class ControlBlock:
                 f"it as gone before round {rec.round}); close this object and attach again",
                 rank=rank,
                 generation=self.generation,
+                reason_name=NOT_ACTIVE,
             )
         if rec.code != L.STATUS_OK:
             raise errors.InternalError(f"rank {rank}: unknown status code {rec.code} in the control block")
+
+
+#: ``PeerLost.details['reason_name']`` where no abort word gave the reason: this rank's wait was
+#: aborted, or the daemon no longer counts this rank as one of the job's active ranks.
+WAIT_ABORTED = "wait aborted"
+NOT_ACTIVE = "not an active rank"
+
+
+def abort_name(abort: int) -> str:
+    """An abort word's reason in words (``details['reason_name']`` of PeerLost and JobDestroyed)."""
+    return L.ABORT_NAMES.get(abort, f"aborted ({abort})")
 
 
 def destroyed_message(job) -> str:

@@ -102,7 +102,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "their addresses and the shared key (docs/DOMAIN.md); jobs may then span nodes")
     p.add_argument("--node", metavar="NAME",
                    help="this node's name in the --domain file (default: the short host name)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="least severe log lines written to stderr: debug adds diagnostic detail (default info: one "
+                        "line per lifecycle event)")
 
 
 def serve(args) -> int:
@@ -198,7 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="a2ad", description="MoE all-to-all workspace daemon")
     parser.add_argument("--version", action="version", version=f"a2ad {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    p_serve = sub.add_parser("serve", help="run the daemon in the foreground")
+    p_serve = sub.add_parser(
+        "serve", help="run the daemon in the foreground",
+        description="Run the a2ad daemon in the foreground: it owns every job's shared workspaces, runs the rank "
+                    "rendezvous and reports dead ranks at once. One daemon per node (a lock guards its runtime "
+                    "folder). Logs go to stderr.",
+        epilog="a2ad-ctl talks to it (status, jobs, drain, upgrade, shutdown); README.md and docs/OPERATIONS.md "
+               "describe running it.")
     add_serve_args(p_serve)
     p_build = sub.add_parser("build-ext", help="build the CUDA extension ahead of time into the cache "
                              "(needs nvcc and a CUDA build of torch, not a GPU)")
