@@ -311,7 +311,7 @@ def _build_and_load(
         log(f"a2ad CUDA extension built in {time.monotonic() - started:.0f} s: {out}")
     if not hasattr(torch.ops.a2ad, "dispatch"):
         raise errors.BuildError(f"the a2ad extension in {out} loaded but registered no ops")
-    missing = [f for f in ("dispatch", "combine", "sanitize", "quantize") if not hasattr(module, f)]
+    missing = [f for f in ("dispatch", "combine", "sanitize", "quantize", "load_kernels") if not hasattr(module, f)]
     if missing:
         raise errors.BuildError(f"the a2ad extension in {out} loaded but its module lacks {', '.join(missing)}")
     return str(out), module

@@ -98,6 +98,20 @@ def sm_count(device: torch.device | int | None = None) -> int:
     return int(_ext.load().sm_count(index))
 
 
+_LOADED_DEVICES: set[int] = set()
+
+
+def _load_kernels(direct, device: torch.device) -> None:
+    """Every kernel of the extension loaded on ``device`` once per process, before the first
+    launch: under CUDA's lazy loading a kernel's first launch loads it, and that load can wait
+    for a running kernel, so a rank's first sanitize would wait behind a peer rank's dispatch
+    of the same process that is waiting for it (several ranks on one caller-owned workspace)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _LOADED_DEVICES:
+        direct.load_kernels(index)
+        _LOADED_DEVICES.add(index)
+
+
 class CudaPlane(Plane):
     """Dispatch/combine kernels for one rank of an attached job.
 
@@ -160,6 +174,7 @@ class CudaPlane(Plane):
         # the eager hot path: the extension's own functions (the ops' code without the
         # dispatcher); torch.compile, which cannot trace them, gets the ops
         direct = _ext.direct()
+        _load_kernels(direct, att.workspace.device)
         self._dispatch_op = direct.dispatch
         self._combine_op = direct.combine
         self._sanitize_op = direct.sanitize

@@ -706,6 +706,15 @@ void quantize_direct(const Tensor& x, Tensor out, Tensor scales, int64_t fmt, in
                   "quantize launch");
 }
 
+// Every kernel of the extension loaded on `device` now (csrc/moe_a2a.cuh says why).
+void load_kernels(int64_t device) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  A2AD_CHECK_CUDA(a2ad::load_dispatch_kernels(), "loading the dispatch kernels");
+  A2AD_CHECK_CUDA(a2ad::load_combine_kernels(), "loading the combine kernel");
+  A2AD_CHECK_CUDA(a2ad::load_sanitize_kernels(), "loading the sanitize kernels");
+  A2AD_CHECK_CUDA(a2ad::load_quantize_kernels(), "loading the quantize kernel");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -722,6 +731,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("combine_offset"), pybind11::arg("payload_in_workspace"), pybind11::arg("degraded") = pybind11::none(),
         pybind11::arg("output") = pybind11::none(), pybind11::arg("low_precision") = false, pybind11::arg("spec") = 0,
         pybind11::arg("caller_mask") = pybind11::none(), pybind11::arg("caller_mask_value") = -1);
+  m.def("load_kernels", &load_kernels, "load every kernel on a device now (not lazily at its first launch)",
+        pybind11::arg("device"));
   m.def("quantize", &quantize_direct, "block quantization (MXFP8/MXFP4/NVFP4) of a combine output", pybind11::arg("x"),
         pybind11::arg("out"), pybind11::arg("scales"), pybind11::arg("fmt"), pybind11::arg("layout"),
         pybind11::arg("scale"), pybind11::arg("scale_t") = pybind11::none());

@@ -855,4 +855,23 @@ cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream) {
   return cudaErrorInvalidValue;
 }
 
+cudaError_t load_combine_kernels() {
+  // every instantiation launch_combine may pick
+  const void* fns[] = {
+      reinterpret_cast<const void*>(&combine_kernel<float, true, false>),
+      reinterpret_cast<const void*>(&combine_kernel<float, false, false>),
+      reinterpret_cast<const void*>(&combine_kernel<__half, true, false>),
+      reinterpret_cast<const void*>(&combine_kernel<__half, false, false>),
+      reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, false>),
+      reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, false, false>),
+      reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, true>),
+  };
+  cudaFuncAttributes a;
+  for (const void* fn : fns) {
+    const cudaError_t err = cudaFuncGetAttributes(&a, fn);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
 }  // namespace a2ad

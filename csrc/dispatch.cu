@@ -583,4 +583,10 @@ cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
   return launch::overlapped(dispatch_kernel, grid, kThreads, stream, q);
 }
 
+cudaError_t load_dispatch_kernels() {
+  cudaFuncAttributes a;
+  cudaError_t err = cudaFuncGetAttributes(&a, dispatch_kernel);
+  return err != cudaSuccess ? err : cudaFuncGetAttributes(&a, prologue_kernel);
+}
+
 }  // namespace a2ad

@@ -173,6 +173,15 @@ cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream);
 cudaError_t launch_sanitize(const SanitizeParams& p, cudaStream_t stream);
 cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream);
 cudaError_t launch_initialize(const InitializeParams& p, cudaStream_t stream);
+// Load every kernel of the extension on the current device now. Under CUDA's lazy loading a
+// kernel is loaded at its first launch, and a load can wait for the kernels already running on
+// the device: with several ranks of one job in one process (a caller-owned workspace), a rank's
+// first sanitize or quantize would then wait behind a peer's dispatch that is itself waiting
+// for that rank (the dispatch times out). The planes call this before their first launch.
+cudaError_t load_dispatch_kernels();
+cudaError_t load_combine_kernels();
+cudaError_t load_sanitize_kernels();
+cudaError_t load_quantize_kernels();
 
 // Number of SMs of `device` (cached after the first query).
 cudaError_t sm_count(int device, int* out);

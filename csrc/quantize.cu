@@ -324,4 +324,9 @@ cudaError_t launch_quantize(const void* x, int dtype, int64_t T, int64_t H, uint
   return cudaGetLastError();
 }
 
+cudaError_t load_quantize_kernels() {
+  cudaFuncAttributes a;
+  return cudaFuncGetAttributes(&a, quantize_kernel);
+}
+
 }  // namespace a2ad

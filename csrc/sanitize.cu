@@ -55,4 +55,10 @@ cudaError_t launch_initialize(const InitializeParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+cudaError_t load_sanitize_kernels() {
+  cudaFuncAttributes a;
+  cudaError_t err = cudaFuncGetAttributes(&a, sanitize_kernel);
+  return err != cudaSuccess ? err : cudaFuncGetAttributes(&a, initialize_kernel);
+}
+
 }  // namespace a2ad
