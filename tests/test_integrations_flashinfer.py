@@ -81,3 +81,42 @@ def test_kill9_seen_within_1s(daemon, tmp_path, ep, policy):
     assert sorted(res) == [r for r in range(ep) if r != victim]
     slowest = max(res.values())
     assert slowest < 1.0, f"a survivor saw the kill after {slowest:.3f} s"
+
+
+@pytest.mark.gpu
+def test_cuda_mask_and_fault_reads_do_not_sync(daemon_factory, tmp_path):
+    """On the cuda backend the hooks read the registered control block with stream-ordered
+    copies: no host sync (torch's sync-debug mode "error" passes), and a round still works."""
+    import torch
+    import torch.distributed as dist
+
+    from a2ad.integrations import flashinfer as fi
+
+    d = daemon_factory("--grace", "1", backend="cuda")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    comm = None
+    try:
+        comm = fi.A2adAlltoAll(
+            fi.BootstrapConfig(world_size=1, rank=0, device=torch.cuda.current_device()),
+            fi.MoEEpCommParams(num_experts=4, top_k=2, max_tokens_per_rank=4, hidden_size=16),
+            fi.A2adConfig(runtime_dir=str(d.runtime_dir), timeout=20.0, on_peer_loss="degrade"),
+        )
+        assert comm.device.type == "cuda"
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            mask, fault = comm.rank_mask(), comm.fault()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert mask.device.type == "cuda" and mask.dtype == torch.int32 and fault.device.type == "cuda"
+        assert mask.tolist() == [0] and not bool(fault)
+        x = torch.randn(3, 16, device="cuda").to(torch.bfloat16)
+        ids = torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32, device="cuda")
+        w = torch.rand(3, 2, device="cuda")
+        res = comm.dispatch(x, ids, w, max_tokens_per_rank=3)
+        out = comm.combine(res.hidden_states)
+        assert torch.equal(out, x)  # one rank, one copy of each token
+    finally:
+        if comm is not None:
+            comm.destroy()
+        dist.destroy_process_group()
