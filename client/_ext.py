@@ -112,11 +112,6 @@ def cuda_archs(requested: str | Sequence[str] | None = None) -> list[str]:
     return visible_archs() or [DEFAULT_ARCH]
 
 
-def cuda_arch() -> str:
-    """The target list as one string (``sm_90,sm_100``)."""
-    return ",".join(cuda_archs())
-
-
 def gencode_flags(archs: Sequence[str]) -> list[str]:
     """nvcc flags: machine code for every architecture, plus PTX of the newest (for later GPUs)."""
     flags = []
