@@ -61,20 +61,23 @@ def _setup(rank, ep, runtime_dir, pg_file, policy):
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
-    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import DeviceConfig, ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state as ps
     from vllm.distributed.device_communicators import all2all
 
     from a2ad.integrations import vllm as plugin
 
     assert all2all.FlashInferNVLinkOneSidedManager is plugin.manager_class(), "the plugin did not load"
-    cfg = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=ep, enable_expert_parallel=True,
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"), parallel_config=ParallelConfig(tensor_parallel_size=ep, enable_expert_parallel=True,
                                                     all2all_backend="flashinfer_nvlink_one_sided"))
     ctx = set_current_vllm_config(cfg)
     ctx.__enter__()
     ps.init_distributed_environment(world_size=ep, rank=rank, distributed_init_method=f"file://{pg_file}",
                                     local_rank=rank, backend="gloo")
     ps.initialize_model_parallel(tensor_model_parallel_size=ep)
+    from vllm.v1.worker.workspace import init_workspace_manager
+
+    init_workspace_manager(torch.device("cpu"))  # what GPUModelRunner does, on its device
     ep_group = ps.get_ep_group()
     assert ep_group.world_size == ep
     dc = ep_group.device_communicator
@@ -118,6 +121,22 @@ class _RefExperts:
 
                 @staticmethod
                 def _supports_current_device():
+                    return True
+
+                @staticmethod
+                def _supports_no_act_and_mul():
+                    return True
+
+                @staticmethod
+                def _supports_quant_scheme(weight_key, activation_key):
+                    return True
+
+                @staticmethod
+                def _supports_activation(activation):
+                    return True
+
+                @staticmethod
+                def _supports_parallel_config(moe_parallel_config):
                     return True
 
                 def supports_chunking(self):
