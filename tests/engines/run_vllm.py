@@ -252,6 +252,10 @@ def rounds_growth_checkpoint(rank, ep, runtime_dir, pg_file, num_experts):
     from vllm.v1.worker.sentinel.gpu_worker_sentinel import WorkerSentinel
 
     WorkerSentinel(SimpleNamespace(parallel_config=cfg.parallel_config))
+    from vllm.config import ParallelConfig
+
+    with pytest.raises(ValueError, match="FT-capable"):  # other backends still refused
+        WorkerSentinel(SimpleNamespace(parallel_config=ParallelConfig(all2all_backend="allgather_reducescatter")))
     return comm2.job
 
 
