@@ -14,7 +14,9 @@ Replaced, each at one seam, because it needs a GPU or a launched server:
 - the expert computation between dispatch and combine: a small reference on CPU tensors
   (``a2ad.client.reference.toy_expert``) instead of SGLang's MoE runner;
 - the server configuration: SGLang's own test override
-  (``get_context().override_server_args(...)``) instead of a launched server's arguments;
+  (``get_context().override_server_args(...)``) instead of a launched server's arguments,
+  and the rank's ``moe_ep_rank`` stated with ``get_parallel().override_permanently`` instead
+  of the rank bundle a launched server publishes;
 - elastic EP's state: ``ElasticEPStateManager._instance`` set to SGLang's own
   ``_build_state(...)`` on the CPU, instead of ``init(server_args)`` with an elastic EP
   backend (Mooncake or NIXL, GPU/RDMA only).
@@ -47,8 +49,12 @@ def _setup(rank, ep, runtime_dir, pg_file, policy, elastic=False):
     load_plugins()  # SGLang's loader: runs a2ad's entry point, then applies the hooks
     from sglang.srt.runtime_context import get_context
 
-    get_context().override_server_args(moe_a2a_backend="flashinfer", device="cpu").install()
+    get_context().override_server_args(moe_a2a_backend="flashinfer", device="cpu", tp_size=ep, ep_size=ep).install()
     dist.init_process_group("gloo", init_method=f"file://{pg_file}", rank=rank, world_size=ep)
+    from sglang.srt.runtime_context import get_parallel
+
+    # this process's place in the EP group (a launched server publishes it with its groups)
+    get_parallel().override_permanently(moe_ep_rank=rank)
     if elastic:
         from sglang.srt.elastic_ep.elastic_ep import ElasticEPStateManager
 
@@ -60,11 +66,15 @@ def _setup(rank, ep, runtime_dir, pg_file, policy, elastic=False):
 def _dispatcher(ep, num_experts, sp_prefill=False):
     import torch
     import torch.distributed as dist
+    from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
     from sglang.srt.layers.moe.token_dispatcher.flashinfer import FlashinferDispatcher
 
+    # a layer's runner config without a runner backend (the experts run outside SGLang here)
+    rc = MoeRunnerConfig(num_experts=num_experts, num_local_experts=num_experts // ep, hidden_size=HIDDEN,
+                         top_k=TOP_K, num_fused_shared_experts=0, params_dtype=torch.bfloat16)
     d = FlashinferDispatcher(group=dist.group.WORLD, router_topk=TOP_K, num_experts=num_experts,
                              num_local_experts=num_experts // ep, hidden_size=HIDDEN, params_dtype=torch.bfloat16,
-                             enable_sp_prefill_a2a=sp_prefill)
+                             moe_runner_config=rc, enable_sp_prefill_a2a=sp_prefill)
     d.set_quant_config({})
     return d
 
