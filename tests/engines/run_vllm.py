@@ -313,3 +313,52 @@ def test_plugin_refuses_an_untested_vllm():
     import vllm
 
     assert plugin.check_version(vllm.__version__)
+
+
+def flashinfer_factory(rank, ep, runtime_dir, pg_file, num_experts):
+    """FlashInfer's own factory builds the a2ad backend (registered as "a2ad"), with FlashInfer's
+    types, by name and by config; rounds checked against the reference."""
+    from flashinfer.moe_ep import (
+        BootstrapConfig,
+        MoEEpCommParams,
+        MoEEpCommunication,
+        MoEEpDispatchResult,
+        available_communication_backends,
+        create_communication,
+    )
+
+    import integration_cases as ic
+    from a2ad.integrations.flashinfer import HAVE_FLASHINFER, A2adAlltoAll, A2adConfig
+
+    assert HAVE_FLASHINFER and "a2ad" in available_communication_backends()
+    ic.init_group(rank, ep, pg_file)
+    params = MoEEpCommParams(num_experts=num_experts, top_k=TOP_K, max_tokens_per_rank=MAX_TOKENS,
+                             hidden_size=HIDDEN, invalid_expert_id=INVALID)
+    jobs = []
+    for backend in (A2adConfig(runtime_dir=runtime_dir, timeout=20.0), "a2ad"):
+        if backend == "a2ad":
+            comm = create_communication(BootstrapConfig(world_size=ep, rank=rank), params, backend,
+                                        runtime_dir=runtime_dir)
+        else:
+            comm = create_communication(BootstrapConfig(world_size=ep, rank=rank), params, backend=backend)
+        try:
+            assert isinstance(comm, A2adAlltoAll) and isinstance(comm, MoEEpCommunication)
+            for rnd, how in enumerate(("plain", "output", "buffer")):
+                ic._fi_round(comm, rank, ep, 5000 + rnd, num_experts, MAX_TOKENS, how)
+            res = comm.dispatch(*_one_round(rank, ep, num_experts))
+            assert isinstance(res, MoEEpDispatchResult)
+            comm.combine(res.hidden_states)
+            jobs.append(comm.job)
+        finally:
+            comm.destroy()
+    return tuple(jobs)
+
+
+def _one_round(rank, ep, num_experts):
+    rt, inputs, _, _ = reference_round(5100, ep, num_experts, MAX_TOKENS, tokens=[2] * ep)
+    return inputs[rank].hidden, inputs[rank].experts, inputs[rank].scales
+
+
+def test_flashinfer_create_communication_builds_a2ad(daemon, tmp_path):
+    res = run_group(flashinfer_factory, 2, (2, str(daemon.runtime_dir), str(tmp_path / "pg"), 4), timeout=600)
+    assert len(set(res.values())) == 1 and len(set(res[0])) == 2, res
