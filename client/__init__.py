@@ -4,6 +4,7 @@ from a2ad.errors import (
     A2ADError,
     BackendError,
     DaemonUnavailable,
+    Draining,
     InputError,
     InvalidField,
     JobDestroyed,
@@ -30,6 +31,7 @@ __all__ = [
     "BackendError",
     "DaemonClient",
     "DaemonUnavailable",
+    "Draining",
     "InputError",
     "InvalidField",
     "JobDestroyed",
@@ -69,9 +71,21 @@ from a2ad.layout import (  # noqa: E402,F401
 )
 
 from .moe_alltoall import moe_a2a_get_workspace_size_per_rank, moe_a2a_wrap_payload_tensor_in_workspace  # noqa: E402,F401
-from .ops import moe_a2a_combine, moe_a2a_dispatch, moe_a2a_sanitize_expert_ids  # noqa: E402,F401
+from .ops import (  # noqa: E402,F401
+    MOE_A2A_RANK_MASK_WORDS,
+    moe_a2a_active_rank_mask,
+    moe_a2a_combine,
+    moe_a2a_dispatch,
+    moe_a2a_initialize,
+    moe_a2a_release,
+    moe_a2a_sanitize_expert_ids,
+)
 
 __all__ += [
+    "MOE_A2A_RANK_MASK_WORDS",
+    "moe_a2a_active_rank_mask",
+    "moe_a2a_initialize",
+    "moe_a2a_release",
     "moe_a2a_combine",
     "moe_a2a_dispatch",
     "moe_a2a_get_workspace_size_per_rank",

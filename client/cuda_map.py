@@ -19,6 +19,7 @@ object still exposes ``__cuda_array_interface__`` for other consumers.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 
 import torch
@@ -232,6 +233,10 @@ class CudaMapping:
             raise
         self._res = res
         self.base_ptr = res.base
+        self._access = access
+        # what checkpoint_prepare / checkpoint_restore need to import the rows again
+        self._rows = [bytes(h) if isinstance(h, (bytes, bytearray, memoryview)) else os.dup(int(h)) for h in handles]
+        self.suspended = False
         try:
             flat = _tensor_from_pointer(res.base, res.total, kDLCUDA, self.device_ordinal, res)
             if flat.device != self.device or flat.data_ptr() != res.base:
@@ -268,8 +273,43 @@ class CudaMapping:
             "version": 3,
         }
 
+    def suspend(self) -> None:
+        """Synchronize the device, unmap every row and release the imported handles, keeping the
+        reserved address range (and so every pointer into it). Idempotent."""
+        res = self._res
+        if res is None or self.suspended:
+            return
+        with res.lock, cd.on_device(self.device_ordinal):
+            cd.synchronize()
+            for ptr, size in reversed(res.mapped):
+                cd.unmap(ptr, size)
+            res.mapped = []
+            for h in res.handles:
+                cd.release(h)
+            res.handles = []
+        self.suspended = True
+
+    def resume(self) -> None:
+        """Import every row again and map it at the address it had. Idempotent."""
+        res = self._res
+        if res is None or not self.suspended:
+            return
+        with res.lock, cd.on_device(self.device_ordinal):
+            for q, h in enumerate(self._rows):
+                imported = cd.import_fabric(h) if isinstance(h, bytes) else cd.import_fd(h)
+                res.handles.append(imported)
+                ptr = res.base + q * self.row_stride
+                cd.map(ptr, self.row_stride, imported)
+                res.mapped.append((ptr, self.row_stride))
+                cd.set_access(ptr, self.row_stride, self._access)
+        self.suspended = False
+
     def close(self) -> None:
         """Synchronize the device, unmap, release the imported handles, free the range. Idempotent."""
+        for row in getattr(self, "_rows", ()):
+            if isinstance(row, int):
+                os.close(row)
+        self._rows = []
         res, self._res = getattr(self, "_res", None), None
         self.tensor = None
         self.flat = None

@@ -78,12 +78,48 @@ class HostMapping:
         except BaseException:
             _libc.munmap(base, self.total)
             raise
+        # what checkpoint_prepare / checkpoint_restore need to map the rows again at these addresses
+        self._rows = [bytes(r) if isinstance(r, (bytes, bytearray)) else os.dup(r) for r in fds]
+        self.suspended = False
         raw = (ctypes.c_uint8 * self.total).from_address(base)
         flat = torch.frombuffer(raw, dtype=torch.uint8)
         self.tensor = flat.as_strided((len(fds), size_per_rank), (row_stride, 1))
+
+    def suspend(self) -> None:
+        """Unmap every row, keeping the address range reserved (PROT_NONE): a touch faults
+        until :meth:`resume`. Idempotent."""
+        if self.suspended or self.base is None:
+            return
+        addr = _libc.mmap(self.base, self.total, _PROT_NONE,
+                          mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0)
+        if addr != self.base:
+            err = ctypes.get_errno()
+            raise OSError(err, f"unmapping the workspace: {os.strerror(err)}")
+        self.suspended = True
+
+    def resume(self) -> None:
+        """Map every row again at the addresses it had (MAP_FIXED). Idempotent."""
+        if not self.suspended or self.base is None:
+            return
+        for q, row in enumerate(self._rows):
+            fd = open_row(row, self.row_stride) if isinstance(row, bytes) else row
+            try:
+                addr = _libc.mmap(self.base + q * self.row_stride, self.row_stride, mmap.PROT_READ | mmap.PROT_WRITE,
+                                  mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
+                err = ctypes.get_errno()
+            finally:
+                if fd is not row:
+                    os.close(fd)
+            if addr != self.base + q * self.row_stride:
+                raise OSError(err, f"mapping rank {q}'s workspace again: {os.strerror(err)}")
+        self.suspended = False
 
     def close(self) -> None:
         if self.base is not None:
             self.tensor = None
             _libc.munmap(self.base, self.total)
             self.base = None
+        for row in getattr(self, "_rows", ()):
+            if isinstance(row, int):
+                os.close(row)
+        self._rows = []

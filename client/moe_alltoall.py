@@ -1,10 +1,10 @@
 """``MoeAlltoAll``: MoE expert-parallel dispatch and combine over a daemon-owned workspace.
 
-The API mirrors FlashInfer's ``MoeAlltoAll`` throughput backend (see
-``reference/SEED_API.md`` in the design folder): construct it on every rank of an
+The API mirrors FlashInfer's ``MoeAlltoAll`` throughput backend
+(``flashinfer.comm.trtllm_moe_alltoall``): construct it on every rank of an
 expert-parallel group, then per round ``dispatch`` the tokens to the ranks that own
 their experts, run the local experts on what arrived, and ``combine`` the outputs
-back. Unlike the seed, the workspace is allocated by the a2ad daemon and mapped
+back. Unlike FlashInfer's MoeAlltoAll, the workspace is allocated by the a2ad daemon and mapped
 through :func:`a2ad.client.attach`, every input is checked before anything is
 written to a peer (:class:`~a2ad.errors.InputError`), calls out of order raise
 :class:`~a2ad.errors.StateError`, and every wait on a peer is bounded
@@ -32,8 +32,6 @@ rank alike); a workspace sized for the dispatch and combine payloads together
 
 from __future__ import annotations
 
-import math
-import operator
 import warnings
 
 import torch
@@ -54,6 +52,8 @@ from a2ad.layout import (  # noqa: F401  (metainfo index names, re-exported)
     TOPK_TARGET_RANKS_OFFSET_INDEX,
 )
 
+from .frontend import COMBINE_DTYPES, FUNCTIONAL_OWNER, UNMAPPED, Front, int_arg as _int_arg, tensor_arg as _tensor_arg  # noqa: F401,E501
+
 __all__ = [
     "MoeAlltoAll",
     "moe_a2a_get_workspace_size_per_rank",
@@ -61,7 +61,14 @@ __all__ = [
     *METAINFO_INDEX,
 ]
 
-COMBINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: True while torch.compile traces (Dynamo folds it to a constant); False when running.
+_compiling = torch.compiler.is_compiling
+
+
+def _check_backend(backend) -> None:
+    from .ops import check_backend
+
+    check_backend(backend)
 
 
 def moe_a2a_get_workspace_size_per_rank(
@@ -69,8 +76,24 @@ def moe_a2a_get_workspace_size_per_rank(
     max_num_tokens: int,
     total_dispatch_payload_size_per_token: int,
     combine_payload_size_per_token: int,
+    eplb_stats_num_experts: int = 0,
+    *,
+    backend: str = "trtllm",
 ) -> int:
-    """Bytes per rank for payloads of the given per-token sizes (aux region included)."""
+    """Bytes per rank for payloads of the given per-token sizes (aux region, and the EPLB
+    stats region of ``eplb_stats_num_experts`` experts, included)."""
+    _check_backend(backend)
+    if eplb_stats_num_experts:
+        eplb = _int_arg("eplb_stats_num_experts", eplb_stats_num_experts, 0)
+        try:
+            return L.workspace_size_per_rank(
+                ep_size, max_num_tokens, total_dispatch_payload_size_per_token, combine_payload_size_per_token,
+                eplb_stats_num_experts=eplb,
+            )
+        except TypeError:
+            raise errors.InputError(
+                "eplb_stats_num_experts > 0 needs a layout with an EPLB region, which this build lacks",
+                argument="eplb_stats_num_experts") from None
     return L.workspace_size_per_rank(
         ep_size, max_num_tokens, total_dispatch_payload_size_per_token, combine_payload_size_per_token
     )
@@ -109,43 +132,10 @@ def moe_a2a_wrap_payload_tensor_in_workspace(
         ) from None
 
 
-# ---------------------------------------------------------------------------
-# Argument checks (every one raises InputError naming the argument)
-# ---------------------------------------------------------------------------
-def _int_arg(name: str, value, lo: int, hi: int | None = None) -> int:
-    if isinstance(value, bool):
-        raise errors.InputError(f"{name} must be an integer, got bool", argument=name)
-    try:
-        value = operator.index(value)  # int, numpy integers, 0-d integer tensors
-    except TypeError:
-        raise errors.InputError(f"{name} must be an integer, got {type(value).__name__}", argument=name) from None
-    if value < lo or (hi is not None and value > hi):
-        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise errors.InputError(f"{name} must be {bound}, got {value}", argument=name)
-    return value
-
-
-def _tensor_arg(name: str, value, device: torch.device) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise errors.InputError(f"{name} must be a torch.Tensor, got {type(value).__name__}", argument=name)
-    if value.device != device:
-        raise errors.InputError(f"{name} is on {value.device}; this rank's workspace is on {device}", argument=name)
-    return value
-
-
-class _Round:
-    """What a dispatch leaves for its combine."""
-
-    __slots__ = ("rt", "local_num_tokens", "layout")
-
-    def __init__(self, rt: int, local_num_tokens: int, layout: L.PayloadLayout):
-        self.rt = rt
-        self.local_num_tokens = local_num_tokens
-        self.layout = layout
-
-
 class MoeAlltoAll:
     """One rank's MoE all-to-all over a workspace owned by the a2ad daemon.
+
+    FlashInfer's arguments, with its names and defaults:
 
     ``mapping``: any object with ``moe_ep_rank`` and ``moe_ep_size``.
     ``max_num_tokens``: the most tokens any rank passes to one dispatch.
@@ -154,27 +144,38 @@ class MoeAlltoAll:
     ``workspace_size_per_rank``: bytes per rank; when None it is
     :meth:`get_moe_workspace_size_per_rank` for ``hidden_size`` (bf16 hidden states,
     int32 expert ids and float32 scales per token, bf16 combine).
-    ``mnnvl_config``: accepted so that FlashInfer code runs unchanged, and ignored: the
-    daemon allocates the workspace and picks the handle type.
-    ``job``: the job name every rank of the group uses. ``runtime_dir``: the daemon's
-    runtime folder (default: the daemon's default). ``device``: this rank's device
-    (cuda backend: a CUDA device; default the current one). ``timeout``: seconds for
-    the rendezvous and for every wait on a peer.
+    ``mnnvl_config``: the daemon allocates the workspace and picks the handle type, so
+    only its ``comm_backend`` is used: to agree on a job name when ``job`` is not given.
+    ``eplb_stats_num_experts``: experts of the EPLB statistics gathered in every dispatch
+    that passes ``eplb_local_stats`` (0: none). ``enable_rank_mask``: whether dispatch and
+    combine take an ``active_rank_mask`` (combined with the job's own mask).
+    ``backend``: "trtllm" (the default) is accepted; a2ad's planes are its own, and any
+    other value ("cake") is refused with InputError.
+
+    a2ad's own, keyword-only: ``job``: the job name every rank of the group uses (unique
+    on the machine). When None the ranks agree on a new one through the communicator
+    FlashInfer callers already have (``client/jobname.py``: ``mnnvl_config.comm_backend``,
+    FlashInfer's ``MnnvlMemory.comm``, or the default torch.distributed group); without
+    any, InputError says to pass ``job=``. ``runtime_dir``: the daemon's runtime folder
+    (default: the daemon's default). ``device``: this rank's device (cuda backend: a CUDA
+    device; default the current one). ``timeout``: seconds for the rendezvous and for
+    every wait on a peer.
 
     The constructor joins the job and returns once every rank has joined. Call
     :meth:`close` (or use it as a context manager) to leave.
 
-    Several objects for one job and rank in one process (one per layer, say) share one
-    attachment (:func:`a2ad.client.attach`): the same workspace, lease and round counter;
-    the first joins, the others attach at once (their ``max_num_tokens``, ``top_k``,
-    ``num_experts``, workspace size and device must be identical: SpecMismatch), and the
-    job is left when the last of them closes. The rank's workspace holds one round at a
-    time, so their rounds must not overlap: dispatch on one, combine on it, then the next
-    (a dispatch while another object's round is open raises StateError). Every rank
-    must run the same sequence of rounds (the objects' order is free, but a round's
-    payload shapes must match across ranks), issue them in order (on CUDA: on one stream,
-    or synchronized), and not from several threads at once. After a failure, recover()
-    on any one of them re-arms the rank for all.
+    Several objects of one geometry and rank in one process (one per layer, say) share one
+    attachment (:func:`a2ad.client.attach`), as FlashInfer's instances share a workspace:
+    the same workspace, lease and round counter; the first joins, the others attach at
+    once (with ``job=``: their ``max_num_tokens``, ``top_k``, ``num_experts``, workspace
+    size and device must be identical, else SpecMismatch; without it, another geometry is
+    another job), and the job is left when the last of them closes. The rank's workspace
+    holds one round at a time, so their rounds must not overlap: dispatch on one, combine
+    on it, then the next (a dispatch while another object's round is open raises
+    StateError). Every rank must run the same sequence of rounds (the objects' order is
+    free, but a round's payload shapes must match across ranks), issue them in order (on
+    CUDA: on one stream, or synchronized), and not from several threads at once. After a
+    failure, recover() on any one of them re-arms the rank for all.
 
     ``on_peer_loss``: what the job does when a rank dies or leaves while it runs; part of
     the job's spec, so every rank must pass the same (else SpecMismatch). ``"raise"`` (the
@@ -184,6 +185,9 @@ class MoeAlltoAll:
     lost one, :attr:`active_ranks` which ranks serve, and a replacement that joins as the
     lost rank is let back in at a round boundary without the others calling anything
     (README, "Degraded mode"; docs/PROTOCOL.md).
+
+    Under ``torch.compile(fullgraph=True)`` :meth:`dispatch` and :meth:`combine` run the
+    functional ops (``client/ops.py``); compile the round's dispatch and combine together.
     """
 
     def __init__(
@@ -195,46 +199,65 @@ class MoeAlltoAll:
         workspace_size_per_rank: int | None = None,
         hidden_size: int | None = None,
         mnnvl_config=None,
+        eplb_stats_num_experts: int = 0,
+        enable_rank_mask: bool = False,
         *,
-        job: str,
+        backend: str = "trtllm",
+        job: str | None = None,
         runtime_dir=None,
         device=None,
         timeout: float = 60.0,
         on_peer_loss: str = "raise",
     ):
-        # mnnvl_config: accepted for FlashInfer compatibility and ignored (the daemon owns
-        # the workspace and chooses its memory handles)
         self._att = None
         self._plane = None
+        self._front = None
         self._token = None
         self._closed = True  # until attached: nothing to close or warn about
+        _check_backend(backend)
         try:
             ep_rank, ep_size = int(mapping.moe_ep_rank), int(mapping.moe_ep_size)
         except AttributeError:
-            raise errors.InputError("mapping must have moe_ep_rank and moe_ep_size") from None
+            raise errors.InputError("mapping must have moe_ep_rank and moe_ep_size", argument="mapping") from None
         ep_size = _int_arg("moe_ep_size", ep_size, 1, L.MAX_EP_SIZE)
         ep_rank = _int_arg("moe_ep_rank", ep_rank, 0, ep_size - 1)
         max_num_tokens = _int_arg("max_num_tokens", max_num_tokens, 1)
         top_k = _int_arg("top_k", top_k, 1, L.MAX_TOP_K)
         num_experts = _int_arg("num_experts", num_experts, ep_size)
+        eplb_stats_num_experts = _int_arg("eplb_stats_num_experts", eplb_stats_num_experts, 0)
+        if enable_rank_mask is not True and enable_rank_mask is not False:
+            raise errors.InputError("enable_rank_mask must be a bool", argument="enable_rank_mask")
         if not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise errors.InputError(f"timeout must be a positive number of seconds, got {timeout!r}")
+            raise errors.InputError(f"timeout must be a positive number of seconds, got {timeout!r}", argument="timeout")
         if on_peer_loss not in protocol.PEER_LOSS_POLICIES:
             raise errors.InputError(f"on_peer_loss must be 'raise' or 'degrade', got {on_peer_loss!r:.40}",
                                     argument="on_peer_loss")
         if workspace_size_per_rank is None:
             if hidden_size is None:
-                raise errors.InputError("give workspace_size_per_rank or hidden_size")
+                raise errors.InputError("give workspace_size_per_rank or hidden_size", argument="hidden_size")
             hidden_size = _int_arg("hidden_size", hidden_size, 1)
-            workspace_size_per_rank = self.get_moe_workspace_size_per_rank(ep_size, top_k, max_num_tokens, hidden_size)
+            workspace_size_per_rank = self.get_moe_workspace_size_per_rank(
+                ep_size, top_k, max_num_tokens, hidden_size, eplb_stats_num_experts=eplb_stats_num_experts)
         workspace_size_per_rank = _int_arg("workspace_size_per_rank", workspace_size_per_rank, 1)
 
-        from .attach import attach
+        from . import jobname
+        from .attach import attach, held
 
         self.max_num_tokens = max_num_tokens
         self.top_k = top_k
         self.num_experts = num_experts
+        self.workspace_size_per_rank = workspace_size_per_rank
+        self.eplb_stats_num_experts = eplb_stats_num_experts
+        self.enable_eplb = eplb_stats_num_experts > 0
+        self.enable_rank_mask = enable_rank_mask
         self.timeout = float(timeout)
+        self._backend = backend
+        self.mnnvl_mem = None  # FlashInfer's MNNVL allocation: the daemon's here
+        if job is None:
+            key = (str(runtime_dir), ep_rank, ep_size, max_num_tokens, top_k, num_experts, workspace_size_per_rank,
+                   eplb_stats_num_experts, on_peer_loss, str(device))
+            job = jobname.agree(key, ep_rank, ep_size, mnnvl_config, lambda name: held(runtime_dir, name, ep_rank),
+                                label=f"{ep_size}x{max_num_tokens}")
         self._att = attach(
             job,
             ep_rank,
@@ -267,27 +290,28 @@ class MoeAlltoAll:
         #: belong to the attachment, which other MoeAlltoAll objects may share; this token
         #: marks the round this object dispatched.
         self._token = object()
-        self._metainfo = torch.tensor(self._att.aux.metainfo(), dtype=torch.int64)
-        # Per-call work that depends only on the round's shape is done once and kept:
-        # (rt, bytes per token of each payload) -> PayloadLayout; (that, dtypes, shapes) ->
-        # the received views; (dispatch layout, combine bytes) -> the combine layout.
-        self._layouts: dict = {}
-        self._views: dict = {}
-        self._combine_layouts: dict = {}
+        #: the validation boundary and round object, shared with the functional ops
+        self._front = Front(self._att, self._plane, eplb_stats_num_experts=eplb_stats_num_experts)
+        self._metainfo = self._front.metainfo
         self._device = self._att.device
-        self._host_ids = self._plane.checks_ids_on_host
-        # the functional ops (torch.ops.a2ad.moe_a2a_*) find this rank's plane by its workspace
+        self._ws = self._att.workspace
+        self._eplb_gathered = None
+        self._traced = None
+        # the functional ops (torch.ops.a2ad.moe_a2a_*) find this rank's front end by its workspace
         from .ops import register_plane
 
-        register_plane(self, self._att, self._plane)
+        register_plane(self, self._att, self._plane, self._front)
 
     @staticmethod
     def get_moe_workspace_size_per_rank(
-        ep_size: int, top_k: int, max_num_tokens: int, hidden_size: int, extra_payload_bytes_per_token: int = 0
+        ep_size: int, top_k: int, max_num_tokens: int, hidden_size: int, extra_payload_bytes_per_token: int = 0,
+        eplb_stats_num_experts: int = 0, *, backend: str = "trtllm",
     ) -> int:
         """Bytes per rank for bf16 hidden states, int32 expert ids and float32 scales per token
-        (plus ``extra_payload_bytes_per_token``) and a bf16 combine."""
-        return L.moe_workspace_size_per_rank(ep_size, top_k, max_num_tokens, hidden_size, extra_payload_bytes_per_token)
+        (plus ``extra_payload_bytes_per_token``) and a bf16 combine (and the EPLB stats region)."""
+        dispatch = 2 * hidden_size + 4 * top_k + 4 * top_k + extra_payload_bytes_per_token
+        return moe_a2a_get_workspace_size_per_rank(
+            ep_size, max_num_tokens, dispatch, 2 * hidden_size, eplb_stats_num_experts, backend=backend)
 
     # --- properties -----------------------------------------------------------------
     @property
@@ -302,6 +326,18 @@ class MoeAlltoAll:
     @property
     def ep_size(self) -> int:
         return self._att.ep_size
+
+    @property
+    def backend(self) -> str:
+        """FlashInfer's backend name this object was made with ("trtllm")."""
+        return self._backend
+
+    @property
+    def eplb_gathered_stats(self) -> torch.Tensor | None:
+        """``[ep_size, eplb_stats_num_experts]`` int32 of this object's open round (row r: rank r's
+        ``eplb_local_stats``), or None (no EPLB, no stats passed, or no round open). Valid
+        between :meth:`dispatch` and :meth:`combine`, as FlashInfer's."""
+        return self._eplb_gathered if self._round is not None else None
 
     @property
     def metainfo(self) -> torch.Tensor:
@@ -371,7 +407,7 @@ class MoeAlltoAll:
         return self._att
 
     @property
-    def _round(self) -> _Round | None:
+    def _round(self):
         """The round this object dispatched and has not combined yet."""
         rounds = self._att.rounds
         return rounds.round if rounds.owner is self._token else None
@@ -380,6 +416,19 @@ class MoeAlltoAll:
         rounds = self._att.rounds
         if rounds.owner is self._token:
             rounds.owner = rounds.round = None
+        self._eplb_gathered = None
+
+    def _caller_mask(self, active_rank_mask):
+        if active_rank_mask is None:
+            return None
+        if not self.enable_rank_mask:
+            raise errors.InputError(
+                "active_rank_mask requires the instance to have been constructed with enable_rank_mask=True",
+                argument="active_rank_mask")
+        from .frontend import rank_mask_arg
+
+        return rank_mask_arg("active_rank_mask", active_rank_mask, self._front.ep_rank, self._front.ep_size,
+                             self._device)
 
     # --- dispatch -------------------------------------------------------------------
     def dispatch(
@@ -389,6 +438,10 @@ class MoeAlltoAll:
         runtime_max_tokens_per_rank: int,
         invalid_token_expert_id: int | None = None,
         expert_id_payload_index: int | None = None,
+        eplb_local_stats: torch.Tensor | None = None,
+        active_rank_mask: torch.Tensor | None = None,
+        *,
+        enable_pdl: bool | None = None,
     ) -> list[torch.Tensor]:
         """Send every local token to the ranks owning its experts; return what this rank received.
 
@@ -401,6 +454,13 @@ class MoeAlltoAll:
         invalid_token_expert_id, expert_id_payload_index: give both to overwrite, in the
         received int32 payload ``expert_id_payload_index``, every id of every slot that
         received no token with ``invalid_token_expert_id``.
+        eplb_local_stats: ``[eplb_stats_num_experts]`` int32, this rank's EPLB statistics,
+        gathered from every rank in this round into :attr:`eplb_gathered_stats`.
+        active_rank_mask: with ``enable_rank_mask=True``, the ranks to run among
+        (:func:`moe_a2a_active_rank_mask`'s CPU uint64 tensor, or an int64/uint64 ``[1]``
+        tensor on this rank's device, which may change between CUDA graph replays),
+        combined with the job's own mask; this rank's bit must be set.
+        enable_pdl: accepted, no effect.
 
         Returns one workspace-backed tensor per payload, ``[ep_size, runtime_max_tokens_per_rank,
         elements_per_token]`` of the payload's dtype: row (s, j) is the token source rank s
@@ -410,8 +470,9 @@ class MoeAlltoAll:
         call :meth:`combine`.
 
         Raises InputError (bad shapes, dtypes or devices; nothing was written anywhere, the
-        state is unchanged), StateError (not idle, or closed), PeerTimeout / PeerLost (a peer
-        did not arrive or was lost; every later call raises it again until the job is re-armed).
+        state is unchanged), StateError (not idle, closed, or unmapped by
+        :meth:`checkpoint_prepare`), PeerTimeout / PeerLost (a peer did not arrive or was
+        lost; every later call raises it again until the job is re-armed).
 
         No call synchronizes with the GPU. What only the data can tell is found by the
         dispatch kernel, which completes the round for every rank anyway: an expert id outside
@@ -421,137 +482,41 @@ class MoeAlltoAll:
         later one, the next dispatch, or :meth:`check`), naming the token and id or the peer
         and its value; the job goes on. On the host backend both raise at once.
         """
-        att = self._live()
-        self._check_peers(inputs=True)
-        rounds = att.rounds
-        if rounds.owner is not None:
-            if rounds.owner is self._token:
-                raise errors.StateError("dispatch called twice: combine the previous dispatch first")
-            raise errors.StateError(
-                f"another MoeAlltoAll of job {att.job!r} rank {att.ep_rank} in this process has dispatched and not "
-                "combined yet: they share this rank's workspace, which holds one round at a time; combine that one first"
-            )
-        rt = runtime_max_tokens_per_rank
-        if type(rt) is not int or not 1 <= rt <= self.max_num_tokens:
-            rt = _int_arg("runtime_max_tokens_per_rank", rt, 1, self.max_num_tokens)
-        experts = self._check_experts(token_selected_experts, rt)
-        num_tokens = experts.shape[0]
-        payloads, nbytes = self._check_payloads(input_payloads, num_tokens)
-        key = (rt, nbytes)
-        layout = self._layouts.get(key)
-        if layout is None:
-            try:
-                layout = L.payload_layout(att.aux, att.size_per_rank, rt, nbytes)
-            except L.LayoutError as exc:
-                raise errors.InputError(str(exc), argument="input_payloads") from None
-            self._layouts[key] = layout
-        if layout.dispatch_end > rounds.combine_floor:
-            raise errors.InputError(
-                f"these payloads need bytes [{att.aux.payload_data}, {layout.dispatch_end}) of every row at "
-                f"runtime_max_tokens_per_rank={rt}, which overlap the previous round's combine region (from "
-                f"{rounds.combine_floor}) that peers may still be reading; size the workspace for the dispatch "
-                f"and combine payloads together (get_moe_workspace_size_per_rank)",
-                argument="input_payloads",
-            )
-        ids_index = None
-        if invalid_token_expert_id is not None or expert_id_payload_index is not None:
-            ids_index, invalid_id = self._check_sanitize_args(payloads, invalid_token_expert_id, expert_id_payload_index)
-        self._plane.dispatch(experts, payloads, rt, layout, self.num_experts)
-        rounds.owner, rounds.round = self._token, _Round(rt, num_tokens, layout)
-        # the views depend on the bytes per token and the dtypes only (each is [ep, rt, -1])
-        vkey = (key, *[p.dtype for p in payloads])
-        received = self._views.get(vkey)
-        if received is None:
-            ep, me = att.ep_size, att.ep_rank
-            received = []
-            for src, off, nb in zip(payloads, layout.dispatch_offsets, nbytes):
-                view = att.workspace[me, off : off + ep * rt * nb].view(src.dtype)
-                received.append(view.view(ep, rt, -1))
-            if len(self._views) > 256:
-                self._views.clear()
-            self._views[vkey] = received
-        received = list(received)
-        if ids_index is not None:
-            self._plane.sanitize(received[ids_index], rt, invalid_id)
+        if _compiling():
+            return self._dispatch_traced(token_selected_experts, input_payloads, runtime_max_tokens_per_rank,
+                                         invalid_token_expert_id, expert_id_payload_index, eplb_local_stats,
+                                         active_rank_mask)
+        if self._closed or self._att.forked:
+            self._live()
+        mask = self._caller_mask(active_rank_mask) if active_rank_mask is not None else None
+        received, _, eplb = self._front.dispatch(
+            self._token, token_selected_experts, input_payloads, runtime_max_tokens_per_rank, self.top_k,
+            self.num_experts, invalid_id=invalid_token_expert_id, ids_index=expert_id_payload_index,
+            eplb_local_stats=eplb_local_stats, caller_mask=mask,
+        )
+        self._eplb_gathered = eplb
         return received
 
-    def _check_experts(self, experts, rt: int) -> torch.Tensor:
-        if not isinstance(experts, torch.Tensor) or experts.device != self._device:
-            _tensor_arg("token_selected_experts", experts, self._device)
-        dtype = experts.dtype
-        if dtype is not torch.int32 and dtype is not torch.int64:
-            raise errors.InputError(
-                f"token_selected_experts must be int32 (or int64), got {dtype}", argument="token_selected_experts"
-            )
-        if experts.dim() != 2 or experts.shape[1] != self.top_k:
-            raise errors.InputError(
-                f"token_selected_experts must be [local_num_tokens, top_k={self.top_k}], got {list(experts.shape)}",
-                argument="token_selected_experts",
-            )
-        num_tokens = experts.shape[0]
-        if num_tokens > rt:
-            raise errors.InputError(
-                f"local_num_tokens ({num_tokens}) exceeds runtime_max_tokens_per_rank ({rt})", argument="token_selected_experts"
-            )
-        if self._host_ids and num_tokens:
-            # host tensors: checked here, at once. On CUDA the kernel routes a bad id nowhere
-            # and reports it (check_input) so that no call reads the ids back (a host sync).
-            outside = (experts < 0) | (experts >= self.num_experts)  # before int64 -> int32
-            if bool(outside.any()):
-                raise errors.InputError(
-                    f"token_selected_experts holds expert id {experts[outside][0].item()}, "
-                    f"outside [0, num_experts={self.num_experts})",
-                    argument="token_selected_experts",
-                )
-        if dtype is torch.int64:
-            if not self._host_ids:  # an id outside int32 must stay outside [0, num_experts) when narrowed
-                experts = experts.clamp(-1, self.num_experts)
-            experts = experts.to(torch.int32)
-        return experts if experts.is_contiguous() else experts.contiguous()
+    def _dispatch_traced(self, experts, payloads, rt, invalid_id, ids_index, eplb_local_stats, active_rank_mask):
+        """Under torch.compile: the functional ops (their fake implementations trace)."""
+        from . import ops
 
-    def _check_payloads(self, payloads, num_tokens: int) -> tuple[list[torch.Tensor], tuple[int, ...]]:
-        if not isinstance(payloads, (list, tuple)):
-            raise errors.InputError("input_payloads must be a list of tensors", argument="input_payloads")
-        if not 1 <= len(payloads) <= L.MAX_PAYLOADS:
+        if eplb_local_stats is not None:
+            raise errors.InputError("eplb_local_stats is not supported inside torch.compile; dispatch it eagerly",
+                                    argument="eplb_local_stats")
+        if active_rank_mask is not None and not self.enable_rank_mask:
             raise errors.InputError(
-                f"input_payloads must hold 1 to {L.MAX_PAYLOADS} tensors, got {len(payloads)}", argument="input_payloads"
-            )
-        nbytes = []
-        device = self._device
-        copies = None
-        for i, p in enumerate(payloads):
-            if not isinstance(p, torch.Tensor) or p.device != device:
-                _tensor_arg(f"input_payloads[{i}]", p, device)
-            if p.dim() < 1 or p.shape[0] != num_tokens:
-                raise errors.InputError(
-                    f"input_payloads[{i}] must be [local_num_tokens={num_tokens}, ...], got {list(p.shape)}",
-                    argument=f"input_payloads[{i}]",
-                )
-            nb = p.nbytes // num_tokens if num_tokens else math.prod(p.shape[1:]) * p.element_size()
-            if nb == 0:
-                raise errors.InputError(f"input_payloads[{i}] has no bytes per token (shape {list(p.shape)})",
-                                        argument=f"input_payloads[{i}]")
-            if not p.is_contiguous():
-                if copies is None:
-                    copies = list(payloads)
-                copies[i] = p.contiguous()
-            nbytes.append(nb)
-        return (payloads if copies is None else copies), tuple(nbytes)
-
-    def _check_sanitize_args(self, payloads, invalid_id, ids_index) -> tuple[int, int]:
-        if (invalid_id is None) != (ids_index is None):
-            raise errors.InputError(
-                "give both invalid_token_expert_id and expert_id_payload_index, or neither", argument="invalid_token_expert_id"
-            )
-        ids_index = _int_arg("expert_id_payload_index", ids_index, 0, len(payloads) - 1)
-        invalid_id = _int_arg("invalid_token_expert_id", invalid_id, -(1 << 31), (1 << 31) - 1)
-        if payloads[ids_index].dtype != torch.int32:
-            raise errors.InputError(
-                f"the expert-id payload (input_payloads[{ids_index}]) must be int32 to be sanitized, "
-                f"got {payloads[ids_index].dtype}",
-                argument="expert_id_payload_index",
-            )
-        return ids_index, invalid_id
+                "active_rank_mask requires the instance to have been constructed with enable_rank_mask=True",
+                argument="active_rank_mask")
+        ep_rank, ep_size = self._front.ep_rank, self._front.ep_size
+        received, cpo, _ = ops.moe_a2a_dispatch(
+            experts, payloads, self._ws, self._metainfo, rt, ep_rank, ep_size, self.top_k, self.num_experts,
+            enable_rank_mask=self.enable_rank_mask, active_rank_mask=active_rank_mask,
+        )
+        if invalid_id is not None:
+            ops.moe_a2a_sanitize_expert_ids(received[ids_index], self._ws, self._metainfo, ep_rank, invalid_id)
+        self._traced = (experts.shape[0], cpo)
+        return received
 
     # --- combine --------------------------------------------------------------------
     def get_combine_payload_tensor_in_workspace(
@@ -563,119 +528,124 @@ class MoeAlltoAll:
         skips the staging copy. Only between dispatch and combine; it lies at the end of
         the row and does not overlap the dispatch results.
         """
-        att = self._live()
-        rnd = self._require_dispatched("get_combine_payload_tensor_in_workspace")
-        rt = self._check_rt(runtime_max_tokens_per_rank, rnd)
+        self._live()
+        rnd = self._round
+        if rnd is None:
+            raise errors.StateError("get_combine_payload_tensor_in_workspace called before dispatch: the state is idle")
+        rt = _int_arg("runtime_max_tokens_per_rank", runtime_max_tokens_per_rank, 1, self.max_num_tokens)
+        if rt != rnd.rt:
+            raise errors.InputError(
+                f"runtime_max_tokens_per_rank ({rt}) differs from this round's dispatch ({rnd.rt})",
+                argument="runtime_max_tokens_per_rank")
         hidden = _int_arg("hidden_size", hidden_size, 1)
-        if dtype not in COMBINE_DTYPES:
-            raise errors.InputError(f"dtype must be bfloat16, float16 or float32, got {dtype}", argument="dtype")
-        bytes_per_token = hidden * torch.empty((), dtype=dtype).element_size()
-        off = self._combine_layout(att, rnd, bytes_per_token).combine_offset
-        region = att.workspace[att.ep_rank, off : off + att.ep_size * rt * bytes_per_token]
-        return region.view(dtype).view(att.ep_size, rt, hidden)
+        return self._front.combine_region(rnd, hidden, dtype)
 
     def combine(
-        self, payload: torch.Tensor, runtime_max_tokens_per_rank: int, payload_in_workspace: bool = False
+        self,
+        payload: torch.Tensor,
+        runtime_max_tokens_per_rank: int,
+        payload_in_workspace: bool = False,
+        output_dtype: torch.dtype | None = None,
+        output_scales: torch.Tensor | None = None,
+        output_scalar_scale: float = 1.0,
+        sf_layout=None,
+        output: torch.Tensor | None = None,
+        *,
+        use_low_precision: bool = False,
+        active_rank_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Return every local token's expert outputs, summed over the ranks it was sent to.
 
         payload: ``[ep_size, runtime_max_tokens_per_rank, hidden]`` bfloat16, float16 or
         float32: row (s, j) is the output for the token source s put in slot j (rows of
         empty slots are ignored). With ``payload_in_workspace`` it must be the tensor
-        :meth:`get_combine_payload_tensor_in_workspace` returned.
+        :meth:`get_combine_payload_tensor_in_workspace` returned (or FlashInfer's placement
+        at the round's combine_payload_offset); anything else is refused with InputError.
         runtime_max_tokens_per_rank: the value the dispatch of this round used.
+        output: ``[local_num_tokens, hidden]``, contiguous, of the result's dtype: written and
+        returned. use_low_precision: FP8 e4m3 rows with their scales on the wire, float32
+        sums, bfloat16 out. output_dtype / output_scales / output_scalar_scale / sf_layout:
+        the result quantized to MXFP8, MXFP4 or NVFP4 (FlashInfer's values), the scales
+        written to ``output_scales``. active_rank_mask: as in :meth:`dispatch`.
 
         Returns ``[local_num_tokens, hidden]`` of the payload's dtype, summed in float32.
         Afterwards the state is "idle" (also when a wait on a peer failed).
         """
+        if _compiling():
+            return self._combine_traced(payload, runtime_max_tokens_per_rank, payload_in_workspace, output_dtype,
+                                        output_scales, output_scalar_scale, sf_layout, output, use_low_precision,
+                                        active_rank_mask)
+        if self._closed or self._att.forked:
+            self._live()
+        mask = self._caller_mask(active_rank_mask) if active_rank_mask is not None else None
+        plain = output_dtype is None and output_scales is None
+        if not plain:
+            from .ops import _quantized
+
+            plain = not _quantized(output_dtype, output_scales) and output_dtype in (None, payload.dtype)
+        out = self._front.combine(
+            self._token, payload, runtime_max_tokens_per_rank, payload_in_workspace,
+            output=output if plain else None, low_precision=use_low_precision, caller_mask=mask,
+        )
+        if plain:
+            return out
+        from .ops import finish_output
+
+        return finish_output(out, output_dtype, output_scales, output_scalar_scale, sf_layout, output, copy=True)
+
+    def _combine_traced(self, payload, rt, payload_in_workspace, output_dtype, output_scales, output_scalar_scale,
+                        sf_layout, output, use_low_precision, active_rank_mask):
+        from . import ops
+
+        if self._traced is None:
+            raise errors.StateError("combine called before dispatch inside torch.compile: compile the round's "
+                                    "dispatch and combine together")
+        local_num_tokens, cpo = self._traced
+        self._traced = None
+        return ops.moe_a2a_combine(
+            payload, local_num_tokens, self._ws, self._metainfo, rt, self._front.ep_rank, self._front.ep_size,
+            self.top_k, cpo, payload_in_workspace, output_dtype, output_scales, output_scalar_scale, sf_layout,
+            output, use_low_precision=use_low_precision, enable_rank_mask=self.enable_rank_mask,
+            active_rank_mask=active_rank_mask,
+        )
+
+    # --- checkpoints ----------------------------------------------------------------
+    def checkpoint_prepare(self) -> None:
+        """Quiesce and unmap this rank's workspace (e.g. before a process sleeps); repeated calls
+        are no-ops. The job stays in the daemon and the lease open; every instance sharing the
+        attachment is unmapped with it. Refused (StateError) while a round is open. After it,
+        dispatch raises StateError until :meth:`checkpoint_restore`."""
         att = self._live()
-        self._check_peers(inputs=False)
-        rnd = self._require_dispatched("combine")
-        rt = rnd.rt
-        if type(runtime_max_tokens_per_rank) is not int or runtime_max_tokens_per_rank != rt:
-            rt = self._check_rt(runtime_max_tokens_per_rank, rnd)
-        if not isinstance(payload, torch.Tensor) or payload.device != self._device:
-            _tensor_arg("payload", payload, self._device)
-        if payload.dtype not in COMBINE_DTYPES:
-            raise errors.InputError(f"payload must be bfloat16, float16 or float32, got {payload.dtype}", argument="payload")
-        shape = payload.shape
-        if len(shape) != 3 or shape[0] != att.ep_size or shape[1] != rt or shape[2] < 1:
-            raise errors.InputError(
-                f"payload must be [ep_size={att.ep_size}, runtime_max_tokens_per_rank={rt}, hidden], "
-                f"got {list(shape)}",
-                argument="payload",
-            )
-        layout = self._combine_layout(att, rnd, shape[2] * payload.element_size())
-        if payload_in_workspace is True:
-            expected = att.workspace[att.ep_rank, layout.combine_offset :]
-            if not payload.is_contiguous() or payload.data_ptr() != expected.data_ptr():
-                raise errors.InputError(
-                    "payload_in_workspace=True but payload is not this rank's combine region "
-                    "(use get_combine_payload_tensor_in_workspace)",
-                    argument="payload",
-                )
-        elif payload_in_workspace is False:
-            if not payload.is_contiguous():
-                payload = payload.contiguous()
-        else:
-            raise errors.InputError("payload_in_workspace must be a bool", argument="payload_in_workspace")
-        att.rounds.combine_floor = layout.combine_offset
-        try:
-            out = self._plane.combine(payload, rnd.local_num_tokens, rt, layout, payload_in_workspace)
-        finally:
-            self._end_round()
-        # the round is complete on every rank: now input errors the kernels found may surface
-        if not att.control.quiet(att.ep_rank):
-            self._plane.check_input()
-        return out
-
-    def _check_peers(self, inputs: bool) -> None:
-        """Raise what the plane knows about a lost or silent peer (the round is then over),
-        and with ``inputs``, what the kernels found wrong in an earlier call's input (raised
-        only where no round is open, so that every rank completes its rounds). Never syncs."""
-        att = self._att
-        att.maintain()  # reconnect the lease if the daemon restarted (rate-limited, never raises)
-        if att.control.quiet(att.ep_rank):
+        rounds = att.rounds
+        if rounds.owner is UNMAPPED:
             return
-        try:
-            self._plane.check()
-        except (errors.PeerTimeout, errors.PeerLost, errors.JobDestroyed):
-            # the rank's round is over, whichever object sharing the attachment dispatched it
-            rounds = att.rounds
-            rounds.owner = rounds.round = None
-            raise
-        if inputs:
-            self._plane.check_input()
+        if rounds.owner is not None:
+            raise errors.StateError("Cannot unmap the workspace during an active all-to-all phase: combine first")
+        if att.backend == "cuda":
+            torch.cuda.synchronize(att.device)
+        att.suspend()
+        rounds.owner = UNMAPPED
 
-    def _require_dispatched(self, what: str) -> _Round:
-        if self._round is None:
-            raise errors.StateError(f"{what} called before dispatch: the state is idle")
-        return self._round
-
-    def _check_rt(self, rt, rnd: _Round) -> int:
-        rt = _int_arg("runtime_max_tokens_per_rank", rt, 1, self.max_num_tokens)
-        if rt != rnd.rt:
-            raise errors.InputError(
-                f"runtime_max_tokens_per_rank ({rt}) differs from this round's dispatch ({rnd.rt})",
-                argument="runtime_max_tokens_per_rank",
-            )
-        return rt
-
-    def _combine_layout(self, att, rnd: _Round, bytes_per_token: int) -> L.PayloadLayout:
-        """The round's layout with its combine region at the end of the row (see the module doc)."""
-        key = (rnd.rt, rnd.layout.dispatch_bytes_per_token, bytes_per_token)
-        layout = self._combine_layouts.get(key)
-        if layout is None:
-            try:
-                layout = L.payload_layout(
-                    att.aux, att.size_per_rank, rnd.rt, rnd.layout.dispatch_bytes_per_token, bytes_per_token
-                )
-            except L.LayoutError as exc:
-                raise errors.InputError(str(exc), argument="payload") from None
-            if len(self._combine_layouts) > 256:
-                self._combine_layouts.clear()
-            self._combine_layouts[key] = layout
-        return layout
+    def checkpoint_restore(self, comm_backend=None) -> None:
+        """Map the workspace again at the same virtual addresses (captured CUDA graphs stay valid);
+        repeated calls are no-ops. ``comm_backend`` (FlashInfer's argument), when given: a
+        communicator of exactly the EP group must have this rank's rank, a larger one a
+        multiple of ep_size ranks (else StateError), and its ``barrier`` ends the call once
+        every member restored."""
+        att = self._live()
+        rounds = att.rounds
+        if rounds.owner is not UNMAPPED:
+            return
+        if comm_backend is not None:
+            size, rank = int(comm_backend.Get_size()), int(comm_backend.Get_rank())
+            if size % att.ep_size or (size == att.ep_size and rank != att.ep_rank):
+                raise errors.StateError(
+                    f"Cannot remap the workspace: the communicator's rank/size {rank}/{size} does not match "
+                    f"this rank's {att.ep_rank}/{att.ep_size}")
+        att.resume()
+        rounds.owner = rounds.round = None
+        if comm_backend is not None and hasattr(comm_backend, "barrier"):
+            comm_backend.barrier()
 
     # --- failures -------------------------------------------------------------------
     def check(self) -> None:
@@ -685,10 +655,7 @@ class MoeAlltoAll:
         call that launched it returned: synchronize the stream, then call check() to learn
         about it at once rather than at the next dispatch."""
         self._live()
-        if self._round is None and self._att.rounds.owner is None:
-            self._check_peers(inputs=True)
-        else:
-            self._check_peers(inputs=False)
+        self._front.check_peers(self._plane, inputs=self._att.rounds.owner is None)
 
     def recover(self, timeout: float | None = None) -> int:
         """After PeerLost or PeerTimeout: quiesce, then wait for the job-wide re-arm.

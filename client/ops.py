@@ -22,16 +22,19 @@ backends). The dispatch op returns a copy of this rank's received bytes, from th
 received payload's region to the end of the last one's, as int32 (``[sum of 128-byte
 padded ep_size * runtime_max_tokens_per_rank * bytes_i / 4]``).
 
-Finding the job from the workspace
-----------------------------------
+Finding the rank from the workspace
+-----------------------------------
 Our kernels need more than FlashInfer's arguments: the control block, the wait
 timeout, the job's aux layout and the data plane. They are found from the workspace
-tensor: :class:`~a2ad.client.MoeAlltoAll` registers its data plane here when it
-creates it (:func:`register_plane`, keyed by the workspace's device and data_ptr,
-holding only weak references) and unregisters it when it closes
-(:func:`unregister_plane`). A workspace with no live, open MoeAlltoAll in this
-process raises :class:`~a2ad.errors.StateError`. Several MoeAlltoAll of one job and
-rank (one per layer) share one workspace; any of them serves.
+tensor and ``ep_rank``: :class:`~a2ad.client.MoeAlltoAll` registers its front end
+(``client/frontend.py``) here when it is created (:func:`register_plane`, keyed by the
+workspace's device and data_ptr, holding only weak references) and unregisters it when it
+closes (:func:`unregister_plane`); :func:`moe_a2a_initialize` registers a caller-owned
+workspace's rank (any ``[ep_size, size_per_rank]`` uint8 tensor, CPU or CUDA; several
+ranks of one tensor in one process are told apart by ``ep_rank``) until
+:func:`moe_a2a_release` or the next initialize of that rank. A workspace with neither
+raises :class:`~a2ad.errors.StateError`. Several MoeAlltoAll of one job and rank (one
+per layer) share one workspace; any of them serves.
 
 Received payloads and torch.compile (how aliasing is handled)
 --------------------------------------------------------------
@@ -77,9 +80,11 @@ row-relative offset of the first byte after this round's dispatch regions, where
 FlashInfer caller may put its combine payload
 (``moe_a2a_wrap_payload_tensor_in_workspace``, outside torch.compile); combine checks it. With
 ``payload_in_workspace=True`` a payload that is exactly this rank's combine region
-(``MoeAlltoAll.get_combine_payload_tensor_in_workspace``) is used in place; a payload
-anywhere else (e.g. at ``combine_payload_offset``, or a copy made by the compiler) is
-staged into the region like ``payload_in_workspace=False``: the same result, one copy.
+(``MoeAlltoAll.get_combine_payload_tensor_in_workspace``) is used in place, and one at
+``combine_payload_offset`` of this rank's row is staged into the region (one copy); a
+payload anywhere else (outside the workspace, or a copy made by the compiler) is refused
+with InputError naming ``payload_in_workspace``, by these functions and by
+``MoeAlltoAll.combine`` alike.
 
 Rounds
 ------
@@ -99,39 +104,60 @@ import torch
 
 from a2ad import errors, layout as L
 
-from .moe_alltoall import _int_arg
+from .frontend import COMBINE_DTYPES, FUNCTIONAL_OWNER, Front, int_arg as _int_arg, rank_mask_arg, same as _same  # noqa: F401
 
 __all__ = [
+    "moe_a2a_initialize",
+    "moe_a2a_release",
     "moe_a2a_dispatch",
     "moe_a2a_combine",
     "moe_a2a_sanitize_expert_ids",
+    "moe_a2a_active_rank_mask",
     "register_plane",
     "unregister_plane",
     "registered",
 ]
 
-COMBINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: Words of the active-rank mask (FlashInfer's MOE_A2A_RANK_MASK_WORDS): one uint64, up to 64 ranks.
+MOE_A2A_RANK_MASK_WORDS = 1
+#: FlashInfer backend names a2ad honours (its kernels are a2ad's own whichever is named).
+BACKENDS = ("trtllm",)
+
+
+def check_backend(backend) -> None:
+    """FlashInfer's ``backend`` argument: "trtllm" (the default) is accepted; "cake" and others are refused."""
+    if backend not in BACKENDS:
+        raise errors.InputError(
+            f"backend={backend!r:.40} is not available in a2ad: its data plane is its own kernels (CUDA) or shared "
+            "host memory, with FlashInfer's 'trtllm' semantics; pass backend='trtllm' (the default)",
+            argument="backend")
 
 
 # ---------------------------------------------------------------------------
-# The registry: workspace -> (attachment, plane) of a live MoeAlltoAll
+# The registry: (workspace, ep_rank) -> the rank's front end
 # ---------------------------------------------------------------------------
 class _Entry:
-    __slots__ = ("owner", "att", "plane")
+    __slots__ = ("owner", "front", "_strong", "ep_rank")
 
-    def __init__(self, owner, att, plane):
-        self.owner = weakref.ref(owner)
-        self.att = weakref.ref(att)
-        self.plane = weakref.ref(plane)
+    def __init__(self, owner, front: Front, strong: bool):
+        self.owner = weakref.ref(owner) if owner is not None else None
+        self.front = weakref.ref(front)
+        self._strong = front if strong else None  # a caller-owned workspace's front lives in the registry
+        self.ep_rank = front.ep_rank
 
-    def live(self):
-        """``(att, plane)`` while the owner is alive and its attachment open, else None."""
-        owner, att, plane = self.owner(), self.att(), self.plane()
-        if owner is None or att is None or plane is None or getattr(owner, "_closed", False):
+    def live(self) -> Front | None:
+        """The front end while its owner is alive and its attachment open, else None."""
+        front = self.front()
+        if front is None:
             return None
+        if self.owner is not None:
+            owner = self.owner()
+            if owner is None or getattr(owner, "_closed", False):
+                return None
+        att = front.att
         if att.workspace is None or att.forked:
             return None
-        return att, plane
+        return front
 
 
 _LOCK = threading.Lock()
@@ -147,70 +173,82 @@ def _prune_locked() -> None:
         del _REGISTRY[key]
 
 
-def register_plane(owner, attachment, plane) -> None:
-    """Make ``attachment.workspace`` usable by the functional ops through ``plane``.
+def register_plane(owner, attachment, plane, front: Front | None = None) -> None:
+    """Make ``attachment.workspace`` usable by the functional ops through ``owner``'s front end.
 
-    ``owner`` (the MoeAlltoAll), ``attachment`` and ``plane`` are held weakly: the
-    entry lapses when any of them is collected, when the attachment closes, or at
-    :func:`unregister_plane`. Registering the same owner again is a no-op.
-    """
+    ``owner`` (the MoeAlltoAll) and its front end are held weakly: the entry lapses when
+    either is collected, when the attachment closes, or at :func:`unregister_plane`.
+    Registering the same owner again is a no-op. ``front``: the owner's front end (default:
+    ``owner._front``, else a new one over ``attachment`` and ``plane``)."""
     ws = attachment.workspace
     if not isinstance(ws, torch.Tensor):
         raise errors.StateError("register_plane: the attachment has no workspace (closed?)")
+    if front is None:
+        front = getattr(owner, "_front", None)
+        if front is None:
+            front = Front(attachment, plane)
+            try:
+                owner._front = front
+            except AttributeError:
+                pass
     key = _key(ws)
     with _LOCK:
         _prune_locked()
         entries = _REGISTRY.setdefault(key, [])
-        if not any(e.owner() is owner for e in entries):
-            entries.append(_Entry(owner, attachment, plane))
+        if not any(e.owner is not None and e.owner() is owner for e in entries):
+            entries.append(_Entry(owner, front, strong=False))
 
 
 def unregister_plane(owner) -> None:
     """Drop every registry entry of ``owner``. Idempotent."""
     with _LOCK:
         for entries in _REGISTRY.values():
-            entries[:] = [e for e in entries if e.owner() is not None and e.owner() is not owner]
+            entries[:] = [e for e in entries if e.owner is None or (e.owner() is not None and e.owner() is not owner)]
         _prune_locked()
 
 
 def registered(owner) -> bool:
     """Whether ``owner`` has a live registry entry."""
     with _LOCK:
-        return any(e.owner() is owner and e.live() for entries in _REGISTRY.values() for e in entries)
+        return any(e.owner is not None and e.owner() is owner and e.live()
+                   for entries in _REGISTRY.values() for e in entries)
 
 
 def _no_workspace_error() -> errors.StateError:
     return errors.StateError(
         "this workspace has no live MoeAlltoAll in this process: the a2ad functional ops find the job "
         "(control block, timeouts, layout) through the MoeAlltoAll that owns the workspace. Create "
-        "MoeAlltoAll(mapping, max_num_tokens, top_k, num_experts, ..., job=...) on this rank, pass its "
-        ".workspace and .metainfo, and keep it open while you use the ops."
+        "MoeAlltoAll(mapping, max_num_tokens, top_k, num_experts, ...) on this rank, pass its "
+        ".workspace and .metainfo, and keep it open while you use the ops; or, for a workspace tensor you "
+        "allocated, call moe_a2a_initialize(workspace, ep_rank, ep_size, max_num_tokens) first."
     )
 
 
-def _resolve(workspace):
-    """``(att, plane)`` of the live MoeAlltoAll that owns ``workspace``; StateError if none."""
+def _resolve(workspace, ep_rank=None) -> Front:
+    """The front end of ``(workspace, ep_rank)``; StateError if none. ``ep_rank`` picks among the
+    ranks of one caller-owned workspace in this process (a daemon workspace has one)."""
     if not isinstance(workspace, torch.Tensor):
         raise errors.InputError(f"workspace must be a torch.Tensor, got {type(workspace).__name__}", argument="workspace")
+    found = None
     with _LOCK:
         for e in _REGISTRY.get(_key(workspace), ()):
-            found = e.live()
-            if found is not None:
-                break
-        else:
-            found = None
+            front = e.live()
+            if front is not None:
+                if found is None or (e.ep_rank == ep_rank and found.ep_rank != ep_rank):
+                    found = front
+                if found.ep_rank == ep_rank:
+                    break
     if found is None:
         raise _no_workspace_error()
-    att, plane = found
-    full = att.workspace
+    full = found.att.workspace
     if workspace.shape != full.shape or workspace.stride() != full.stride() or workspace.dtype != torch.uint8:
         raise errors.InputError(
-            f"workspace must be the whole [ep_size={att.ep_size}, size_per_rank={att.size_per_rank}] uint8 "
+            f"workspace must be the whole [ep_size={found.ep_size}, size_per_rank={found.att.size_per_rank}] uint8 "
             f"workspace (MoeAlltoAll.workspace), got {list(workspace.shape)} {workspace.dtype} "
             f"with strides {list(workspace.stride())}",
             argument="workspace",
         )
-    return att, plane
+    return found
 
 
 @torch.compiler.assume_constant_result
@@ -224,16 +262,16 @@ def _payload_data_for(device: str, ep_size: int, size_per_rank: int, row_stride:
     with _LOCK:
         for entries in _REGISTRY.values():
             for e in entries:
-                live = e.live()
-                if live is None:
+                front = e.live()
+                if front is None:
                     continue
-                ws = live[0].workspace
+                ws = front.att.workspace
                 if (str(ws.device), ws.shape[0], ws.shape[1], ws.stride(0)) == (device, ep_size, size_per_rank, row_stride):
-                    found.add(live[0].aux.payload_data)
+                    found.add(front.att.aux.payload_data)
     if not found:
         raise errors.StateError(
-            f"no live MoeAlltoAll in this process has a [{ep_size}, {size_per_rank}] workspace on {device}: "
-            "create the MoeAlltoAll before tracing the functional ops, and pass its .workspace"
+            f"no live MoeAlltoAll (or moe_a2a_initialize) in this process has a [{ep_size}, {size_per_rank}] "
+            f"workspace on {device}: create it before tracing the functional ops, and pass its .workspace"
         )
     if len(found) > 1:
         raise errors.StateError(
@@ -246,218 +284,81 @@ def _payload_data_for(device: str, ep_size: int, size_per_rank: int, row_stride:
 # ---------------------------------------------------------------------------
 # Checks
 # ---------------------------------------------------------------------------
-def _same(name: str, value, expected: int, what: str) -> None:
-    if _int_arg(name, value, -(1 << 62)) != expected:
-        raise errors.InputError(f"{name} is {value}, but {what} is {expected}", argument=name)
-
-
-def _check_job(att, metainfo, ep_rank, ep_size=None, top_k=None) -> None:
-    _same("ep_rank", ep_rank, att.ep_rank, "this workspace's rank")
+def _check_job(front: Front, metainfo, ep_rank, ep_size=None, top_k=None, num_experts=None) -> None:
+    att = front.att
+    _same("ep_rank", ep_rank, front.ep_rank, "this workspace's rank")
     if ep_size is not None:
-        _same("ep_size", ep_size, att.ep_size, "the job's ep_size")
-    if top_k is not None:
-        _same("top_k", top_k, int(att.spec["top_k"]), "the job's top_k")
+        _same("ep_size", ep_size, front.ep_size, "the job's ep_size")
+    spec = att.spec
+    if top_k is not None and "top_k" in spec:
+        _same("top_k", top_k, int(spec["top_k"]), "the job's top_k")
+    if num_experts is not None and "num_experts" in spec:
+        _same("num_experts", num_experts, int(spec["num_experts"]), "the job's num_experts")
     if not isinstance(metainfo, torch.Tensor) or metainfo.shape != (L.NUM_METAINFO_FIELDS,):
         raise errors.InputError(
-            f"metainfo must be the [{L.NUM_METAINFO_FIELDS}] tensor MoeAlltoAll.metainfo returns", argument="metainfo"
+            f"metainfo must be the [{L.NUM_METAINFO_FIELDS}] tensor MoeAlltoAll.metainfo (or moe_a2a_initialize) "
+            "returns", argument="metainfo"
         )
     if metainfo.device.type == "cpu" and metainfo.tolist() != att.aux.metainfo():
         raise errors.InputError("metainfo does not belong to this workspace's job", argument="metainfo")
 
 
-def _check_peers(att, plane, inputs: bool) -> None:
-    """Raise what the plane knows about a lost or silent peer (the rank's round is then over)
-    and, with ``inputs``, what its kernels found wrong in an earlier call's input. As
-    MoeAlltoAll does; never synchronizes."""
-    if att.forked:
-        raise errors.StateError("this workspace was inherited through fork; create a MoeAlltoAll in this process")
-    att.maintain()
-    try:
-        plane.check()
-    except (errors.PeerTimeout, errors.PeerLost, errors.JobDestroyed):
-        att.rounds.owner = att.rounds.round = None
-        raise
-    if inputs:
-        plane.check_input()
-
-
-def _tensor(name: str, value, device: torch.device) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise errors.InputError(f"{name} must be a torch.Tensor, got {type(value).__name__}", argument=name)
-    if value.device != device:
-        raise errors.InputError(f"{name} is on {value.device}; this rank's workspace is on {device}", argument=name)
-    return value
+def _rank_mask(front: Front, enable_rank_mask, active_rank_mask):
+    if active_rank_mask is None:
+        return None
+    if enable_rank_mask is not True:
+        raise errors.InputError(
+            "active_rank_mask requires enable_rank_mask=True", argument="active_rank_mask")
+    return rank_mask_arg("active_rank_mask", active_rank_mask, front.ep_rank, front.ep_size, front.device)
 
 
 def _bytes_per_token(p: torch.Tensor) -> int:
     return math.prod(p.shape[1:]) * p.element_size()
 
 
-#: The owner of a round dispatched through the functional ops (MoeAlltoAll objects use their own tokens).
-FUNCTIONAL_OWNER = object()
-
-
-class _Round:
-    __slots__ = ("rt", "local_num_tokens", "layout", "plane")
-
-    def __init__(self, rt, local_num_tokens, layout, plane):
-        self.rt = rt
-        self.local_num_tokens = local_num_tokens
-        self.layout = layout
-        self.plane = plane
-
-
 # ---------------------------------------------------------------------------
 # Real implementations
 # ---------------------------------------------------------------------------
 def _dispatch_run(token_selected_experts, input_payloads, workspace, metainfo, runtime_max_tokens_per_rank,
-                  ep_rank, ep_size, top_k, num_experts):
-    """Check, dispatch, open the round; returns ``(att, layout)``."""
-    att, plane = _resolve(workspace)
-    _check_job(att, metainfo, ep_rank, ep_size, top_k)
-    _same("num_experts", num_experts, int(att.spec["num_experts"]), "the job's num_experts")
-    _check_peers(att, plane, inputs=True)
-    rounds = att.rounds
-    if rounds.owner is not None:
-        who = "moe_a2a_dispatch" if rounds.owner is FUNCTIONAL_OWNER else "a MoeAlltoAll"
-        raise errors.StateError(
-            f"this rank has a round open (dispatched by {who}, not combined yet): the workspace holds one "
-            "round at a time; combine it first"
-        )
-    max_tokens = int(att.spec["max_num_tokens"])
-    rt = _int_arg("runtime_max_tokens_per_rank", runtime_max_tokens_per_rank, 1, max_tokens)
-    experts = _tensor("token_selected_experts", token_selected_experts, att.device)
-    if experts.dtype not in (torch.int32, torch.int64) or experts.dim() != 2 or experts.shape[1] != top_k:
-        raise errors.InputError(
-            f"token_selected_experts must be [local_num_tokens, top_k={top_k}] int32, got "
-            f"{list(experts.shape)} {experts.dtype}",
-            argument="token_selected_experts",
-        )
-    num_tokens = experts.shape[0]
-    if num_tokens > rt:
-        raise errors.InputError(
-            f"local_num_tokens ({num_tokens}) exceeds runtime_max_tokens_per_rank ({rt})",
-            argument="token_selected_experts",
-        )
-    # Host tensors are range-checked here. The CUDA kernels route an id outside
-    # [0, num_experts) nowhere and report it later (check_input), so no call reads ids back.
-    host_ids = getattr(plane, "checks_ids_on_host", True) and not (
-        experts.is_cuda and torch.cuda.is_current_stream_capturing()
+                  ep_rank, ep_size, top_k, num_experts, eplb_local_stats=None, caller_mask=None):
+    """Check, dispatch, open the round; returns ``(front, received, layout, eplb_gathered)``."""
+    front = _resolve(workspace, ep_rank)
+    _check_job(front, metainfo, ep_rank, ep_size, top_k, num_experts)
+    top_k = _int_arg("top_k", top_k, 1, L.MAX_TOP_K)
+    num_experts = _int_arg("num_experts", num_experts, ep_size)
+    received, layout, eplb = front.dispatch(
+        FUNCTIONAL_OWNER, token_selected_experts, input_payloads, runtime_max_tokens_per_rank, top_k, num_experts,
+        eplb_local_stats=eplb_local_stats, caller_mask=caller_mask,
     )
-    if num_tokens and host_ids:
-        outside = (experts < 0) | (experts >= num_experts)
-        if bool(outside.any()):
-            raise errors.InputError(
-                f"token_selected_experts holds expert id {experts[outside][0].item()}, outside "
-                f"[0, num_experts={num_experts})",
-                argument="token_selected_experts",
-            )
-    if experts.dtype == torch.int64 and not host_ids:  # an id outside int32 must stay outside when narrowed
-        experts = experts.clamp(-1, num_experts)
-    experts = experts.to(torch.int32).contiguous()
-    if not isinstance(input_payloads, (list, tuple)) or not 1 <= len(input_payloads) <= L.MAX_PAYLOADS:
-        raise errors.InputError(f"input_payloads must be a list of 1 to {L.MAX_PAYLOADS} tensors", argument="input_payloads")
-    views = []
-    for i, p in enumerate(input_payloads):
-        name = f"input_payloads[{i}]"
-        p = _tensor(name, p, att.device)
-        if p.dim() < 1 or p.shape[0] != num_tokens or _bytes_per_token(p) == 0:
-            raise errors.InputError(
-                f"{name} must be [local_num_tokens={num_tokens}, ...] with bytes per token, got {list(p.shape)}",
-                argument=name,
-            )
-        views.append(p.contiguous().reshape(num_tokens, math.prod(p.shape[1:])).view(torch.uint8))
-    try:
-        layout = L.payload_layout(att.aux, att.size_per_rank, rt, [v.shape[1] for v in views])
-    except L.LayoutError as exc:
-        raise errors.InputError(str(exc), argument="input_payloads") from None
-    if layout.dispatch_end > rounds.combine_floor:
-        raise errors.InputError(
-            f"these payloads need bytes up to {layout.dispatch_end} of every row at runtime_max_tokens_per_rank={rt}, "
-            f"which overlap the previous round's combine region (from {rounds.combine_floor}) that peers may still "
-            "be reading; size the workspace for the dispatch and combine payloads together",
-            argument="input_payloads",
-        )
-    plane.dispatch(experts, views, rt, layout, num_experts)
-    rounds.owner, rounds.round = FUNCTIONAL_OWNER, _Round(rt, num_tokens, layout, plane)
-    return att, layout
+    return front, received, layout, eplb
 
 
 def _dispatch_impl(token_selected_experts, input_payloads, workspace, metainfo, runtime_max_tokens_per_rank,
-                   ep_rank, ep_size, top_k, num_experts) -> torch.Tensor:
-    att, layout = _dispatch_run(token_selected_experts, input_payloads, workspace, metainfo,
-                                runtime_max_tokens_per_rank, ep_rank, ep_size, top_k, num_experts)
+                   ep_rank, ep_size, top_k, num_experts, caller_mask=None) -> torch.Tensor:
+    front, _, layout, _ = _dispatch_run(token_selected_experts, input_payloads, workspace, metainfo,
+                                        runtime_max_tokens_per_rank, ep_rank, ep_size, top_k, num_experts,
+                                        caller_mask=caller_mask)
     # a copy: a torch op may not return a view of its input (see the module doc)
-    region = att.workspace[att.ep_rank, layout.dispatch_offsets[0] : layout.dispatch_end]
+    region = front.att.workspace[front.ep_rank, layout.dispatch_offsets[0] : layout.dispatch_end]
     return region.view(torch.int32).clone()
 
 
-def _open_round(att, what: str):
-    rounds = att.rounds
-    if rounds.round is None:
-        raise errors.StateError(f"{what} called before dispatch: this rank has no round open")
-    return rounds.round
-
-
 def _sanitize_impl(expert_ids, workspace, metainfo, ep_rank, invalid_expert_id) -> None:
-    att, plane = _resolve(workspace)
-    _check_job(att, metainfo, ep_rank)
-    rnd = _open_round(att, "moe_a2a_sanitize_expert_ids")
-    ids = _tensor("expert_ids", expert_ids, att.device)
-    if ids.dtype != torch.int32 or ids.dim() != 3 or ids.shape[0] != att.ep_size or ids.shape[1] != rnd.rt:
-        raise errors.InputError(
-            f"expert_ids must be the received int32 [ep_size={att.ep_size}, runtime_max_tokens_per_rank={rnd.rt}, "
-            f"top_k] payload, got {list(ids.shape)} {ids.dtype}",
-            argument="expert_ids",
-        )
-    invalid = _int_arg("invalid_expert_id", invalid_expert_id, -(1 << 31), (1 << 31) - 1)
-    getattr(rnd, "plane", plane).sanitize(ids, rnd.rt, invalid)
+    front = _resolve(workspace, ep_rank)
+    _check_job(front, metainfo, ep_rank)
+    front.sanitize(expert_ids, invalid_expert_id)
 
 
 def _combine_impl(payload, local_num_tokens, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size,
-                  top_k, combine_payload_offset, payload_in_workspace=False) -> torch.Tensor:
-    att, _ = _resolve(workspace)
-    _check_job(att, metainfo, ep_rank, ep_size, top_k)
-    rounds = att.rounds
-    if rounds.owner is not FUNCTIONAL_OWNER:
-        if rounds.owner is None:
-            raise errors.StateError("moe_a2a_combine called before moe_a2a_dispatch: this rank has no round open")
-        raise errors.StateError("this rank's round was dispatched by a MoeAlltoAll: combine it with its combine()")
-    rnd = rounds.round
-    _check_peers(att, rnd.plane, inputs=False)
-    _same("runtime_max_tokens_per_rank", runtime_max_tokens_per_rank, rnd.rt, "this round's dispatch value")
-    rt = rnd.rt
-    _same("local_num_tokens", local_num_tokens, rnd.local_num_tokens, "the token count this rank dispatched")
-    _same("combine_payload_offset", combine_payload_offset, rnd.layout.dispatch_end, "this round's dispatch returned")
-    payload = _tensor("payload", payload, att.device)
-    if payload.dtype not in COMBINE_DTYPES:
-        raise errors.InputError(f"payload must be bfloat16, float16 or float32, got {payload.dtype}", argument="payload")
-    if payload.dim() != 3 or payload.shape[0] != att.ep_size or payload.shape[1] != rt or payload.shape[2] < 1:
-        raise errors.InputError(
-            f"payload must be [ep_size={att.ep_size}, runtime_max_tokens_per_rank={rt}, hidden], got {list(payload.shape)}",
-            argument="payload",
-        )
-    if not isinstance(payload_in_workspace, bool):
-        raise errors.InputError("payload_in_workspace must be a bool", argument="payload_in_workspace")
-    nbytes = payload.shape[2] * payload.element_size()
-    try:
-        layout = L.payload_layout(att.aux, att.size_per_rank, rt, rnd.layout.dispatch_bytes_per_token, nbytes)
-    except L.LayoutError as exc:
-        raise errors.InputError(str(exc), argument="payload") from None
-    region = att.workspace[att.ep_rank, layout.combine_offset : layout.combine_offset + att.ep_size * rt * nbytes]
-    in_place = payload_in_workspace and payload.is_contiguous() and payload.data_ptr() == region.data_ptr()
-    if not in_place:
-        payload = payload.contiguous()
-        start, end = payload.data_ptr(), payload.data_ptr() + payload.numel() * payload.element_size()
-        if start < region.data_ptr() + region.numel() and region.data_ptr() < end:
-            payload = payload.clone()  # lies partly over the combine region: staging would overlap itself
-    rounds.combine_floor = layout.combine_offset
-    try:
-        out = rnd.plane.combine(payload, rnd.local_num_tokens, rt, layout, in_place)
-    finally:
-        rounds.owner = rounds.round = None
-    rnd.plane.check_input()  # the round is complete everywhere: input errors may surface
-    return out
+                  top_k, combine_payload_offset, payload_in_workspace=False, low_precision=False,
+                  caller_mask=None) -> torch.Tensor:
+    front = _resolve(workspace, ep_rank)
+    _check_job(front, metainfo, ep_rank, ep_size, top_k)
+    return front.combine(
+        FUNCTIONAL_OWNER, payload, runtime_max_tokens_per_rank, payload_in_workspace,
+        local_num_tokens=local_num_tokens, combine_payload_offset=combine_payload_offset,
+        low_precision=low_precision, caller_mask=caller_mask,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -468,7 +369,7 @@ _LIB = torch.library.Library("a2ad", "FRAGMENT")
 _LIB.define(
     "moe_a2a_dispatch(Tensor token_selected_experts, Tensor[] input_payloads, Tensor workspace, "
     "Tensor(a!) metainfo, SymInt runtime_max_tokens_per_rank, int ep_rank, int ep_size, int top_k, "
-    "int num_experts) -> Tensor"
+    "int num_experts, Tensor? caller_mask=None) -> Tensor"
 )
 _LIB.define(
     "moe_a2a_sanitize_expert_ids(Tensor(a!) expert_ids, Tensor workspace, Tensor(b!) metainfo, int ep_rank, "
@@ -477,7 +378,7 @@ _LIB.define(
 _LIB.define(
     "moe_a2a_combine(Tensor payload, SymInt local_num_tokens, Tensor workspace, Tensor(a!) metainfo, "
     "SymInt runtime_max_tokens_per_rank, int ep_rank, int ep_size, int top_k, int combine_payload_offset, "
-    "bool payload_in_workspace=False) -> Tensor"
+    "bool payload_in_workspace=False, bool low_precision=False, Tensor? caller_mask=None) -> Tensor"
 )
 # CompositeExplicitAutograd: one implementation for every device (the plane picks the kernels).
 _LIB.impl("moe_a2a_dispatch", _dispatch_impl, "CompositeExplicitAutograd")
@@ -491,7 +392,7 @@ def _received_bytes(input_payloads, ep_size, rt):
 
 
 def _dispatch_fake(token_selected_experts, input_payloads, workspace, metainfo, runtime_max_tokens_per_rank,
-                   ep_rank, ep_size, top_k, num_experts) -> torch.Tensor:
+                   ep_rank, ep_size, top_k, num_experts, caller_mask=None) -> torch.Tensor:
     return workspace.new_empty(_received_bytes(input_payloads, ep_size, runtime_max_tokens_per_rank) // 4, dtype=torch.int32)
 
 
@@ -500,8 +401,10 @@ def _sanitize_fake(expert_ids, workspace, metainfo, ep_rank, invalid_expert_id) 
 
 
 def _combine_fake(payload, local_num_tokens, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size,
-                  top_k, combine_payload_offset, payload_in_workspace=False) -> torch.Tensor:
-    return payload.new_empty((local_num_tokens, payload.shape[2]))
+                  top_k, combine_payload_offset, payload_in_workspace=False, low_precision=False,
+                  caller_mask=None) -> torch.Tensor:
+    dtype = torch.bfloat16 if low_precision else payload.dtype
+    return payload.new_empty((local_num_tokens, payload.shape[2]), dtype=dtype)
 
 
 torch.library.register_fake("a2ad::moe_a2a_dispatch", _dispatch_fake, lib=_LIB)
@@ -512,6 +415,86 @@ torch.library.register_fake("a2ad::moe_a2a_combine", _combine_fake, lib=_LIB)
 # ---------------------------------------------------------------------------
 # FlashInfer's module functions
 # ---------------------------------------------------------------------------
+def moe_a2a_initialize(
+    workspace: torch.Tensor,
+    ep_rank: int,
+    ep_size: int,
+    max_num_tokens: int,
+    eplb_stats_num_experts: int = 0,
+    *,
+    backend: str = "trtllm",
+    timeout: float | None = None,
+    sm_budget: int | None = None,
+) -> torch.Tensor:
+    """Initialize ``ep_rank``'s row of a caller-owned ``[ep_size, size_per_rank]`` uint8 workspace
+    (CPU: the host plane; CUDA: the kernels) and return its metainfo.
+
+    Like FlashInfer's: call it once per rank and allocation, on every rank, before any
+    dispatch (and let every rank finish it before any dispatches: a late initialize would
+    erase a peer's first round); calling it again re-initializes the rank. The functional
+    ops then find the rank by ``(workspace, ep_rank)``, also when several ranks of one
+    tensor run in one process (threads, or CUDA streams). a2ad's additions, keyword-only:
+    ``timeout`` (seconds, default 60) bounds every wait on a peer (PeerTimeout instead of a
+    hang); ``sm_budget`` caps the SMs one CUDA launch may occupy (default: the GPU's SMs
+    split between the ranks of the tensor initialized in this process).
+    Release the rank with :func:`moe_a2a_release`.
+    """
+    check_backend(backend)
+    from . import local
+
+    front, meta = local.initialize(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts,
+                                   timeout=local.DEFAULT_TIMEOUT if timeout is None else timeout, sm_budget=sm_budget)
+    key = _key(workspace)
+    with _LOCK:
+        _prune_locked()
+        entries = _REGISTRY.setdefault(key, [])
+        old = [e for e in entries if e.owner is None and e.ep_rank == front.ep_rank]
+        entries[:] = [e for e in entries if e not in old]
+        entries.append(_Entry(None, front, strong=True))
+    for e in old:
+        f = e.front()
+        if f is not None:
+            f.close()
+    return meta
+
+
+def moe_a2a_release(workspace: torch.Tensor, ep_rank: int | None = None) -> None:
+    """Forget the caller-owned workspace's ranks (all, or ``ep_rank``) that :func:`moe_a2a_initialize`
+    registered, and release their planes (CUDA: after the work queued on them). a2ad only."""
+    if not isinstance(workspace, torch.Tensor):
+        raise errors.InputError(f"workspace must be a torch.Tensor, got {type(workspace).__name__}", argument="workspace")
+    key = _key(workspace)
+    with _LOCK:
+        entries = _REGISTRY.get(key, [])
+        gone = [e for e in entries if e.owner is None and (ep_rank is None or e.ep_rank == ep_rank)]
+        entries[:] = [e for e in entries if e not in gone]
+        if not entries:
+            _REGISTRY.pop(key, None)
+        rest = any(e.owner is None for e in entries)
+    if workspace.is_cuda and gone:
+        torch.cuda.synchronize(workspace.device)
+    for e in gone:
+        f = e.front()
+        if f is not None:
+            f.close()
+    if not rest:
+        from . import local
+
+        local.forget(workspace)
+
+
+def moe_a2a_active_rank_mask(active_ranks, ep_size: int) -> torch.Tensor:
+    """FlashInfer's helper: a CPU uint64 ``[MOE_A2A_RANK_MASK_WORDS]`` tensor with bit i set for each
+    rank i of ``active_ranks`` (a sequence or 1-D tensor of ranks in ``[0, ep_size)``)."""
+    ep_size = _int_arg("ep_size", ep_size, 1, L.MAX_EP_SIZE)
+    mask = 0
+    for rank in active_ranks.tolist() if isinstance(active_ranks, torch.Tensor) else active_ranks:
+        rank = _int_arg("active_ranks", rank, 0, ep_size - 1)
+        mask |= 1 << rank
+    signed = mask - (1 << 64) if mask >> 63 else mask
+    return torch.tensor([signed], dtype=torch.int64).view(torch.uint64)
+
+
 def moe_a2a_dispatch(
     token_selected_experts: torch.Tensor,
     input_payloads: list[torch.Tensor],
@@ -522,36 +505,57 @@ def moe_a2a_dispatch(
     ep_size: int,
     top_k: int,
     num_experts: int,
-) -> tuple[list[torch.Tensor], int]:
-    """Dispatch this rank's tokens; return ``(received payloads, combine_payload_offset)``.
+    enable_pdl: bool | None = None,
+    eplb_local_stats: torch.Tensor | None = None,
+    enable_rank_mask: bool = False,
+    active_rank_mask: torch.Tensor | None = None,
+    *,
+    backend: str = "trtllm",
+    recv_view_cache: dict | None = None,
+) -> tuple[list[torch.Tensor], int, torch.Tensor | None]:
+    """Dispatch this rank's tokens; return ``(received payloads, combine_payload_offset, eplb_gathered_stats)``.
 
     Like ``MoeAlltoAll.dispatch`` (same checks, same results): each received payload is
     ``[ep_size, runtime_max_tokens_per_rank, elements_per_token]`` of the input's dtype,
     valid until this rank's combine; outside torch.compile it is backed by this rank's
     workspace row (zero-copy), inside it is a copy (see the module doc).
     ``combine_payload_offset``: the row-relative end of this round's dispatch regions;
-    pass it to :func:`moe_a2a_combine`. ``workspace``/``metainfo``: a live
-    MoeAlltoAll's ``.workspace`` and ``.metainfo``.
+    pass it to :func:`moe_a2a_combine`. ``eplb_gathered_stats``: ``[ep_size,
+    eplb_stats_num_experts]`` int32 (row r: rank r's ``eplb_local_stats``) when
+    ``eplb_local_stats`` was given, else None. ``active_rank_mask`` (with
+    ``enable_rank_mask=True``): :func:`moe_a2a_active_rank_mask`'s CPU tensor or an int64 /
+    uint64 ``[1]`` tensor on the device, combined with the job's own mask.
+    ``enable_pdl`` and ``recv_view_cache`` are accepted and have no effect (the views
+    are kept by a2ad itself). ``workspace``/``metainfo``: a live MoeAlltoAll's
+    ``.workspace`` and ``.metainfo``, or a workspace :func:`moe_a2a_initialize` set up.
     """
     rt = runtime_max_tokens_per_rank
     if torch.compiler.is_compiling():
+        if eplb_local_stats is not None:
+            raise errors.InputError("eplb_local_stats is not supported inside torch.compile; dispatch it eagerly",
+                                    argument="eplb_local_stats")
+        mask = None
+        if active_rank_mask is not None:
+            mask = active_rank_mask.view(torch.int64) if active_rank_mask.dtype == torch.uint64 else active_rank_mask
         region = torch.ops.a2ad.moe_a2a_dispatch(
-            token_selected_experts, input_payloads, workspace, metainfo, rt, ep_rank, ep_size, top_k, num_experts
+            token_selected_experts, input_payloads, workspace, metainfo, rt, ep_rank, ep_size, top_k, num_experts, mask
         )
         base = _payload_data_for(str(workspace.device), workspace.shape[0], workspace.shape[1], workspace.stride(0))
-    else:
-        att, layout = _dispatch_run(
-            token_selected_experts, input_payloads, workspace, metainfo, rt, ep_rank, ep_size, top_k, num_experts
-        )
-        base = layout.dispatch_offsets[0]
-        region = workspace[ep_rank, base : layout.dispatch_end]
-    # the layout a2ad.layout.payload_layout gives: 128-byte aligned regions one after another
-    received, off = [], 0
-    for p in input_payloads:
-        size = ep_size * rt * _bytes_per_token(p)
-        received.append(_cut(region, off, size, p.dtype).view(ep_size, rt, -1))
-        off = L.pad_up(off + size)
-    return received, base + off
+        # the layout a2ad.layout.payload_layout gives: 128-byte aligned regions one after another
+        received, off = [], 0
+        for p in input_payloads:
+            size = ep_size * rt * _bytes_per_token(p)
+            received.append(_cut(region, off, size, p.dtype).view(ep_size, rt, -1))
+            off = L.pad_up(off + size)
+        return received, base + off, None
+    check_backend(backend)
+    front = _resolve(workspace, ep_rank)
+    mask = _rank_mask(front, enable_rank_mask, active_rank_mask)
+    _, received, layout, eplb = _dispatch_run(
+        token_selected_experts, input_payloads, workspace, metainfo, rt, ep_rank, ep_size, top_k, num_experts,
+        eplb_local_stats=eplb_local_stats, caller_mask=mask,
+    )
+    return received, layout.dispatch_end, eplb
 
 
 def _cut(region: torch.Tensor, off: int, size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -568,10 +572,13 @@ def _cut(region: torch.Tensor, off: int, size: int, dtype: torch.dtype) -> torch
 
 
 def moe_a2a_sanitize_expert_ids(
-    expert_ids: torch.Tensor, workspace: torch.Tensor, metainfo: torch.Tensor, ep_rank: int, invalid_expert_id: int
+    expert_ids: torch.Tensor, workspace: torch.Tensor, metainfo: torch.Tensor, ep_rank: int, invalid_expert_id: int,
+    enable_pdl: bool | None = None, *, backend: str = "trtllm",
 ) -> None:
     """In the received expert-id payload, set every id of every slot that received no token to
     ``invalid_expert_id`` (in place)."""
+    if not torch.compiler.is_compiling():
+        check_backend(backend)
     torch.ops.a2ad.moe_a2a_sanitize_expert_ids(expert_ids, workspace, metainfo, ep_rank, invalid_expert_id)
 
 
@@ -586,14 +593,82 @@ def moe_a2a_combine(
     top_k: int,
     combine_payload_offset: int,
     payload_in_workspace: bool = False,
+    output_dtype: torch.dtype | None = None,
+    output_scales: torch.Tensor | None = None,
+    output_scalar_scale: float = 1.0,
+    sf_layout=None,
+    output: torch.Tensor | None = None,
+    *,
+    use_low_precision: bool = False,
+    enable_pdl: bool | None = None,
+    enable_rank_mask: bool = False,
+    active_rank_mask: torch.Tensor | None = None,
+    backend: str = "trtllm",
 ) -> torch.Tensor:
     """Sum every local token's expert outputs; returns ``[local_num_tokens, hidden]``.
 
     ``payload``: ``[ep_size, runtime_max_tokens_per_rank, hidden]`` bfloat16/float16/float32.
-    ``payload_in_workspace``: see the module doc (a payload outside this rank's combine
-    region is staged, so the result is the same either way).
+    ``payload_in_workspace``: see the module doc. ``output``: write the result there (and
+    return it). ``use_low_precision``: FP8 e4m3 rows on the wire, float32 sums, bfloat16
+    out. ``output_dtype``/``output_scales``/``output_scalar_scale``/``sf_layout``: the
+    result quantized (MXFP8, MXFP4, NVFP4), as FlashInfer's. ``active_rank_mask``: as in
+    :func:`moe_a2a_dispatch`.
     """
-    return torch.ops.a2ad.moe_a2a_combine(
-        payload, local_num_tokens, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size, top_k,
-        combine_payload_offset, payload_in_workspace,
+    if torch.compiler.is_compiling():
+        mask = None
+        if active_rank_mask is not None:
+            mask = active_rank_mask.view(torch.int64) if active_rank_mask.dtype == torch.uint64 else active_rank_mask
+        out = torch.ops.a2ad.moe_a2a_combine(
+            payload, local_num_tokens, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size, top_k,
+            combine_payload_offset, payload_in_workspace, use_low_precision, mask,
+        )
+        return finish_output(out, output_dtype, output_scales, output_scalar_scale, sf_layout, output, copy=True)
+    check_backend(backend)
+    front = _resolve(workspace, ep_rank)
+    _check_job(front, metainfo, ep_rank, ep_size, top_k)
+    mask = _rank_mask(front, enable_rank_mask, active_rank_mask)
+    quantized = _quantized(output_dtype, output_scales)
+    out = front.combine(
+        FUNCTIONAL_OWNER, payload, runtime_max_tokens_per_rank, payload_in_workspace,
+        local_num_tokens=local_num_tokens, combine_payload_offset=combine_payload_offset,
+        output=None if quantized or output_dtype not in (None, payload.dtype) else output,
+        low_precision=use_low_precision, caller_mask=mask,
     )
+    return finish_output(out, output_dtype, output_scales, output_scalar_scale, sf_layout, output,
+                         copy=output is not None and out is not output)
+
+
+_PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _quantized(output_dtype, output_scales) -> bool:
+    """Whether ``output_dtype`` asks for a quantized result (FP8 / packed FP4), checked."""
+    if output_dtype is None or output_dtype in _PLAIN_DTYPES:
+        if output_scales is not None and output_dtype is None:
+            raise errors.InputError("output_scales given without a quantized output_dtype", argument="output_scales")
+        return False
+    if not isinstance(output_dtype, torch.dtype):
+        raise errors.InputError(f"output_dtype must be a torch.dtype, got {type(output_dtype).__name__}",
+                                argument="output_dtype")
+    return True
+
+
+def finish_output(out, output_dtype, output_scales, output_scalar_scale, sf_layout, output, copy: bool):
+    """The combine's result as the caller asked: quantized (client.quant), cast, or copied into ``output``."""
+    if output_dtype is not None and output_dtype not in _PLAIN_DTYPES:
+        from . import quant
+
+        if sf_layout is None:
+            sf_layout = quant.SfLayout.layout_linear
+        q, _ = quant.quantize(out, output_dtype, sf_layout, scalar_scale=output_scalar_scale, out=output,
+                              out_scales=output_scales)
+        return q
+    if output_dtype is not None and output_dtype != out.dtype:
+        if output is not None:
+            output.copy_(out)
+            return output
+        return out.to(output_dtype)
+    if copy and output is not None:
+        output.copy_(out)
+        return output
+    return out

@@ -13,7 +13,10 @@ how the object is made, in the two functions below:
      workspace handles: FlashInfer allocates the         runs the rendezvous)
      workspace in every worker)
     MoeAlltoAll(mapping, ..., mnnvl_config=cfg)         MoeAlltoAll(mapping, ..., mnnvl_config=cfg,
-                                                                    job="model-ep")   # cfg is ignored
+                                                                    job="model-ep")
+                                                        (job= may be left out where a communicator is
+                                                         there to agree on one: cfg.comm_backend or the
+                                                         default torch.distributed group)
 
 Run with no arguments it runs both sides when FlashInfer imports and the GPUs are there
 (FlashInfer's MoeAlltoAll needs one CUDA GPU per rank), else the a2ad side alone (host
@@ -34,9 +37,23 @@ import shutil
 import sys
 import tempfile
 
-import torch
+from helpers.layer_args import add_arguments, check_arguments  # examples/helpers/layer_args.py
 
-import moe_layer  # examples/moe_layer.py, beside this file
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    parser.add_argument("--sides", choices=["both", "a2ad", "flashinfer"], default="both",
+                        help="which MoeAlltoAll to run (default both; FlashInfer only where it can run)")
+    return check_arguments(parser, parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # before torch is imported, so that --help and a usage error answer at once
+
+import torch  # noqa: E402
+
+import moe_layer  # noqa: E402  examples/moe_layer.py, beside this file
 
 NAME = "switch_from_flashinfer"
 
@@ -72,7 +89,7 @@ def a2ad_moe_alltoall(run: moe_layer.RunConfig, rank: int, device: torch.device)
 
     cfg = run.layer
     return MoeAlltoAll(Mapping(), cfg.max_tokens, cfg.top_k, cfg.num_experts, hidden_size=cfg.hidden,
-                       mnnvl_config=None,  # accepted and ignored: the daemon picks the memory handles
+                       mnnvl_config=None,  # only its comm_backend is used: the daemon picks the memory handles
                        job=run.job,  # every rank of the group names the same job
                        runtime_dir=run.runtime_dir, device=device if device.type == "cuda" else None,
                        timeout=run.timeout)
@@ -121,17 +138,12 @@ def run_a2ad(args) -> bool:
         return moe_layer.run_ranks(run, a2ad_moe_alltoall, name=f"{NAME} [a2ad]")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    moe_layer.add_arguments(parser)
-    parser.add_argument("--sides", choices=["both", "a2ad", "flashinfer"], default="both",
-                        help="which MoeAlltoAll to run (default both; FlashInfer only where it can run)")
-    args = parser.parse_args(argv)
-    if args.experts < args.ranks or not 1 <= args.top_k <= args.experts:
-        parser.error("need --experts >= --ranks and 1 <= --top-k <= --experts")
+def main(args: argparse.Namespace | None = None) -> int:
+    args = parse_args() if args is None else args
     sides, why = pick_sides(args.sides, args.ranks)
     print(f"{NAME}: the differences: the import (flashinfer.comm.trtllm_moe_alltoall -> a2ad.client), "
-          f"job= (a2ad: the group's name), mnnvl_config (a2ad: accepted and ignored); "
+          f"job= (a2ad: the group's name, optional with a communicator), mnnvl_config (a2ad: only its "
+          f"comm_backend is used); "
           f"dispatch/combine calls are the same code for both")
     if why is not None:
         print(f"{NAME}: FlashInfer side skipped: {why}")
@@ -149,4 +161,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGS))

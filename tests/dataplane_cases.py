@@ -692,7 +692,7 @@ def compiled_ops_rounds(rank: int, job: JobSpec, plan: Plan, backend: str) -> di
     dev = job.device(rank)
 
     def step(experts, hidden, scales, ws, meta, rt):
-        got, cpo = c.moe_a2a_dispatch(experts, [hidden, experts, scales], ws, meta, rt, rank, job.ep_size, job.top_k,
+        got, cpo, _ = c.moe_a2a_dispatch(experts, [hidden, experts, scales], ws, meta, rt, rank, job.ep_size, job.top_k,
                                       job.num_experts)
         c.moe_a2a_sanitize_expert_ids(got[1], ws, meta, rank, INVALID_ID)
         y = ref.toy_expert(got[0], got[1], got[2], rank, job.num_experts, job.ep_size)

@@ -104,7 +104,7 @@ def three_ways(rank, ep, runtime_dir, job, rounds):
             _check(rank, f"round {rnd} methods", saved, expected, out_m, want)
 
             # 2. the module functions
-            got, cpo = c.moe_a2a_dispatch(mine.experts, payloads, ws, meta, rt, rank, ep, TOP_K, NUM_EXPERTS)
+            got, cpo, _ = c.moe_a2a_dispatch(mine.experts, payloads, ws, meta, rt, rank, ep, TOP_K, NUM_EXPERTS)
             row = ws[rank]
             assert all(row.data_ptr() <= g.data_ptr() < row.data_ptr() + row.numel() for g in got), "not zero-copy"
             c.moe_a2a_sanitize_expert_ids(got[1], ws, meta, rank, INVALID)
@@ -151,7 +151,7 @@ def _step(experts, hidden, scales, ws, meta, rt, rank, ep):
     import a2ad.client as c
     from a2ad.client import reference as ref
 
-    got, cpo = c.moe_a2a_dispatch(experts, [hidden, experts, scales], ws, meta, rt, rank, ep, TOP_K, NUM_EXPERTS)
+    got, cpo, _ = c.moe_a2a_dispatch(experts, [hidden, experts, scales], ws, meta, rt, rank, ep, TOP_K, NUM_EXPERTS)
     c.moe_a2a_sanitize_expert_ids(got[1], ws, meta, rank, INVALID)
     y = ref.toy_expert(got[0], got[1], got[2], rank, NUM_EXPERTS, ep)
     ids = got[1].clone()  # received tensors are valid until combine
@@ -215,7 +215,7 @@ def layers(rank, ep, runtime_dir, job, rounds):
                 # then the same layer's next round through the module functions on its workspace
                 seed += 1
                 rt, mine, expected, want = _round(seed, ep, rank)
-                got, cpo = c.moe_a2a_dispatch(
+                got, cpo, _ = c.moe_a2a_dispatch(
                     mine.experts, [mine.hidden, mine.experts, mine.scales], a2a.workspace, a2a.metainfo, rt, rank, ep,
                     TOP_K, NUM_EXPERTS,
                 )
@@ -330,7 +330,7 @@ def test_workspace_without_live_moe_alltoall_is_a_clear_error(daemon):
     ws, meta = a2a.workspace, a2a.metainfo
     try:
         rt, mine, expected, want = _round(7000, 1, 0, tokens=[4])
-        got, cpo = c.moe_a2a_dispatch(mine.experts, [mine.hidden, mine.experts, mine.scales], ws, meta, rt, 0, 1,
+        got, cpo, _ = c.moe_a2a_dispatch(mine.experts, [mine.hidden, mine.experts, mine.scales], ws, meta, rt, 0, 1,
                                       TOP_K, NUM_EXPERTS)
         c.moe_a2a_sanitize_expert_ids(got[1], ws, meta, 0, INVALID)
         saved = [t.clone() for t in got]

@@ -17,10 +17,14 @@ What lives here (and nothing about jobs: that is federation.py):
   connection simply waits for the loop's next turn). It accepts exactly the public keys of
   the configured nodes other than this one; anything else is refused and logged;
 - heartbeats, and the state of every peer: ``connecting`` (never heard since this daemon
-  started), ``up``, ``down`` (silent for ``heartbeat_interval * heartbeat_misses``);
-- the message bus: msgpack maps with an envelope, size-capped by the socket, decoded with
-  limits; a message that does not decode or does not fit the envelope is dropped, counted
-  and logged (rate-limited) and never reaches the federation.
+  started), ``up``, ``down`` (silent for ``heartbeat_interval * heartbeat_misses``); a
+  daemon instance of a peer that a newer one replaced and that speaks again means two
+  daemons run as that node name: logged, shown in the status, and its messages dropped;
+- the message bus: msgpack maps with an envelope, at most MAX_MESSAGE bytes on both ends
+  (the socket's own limit leaves room for CURVE's overhead and more, so a larger message is
+  logged and dropped here instead of taking the link with it), decoded with limits; a
+  message that does not decode or does not fit the envelope is dropped, counted and logged
+  (rate-limited) and never reaches the federation.
 
 Every socket is non-blocking and polled by the daemon's loop (:meth:`Domain.sockets`,
 :meth:`Domain.service`, :meth:`Domain.tick`, :meth:`Domain.next_deadline`). The federation
@@ -49,8 +53,19 @@ log = logging.getLogger("a2ad")
 
 #: Version of the daemon-to-daemon messages (``v`` of every envelope).
 DOMAIN_PROTOCOL = 1
-#: Largest domain message a daemon accepts (the socket drops larger ones before the loop sees them).
+#: Largest domain message (its msgpack bytes) a daemon sends or takes: the sender does not send
+#: a larger one (logged), the receiver drops a larger one (logged and counted; the link stays).
 MAX_MESSAGE = 1 << 20
+#: What CURVE adds to every message on the wire (the MESSAGE command's name, its nonce, the
+#: box's MAC and the flags byte), which counts against the socket's own size limit.
+CURVE_OVERHEAD = 33
+#: The receive socket's own limit (ZMQ_MAXMSGSIZE), counting CURVE's overhead. libzmq cuts a
+#: connection that carries a larger frame; frames between MAX_MESSAGE and this reach the loop,
+#: which logs and drops them, so an oversized message never silently takes the link with it.
+MAX_FRAME = 4 * MAX_MESSAGE + CURVE_OVERHEAD
+#: Superseded daemon instances (boot ids) remembered per peer, to tell a restart from two
+#: daemons running as one node.
+MAX_SUPERSEDED = 16
 #: Node and domain names: what a config file may use.
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 ADDRESS_RE = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+|\*):([0-9]{1,5})")
@@ -247,9 +262,14 @@ class Peer:
     connected: bool = False
     #: a full resync of this daemon's state to the peer is owed (it came up, restarted, or a send failed)
     resync_due: bool = False
+    #: daemon instances of this node that a newer one replaced -> [when replaced, when last heard]
+    superseded: dict = field(default_factory=dict)
+    #: while two daemons run as this node: the other instance's boot id (its messages are dropped)
+    collision: bytes | None = None
     counters: dict = field(default_factory=lambda: {
         "heartbeats_received": 0, "heartbeats_sent": 0, "messages_received": 0, "messages_sent": 0,
         "bad_messages": 0, "send_drops": 0, "losses": 0, "ups": 0, "handshake_failures": 0,
+        "name_collisions": 0, "collision_drops": 0,
     })
 
     def summary(self, now: float) -> dict:
@@ -262,6 +282,8 @@ class Peer:
             "last_message_age_s": None if self.last_rx is None else round(now - self.last_rx, 3),
             "boot": None if self.boot is None else self.boot.hex(),
             "link_connected": self.connected,
+            "name_collision": self.collision is not None,
+            "colliding_instance": None if self.collision is None else self.collision.hex(),
             **self.counters,
         }
 
@@ -269,12 +291,19 @@ class Peer:
 class _RateLog:
     """At most one line per key every ``every`` seconds; how many were suppressed is said."""
 
+    #: keys remembered at most (a flood of connections from many addresses must not grow it)
+    MAX_KEYS = 1024
+
     def __init__(self, every: float = 10.0):
         self.every = every
         self._last: dict = {}
 
     def __call__(self, level: int, key, msg: str, *args) -> None:
         now = time.monotonic()
+        if key not in self._last and len(self._last) >= self.MAX_KEYS:
+            self._last = {k: v for k, v in self._last.items() if now - v[0] < self.every}
+            if len(self._last) >= self.MAX_KEYS:
+                self._last.clear()
         last, skipped = self._last.get(key, (None, 0))
         if last is not None and now - last < self.every:
             self._last[key] = (last, skipped + 1)
@@ -330,7 +359,7 @@ class Domain:
             r = self.ctx.socket(zmq.ROUTER)
             self.router = r
             r.setsockopt(zmq.LINGER, 0)
-            r.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+            r.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
             r.setsockopt(zmq.RCVHWM, LINK_HWM)
             r.setsockopt(zmq.ZAP_DOMAIN, f"a2ad:{self.cfg.name}".encode())
             r.curve_server = True
@@ -338,7 +367,7 @@ class Domain:
             r.curve_publickey = self.public
             self.router_monitor = r.get_monitor_socket(
                 zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+                | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_DISCONNECTED)
             try:
                 r.bind(self.me.bind)
             except zmq.ZMQError as exc:
@@ -360,7 +389,7 @@ class Domain:
         d.setsockopt(zmq.LINGER, 0)
         d.setsockopt(zmq.IMMEDIATE, 1)  # no queue for a peer that is not connected: sends fail, a resync follows
         d.setsockopt(zmq.SNDHWM, LINK_HWM)
-        d.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        d.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
         ivl = max(10, int(self.cfg.heartbeat_interval * 250))
         d.setsockopt(zmq.RECONNECT_IVL, ivl)
         d.setsockopt(zmq.RECONNECT_IVL_MAX, max(ivl, int(self.cfg.heartbeat_interval * 1000)))
@@ -427,6 +456,8 @@ class Domain:
         bound = self.cfg.loss_bound
         for p in self.peers.values():
             self.send(p.name, {"t": "hb"}, heartbeat=True)
+            if p.collision is not None:
+                self._collision_check(p, now)
             if p.state == PEER_UP and p.last_rx is not None and now - p.last_rx > bound:
                 self._lost(p, f"no message for {now - p.last_rx:.2f} s (heartbeat every {self.cfg.heartbeat_interval:g} s, "
                               f"lost after {bound:g} s)")
@@ -481,6 +512,14 @@ class Domain:
                 ev = recv_monitor_message(self.router_monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if ev["event"] == zmq.EVENT_DISCONNECTED:
+                # a peer's daemon stopped or restarted, or (the only other cause) it sent a frame
+                # over MAX_FRAME, which libzmq answers by closing the connection
+                self._ratelog(logging.INFO, ("disconnect",),
+                              "domain %s: a connection to %s closed (%s): its daemon stopped or restarted, or it "
+                              "sent a frame over the %d-byte socket limit", self.cfg.name, self.me.bind,
+                              (ev.get("endpoint") or b"?").decode(errors="replace"), MAX_FRAME)
+                continue
             what = _HANDSHAKE_FAILED.get(ev["event"])
             if what is None:
                 continue
@@ -558,6 +597,10 @@ class Domain:
             if len(frames) != 2:
                 self._bad(p, f"{len(frames) - 1} frames instead of 1")
                 continue
+            if len(frames[1]) > MAX_MESSAGE:
+                self._bad(p, f"a frame of {len(frames[1])} bytes, over the {MAX_MESSAGE}-byte cap of a domain message "
+                             "(the link stays)")
+                continue
             try:
                 msg = msgpack.unpackb(frames[1].bytes, raw=False, strict_map_key=True, max_str_len=MAX_MESSAGE,
                                       max_bin_len=MAX_MESSAGE, max_array_len=1 << 16, max_map_len=1 << 16)
@@ -568,7 +611,8 @@ class Domain:
             if why:
                 self._bad(p, why)
                 continue
-            self._heard(p, msg)
+            if not self._heard(p, msg):
+                continue
             if msg["t"] == "hb":
                 p.counters["heartbeats_received"] += 1
                 continue
@@ -585,13 +629,40 @@ class Domain:
         self._ratelog(logging.WARNING, ("bad", p.name), "domain %s: dropped a message from node %s: %s",
                       self.cfg.name, p.name, why)
 
-    def _heard(self, p: Peer, msg: dict) -> None:
+    def _heard(self, p: Peer, msg: dict) -> bool:
+        """Note that ``p`` was heard; False when the message is to be dropped (it comes from a
+        second daemon running as the same node)."""
         now = time.monotonic()
+        boot = msg["boot"]
+        if p.boot is not None and boot != p.boot:
+            old = p.superseded.get(boot)
+            if old is not None:
+                # an instance that a newer one replaced speaks again: not a restart (a daemon's
+                # instance id is new at every start) but two daemons running as this node, unless
+                # it is a message that was on its way when the other took over (an upgrade)
+                old[1] = now
+                if now - old[0] <= self.cfg.heartbeat_interval and p.collision != boot:
+                    log.debug("domain %s: a late message of node %s's previous instance %s; dropped",
+                              self.cfg.name, p.name, boot.hex())
+                    return False
+                p.counters["collision_drops"] += 1
+                if p.collision != boot:
+                    p.collision = boot
+                    p.counters["name_collisions"] += 1
+                    log.error("domain %s: two daemons run as node %s (instances %s and %s, both heard within "
+                              "%g s; %s is reached at %s): only instance %s is listened to, the other's messages are "
+                              "dropped. Run one daemon per node name: check --node (or the host name) of the "
+                              "daemons of this domain", self.cfg.name, p.name, p.boot.hex(), boot.hex(),
+                              self.cfg.loss_bound, p.name, p.address, p.boot.hex())
+                return False
+            p.superseded[p.boot] = [now, now]
+            while len(p.superseded) > MAX_SUPERSEDED:
+                del p.superseded[min(p.superseded, key=lambda b: p.superseded[b][1])]
         p.last_rx = now
         if msg["t"] == "hb":
             p.last_heartbeat = now
-        restarted = p.boot is not None and p.boot != msg["boot"]
-        p.boot = msg["boot"]
+        restarted = p.boot is not None and p.boot != boot
+        p.boot = boot
         if p.state != PEER_UP or restarted:
             was = p.state
             p.state, p.since = PEER_UP, now
@@ -603,6 +674,21 @@ class Domain:
                 log.info("domain %s: node %s is up (was %s)", self.cfg.name, p.name, was)
             if self.handler is not None:
                 self.handler.on_peer_up(p.name, restarted)
+        return True
+
+    def _collision_check(self, p: Peer, now: float) -> None:
+        """A node-name collision ends once either instance has been silent for the loss bound:
+        the other one, if it still speaks, is then heard as a restart."""
+        other = p.superseded.get(p.collision, [0.0, 0.0])[1]
+        if now - other > self.cfg.loss_bound:
+            log.warning("domain %s: the second daemon running as node %s (instance %s) has been silent for %g s: "
+                        "the name collision is over", self.cfg.name, p.name, p.collision.hex(), now - other)
+            p.collision = None
+        elif p.last_rx is None or now - p.last_rx > self.cfg.loss_bound:
+            log.warning("domain %s: instance %s of node %s went silent while instance %s still speaks: that one is "
+                        "node %s now", self.cfg.name, p.boot.hex() if p.boot else "?", p.name, p.collision.hex(), p.name)
+            p.superseded.pop(p.collision, None)
+            p.collision = None
 
     def _lost(self, p: Peer, why: str) -> None:
         was = p.state
@@ -629,6 +715,7 @@ class Domain:
             "boot": self.boot.hex(),
             "nodes": [{"name": self.node, "address": self.me.address, "state": "self", "state_for_s": round(now - self.started, 3)}]
             + [p.summary(now) for p in self.peers.values()],
+            "name_collisions": sorted(p.name for p in self.peers.values() if p.collision is not None),
             **self.counters,
         }
 

@@ -81,13 +81,15 @@ def show_status(st: dict) -> str:
         f"memory        {_fmt_bytes(mem['job_bytes'])} in jobs (limits: {_fmt_bytes(mem['max_job_bytes'])} per job, "
         f"{_fmt_bytes(mem['max_total_bytes'])} total)"
     )
-    if "released_mapped_bytes" in mem:
+    if mem.get("released_mapped_bytes"):  # said only when some freed memory is still mapped
         lines.append(f"              {_fmt_bytes(mem['released_mapped_bytes'])} released but still mapped by clients")
     lines.append(f"draining      {'yes' if st['draining'] else 'no'}")
     dom = st.get("domain")
     if dom:
         peers = ", ".join(f"{n} {state}" for n, state in dom["nodes"].items() if state != "self")
         lines.append(f"domain        {dom['domain']}, this is node {dom['node']}; peers: {peers or 'none'}")
+        for n in dom.get("name_collisions") or []:
+            lines.append(f"              two daemons run as node {n}: only one is listened to (see the log)")
     lat = st.get("rendezvous_latency_ms", {})
     if lat.get("count"):
         lines.append(f"rendezvous    {lat['count']} done, p50 {lat['p50']} ms, max {lat['max']} ms")
@@ -186,6 +188,8 @@ def show_domain(d: dict) -> str:
                      f"{n['messages_received']}/{n['messages_sent']}", str(n["losses"]),
                      str(n["bad_messages"] + n["handshake_failures"])])
     lines.append(_table(rows, ["NODE", "ADDRESS", "STATE", "FOR", "LAST HEARTBEAT", "MSGS IN/OUT", "LOSSES", "REFUSED"]))
+    for n in d.get("name_collisions") or []:
+        lines.append(f"two daemons run as node {n}: only one is listened to (see the log)")
     return "\n".join(lines)
 
 
@@ -233,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         add(name, helptext).add_argument("name")
     p = add("drain", "refuse new jobs (existing ones run on); --off to accept again")
-    p.add_argument("--off", action="store_true")
+    p.add_argument("--off", action="store_true", help="stop draining: accept new jobs again (default: start draining)")
     add("metrics", "metrics in Prometheus text format")
     add("domain", "the nodes of this daemon's domain: their state, last heartbeat, link counters")
     p = add("upgrade", "start a successor daemon (the installed version) and hand it every job; clients keep "

@@ -1,0 +1,566 @@
+"""One rank's front end: the validation boundary and the round object that ``MoeAlltoAll``
+and the functional ops (``client/ops.py``) both call.
+
+Everything a caller passes is checked here, once, before anything is written to a peer:
+a bad argument raises :class:`~a2ad.errors.InputError` naming the argument and the reason,
+a call out of order :class:`~a2ad.errors.StateError`. The planes below (``HostPlane``,
+``CudaPlane``) receive checked, contiguous tensors and a payload layout.
+
+A :class:`Front` belongs to one rank of one workspace: a daemon attachment
+(:class:`a2ad.client.Attachment`) with its plane, or a caller-owned workspace tensor
+(:mod:`a2ad.client.local`), whose planes are made per ``(top_k, num_experts)`` on first
+use. The rank's round (the round in flight and where the last combine region starts)
+lives in the attachment's :class:`~a2ad.client.attach.RoundState`, which every front end
+object of that rank shares: whoever dispatched owns the round until its combine.
+
+Per-call work that depends only on the round's shape (payload layouts, the received
+views) is computed once and kept, so that the eager path adds no host time per call
+and never synchronizes with the GPU.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import operator
+
+import torch
+
+from a2ad import errors, layout as L
+
+#: Whether a2ad.layout.payload_layout takes the payload dtypes and the EPLB region (the
+#: agreement check between ranks and the EPLB gather); checked once.
+_LAYOUT_KW = {"dtypes", "eplb_stats_num_experts"} <= set(inspect.signature(L.payload_layout).parameters)
+
+#: Combine payload dtypes (the combine sums in float32 and returns the payload's dtype).
+COMBINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+#: The owner of a round dispatched through the functional ops (MoeAlltoAll objects use their own tokens).
+FUNCTIONAL_OWNER = object()
+#: The round owner while the rank's workspace is unmapped (checkpoint_prepare .. checkpoint_restore).
+UNMAPPED = object()
+
+
+# ---------------------------------------------------------------------------
+# Argument checks (every one raises InputError naming the argument)
+# ---------------------------------------------------------------------------
+def int_arg(name: str, value, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, bool):
+        raise errors.InputError(f"{name} must be an integer, got bool", argument=name)
+    try:
+        value = operator.index(value)  # int, numpy integers, 0-d integer tensors
+    except TypeError:
+        raise errors.InputError(f"{name} must be an integer, got {type(value).__name__}", argument=name) from None
+    if value < lo or (hi is not None and value > hi):
+        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise errors.InputError(f"{name} must be {bound}, got {value}", argument=name)
+    return value
+
+
+def tensor_arg(name: str, value, device: torch.device) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise errors.InputError(f"{name} must be a torch.Tensor, got {type(value).__name__}", argument=name)
+    if value.device != device:
+        raise errors.InputError(f"{name} is on {value.device}; this rank's workspace is on {device}", argument=name)
+    return value
+
+
+def same(name: str, value, expected: int, what: str) -> None:
+    if int_arg(name, value, -(1 << 62)) != expected:
+        raise errors.InputError(f"{name} is {value}, but {what} is {expected}", argument=name)
+
+
+def bool_arg(name: str, value) -> bool:
+    if value is not True and value is not False:
+        raise errors.InputError(f"{name} must be a bool, got {type(value).__name__}", argument=name)
+    return value
+
+
+def rank_mask_arg(name: str, mask, ep_rank: int, ep_size: int, device: torch.device) -> torch.Tensor:
+    """The caller's active-rank mask as the int64 ``[1]`` bit mask the planes take.
+
+    Accepts FlashInfer's CPU uint64 ``[1]`` tensor (:func:`moe_a2a_active_rank_mask`) and an
+    int64 ``[1]`` tensor, on the CPU or on this rank's device (a device mask can change
+    between CUDA graph replays). A host mask must keep this rank's own bit and name no
+    rank outside ``[0, ep_size)`` and goes to the plane as it is (its value is taken at the
+    call, also while a CUDA graph is captured); a device mask is not read back (no sync)."""
+    if not isinstance(mask, torch.Tensor):
+        raise errors.InputError(f"{name} must be a torch.Tensor (moe_a2a_active_rank_mask), got "
+                                f"{type(mask).__name__}", argument=name)
+    if mask.dtype not in (torch.uint64, torch.int64) or mask.shape != (1,):
+        raise errors.InputError(f"{name} must be a [1] uint64 (or int64) tensor, got {list(mask.shape)} {mask.dtype}",
+                                argument=name)
+    if mask.device.type != "cpu" and mask.device != device:
+        raise errors.InputError(f"{name} is on {mask.device}; give it on the CPU or on {device}", argument=name)
+    if mask.dtype is torch.uint64:
+        mask = mask.view(torch.int64)
+    if mask.device.type == "cpu":
+        bits = int(mask[0]) & ((1 << 64) - 1)
+        if not bits >> ep_rank & 1:
+            raise errors.InputError(f"{name} must keep this rank's own bit ({ep_rank}) set, got {bits:#x}",
+                                    argument=name)
+        if bits >> ep_size:
+            raise errors.InputError(f"{name} sets bits of ranks outside [0, ep_size={ep_size}): {bits:#x}",
+                                    argument=name)
+    return mask if mask.is_contiguous() else mask.contiguous()
+
+
+class Round:
+    """What a dispatch leaves for its combine."""
+
+    __slots__ = ("rt", "local_num_tokens", "layout", "plane", "eplb", "layout_kw")
+
+    def __init__(self, rt: int, local_num_tokens: int, layout: L.PayloadLayout, plane, eplb=None, layout_kw=None):
+        self.rt = rt
+        self.local_num_tokens = local_num_tokens
+        self.layout = layout
+        self.plane = plane
+        self.eplb = eplb
+        self.layout_kw = layout_kw
+
+
+_TAKES: dict = {}
+
+
+def _takes(plane, name: str) -> bool:
+    """Whether ``plane.combine`` takes the keyword ``name`` (checked once per plane class)."""
+    key = (type(plane), name)
+    got = _TAKES.get(key)
+    if got is None:
+        got = _TAKES[key] = name in inspect.signature(type(plane).combine).parameters
+    return got
+
+
+def _owner_name(owner) -> str:
+    return "moe_a2a_dispatch" if owner is FUNCTIONAL_OWNER else "a MoeAlltoAll"
+
+
+class Front:
+    """One rank's round object over ``att`` (an Attachment or a caller-owned workspace's
+    attachment-like object).
+
+    ``plane``: the plane of a daemon attachment (fixed top_k / num_experts: the job's), or
+    None with ``make_plane(top_k, num_experts)`` for a caller-owned workspace (a plane per
+    pair, made on first use).
+    """
+
+    def __init__(self, att, plane=None, *, make_plane=None, eplb_stats_num_experts: int = 0):
+        self.att = att
+        self.device = att.device
+        self.ep_rank = int(att.ep_rank)
+        self.ep_size = int(att.ep_size)
+        self.max_num_tokens = int(att.spec["max_num_tokens"])
+        self.eplb_stats_num_experts = int(eplb_stats_num_experts)
+        self._plane = plane
+        self._make_plane = make_plane
+        self._planes: dict = {}
+        self._layouts: dict = {}
+        self._views: dict = {}
+        self._combine_layouts: dict = {}
+        self._eplb_out: torch.Tensor | None = None
+        self.metainfo = torch.tensor(att.aux.metainfo(), dtype=torch.int64)
+
+    # --- planes -----------------------------------------------------------------------
+    def plane(self, top_k: int, num_experts: int):
+        if self._plane is not None:
+            return self._plane
+        key = (top_k, num_experts)
+        plane = self._planes.get(key)
+        if plane is None:
+            plane = self._planes[key] = self._make_plane(top_k, num_experts)
+        return plane
+
+    def planes(self) -> list:
+        return [self._plane] if self._plane is not None else list(self._planes.values())
+
+    def close(self) -> None:
+        if self._plane is None:
+            planes, self._planes = list(self._planes.values()), {}
+            for p in planes:
+                p.close()
+
+    # --- peers ------------------------------------------------------------------------
+    def check_peers(self, plane, inputs: bool) -> None:
+        """Raise what the plane knows about a lost or silent peer (the rank's round is then
+        over) and, with ``inputs``, what its kernels found wrong in an earlier call's input
+        (raised only where no round is open, so that every rank completes its rounds).
+        Never synchronizes."""
+        att = self.att
+        if att.forked:
+            raise errors.StateError("this workspace was inherited through fork; attach in this process")
+        att.maintain()  # reconnect the lease if the daemon restarted (rate-limited, never raises)
+        if att.control.quiet(self.ep_rank):
+            return
+        if plane is None:
+            return
+        try:
+            plane.check()
+        except (errors.PeerTimeout, errors.PeerLost, errors.JobDestroyed):
+            rounds = att.rounds
+            if rounds.owner is not UNMAPPED:
+                rounds.owner = rounds.round = None
+            raise
+        if inputs:
+            plane.check_input()
+
+    def _refuse_open_round(self, owner) -> None:
+        rounds = self.att.rounds
+        held = rounds.owner
+        if held is UNMAPPED:
+            raise errors.StateError(
+                "the workspace is unmapped (checkpoint_prepare): call checkpoint_restore before the next dispatch")
+        if held is owner and owner is not FUNCTIONAL_OWNER:
+            raise errors.StateError("dispatch called twice: combine the previous dispatch first")
+        if owner is FUNCTIONAL_OWNER:
+            raise errors.StateError(
+                f"this rank has a round open (dispatched by {_owner_name(held)}, not combined yet): the workspace "
+                "holds one round at a time; combine it first")
+        raise errors.StateError(
+            f"another MoeAlltoAll of job {self.att.job!r} rank {self.ep_rank} in this process (or moe_a2a_dispatch) has "
+            "dispatched and not combined yet: they share this rank's workspace, which holds one round at a time; "
+            "combine that one first")
+
+    # --- dispatch ---------------------------------------------------------------------
+    def check_experts(self, experts, rt: int, top_k: int, num_experts: int, plane) -> torch.Tensor:
+        if not isinstance(experts, torch.Tensor) or experts.device != self.device:
+            tensor_arg("token_selected_experts", experts, self.device)
+        dtype = experts.dtype
+        if dtype is not torch.int32 and dtype is not torch.int64:
+            raise errors.InputError(
+                f"token_selected_experts must be int32 (or int64), got {dtype}", argument="token_selected_experts")
+        if experts.dim() != 2 or experts.shape[1] != top_k:
+            raise errors.InputError(
+                f"token_selected_experts must be [local_num_tokens, top_k={top_k}], got {list(experts.shape)}",
+                argument="token_selected_experts")
+        num_tokens = experts.shape[0]
+        if num_tokens > rt:
+            raise errors.InputError(
+                f"local_num_tokens ({num_tokens}) exceeds runtime_max_tokens_per_rank ({rt})",
+                argument="token_selected_experts")
+        # Host tensors are range-checked here, at once. The CUDA kernels route an id outside
+        # [0, num_experts) nowhere and report it (check_input), so that no call reads the ids
+        # back (a host sync), and nothing is read back while a CUDA stream is captured.
+        host_ids = plane.checks_ids_on_host and not (experts.is_cuda and torch.cuda.is_current_stream_capturing())
+        if host_ids and num_tokens:
+            outside = (experts < 0) | (experts >= num_experts)  # before int64 -> int32
+            if bool(outside.any()):
+                raise errors.InputError(
+                    f"token_selected_experts holds expert id {experts[outside][0].item()}, "
+                    f"outside [0, num_experts={num_experts})",
+                    argument="token_selected_experts")
+        if dtype is torch.int64:
+            if not host_ids:  # an id outside int32 must stay outside [0, num_experts) when narrowed
+                experts = experts.clamp(-1, num_experts)
+            experts = experts.to(torch.int32)
+        return experts if experts.is_contiguous() else experts.contiguous()
+
+    def check_payloads(self, payloads, num_tokens: int) -> tuple[list, tuple[int, ...]]:
+        if not isinstance(payloads, (list, tuple)):
+            raise errors.InputError("input_payloads must be a list of tensors", argument="input_payloads")
+        if not 1 <= len(payloads) <= L.MAX_PAYLOADS:
+            raise errors.InputError(
+                f"input_payloads must hold 1 to {L.MAX_PAYLOADS} tensors, got {len(payloads)}",
+                argument="input_payloads")
+        nbytes = []
+        device = self.device
+        copies = None
+        for i, p in enumerate(payloads):
+            if not isinstance(p, torch.Tensor) or p.device != device:
+                tensor_arg(f"input_payloads[{i}]", p, device)
+            if p.dim() < 1 or p.shape[0] != num_tokens:
+                raise errors.InputError(
+                    f"input_payloads[{i}] must be [local_num_tokens={num_tokens}, ...], got {list(p.shape)}",
+                    argument=f"input_payloads[{i}]")
+            nb = p.nbytes // num_tokens if num_tokens else math.prod(p.shape[1:]) * p.element_size()
+            if nb == 0:
+                raise errors.InputError(f"input_payloads[{i}] has no bytes per token (shape {list(p.shape)})",
+                                        argument=f"input_payloads[{i}]")
+            if not p.is_contiguous():
+                if copies is None:
+                    copies = list(payloads)
+                copies[i] = p.contiguous()
+            nbytes.append(nb)
+        return (payloads if copies is None else list(copies)), tuple(nbytes)
+
+    def _check_sanitize_args(self, payloads, invalid_id, ids_index) -> tuple[int, int]:
+        if (invalid_id is None) != (ids_index is None):
+            raise errors.InputError(
+                "give both invalid_token_expert_id and expert_id_payload_index, or neither",
+                argument="invalid_token_expert_id")
+        ids_index = int_arg("expert_id_payload_index", ids_index, 0, len(payloads) - 1)
+        invalid_id = int_arg("invalid_token_expert_id", invalid_id, -(1 << 31), (1 << 31) - 1)
+        if payloads[ids_index].dtype != torch.int32:
+            raise errors.InputError(
+                f"the expert-id payload (input_payloads[{ids_index}]) must be int32 to be sanitized, "
+                f"got {payloads[ids_index].dtype}",
+                argument="expert_id_payload_index")
+        return ids_index, invalid_id
+
+    def _check_eplb(self, stats) -> torch.Tensor:
+        n = self.eplb_stats_num_experts
+        if n == 0:
+            raise errors.InputError(
+                "eplb_local_stats given, but the workspace was set up with eplb_stats_num_experts=0",
+                argument="eplb_local_stats")
+        if not isinstance(stats, torch.Tensor) or stats.device != self.device:
+            tensor_arg("eplb_local_stats", stats, self.device)
+        if stats.dtype != torch.int32 or stats.dim() != 1 or stats.shape[0] != n:
+            raise errors.InputError(
+                f"eplb_local_stats must be [eplb_stats_num_experts={n}] int32, got {list(stats.shape)} {stats.dtype}",
+                argument="eplb_local_stats")
+        if self._eplb_out is None:
+            self._eplb_out = torch.zeros(self.ep_size, n, dtype=torch.int32, device=self.device)
+        return stats if stats.is_contiguous() else stats.contiguous()
+
+    def layout(self, rt: int, nbytes: tuple[int, ...], payloads, eplb: int) -> tuple[L.PayloadLayout, dict]:
+        """The round's payload layout (cached by shape) and the layout arguments its combine reuses."""
+        key = (rt, nbytes, eplb, *[p.dtype for p in payloads]) if _LAYOUT_KW else (rt, nbytes)
+        got = self._layouts.get(key)
+        if got is None:
+            kw = {"dtypes": [p.dtype for p in payloads], "eplb_stats_num_experts": eplb} if _LAYOUT_KW else {}
+            try:
+                layout = L.payload_layout(self.att.aux, self.att.size_per_rank, rt, nbytes, **kw)
+                kw = dict(kw)
+            except L.LayoutError as exc:
+                raise errors.InputError(str(exc), argument="input_payloads") from None
+            if len(self._layouts) > 256:
+                self._layouts.clear()
+            kw["_key"] = key  # the combine layouts of this round are cached under it
+            got = self._layouts[key] = (layout, kw)
+        return got
+
+    def dispatch(self, owner, experts, payloads, rt, top_k: int, num_experts: int, *, invalid_id=None,
+                 ids_index=None, eplb_local_stats=None, caller_mask=None):
+        """Check everything, dispatch, open the round for ``owner``.
+
+        Returns ``(received views, layout, eplb_gathered or None)``; the views are
+        ``[ep_size, rt, elements_per_token]`` of each payload's dtype, backed by this
+        rank's workspace row. ``caller_mask``: an int64 ``[1]`` tensor (rank_mask_arg)."""
+        att = self.att
+        plane = self._plane
+        if plane is None:
+            plane = self.plane(top_k, num_experts)
+        self.check_peers(plane, inputs=True)
+        rounds = att.rounds
+        if rounds.owner is not None:
+            self._refuse_open_round(owner)
+        if type(rt) is not int or not 1 <= rt <= self.max_num_tokens:
+            rt = int_arg("runtime_max_tokens_per_rank", rt, 1, self.max_num_tokens)
+        experts = self.check_experts(experts, rt, top_k, num_experts, plane)
+        num_tokens = experts.shape[0]
+        payloads, nbytes = self.check_payloads(payloads, num_tokens)
+        if eplb_local_stats is not None:
+            eplb_local_stats = self._check_eplb(eplb_local_stats)
+        layout, layout_kw = self.layout(rt, nbytes, payloads,
+                                        self.eplb_stats_num_experts if eplb_local_stats is not None else 0)
+        if layout.dispatch_end > rounds.combine_floor:
+            raise errors.InputError(
+                f"these payloads need bytes [{att.aux.payload_data}, {layout.dispatch_end}) of every row at "
+                f"runtime_max_tokens_per_rank={rt}, which overlap the previous round's combine region (from "
+                f"{rounds.combine_floor}) that peers may still be reading; size the workspace for the dispatch "
+                f"and combine payloads together (get_moe_workspace_size_per_rank)",
+                argument="input_payloads")
+        if invalid_id is not None or ids_index is not None:
+            ids_index, invalid_id = self._check_sanitize_args(payloads, invalid_id, ids_index)
+        kw = {}
+        eplb = None
+        if eplb_local_stats is not None:
+            kw["eplb_local_stats"] = eplb_local_stats
+            kw["eplb_gathered"] = eplb = self._eplb_out
+        if caller_mask is not None:
+            kw["caller_mask"] = caller_mask
+        if kw:
+            plane.dispatch(experts, payloads, rt, layout, num_experts, **kw)
+        else:
+            plane.dispatch(experts, payloads, rt, layout, num_experts)
+        rounds.owner, rounds.round = owner, Round(rt, num_tokens, layout, plane, eplb, layout_kw)
+        received = self._received(layout, rt, nbytes, payloads)
+        if ids_index is not None:
+            plane.sanitize(received[ids_index], rt, invalid_id)
+        return received, layout, eplb
+
+    def _received(self, layout, rt, nbytes, payloads) -> list:
+        # the views depend on the bytes per token and the dtypes only (each is [ep, rt, -1])
+        vkey = (rt, nbytes, *[p.dtype for p in payloads])
+        received = self._views.get(vkey)
+        if received is None:
+            ws, ep, me = self.att.workspace, self.ep_size, self.ep_rank
+            received = []
+            for src, off, nb in zip(payloads, layout.dispatch_offsets, nbytes):
+                view = ws[me, off : off + ep * rt * nb].view(src.dtype)
+                received.append(view.view(ep, rt, -1))
+            if len(self._views) > 256:
+                self._views.clear()
+            self._views[vkey] = received
+        return list(received)
+
+    def sanitize(self, expert_ids, invalid_expert_id) -> None:
+        rnd = self.open_round("moe_a2a_sanitize_expert_ids")
+        ids = tensor_arg("expert_ids", expert_ids, self.device)
+        if ids.dtype != torch.int32 or ids.dim() != 3 or ids.shape[0] != self.ep_size or ids.shape[1] != rnd.rt:
+            raise errors.InputError(
+                f"expert_ids must be the received int32 [ep_size={self.ep_size}, runtime_max_tokens_per_rank="
+                f"{rnd.rt}, top_k] payload, got {list(ids.shape)} {ids.dtype}",
+                argument="expert_ids")
+        invalid = int_arg("invalid_expert_id", invalid_expert_id, -(1 << 31), (1 << 31) - 1)
+        rnd.plane.sanitize(ids, rnd.rt, invalid)
+
+    def open_round(self, what: str) -> Round:
+        rounds = self.att.rounds
+        if rounds.round is None or rounds.owner is UNMAPPED:
+            raise errors.StateError(f"{what} called before dispatch: this rank has no round open")
+        return rounds.round
+
+    # --- combine ----------------------------------------------------------------------
+    def combine_layout(self, rnd: Round, bytes_per_token: int) -> L.PayloadLayout:
+        """The round's layout with its combine region at the end of the row (moe_alltoall's module doc)."""
+        lkw = rnd.layout_kw
+        key = (bytes_per_token, lkw["_key"])
+        layout = self._combine_layouts.get(key)
+        if layout is None:
+            try:
+                layout = L.payload_layout(
+                    self.att.aux, self.att.size_per_rank, rnd.rt, rnd.layout.dispatch_bytes_per_token, bytes_per_token,
+                    **{k: v for k, v in lkw.items() if k != "_key"})
+            except L.LayoutError as exc:
+                raise errors.InputError(str(exc), argument="payload") from None
+            if len(self._combine_layouts) > 256:
+                self._combine_layouts.clear()
+            self._combine_layouts[key] = layout
+        return layout
+
+    def combine_region(self, rnd: Round, hidden: int, dtype) -> torch.Tensor:
+        if dtype not in COMBINE_DTYPES:
+            raise errors.InputError(f"dtype must be bfloat16, float16 or float32, got {dtype}", argument="dtype")
+        bytes_per_token = hidden * torch.empty((), dtype=dtype).element_size()
+        off = self.combine_layout(rnd, bytes_per_token).combine_offset
+        region = self.att.workspace[self.ep_rank, off : off + self.ep_size * rnd.rt * bytes_per_token]
+        return region.view(dtype).view(self.ep_size, rnd.rt, hidden)
+
+    def combine(self, owner, payload, rt, payload_in_workspace=False, *, local_num_tokens=None,
+                combine_payload_offset=None, output=None, low_precision=False, caller_mask=None,
+                end_round=None) -> torch.Tensor:
+        """Check, combine the round ``owner`` dispatched, close it; returns ``[T, hidden]``.
+
+        ``payload_in_workspace=True`` takes two placements: this rank's combine region
+        (used in place) or FlashInfer's place for it, ``combine_payload_offset`` of this
+        rank's row (staged into the region); anything else is refused."""
+        att = self.att
+        rounds = att.rounds
+        rnd = rounds.round
+        self.check_peers(rnd.plane if rnd is not None else self._plane, inputs=False)
+        if rounds.owner is not owner:
+            held = rounds.owner
+            if held is None or held is UNMAPPED:
+                what = "moe_a2a_combine called before moe_a2a_dispatch" if owner is FUNCTIONAL_OWNER else \
+                    "combine called before dispatch"
+                raise errors.StateError(f"{what}: this rank has no round open (the state is idle)")
+            if owner is FUNCTIONAL_OWNER:
+                raise errors.StateError("this rank's round was dispatched by a MoeAlltoAll: combine it with its combine()")
+            raise errors.StateError(
+                f"combine called before dispatch: the state is idle (this rank's open round was dispatched by "
+                f"{_owner_name(held)}; combine it there)")
+        if type(rt) is not int or rt != rnd.rt:
+            rt = int_arg("runtime_max_tokens_per_rank", rt, 1, self.max_num_tokens)
+            if rt != rnd.rt:
+                raise errors.InputError(
+                    f"runtime_max_tokens_per_rank ({rt}) differs from this round's dispatch ({rnd.rt})",
+                    argument="runtime_max_tokens_per_rank")
+        if local_num_tokens is not None:
+            same("local_num_tokens", local_num_tokens, rnd.local_num_tokens, "the token count this rank dispatched")
+        if combine_payload_offset is not None:
+            same("combine_payload_offset", combine_payload_offset, rnd.layout.dispatch_end,
+                 "this round's dispatch returned")
+        if not isinstance(payload, torch.Tensor) or payload.device != self.device:
+            tensor_arg("payload", payload, self.device)
+        if payload.dtype not in COMBINE_DTYPES:
+            raise errors.InputError(f"payload must be bfloat16, float16 or float32, got {payload.dtype}",
+                                    argument="payload")
+        shape = payload.shape
+        if len(shape) != 3 or shape[0] != self.ep_size or shape[1] != rt or shape[2] < 1:
+            raise errors.InputError(
+                f"payload must be [ep_size={self.ep_size}, runtime_max_tokens_per_rank={rt}, hidden], "
+                f"got {list(shape)}",
+                argument="payload")
+        nbytes = shape[2] * payload.element_size()
+        layout = self.combine_layout(rnd, nbytes)
+        in_place = False
+        if payload_in_workspace is True:
+            region_ptr = att.workspace[self.ep_rank, layout.combine_offset:].data_ptr()
+            contiguous = payload.is_contiguous()
+            if contiguous and payload.data_ptr() == region_ptr:
+                in_place = True
+            else:
+                fi_ptr = att.workspace[self.ep_rank, rnd.layout.dispatch_end:].data_ptr()
+                if not (contiguous and payload.data_ptr() == fi_ptr):
+                    raise errors.InputError(
+                        "payload_in_workspace=True but payload is neither this rank's combine region "
+                        "(MoeAlltoAll.get_combine_payload_tensor_in_workspace) nor the contiguous tensor at "
+                        f"combine_payload_offset={rnd.layout.dispatch_end} of this rank's row "
+                        "(moe_a2a_wrap_payload_tensor_in_workspace); pass payload_in_workspace=False",
+                        argument="payload_in_workspace")
+                payload = self._unaliased(payload, layout, nbytes, rt)
+        elif payload_in_workspace is False:
+            if not payload.is_contiguous():
+                payload = payload.contiguous()
+            elif owner is FUNCTIONAL_OWNER:
+                payload = self._unaliased(payload, layout, nbytes, rt)
+        else:
+            raise errors.InputError("payload_in_workspace must be a bool", argument="payload_in_workspace")
+        kw = {}
+        copy_to = None
+        if output is not None:
+            output = self._check_output(output, rnd.local_num_tokens, shape[2],
+                                        torch.bfloat16 if low_precision else payload.dtype)
+            if _takes(rnd.plane, "output"):
+                kw["output"] = output
+            else:  # a plane that cannot write into the caller's buffer: one copy
+                copy_to = output
+        if low_precision:
+            if payload.dtype is not torch.bfloat16:
+                raise errors.InputError(
+                    f"use_low_precision=True takes a bfloat16 payload, got {payload.dtype}",
+                    argument="use_low_precision")
+            kw["low_precision"] = True
+        if caller_mask is not None:
+            kw["caller_mask"] = caller_mask
+        rounds.combine_floor = layout.combine_offset
+        try:
+            if kw:
+                out = rnd.plane.combine(payload, rnd.local_num_tokens, rt, layout, in_place, **kw)
+            else:
+                out = rnd.plane.combine(payload, rnd.local_num_tokens, rt, layout, in_place)
+        finally:
+            if rounds.owner is owner:
+                rounds.owner = rounds.round = None
+            if end_round is not None:
+                end_round()
+        # the round is complete on every rank: now input errors the kernels found may surface
+        if not att.control.quiet(self.ep_rank):
+            rnd.plane.check_input()
+        if copy_to is not None:
+            copy_to.copy_(out)
+            return copy_to
+        return out
+
+    def _unaliased(self, payload, layout, nbytes, rt):
+        """A payload that lies partly over the combine region would overlap itself when staged."""
+        region = self.att.workspace[self.ep_rank, layout.combine_offset:]
+        start = payload.data_ptr()
+        end = start + payload.numel() * payload.element_size()
+        r0 = region.data_ptr()
+        r1 = r0 + self.ep_size * rt * nbytes
+        if start < r1 and r0 < end:
+            return payload.clone()
+        return payload
+
+    def _check_output(self, output, tokens: int, hidden: int, dtype) -> torch.Tensor:
+        if not isinstance(output, torch.Tensor) or output.device != self.device:
+            tensor_arg("output", output, self.device)
+        if output.dtype != dtype or tuple(output.shape) != (tokens, hidden):
+            raise errors.InputError(
+                f"output must be [local_num_tokens={tokens}, hidden={hidden}] {dtype}, got {list(output.shape)} "
+                f"{output.dtype}", argument="output")
+        if not output.is_contiguous():
+            raise errors.InputError(f"output must be contiguous, got stride={output.stride()}", argument="output")
+        return output
