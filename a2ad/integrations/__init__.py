@@ -36,8 +36,8 @@ def check_version(engine: str, tested: tuple[str, str], version: str | None = No
     lo, hi = tested
     if not version_tuple(lo) <= version_tuple(version) < version_tuple(hi):
         raise RuntimeError(
-            f"a2ad's {engine} plugin (a2ad[{engine}]) is tested with {engine} >={lo},<{hi}; this is {engine} "
-            f"{version}. Install a tested {engine} (pip install 'a2ad[{engine}]') or unset {SWITCH} to run "
-            f"{engine} without a2ad."
+            f"a2ad's {engine} plugin is tested with {engine} >={lo},<{hi}; this is {engine} "
+            f"{version}. Install a tested {engine} (a2ad's '{engine}' extra names it: pip install '.[{engine}]' "
+            f"in a2ad's checkout) or unset {SWITCH} to run {engine} without a2ad."
         )
     return version
