@@ -1,0 +1,364 @@
+"""vLLM 0.33's own MoE path for ``--all2all-backend flashinfer_nvlink_one_sided`` on a2ad.
+
+Run by scripts/test-engines.sh in a venv with vLLM and a2ad installed (the file is not
+collected by the main suite). Each rank is a real process with vLLM's distributed state
+(gloo), its plugin loaded through the ``vllm.general_plugins`` entry point with
+``A2AD_ENGINE_PLUGIN=1``, and a real host-backend daemon. The engine code exercised:
+
+- ``FlashInferNVLinkOneSidedPrepareAndFinalize`` (construction: ``manager.initialize``;
+  ``prepare``: quantize-input and ``communication.dispatch``; ``finalize``:
+  ``communication.combine(..., output=)``) inside ``FusedMoEKernel.apply``
+  (``FusedMoEKernelModularImpl``: buffers, prepare, experts, finalize);
+- ``FlashInferNVLinkOneSidedManager`` growth (a second prepare/finalize with a larger
+  ``max_num_tokens``: barrier, destroy, create), ``checkpoint_prepare/restore``;
+- the fault-tolerance hooks the model runner polls (``support_fault_tolerance``,
+  ``query_fault``, ``query_active_mask``, ``clean_buffers``) and ``WorkerSentinel``'s check.
+
+Replaced, each at one seam, because it needs a GPU or a full engine:
+
+- the experts: a small reference ``FusedMoEExpertsModular`` on CPU tensors
+  (``a2ad.client.reference.toy_expert``) instead of a CUDA grouped GEMM;
+- the EP group's all2all manager: vLLM's ``CudaCommunicator`` builds it from
+  ``--all2all-backend`` on GPUs only; here the EP group's device communicator gets the
+  manager vLLM's own lookup returns (``all2all.FlashInferNVLinkOneSidedManager(cpu_group)``,
+  the plugin's class);
+- the DP token counts: vLLM's DP all-reduce fills ``DPMetadata``; here each round's counts
+  are set in a ``DPMetadata`` in the forward context directly;
+- the worker given to ``WorkerSentinel``: an object with the worker's ``parallel_config``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from integration_cases import (
+    HIDDEN,
+    INVALID,
+    TOP_K,
+    check_received,
+    die_now,
+    killed_at,
+    reference_round,
+    run_group,
+    wait_until,
+)
+
+MAX_TOKENS = 4
+
+
+def _setup(rank, ep, runtime_dir, pg_file, policy):
+    """vLLM's distributed state over gloo, the plugin from its entry point, the EP manager."""
+    os.environ["A2AD_ENGINE_PLUGIN"] = "1"
+    os.environ["A2AD_RUNTIME_DIR"] = runtime_dir
+    os.environ["A2AD_ON_PEER_LOSS"] = policy
+    os.environ["A2AD_TIMEOUT"] = "20"
+    import torch
+
+    torch.set_num_threads(1)
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    from vllm.config import DeviceConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+    from vllm.distributed.device_communicators import all2all
+
+    from a2ad.integrations import vllm as plugin
+
+    assert all2all.FlashInferNVLinkOneSidedManager is plugin.manager_class(), "the plugin did not load"
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"), parallel_config=ParallelConfig(tensor_parallel_size=ep, enable_expert_parallel=True,
+                                                    all2all_backend="flashinfer_nvlink_one_sided"))
+    ctx = set_current_vllm_config(cfg)
+    ctx.__enter__()
+    ps.init_distributed_environment(world_size=ep, rank=rank, distributed_init_method=f"file://{pg_file}",
+                                    local_rank=rank, backend="gloo")
+    ps.initialize_model_parallel(tensor_model_parallel_size=ep)
+    from vllm.v1.worker.workspace import init_workspace_manager
+
+    init_workspace_manager(torch.device("cpu"))  # what GPUModelRunner does, on its device
+    ep_group = ps.get_ep_group()
+    assert ep_group.world_size == ep
+    dc = ep_group.device_communicator
+    if dc is None:  # no device communicator on this platform: the seam is the group's
+        from types import SimpleNamespace
+
+        dc = ep_group.device_communicator = SimpleNamespace()
+    # the one piece CudaCommunicator builds on GPUs (vLLM's own lookup of the class)
+    dc.all2all_manager = all2all.FlashInferNVLinkOneSidedManager(ep_group.cpu_group)
+    return cfg, dc.all2all_manager
+
+
+class _RefExperts:
+    """Built lazily (it subclasses vLLM's FusedMoEExpertsModular)."""
+
+    cls = None
+
+    @classmethod
+    def make(cls, rank, ep, num_experts):
+        import torch
+        from vllm.model_executor.layers.fused_moe import modular_kernel as mk
+        from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+        from vllm.model_executor.layers.fused_moe.config import (
+            FUSED_MOE_UNQUANTIZED_CONFIG,
+            FusedMoEConfig,
+            FusedMoEParallelConfig,
+            RoutingMethodType,
+        )
+        from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceNoOP
+
+        from a2ad.client import reference as ref
+
+        if cls.cls is None:
+            class RefExperts(mk.FusedMoEExpertsModular):
+                """Every received row's toy expert output, already weighted and reduced over
+                this rank's experts (what the one-sided finalize combines)."""
+
+                @staticmethod
+                def activation_format():
+                    return mk.FusedMoEActivationFormat.Standard
+
+                @staticmethod
+                def _supports_current_device():
+                    return True
+
+                @staticmethod
+                def _supports_no_act_and_mul():
+                    return True
+
+                @staticmethod
+                def _supports_quant_scheme(weight_key, activation_key):
+                    return True
+
+                @staticmethod
+                def _supports_activation(activation):
+                    return True
+
+                @staticmethod
+                def _supports_parallel_config(moe_parallel_config):
+                    return True
+
+                def supports_chunking(self):
+                    return False
+
+                def supports_expert_map(self):
+                    return False
+
+                def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts,
+                                     expert_tokens_meta, activation):
+                    return (0,), (0,), (M, K)
+
+                def finalize_weight_and_reduce_impl(self):
+                    return TopKWeightAndReduceNoOP()
+
+                def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                          global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
+                          expert_tokens_meta, apply_router_weight_on_input):
+                    output.copy_(ref.toy_expert(hidden_states, topk_ids, topk_weights, self.ep_rank,
+                                                global_num_experts, self.ep_size))
+                    return None
+
+            cls.cls = RefExperts
+        pcfg = FusedMoEParallelConfig(tp_size=1, pcp_size=1, dp_size=ep, ep_size=ep, tp_rank=0, pcp_rank=0,
+                                      dp_rank=rank, ep_rank=rank, sp_size=1, use_ep=True,
+                                      all2all_backend="flashinfer_nvlink_one_sided", enable_eplb=False)
+        moe = FusedMoEConfig(num_experts=num_experts, experts_per_token=TOP_K, hidden_dim=HIDDEN,
+                             intermediate_size=2 * HIDDEN, num_local_experts=num_experts // ep,
+                             num_logical_experts=num_experts, activation=MoEActivation.SILU, device="cpu",
+                             routing_method=RoutingMethodType.TopK, moe_parallel_config=pcfg,
+                             in_dtype=torch.bfloat16)
+        experts = cls.cls(moe, FUSED_MOE_UNQUANTIZED_CONFIG)
+        experts.ep_rank, experts.ep_size = rank, ep
+        return experts
+
+
+def _kernel(rank, ep, num_experts, max_tokens):
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernel
+    from vllm.model_executor.layers.fused_moe.prepare_finalize.flashinfer_nvlink_one_sided import (
+        FlashInferNVLinkOneSidedPrepareAndFinalize,
+    )
+
+    pf = FlashInferNVLinkOneSidedPrepareAndFinalize(max_num_tokens=max_tokens, top_k=TOP_K, num_experts=num_experts,
+                                                    hidden_size=HIDDEN, num_dispatchers=ep)
+    return FusedMoEKernel(pf, _RefExperts.make(rank, ep, num_experts))
+
+
+def _layer(kernel, cfg, rank, ep, num_experts, seed, max_tokens, tokens=None, dead=()):
+    """One MoE layer through FusedMoEKernel.apply, checked against the reference."""
+    import torch
+    from vllm.forward_context import DPMetadata, create_forward_context, override_forward_context
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    rt, inputs, received, combined = reference_round(seed, ep, num_experts, max_tokens, tokens, dead)
+    counts = [int(i.experts.shape[0]) for i in inputs]
+    dp = DPMetadata(torch.tensor(counts, dtype=torch.int32))
+    dp.local_sizes = counts  # what vLLM's DP all-reduce and chunked_sizes leave for the layer
+    mine = inputs[rank]
+    nle = num_experts // ep
+    w1 = torch.zeros(nle, 2 * HIDDEN, HIDDEN, dtype=torch.bfloat16)
+    w2 = torch.zeros(nle, HIDDEN, 2 * HIDDEN, dtype=torch.bfloat16)
+    with override_forward_context(create_forward_context(None, cfg, dp_metadata=dp)):
+        out = kernel.apply(hidden_states=mine.hidden.clone(), w1=w1, w2=w2, topk_weights=mine.scales,
+                           topk_ids=mine.experts, activation=MoEActivation.SILU, global_num_experts=num_experts,
+                           expert_map=None, apply_router_weight_on_input=False)
+    want = combined[rank]
+    assert out.shape == want.shape and torch.equal(out.to(want.dtype), want), \
+        f"rank {rank} round {seed}: FusedMoEKernel output differs from the reference"
+    return rt, received[rank]
+
+
+def rounds_growth_checkpoint(rank, ep, runtime_dir, pg_file, num_experts):
+    import torch
+    import torch.distributed as dist
+
+    from a2ad.client.connection import DaemonClient
+    from a2ad.integrations.flashinfer import A2adAlltoAll
+
+    cfg, manager = _setup(rank, ep, runtime_dir, pg_file, "raise")
+    assert manager.support_fault_tolerance is True
+    kernel = _kernel(rank, ep, num_experts, MAX_TOKENS)
+    comm = manager.get_communication()
+    assert isinstance(comm, A2adAlltoAll) and comm.job.startswith("vllm-"), comm
+    for rnd in range(4):
+        _layer(kernel, cfg, rank, ep, num_experts, 1000 + rnd, MAX_TOKENS)
+    # what one dispatch received, through vLLM's prepare(), checked row by row
+    rt, inputs, received, _ = reference_round(1100, ep, num_experts, MAX_TOKENS)
+    got = comm.dispatch(inputs[rank].hidden, inputs[rank].experts, inputs[rank].scales, max_tokens_per_rank=rt)
+    check_received(rank, "dispatch", [got.hidden_states.view(ep, rt, -1).clone(), got.topk_ids.view(ep, rt, -1).clone(),
+                                      got.topk_weights.view(ep, rt, -1).clone()], received[rank])
+    comm.combine(torch.zeros(ep * rt, HIDDEN, dtype=torch.bfloat16))
+    mask, fault = manager.query_active_mask(), manager.query_fault()
+    assert mask.dtype == torch.int32 and mask.tolist() == [0] * ep and fault.dtype == torch.bool and not bool(fault)
+    # growth: a second layer needs twice the tokens; vLLM's manager rebuilds the communication
+    first = comm.job
+    kernel2 = _kernel(rank, ep, num_experts, 2 * MAX_TOKENS)
+    comm2 = manager.get_communication()
+    assert comm2 is not comm and comm2.params.max_tokens_per_rank == 2 * MAX_TOKENS and comm2.job != first
+    with DaemonClient(runtime_dir) as c:
+        wait_until(lambda: first not in [j["name"] for j in c.request("jobs")["jobs"]], 10, f"{first} released", 0.05)
+    for rnd in range(2):  # both layers now run on the grown communication
+        _layer(kernel2, cfg, rank, ep, num_experts, 1200 + rnd, 2 * MAX_TOKENS,
+               tokens=[2 * MAX_TOKENS - r for r in range(ep)])
+        _layer(kernel, cfg, rank, ep, num_experts, 1300 + rnd, MAX_TOKENS)
+    # sleep and wake: vLLM's manager calls the communication's checkpoint methods
+    dist.barrier(group=manager.cpu_group)
+    manager.checkpoint_prepare()
+    manager.checkpoint_restore()
+    _layer(kernel, cfg, rank, ep, num_experts, 1400, MAX_TOKENS)
+    # the worker sentinel accepts the backend
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.sentinel.gpu_worker_sentinel import WorkerSentinel
+
+    WorkerSentinel(SimpleNamespace(parallel_config=cfg.parallel_config))
+    from vllm.config import ParallelConfig
+
+    with pytest.raises(ValueError, match="FT-capable"):  # other backends still refused
+        WorkerSentinel(SimpleNamespace(parallel_config=ParallelConfig(all2all_backend="allgather_reducescatter")))
+    return comm2.job
+
+
+def kill9(rank, ep, runtime_dir, pg_file, num_experts, policy, stamp):
+    import torch.distributed as dist
+
+    from a2ad import errors
+
+    cfg, manager = _setup(rank, ep, runtime_dir, pg_file, policy)
+    kernel = _kernel(rank, ep, num_experts, MAX_TOKENS)
+    victim = ep - 1
+    for rnd in range(2):
+        _layer(kernel, cfg, rank, ep, num_experts, 2000 + rnd, MAX_TOKENS)
+    dist.barrier(group=manager.cpu_group)
+    if rank == victim:
+        die_now(stamp)
+    t0 = killed_at(stamp)
+    wait_until(lambda: bool(manager.query_fault()), 5.0, "query_fault() True")
+    seen = time.time() - t0
+    mask = manager.query_active_mask().tolist()
+    assert mask == [1 if r == victim else 0 for r in range(ep)], mask
+    if policy == "degrade":
+        for rnd in range(3):  # the survivors keep serving, without the victim's experts
+            _layer(kernel, cfg, rank, ep, num_experts, 2100 + rnd, MAX_TOKENS, dead=(victim,))
+        manager.clean_buffers()
+        assert not bool(manager.query_fault()), "query_fault() stays True after clean_buffers()"
+        assert manager.query_active_mask().tolist() == mask
+    else:
+        with pytest.raises(errors.PeerLost):
+            _layer(kernel, cfg, rank, ep, num_experts, 2200, MAX_TOKENS, dead=(victim,))
+    return seen
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_fused_moe_kernel_rounds_growth_checkpoint(daemon, tmp_path, ep):
+    res = run_group(rounds_growth_checkpoint, ep, (ep, str(daemon.runtime_dir), str(tmp_path / "pg"), 2 * ep),
+                    timeout=600)
+    assert len(set(res.values())) == 1, res
+
+
+@pytest.mark.parametrize("ep,policy", [(2, "degrade"), (4, "degrade"), (2, "raise"), (4, "raise")])
+def test_kill9_seen_by_query_fault_within_1s(daemon, tmp_path, ep, policy):
+    victim = ep - 1
+    res = run_group(kill9, ep, (ep, str(daemon.runtime_dir), str(tmp_path / "pg"), 2 * ep, policy,
+                                str(tmp_path / "killed")), timeout=600, may_die={victim})
+    assert sorted(res) == [r for r in range(ep) if r != victim]
+    assert max(res.values()) < 1.0, f"query_fault() saw the kill after {max(res.values()):.3f} s"
+
+
+def test_plugin_refuses_an_untested_vllm():
+    from a2ad.integrations import vllm as plugin
+
+    with pytest.raises(RuntimeError, match=r"tested with vllm >=0\.33\.0,<0\.34; this is vllm 0\.35\.1"):
+        plugin.check_version("0.35.1")
+    import vllm
+
+    assert plugin.check_version(vllm.__version__)
+
+
+def flashinfer_factory(rank, ep, runtime_dir, pg_file, num_experts):
+    """FlashInfer's own factory builds the a2ad backend (registered as "a2ad"), with FlashInfer's
+    types, by name and by config; rounds checked against the reference."""
+    from flashinfer.moe_ep import (
+        BootstrapConfig,
+        MoEEpCommParams,
+        MoEEpCommunication,
+        MoEEpDispatchResult,
+        available_communication_backends,
+        create_communication,
+    )
+
+    import integration_cases as ic
+    from a2ad.integrations.flashinfer import HAVE_FLASHINFER, A2adAlltoAll, A2adConfig
+
+    assert HAVE_FLASHINFER and "a2ad" in available_communication_backends()
+    ic.init_group(rank, ep, pg_file)
+    params = MoEEpCommParams(num_experts=num_experts, top_k=TOP_K, max_tokens_per_rank=MAX_TOKENS,
+                             hidden_size=HIDDEN, invalid_expert_id=INVALID)
+    jobs = []
+    for backend in (A2adConfig(runtime_dir=runtime_dir, timeout=20.0), "a2ad"):
+        if backend == "a2ad":
+            comm = create_communication(BootstrapConfig(world_size=ep, rank=rank), params, backend,
+                                        runtime_dir=runtime_dir)
+        else:
+            comm = create_communication(BootstrapConfig(world_size=ep, rank=rank), params, backend=backend)
+        try:
+            assert isinstance(comm, A2adAlltoAll) and isinstance(comm, MoEEpCommunication)
+            for rnd, how in enumerate(("plain", "output", "buffer")):
+                ic._fi_round(comm, rank, ep, 5000 + rnd, num_experts, MAX_TOKENS, how)
+            res = comm.dispatch(*_one_round(rank, ep, num_experts))
+            assert isinstance(res, MoEEpDispatchResult)
+            comm.combine(res.hidden_states)
+            jobs.append(comm.job)
+        finally:
+            comm.destroy()
+    return tuple(jobs)
+
+
+def _one_round(rank, ep, num_experts):
+    rt, inputs, _, _ = reference_round(5100, ep, num_experts, MAX_TOKENS, tokens=[2] * ep)
+    return inputs[rank].hidden, inputs[rank].experts, inputs[rank].scales
+
+
+def test_flashinfer_create_communication_builds_a2ad(daemon, tmp_path):
+    res = run_group(flashinfer_factory, 2, (2, str(daemon.runtime_dir), str(tmp_path / "pg"), 4), timeout=600)
+    assert len(set(res.values())) == 1 and len(set(res[0])) == 2, res

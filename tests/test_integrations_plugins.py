@@ -1,0 +1,66 @@
+"""The engine plugins' switch, version checks and entry points (no engine needed; the tests
+that drive the engines' own code are scripts/test-engines.sh)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_plugins_do_nothing_unless_switched_on(monkeypatch, engine):
+    import importlib
+
+    monkeypatch.delenv("A2AD_ENGINE_PLUGIN", raising=False)
+    mod = importlib.import_module(f"a2ad.integrations.{engine}")
+    before = set(sys.modules)
+    mod.register()
+    assert not {m for m in set(sys.modules) - before if m == engine or m.startswith(engine + ".")}
+    for off in ("0", "", "no"):
+        monkeypatch.setenv("A2AD_ENGINE_PLUGIN", off)
+        mod.register()
+    monkeypatch.setenv("A2AD_ENGINE_PLUGIN", "1")
+    try:
+        importlib.import_module(engine)
+    except ImportError:
+        with pytest.raises(RuntimeError, match=f"{engine} is not installed"):
+            mod.register()
+
+
+@pytest.mark.parametrize("engine,inside,outside", [
+    ("vllm", ["0.33.0", "0.33.1", "0.33.0rc2"], ["0.32.9", "0.34.0", "1.0.0"]),
+    ("sglang", ["0.5.23", "0.5.23.post1"], ["0.5.22", "0.5.24", "0.6.0"]),
+])
+def test_versions_outside_the_tested_range_are_refused_naming_both(engine, inside, outside):
+    import importlib
+
+    mod = importlib.import_module(f"a2ad.integrations.{engine}")
+    for v in inside:
+        assert mod.check_version(v) == v
+    lo, hi = mod.VLLM_TESTED if engine == "vllm" else mod.SGLANG_TESTED
+    for v in outside:
+        with pytest.raises(RuntimeError) as exc:
+            mod.check_version(v)
+        msg = str(exc.value)
+        assert f"{engine} {v}" in msg and f">={lo},<{hi}" in msg and "A2AD_ENGINE_PLUGIN" in msg, msg
+
+
+def test_entry_points_and_extras_are_declared():
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
+    eps = meta["project"]["entry-points"]
+    assert eps["vllm.general_plugins"]["a2ad"] == "a2ad.integrations.vllm:register"
+    assert eps["sglang.srt.plugins"]["a2ad"] == "a2ad.integrations.sglang:register"
+    extras = meta["project"]["optional-dependencies"]
+    from a2ad.integrations import sglang, vllm
+
+    assert extras["vllm"] == [f"vllm>={vllm.VLLM_TESTED[0]},<{vllm.VLLM_TESTED[1]}"]
+    assert extras["sglang"] == [f"sglang>={sglang.SGLANG_TESTED[0]},<{sglang.SGLANG_TESTED[1]}"]
+    assert "a2ad.integrations" in meta["tool"]["setuptools"]["packages"]
