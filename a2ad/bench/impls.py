@@ -159,13 +159,19 @@ def _plane_calls(ctx: Ctx, a2a, static: Inputs, T: int):
     if real is None or not hasattr(real, "dispatch"):
         raise RuntimeError("MoeAlltoAll has no plane (_plane) to capture through; try --capture api")
     rec = _PlaneRecorder(real)
+    # MoeAlltoAll calls its plane through its front end (client/frontend.py), which keeps the
+    # plane too: the recorder stands in for both references for this one round
+    front = getattr(a2a, "_front", None)
+    holders = [h for h in (a2a, front) if h is not None and getattr(h, "_plane", None) is real]
     ctx.barrier()
-    a2a._plane = rec
+    for h in holders:
+        h._plane = rec
     try:
         recv0 = a2a.dispatch(static.experts, static.payloads(), T)
         a2a.combine(recv0[0], T)
     finally:
-        a2a._plane = real
+        for h in holders:
+            h._plane = real
     ctx.sync()
     if "dispatch" not in rec.calls or "combine" not in rec.calls:
         raise RuntimeError("MoeAlltoAll did not call its plane's dispatch and combine; cannot capture through it")
