@@ -237,8 +237,14 @@ class RuntimeDirError(Exception):
 
 
 def prepare(runtime_dir: Path, group: str | None = None) -> int | None:
-    """Create the folder with mode 0700 (0750 and the group when ``group`` is given).
-    Returns the group id or None."""
+    """Create the folder with mode 0700 (0750 and the group when ``group`` is given), or take
+    an existing one that this daemon may trust. Returns the group id or None.
+
+    An existing folder is trusted only when it (and a symlink naming it) is owned by this
+    daemon's uid or root and neither group members nor others may write to it: whoever could
+    write there before the daemon started may have planted its lock, state or keeper socket
+    (a symlink the daemon would write through, a keeper it would hand every workspace to).
+    Such a folder is refused with RuntimeDirError, not repaired: what was planted would stay."""
     gid = None
     if group is not None:
         try:
@@ -246,14 +252,59 @@ def prepare(runtime_dir: Path, group: str | None = None) -> int | None:
         except KeyError:
             raise RuntimeDirError(f"group {group!r} does not exist") from None
     mode = 0o750 if gid is not None else 0o700
-    runtime_dir.mkdir(parents=True, exist_ok=True, mode=mode)
-    st = runtime_dir.stat()
-    if st.st_uid != os.getuid():
-        raise RuntimeDirError(f"{runtime_dir} is owned by uid {st.st_uid}, not by this daemon's uid {os.getuid()}")
-    os.chmod(runtime_dir, mode)
-    if gid is not None:
+    me = os.geteuid()
+    try:
+        lst = os.lstat(runtime_dir)
+    except FileNotFoundError:
+        lst = None
+    if lst is not None and stat.S_ISLNK(lst.st_mode) and lst.st_uid not in (me, 0):
+        raise RuntimeDirError(f"refusing the runtime folder {runtime_dir}: it is a symlink owned by {_owner(lst.st_uid)}, "
+                              f"who could point it elsewhere; remove it or use another --runtime-dir")
+    if lst is None:
+        runtime_dir.mkdir(parents=True, exist_ok=True, mode=mode)
+    st = os.stat(runtime_dir)
+    if not stat.S_ISDIR(st.st_mode):
+        raise RuntimeDirError(f"refusing the runtime folder {runtime_dir}: it is not a folder")
+    if st.st_uid not in (me, 0):
+        raise RuntimeDirError(f"refusing the runtime folder {runtime_dir}: it is owned by {_owner(st.st_uid)}, not by "
+                              f"this daemon's uid {me} or root; remove it or use another --runtime-dir")
+    cur = stat.S_IMODE(st.st_mode)
+    if lst is not None and cur & 0o022:
+        who = "other users" if cur & 0o002 else "its group's members"
+        raise RuntimeDirError(
+            f"refusing the runtime folder {runtime_dir}: mode {cur:04o} lets {who} write to it, so they may "
+            f"have planted files there (a lock symlink, a keeper socket); check what it holds, then remove it "
+            f"(the daemon creates it {mode:04o}) or `chmod go-w {runtime_dir}`")
+    if cur != mode:
+        os.chmod(runtime_dir, mode)
+    if gid is not None and st.st_gid != gid:
         os.chown(runtime_dir, -1, gid)
     return gid
+
+
+def open_private(path: Path, flags: int, mode: int = 0o600) -> int:
+    """Open a file of the runtime folder without following a symlink (O_NOFOLLOW), and check
+    that it is a plain file of this process's uid with one link (not a hard link to a file
+    elsewhere). Raises RuntimeDirError naming the file otherwise."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise RuntimeDirError(f"{path} is a symlink; the daemon never follows links in its runtime folder "
+                                  "(someone planted it?): remove it") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+            what = ("not a plain file" if not stat.S_ISREG(st.st_mode) else
+                    f"owned by {_owner(st.st_uid)}" if st.st_uid != os.geteuid() else f"a hard link ({st.st_nlink} names)")
+            raise RuntimeDirError(f"{path} is {what}; the daemon only uses files of its own there (someone planted "
+                                  "it?): remove it")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class Lock:
@@ -264,7 +315,7 @@ class Lock:
 
     def __init__(self, runtime_dir: Path):
         self.path = runtime_dir / LOCK_FILE
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.fd = open_private(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:

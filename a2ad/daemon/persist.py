@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import re
+import stat
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -381,6 +382,23 @@ def _copy_aside(path: Path, raw: bytes) -> Path | None:
     return dest
 
 
+def _read_private(path: Path) -> bytes:
+    """The bytes of ``path``, never through a symlink and only from a plain file (a FIFO or a
+    device planted there would block or feed garbage)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a plain file")
+        chunks = []
+        while True:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+
+
 def load(runtime_dir: Path) -> dict | None:
     """The previous daemon's state ``{"v", "backend", "jobs": [record, ...]}``, or None when
     there is none usable. Never raises for a bad file: one that does not decode, or whose
@@ -389,7 +407,7 @@ def load(runtime_dir: Path) -> dict | None:
     each; when some are unusable a copy of the file is kept aside and a warning names them."""
     path = Path(runtime_dir) / STATE_FILE
     try:
-        raw = path.read_bytes()
+        raw = _read_private(path)
     except FileNotFoundError:
         return None
     except OSError as exc:
