@@ -377,10 +377,8 @@ class Daemon:
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
         if self.metrics_http is not None:
             poller.register(self.metrics_http.fileno(), zmq.POLLIN)
-        domain_socks = self.domain.sockets() if self.domain is not None else []
-        for sock in domain_socks:
-            poller.register(sock, zmq.POLLIN)
         registered: set[int] = set()
+        domain_socks: list = []
         while not self.stopping:
             # keep the poller in step with the live connections and pidfds
             want = set(self.fdsock.conns) | set(self.registry.pidfds)
@@ -389,6 +387,14 @@ class Daemon:
             for fd in want - registered:
                 poller.register(fd, zmq.POLLIN)
             registered = want
+            if self.domain is not None:  # and with the domain's (the gate's channel changes when it restarts)
+                now_socks = self.domain.sockets()
+                if now_socks != domain_socks:
+                    for sock in domain_socks:
+                        poller.unregister(sock)
+                    for sock in now_socks:
+                        poller.register(sock, zmq.POLLIN)
+                    domain_socks = now_socks
             nxt = self._next_deadline()
             timeout_ms = 1000 if nxt is None else max(0, min(1000, int((nxt - time.monotonic()) * 1000) + 1))
             events = dict(poller.poll(self.notifier.poll_timeout_ms(timeout_ms)))
