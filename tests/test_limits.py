@@ -17,7 +17,6 @@ is printed on a line starting with ``figure:`` (run ``pytest -s``).
 from __future__ import annotations
 
 import contextlib
-import errno
 import grp
 import json
 import os
@@ -121,26 +120,64 @@ def _fds_back(pid: int, base: int, what: str) -> int:
 
 
 # ----------------------------------------------------------------- the domain port
-def _flood(port: int, n: int, seconds: float) -> list[socket.socket]:
-    """Up to ``n`` idle TCP connections to 127.0.0.1:``port`` (non-blocking connects from a few
-    loopback source addresses, so the ephemeral ports last), opened within ``seconds``."""
-    socks: list[socket.socket] = []
-    end = time.monotonic() + seconds
-    try:
-        for i in range(n):
-            if time.monotonic() >= end:
-                break
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
-            socks.append(s)
-            s.bind((f"127.0.0.{2 + i % 8}", 0))
-            err = s.connect_ex(("127.0.0.1", port))
-            if err not in (0, errno.EINPROGRESS, errno.EAGAIN):
-                raise OSError(err, f"connect {i}: {os.strerror(err)}")
-    except BaseException:
-        for s in socks:
-            s.close()
-        raise
-    return socks
+FLOODER = r"""
+import errno, os, resource, socket, sys, time
+port, first, n, seconds = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+socks, end = [], time.monotonic() + seconds
+for i in range(first, first + n):
+    if time.monotonic() >= end:
+        break
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+    s.bind((f"127.0.0.{2 + i % 8}", 0))  # several source addresses: the ephemeral ports last
+    err = s.connect_ex(("127.0.0.1", port))
+    if err not in (0, errno.EINPROGRESS, errno.EAGAIN):
+        print(f"ERROR connect {i}: {os.strerror(err)}", flush=True)
+        break
+    socks.append(s)
+print(f"OPEN {len(socks)}", flush=True)
+sys.stdin.readline()
+"""
+#: idle connections per flooding process (each stays well under a 20,000 open-file limit)
+PER_FLOODER = 12500
+
+
+class _Flood:
+    """``n`` idle TCP connections to 127.0.0.1:``port`` (non-blocking connects that never send),
+    from as many processes as their open-file limits need; :meth:`close` ends them all."""
+
+    def __init__(self, port: int, n: int, seconds: float):
+        from test_hardening import _readline
+
+        self.procs: list[subprocess.Popen] = []
+        self.opened = 0
+        try:
+            for first in range(0, n, PER_FLOODER):
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-c", FLOODER, str(port), str(first), str(min(PER_FLOODER, n - first)), str(seconds)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+            for p in self.procs:
+                line = _readline(p, seconds + 30).strip()
+                assert line.startswith("OPEN "), line
+                self.opened += int(line.split()[1])
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for p in self.procs:
+            with contextlib.suppress(OSError):
+                p.stdin.close()
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+            if p.stdout is not None and not p.stdout.closed:
+                p.stdout.close()
+        self.procs = []
 
 
 def _domain_flood(tmp_path: Path, n: int, nofile: int | None, label: str) -> None:
@@ -152,8 +189,7 @@ def _domain_flood(tmp_path: Path, n: int, nofile: int | None, label: str) -> Non
     shm.mkdir()
     env = {**os.environ, "A2AD_SHM_DIR": str(shm)}
     ra, rb = tmp_path / "rt-a", tmp_path / "rt-b"
-    with _own_nofile(n + 2048), \
-            _daemon(ra, "--domain", str(cfg), "--node", "a", nofile=nofile, env=env) as a, \
+    with _daemon(ra, "--domain", str(cfg), "--node", "a", nofile=nofile, env=env) as a, \
             _daemon(rb, "--domain", str(cfg), "--node", "b", env=env):
         def up():
             st = a.request("domain")
@@ -165,7 +201,7 @@ def _domain_flood(tmp_path: Path, n: int, nofile: int | None, label: str) -> Non
         gate_pid = a.request("domain")["gate"]["pid"]
         pings = [_ping_ms(ra)]
         t0 = time.monotonic()
-        socks = _flood(ports["a"], n, seconds=120)
+        flood = _Flood(ports["a"], n, seconds=120)
         opened = time.monotonic() - t0
         try:
             for _ in range(10):
@@ -176,9 +212,8 @@ def _domain_flood(tmp_path: Path, n: int, nofile: int | None, label: str) -> Non
             gate = a.request("domain")["gate"]
             _assert_serves(a)
         finally:
-            for s in socks:
-                s.close()
-        assert len(socks) == n, f"opened {len(socks)} of {n} connections in time"
+            flood.close()
+        assert flood.opened == n, f"opened {flood.opened} of {n} connections in time"
         _alive(a)
         assert held <= base + 8, f"the flood reached the daemon's fd table: {base} -> {held}"
         after = _fds_back(a.pid, base, "after the flood")
