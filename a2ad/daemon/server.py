@@ -46,6 +46,8 @@ RCVHWM = 256
 #: ctl.sock's listen backlog: connections wait there, holding no fd of the daemon, until
 #: libzmq accepts them.
 CTL_BACKLOG = 64
+#: Milliseconds a ctl.sock connection has to complete its ZeroMQ handshake.
+CTL_HANDSHAKE_MS = 5000
 
 
 @dataclass
@@ -240,6 +242,9 @@ class Daemon:
         self.router.setsockopt(zmq.SNDHWM, SNDHWM)
         self.router.setsockopt(zmq.RCVHWM, RCVHWM)
         self.router.setsockopt(zmq.BACKLOG, CTL_BACKLOG)
+        # a connection that has not sent its ZeroMQ greeting within this is closed (libzmq's
+        # default is 30 s of an fd held for nothing)
+        self.router.setsockopt(zmq.HANDSHAKE_IVL, CTL_HANDSHAKE_MS)
         self.monitor = self.router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
         self._bind_ctl()
         self._bound.append(runtime.CTL_SOCK)
