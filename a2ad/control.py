@@ -257,13 +257,6 @@ class ControlBlock:
             )
         raise errors.InternalError(f"rank {rank}: unknown input error code {code} in the control block")
 
-    def record_input_error(self, rank: int, code: int, index: int, value: int, round: int) -> None:
-        off = L.input_offset(rank)
-        self._set(_I32, off + L.INPUT_INDEX, index)
-        self._set(_I32, off + L.INPUT_VALUE, value)
-        self._set(_U32, off + L.INPUT_ROUND, round & 0xFFFFFFFF)
-        self._set(_U32, off + L.INPUT_CODE, code)
-
     def clear_input_error(self, rank: int) -> None:
         off = L.input_offset(rank)
         self._mv[off : off + L.INPUT_RECORD_SIZE] = bytes(L.INPUT_RECORD_SIZE)

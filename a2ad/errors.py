@@ -44,7 +44,8 @@ class InvalidField(A2ADError, ValueError):
 
 
 class SpecMismatch(A2ADError):
-    """A join's spec differs from the job's; ``details``: field, job_value, requested."""
+    """A join's spec differs from the job's; ``details``: field, job_value, requested, and who
+    asked for the other value (rank, node; node only for a join refused by a domain)."""
 
     code = "spec_mismatch"
 

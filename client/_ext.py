@@ -36,7 +36,7 @@ import a2ad
 from a2ad import errors
 
 #: Every file of the extension: compiled sources, then headers (all part of the build hash).
-SOURCES = ("dispatch.cu", "combine.cu", "sanitize.cu", "launch.cu", "bindings.cpp")
+SOURCES = ("dispatch.cu", "combine.cu", "sanitize.cu", "launch.cu", "quantize.cu", "bindings.cpp")
 HEADERS = ("moe_a2a.cuh", "primitives.cuh", "launch.cuh", "layout.h")
 DEFAULT_ARCH = "sm_90"
 #: Characters of compiler output kept in a BuildError.
@@ -110,11 +110,6 @@ def cuda_archs(requested: str | Sequence[str] | None = None) -> list[str]:
     if env:
         return parse_arch(env)
     return visible_archs() or [DEFAULT_ARCH]
-
-
-def cuda_arch() -> str:
-    """The target list as one string (``sm_90,sm_100``)."""
-    return ",".join(cuda_archs())
 
 
 def gencode_flags(archs: Sequence[str]) -> list[str]:
@@ -279,7 +274,7 @@ def _build_and_load(
         log(f"a2ad CUDA extension built in {time.monotonic() - started:.0f} s: {out}")
     if not hasattr(torch.ops.a2ad, "dispatch"):
         raise errors.BuildError(f"the a2ad extension in {out} loaded but registered no ops")
-    missing = [f for f in ("dispatch", "combine", "sanitize") if not hasattr(module, f)]
+    missing = [f for f in ("dispatch", "combine", "sanitize", "quantize") if not hasattr(module, f)]
     if missing:
         raise errors.BuildError(f"the a2ad extension in {out} loaded but its module lacks {', '.join(missing)}")
     return str(out), module

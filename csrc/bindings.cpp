@@ -34,6 +34,12 @@
 
 #include "moe_a2a.cuh"
 
+namespace a2ad {
+// csrc/quantize.cu
+cudaError_t launch_quantize(const void* x, int dtype, int64_t T, int64_t H, uint8_t* out, uint8_t* scales, int fmt,
+                            int layout, float scale, const float* scale_ptr, cudaStream_t stream);
+}  // namespace a2ad
+
 namespace {
 
 using at::IntArrayRef;
@@ -562,6 +568,41 @@ Tensor combine_direct(const Tensor& payload, Tensor workspace, int64_t plan, int
   return combine_cuda(payload, workspace, plan, local_num_tokens, rt, combine_offset, payload_in_workspace, degraded);
 }
 
+// Block quantization of a combine output (csrc/quantize.cu); client/quant.py checks the
+// format, layout and shapes, this the tensors the kernel writes through.
+void quantize_direct(const Tensor& x, Tensor out, Tensor scales, int64_t fmt, int64_t layout, double scale,
+                     const std::optional<Tensor>& scale_t) {
+  A2AD_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "a2ad: quantize: x must be a contiguous CUDA [T, H] tensor");
+  const auto dt = x.scalar_type();
+  A2AD_CHECK(dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat, "a2ad: quantize: x must be bf16, fp16 or fp32, got ", dt);
+  A2AD_CHECK(fmt >= 0 && fmt <= 2, "a2ad: quantize: fmt must be 0 (MXFP8), 1 (MXFP4) or 2 (NVFP4), got ", fmt);
+  A2AD_CHECK(layout >= 0 && layout <= 2, "a2ad: quantize: layout must be 0 (128x4), 1 (8x4) or 2 (linear), got ", layout);
+  const int64_t T = x.size(0), H = x.size(1), block = fmt == 2 ? 16 : 32;
+  A2AD_CHECK(H % block == 0, "a2ad: quantize: H ", H, " is not a multiple of the block ", block);
+  const int64_t cols = H / block, rm = layout == 0 ? 128 : (layout == 1 ? 8 : 1), cm = layout == 2 ? 1 : 4;
+  const int64_t want_scales = (T + rm - 1) / rm * rm * ((cols + cm - 1) / cm * cm);
+  const int64_t want_out = fmt == 0 ? T * H : T * H / 2;
+  for (const Tensor* t : {&out, &scales}) {
+    A2AD_CHECK(t->is_cuda() && t->device() == x.device() && t->scalar_type() == at::kByte && t->is_contiguous(),
+               "a2ad: quantize: out and scales must be contiguous uint8 tensors on x's device ", x.device());
+  }
+  A2AD_CHECK(out.numel() == want_out, "a2ad: quantize: out holds ", out.numel(), " bytes, expected ", want_out);
+  A2AD_CHECK(scales.numel() == want_scales, "a2ad: quantize: scales hold ", scales.numel(), " bytes, expected ", want_scales);
+  const float* scale_ptr = nullptr;
+  if (scale_t.has_value()) {
+    const Tensor& s = *scale_t;
+    A2AD_CHECK(s.is_cuda() && s.device() == x.device() && s.scalar_type() == at::kFloat && s.numel() == 1,
+               "a2ad: quantize: scale_t must be one fp32 element on x's device");
+    scale_ptr = s.data_ptr<float>();
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int code = dt == at::kBFloat16 ? 0 : (dt == at::kHalf ? 1 : 2);
+  A2AD_CHECK_CUDA(a2ad::launch_quantize(x.data_ptr(), code, T, H, out.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(),
+                                        static_cast<int>(fmt), static_cast<int>(layout), static_cast<float>(scale),
+                                        scale_ptr, c10::cuda::getCurrentCUDAStream(x.device().index()).stream()),
+                  "quantize launch");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -571,4 +612,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("combine", &combine_direct, "torch.ops.a2ad.combine without the dispatcher", pybind11::arg("payload"),
         pybind11::arg("workspace"), pybind11::arg("plan"), pybind11::arg("local_num_tokens"), pybind11::arg("rt"),
         pybind11::arg("combine_offset"), pybind11::arg("payload_in_workspace"), pybind11::arg("degraded") = pybind11::none());
+  m.def("quantize", &quantize_direct, "block quantization (MXFP8/MXFP4/NVFP4) of a combine output", pybind11::arg("x"),
+        pybind11::arg("out"), pybind11::arg("scales"), pybind11::arg("fmt"), pybind11::arg("layout"),
+        pybind11::arg("scale"), pybind11::arg("scale_t") = pybind11::none());
 }

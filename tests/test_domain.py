@@ -234,7 +234,7 @@ def test_state_file_records_remote_ranks():
                       remote={"size": 4096, "handle_type": "shm", "handle": b"g" * 32, "handle_error": None})]
     job = Job(name="rec", ep_size=2, spec={"max_num_tokens": 4, "top_k": 1, "num_experts": 2,
                                            "workspace_size_per_rank": 4096}, size_per_rank=4096, row_stride=4096,
-              aux=L.aux_layout(2, 4), control_fd=-1, control=None, slots=slots, domain=True, home="a")
+              aux=L.aux_layout(2, 4), control_fd=-1, control=None, slots=slots, domain=True, this_node="a")
     rec = persist.job_record(job)
     assert persist.check_job_record(rec) is None, persist.check_job_record(rec)
     assert rec["domain"] == {"node": "a", "confirmed": True}

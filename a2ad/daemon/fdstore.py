@@ -154,10 +154,6 @@ def normalize_name(name: str) -> str | None:
         return None
 
 
-def is_legacy_name(name: str) -> bool:
-    return isinstance(name, str) and name.startswith(("ws:", "cb:")) and parse_name(name) is not None
-
-
 def _rejoin_legacy(tokens: list[str]) -> list[str]:
     """Best effort: ``$LISTEN_FDNAMES`` split at ':' when some names were legacy ones that
     themselves hold ':'. A legacy name starts at a ``ws``/``cb`` token; ``ws`` runs to the

@@ -304,7 +304,7 @@ class Federation:
 
     def job_created(self, job, confirmed: bool) -> None:
         job.domain = True
-        job.home = self.node
+        job.this_node = self.node
         job.confirmed = confirmed
         fj = self.jobs.get(job.name)
         if fj is not None:  # other nodes' ranks of it, as they reported them

@@ -17,6 +17,8 @@ needs, besides the fds themselves (kept by an a2ad.daemon.fdstore), to re-adopt 
   holds is recorded as that node last reported it (``node``, ``remote``: its row's size and
   fabric handle), and a local row's fabric handle goes with it (``alloc.fabric``), so a
   restarted daemon serves remote ranks' handles at once and learns the rest from its peers.
+- ``job_from_record()`` reads a record back into a Job (the registry's ``adopt`` then
+  decides what each of this daemon's recorded ranks is now).
 - ``load()`` never stops the daemon: a file that does not decode or has the wrong shape is
   moved aside (``state.msgpack.bad-<UTC time>``) and treated as absent; a file with some
   unusable job records is kept (a copy goes aside for inspection) and ``check_job_record``
@@ -83,14 +85,84 @@ def job_record(job) -> dict:
         "rearms": job.rearms,
         "rendezvous_count": job.rendezvous_count,
         "needs_rearm": job.needs_rearm,
-        "active_mask": getattr(job, "mask", None),
+        "active_mask": getattr(job, "active_mask", None),
         "created_wall": job.created_wall,
         "owner_uid": getattr(job, "owner_uid", None),
         "slots": [_slot_record(s) for s in job.slots],
     }
     if getattr(job, "domain", False):
-        rec["domain"] = {"node": job.home, "confirmed": job.confirmed}
+        rec["domain"] = {"node": job.this_node, "confirmed": job.confirmed}
     return rec
+
+
+def job_from_record(rec: dict, fds: dict[str, int], backend, this_node: str | None, used: set[str]):
+    """The Job that ``rec`` (a ``job_record``, checked by ``check_job_record``) describes,
+    holding the kept fds ``fds`` (fd-store name -> fd): its control block mapped, its rows
+    adopted by ``backend``, another node's ranks as that node last reported them. This
+    daemon's own ranks are left empty: what a recorded rank is now (its process may have died
+    while no daemon ran) is the registry's to decide (``Registry.adopt``). The names of the
+    fds it took are added to ``used``. ``this_node``: this daemon's node name in its domain
+    (None without one). Raises on a record that cannot be adopted."""
+    from a2ad import errors
+    from a2ad.control import ControlBlock
+    from a2ad.daemon import memfd
+    from a2ad.daemon.fdstore import cb_name, ws_name
+    from a2ad.daemon.jobs import Job, RankSlot
+
+    name, ep_size = rec["name"], rec["ep_size"]
+    cfd = fds.get(cb_name(name))
+    if cfd is None:
+        raise errors.BackendError("its control block was not kept")
+    if not memfd.adopt_memfd(cfd, L.CONTROL_BLOCK_SIZE, "control block"):
+        log.warning("job %s: its control block cannot be sealed (from an older daemon)", name)
+    aux = L.aux_layout(ep_size, rec["spec"]["max_num_tokens"])
+    control = ControlBlock.map_fd(cfd)
+    job = Job(
+        name=name, ep_size=ep_size, spec=rec["spec"], size_per_rank=rec["size_per_rank"],
+        row_stride=rec["row_stride"], aux=aux, control_fd=cfd, control=control,
+        slots=[RankSlot(rank=r) for r in range(ep_size)], owner_uid=rec.get("owner_uid"),
+    )
+    job.generation = rec["generation"]
+    dom = rec.get("domain")
+    if dom is not None:
+        if this_node is None:
+            log.warning("job %s spans a domain (node %s) but this daemon runs without --domain: its other nodes' "
+                        "ranks cannot be reached", name, dom.get("node"))
+        elif dom.get("node") != this_node:
+            log.warning("job %s was held as node %s of its domain; this daemon is node %s", name, dom.get("node"),
+                        this_node)
+        job.domain = True
+        job.this_node = this_node if this_node is not None else dom.get("node")
+        job.confirmed = bool(dom.get("confirmed", True))
+    job.rearms = rec.get("rearms", 0)
+    job.rendezvous_count = rec.get("rendezvous_count", 0)
+    job.needs_rearm = rec.get("needs_rearm", False)
+    if rec.get("active_mask") is not None:
+        job.active_mask = rec["active_mask"] & L.full_mask(ep_size)
+    used.add(cb_name(name))
+    try:
+        for srec, slot in zip(rec["slots"], job.slots):
+            if srec.get("node") is not None:  # another node's rank: what that node last reported
+                slot.node, slot.pid, slot.device = srec["node"], srec["pid"], srec["device"]
+                slot.deaths, slot.attaches = srec["deaths"], srec["attaches"]
+                slot.remote = dict(srec.get("remote") or {})
+                job.set_rank_state(slot, srec["state"])
+                continue
+            slot.pid, slot.uid, slot.device = srec["pid"], srec["uid"], srec["device"]
+            slot.lease, slot.deaths, slot.attaches = srec["lease"], srec["deaths"], srec["attaches"]
+            if job.owner_uid is None and srec["uid"] is not None:
+                job.owner_uid = srec["uid"]
+            if srec["alloc"] is not None:
+                fd = fds.get(ws_name(name, slot.rank))
+                if fd is None:
+                    raise errors.BackendError(f"rank {slot.rank}'s workspace was not kept")
+                slot.alloc = backend.adopt(fd, srec["alloc"]["size"], srec["device"], srec["alloc"]["handle_type"],
+                                           fabric=srec["alloc"].get("fabric"))
+                used.add(ws_name(name, slot.rank))
+    except BaseException:
+        control.close()
+        raise
+    return job
 
 
 # --------------------------------------------------------------------------- writing

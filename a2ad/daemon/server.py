@@ -4,9 +4,9 @@ metrics port and timers, and stop (keeping jobs for the next daemon) or hand ove
 successor.
 
 The rooms: requests are decoded and authorized in commands.py, which calls the registry
-(registry.py: jobs, ranks, rendezvous, leases); the fd socket is fdsock.py; who may do
-what is auth.py; the state file is persist.py and the fds that outlive the daemon are in
-fdstore.py. In a domain (``--domain``), the links to the other nodes' daemons are
+(registry.py: jobs, rendezvous, adoption; its rooms jobs.py, leases.py, policy.py and
+mirror.py); the fd socket is fdsock.py; who may do what is auth.py; the state file is
+persist.py and the fds that outlive the daemon are in fdstore.py. In a domain (``--domain``), the links to the other nodes' daemons are
 domain.py and the jobs that span nodes federation.py; their sockets sit in the same poll
 loop. Nothing here is on the data path.
 """
@@ -23,16 +23,15 @@ from pathlib import Path
 
 import zmq
 
-from a2ad import __version__, errors, fdpass, layout as L, protocol, runtime
-from a2ad.control import ControlBlock
+from a2ad import __version__, errors, fdpass, protocol, runtime
 from a2ad.daemon import metrics, persist, sdnotify, upgrade
 from a2ad.daemon.auth import Auth, Peer
 from a2ad.daemon.backends import make_backend
 from a2ad.daemon.backends.base import Backend, default_limits
 from a2ad.daemon.fdbudget import FdBudget, count_fds, raise_nofile_limit
 from a2ad.daemon.fdsock import FdSocket
-from a2ad.daemon.fdstore import FdStore, NullStore, cb_name, make_store, ws_name
-from a2ad.daemon.registry import Job, Limits, RankSlot, Registry
+from a2ad.daemon.fdstore import FdStore, NullStore, make_store
+from a2ad.daemon.registry import Job, Limits, Registry
 
 log = logging.getLogger("a2ad")
 
@@ -73,6 +72,12 @@ class Config:
     #: The `a2ad serve` arguments, so that an upgrade can start a successor just like us.
     argv: list[str] = field(default_factory=list)
     max_held_joins_per_uid: int = 256
+    #: what one uid's jobs may hold at once (admins are not capped); None: the default
+    max_jobs_per_uid: int = 256
+    #: None: half the open-file limit
+    max_fds_per_uid: int | None = None
+    #: None: half the per-daemon memory limit
+    max_bytes_per_uid: int | None = None
     max_handshakes_per_uid: int = 64
     max_zmq_peers_per_uid: int = 256
     #: The domain config file (TOML) of a multi-node NVLink domain, and this node's name in it.
@@ -89,6 +94,8 @@ class Daemon:
             config.max_total_bytes = total_limit
         if config.max_job_bytes is None:
             config.max_job_bytes = min(job_limit, config.max_total_bytes)
+        if config.max_bytes_per_uid is None:
+            config.max_bytes_per_uid = max(1, config.max_total_bytes // 2)
         self.started = time.monotonic()
         self.stopping = False
         self.free_on_stop = False
@@ -102,7 +109,8 @@ class Daemon:
         self.registry = Registry(self.backend, self.store, self.auth, Limits(
             grace=config.grace, max_rendezvous_timeout=config.max_rendezvous_timeout,
             max_job_bytes=config.max_job_bytes, max_total_bytes=config.max_total_bytes,
-            max_held_joins_per_uid=config.max_held_joins_per_uid,
+            max_held_joins_per_uid=config.max_held_joins_per_uid, max_jobs_per_uid=config.max_jobs_per_uid,
+            max_bytes_per_uid=config.max_bytes_per_uid,
         ))
         self.registry.on_rendezvous = self.rendezvous_hist.observe
         self.registry.fd_budget = self._charge_fds
@@ -125,7 +133,9 @@ class Daemon:
         self._sock_gid: int | None = None
         self.nofile = raise_nofile_limit()
         self.fds = FdBudget(self.nofile[0])
-        self.zpeers_shed = 0
+        if config.max_fds_per_uid is None:
+            config.max_fds_per_uid = max(1, self.nofile[0] // 2)
+        self.registry.limits.max_fds_per_uid = config.max_fds_per_uid
         self._next_store_check = 0.0
         self.domain = self.fed = None
         if config.domain is not None:
@@ -591,114 +601,7 @@ class Daemon:
 
     # ---------------------------------------------------------------- adoption
     def _adopt(self, fds: dict[str, int], state: dict | None) -> None:
-        """Re-adopt the jobs of a previous daemon: its state file plus the fds its store kept.
-        A record that cannot be adopted is logged and skipped; the others are kept."""
-        used: set[str] = set()
-        if state is not None and state.get("backend") != self.backend.name:
-            log.error("state file is from a %s daemon; this one runs %s: not adopting", state.get("backend"), self.backend.name)
-            state = None
-        t0 = time.monotonic()
-        for rec in (state or {}).get("jobs", []):
-            why = persist.check_job_record(rec)
-            if why is not None:
-                log.error("state file: skipping a job record: %s", why)
-                continue
-            try:
-                job = self._adopt_job(rec, fds, used)
-            except Exception as exc:
-                log.error("could not re-adopt job %s: %s", rec.get("name"), exc)
-                continue
-            self.registry.jobs[job.name] = job
-        for name, fd in fds.items():
-            if name not in used:
-                os.close(fd)
-                self.store.drop(name)
-        if self.registry.jobs:
-            names = sorted(self.registry.jobs)
-            log.info("re-adopted %d job(s): %s%s (%.1f ms)", len(names), ", ".join(names[:20]),
-                     f" and {len(names) - 20} more" if len(names) > 20 else "", (time.monotonic() - t0) * 1e3)
-        self.registry.dirty = True
-
-    def _adopt_job(self, rec: dict, fds: dict[str, int], used: set[str]) -> Job:
-        from a2ad.daemon import memfd
-
-        name, ep_size = rec["name"], rec["ep_size"]
-        cfd = fds.get(cb_name(name))
-        if cfd is None:
-            raise errors.BackendError("its control block was not kept")
-        if not memfd.adopt_memfd(cfd, L.CONTROL_BLOCK_SIZE, "control block"):
-            log.warning("job %s: its control block cannot be sealed (from an older daemon)", name)
-        aux = L.aux_layout(ep_size, rec["spec"]["max_num_tokens"])
-        control = ControlBlock.map_fd(cfd)
-        job = Job(
-            name=name, ep_size=ep_size, spec=rec["spec"], size_per_rank=rec["size_per_rank"],
-            row_stride=rec["row_stride"], aux=aux, control_fd=cfd, control=control,
-            slots=[RankSlot(rank=r) for r in range(ep_size)], owner_uid=rec.get("owner_uid"),
-        )
-        job.generation = rec["generation"]
-        dom = rec.get("domain")
-        if dom is not None:
-            if self.fed is None:
-                log.warning("job %s spans a domain (node %s) but this daemon runs without --domain: its other nodes' "
-                            "ranks cannot be reached", name, dom.get("node"))
-            elif dom.get("node") != self.fed.node:
-                log.warning("job %s was held as node %s of its domain; this daemon is node %s", name, dom.get("node"),
-                            self.fed.node)
-            job.domain = True
-            job.home = self.fed.node if self.fed is not None else dom.get("node")
-            job.confirmed = bool(dom.get("confirmed", True))
-        job.rearms = rec.get("rearms", 0)
-        job.rendezvous_count = rec.get("rendezvous_count", 0)
-        job.needs_rearm = rec.get("needs_rearm", False)
-        if rec.get("active_mask") is not None:
-            job.mask = rec["active_mask"] & L.full_mask(ep_size)
-        used.add(cb_name(name))
-        try:
-            for srec, slot in zip(rec["slots"], job.slots):
-                if srec.get("node") is not None:  # another node's rank: what that node last reported
-                    slot.node, slot.pid, slot.device, slot.state = srec["node"], srec["pid"], srec["device"], srec["state"]
-                    slot.deaths, slot.attaches = srec["deaths"], srec["attaches"]
-                    slot.remote = dict(srec.get("remote") or {})
-                    control.set_rank_state(slot.rank, slot.state)
-                    continue
-                slot.pid, slot.uid, slot.device = srec["pid"], srec["uid"], srec["device"]
-                slot.lease, slot.deaths, slot.attaches = srec["lease"], srec["deaths"], srec["attaches"]
-                if job.owner_uid is None and srec["uid"] is not None:
-                    job.owner_uid = srec["uid"]
-                if srec["alloc"] is not None:
-                    fd = fds.get(ws_name(name, slot.rank))
-                    if fd is None:
-                        raise errors.BackendError(f"rank {slot.rank}'s workspace was not kept")
-                    slot.alloc = self.backend.adopt(fd, srec["alloc"]["size"], srec["device"], srec["alloc"]["handle_type"],
-                                                    fabric=srec["alloc"].get("fabric"))
-                    used.add(ws_name(name, slot.rank))
-                state = srec["state"]
-                if state == L.RANK_ATTACHED:
-                    if not self.registry.watch_pid(job, slot):
-                        # died while no daemon ran: what its job's policy does with a death
-                        # (raise: abort the job; degrade: clear its bit, the others serve on)
-                        self.registry.rank_lost_while_away(job, slot)
-                        continue
-                elif state == L.RANK_JOINING:
-                    state = L.RANK_EMPTY  # its join request died with the old daemon
-                    slot.lease = None
-                slot.state = state
-                control.set_rank_state(slot.rank, state)
-        except BaseException:
-            for slot in job.slots:
-                self.registry.drop_pidfd(slot)
-            control.close()
-            raise
-        if job.degrade:
-            # a client may have written the published mask while no daemon ran; a failure here
-            # must not cost the job its adoption (the timer tick checks again)
-            try:
-                self.registry.restore_published_mask(job)
-            except Exception:
-                log.exception("job %s: checking its published active mask failed", name)
-        if not job.live_ranks():
-            job.grace_deadline = time.monotonic() + self.cfg.grace
-        return job
+        self.registry.adopt_state(state, fds)
 
     # ----------------------------------------------------------------- upgrade
     def upgrade(self) -> dict:
@@ -770,12 +673,16 @@ class Daemon:
                 "max_total_bytes": self.cfg.max_total_bytes,
             },
             "counters": dict(self.registry.counters),
+            "uid_usage": self.registry.uid_usage(peer.uid) if peer.uid is not None else None,
             "fd_store": self.store.kind if store_state == "ok" else f"{self.store.kind} ({store_state})",
             "fd_store_state": store_state,
             "state_file": "ok" if self.state.healthy else f"failing: {self.state.last_error}",
             "limits": {
                 **self.fds.describe(),
                 "held_joins_per_uid": self.cfg.max_held_joins_per_uid,
+                "jobs_per_uid": self.cfg.max_jobs_per_uid,
+                "fds_per_uid": self.cfg.max_fds_per_uid,
+                "bytes_per_uid": self.cfg.max_bytes_per_uid,
                 "fd_handshakes_per_uid": self.cfg.max_handshakes_per_uid,
                 "ctl_connections_per_uid": self.cfg.max_zmq_peers_per_uid,
             },

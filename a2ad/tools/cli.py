@@ -20,6 +20,16 @@ def _parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 64G)") from None
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"not a positive whole number: {text!r}")
+    return n
+
+
 def _port(text: str) -> int:
     try:
         n = int(text)
@@ -53,6 +63,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "and every user's jobs (root and the daemon's uid always do)")
     p.add_argument("--max-held-joins-per-uid", type=int, default=256,
                    help="joins one uid may hold waiting for their rendezvous at once (default 256)")
+    p.add_argument("--max-jobs-per-uid", type=_positive, default=256,
+                   help="jobs one uid's processes may hold on this daemon at once (default 256; admins are not capped)")
+    p.add_argument("--max-fds-per-uid", type=_positive, default=None,
+                   help="file descriptors the daemon may hold for one uid's jobs: control blocks, rows, lease "
+                        "connections and pidfds (default: half the open-file limit; admins are not capped)")
+    p.add_argument("--max-bytes-per-uid", type=_parse_size, default=None,
+                   help="workspace memory one uid's jobs may hold (default: half the per-daemon limit; admins are "
+                        "not capped)")
     p.add_argument("--max-fd-handshakes-per-uid", type=int, default=64,
                    help="fd.sock connections one uid may hold open before presenting a ticket (default 64)")
     p.add_argument("--max-ctl-connections-per-uid", type=int, default=256,
@@ -96,6 +114,9 @@ def serve(args) -> int:
         allow_gids=set(args.allow_gid),
         admin_group=args.admin_group,
         max_held_joins_per_uid=args.max_held_joins_per_uid,
+        max_jobs_per_uid=args.max_jobs_per_uid,
+        max_fds_per_uid=args.max_fds_per_uid,
+        max_bytes_per_uid=args.max_bytes_per_uid,
         max_handshakes_per_uid=args.max_fd_handshakes_per_uid,
         max_zmq_peers_per_uid=args.max_ctl_connections_per_uid,
         metrics_port=args.metrics_port,

@@ -267,10 +267,6 @@ def _fail(as_json: bool, exit_code: int, code: str, message: str, details: dict 
     return exit_code
 
 
-def _error_exit(exc: errors.A2ADError) -> int:
-    return EXIT_UNREACHABLE if isinstance(exc, errors.DaemonUnavailable) else EXIT_ERROR
-
-
 class _Failed(Exception):
     """A failure with its own wording (not a plain daemon error)."""
 

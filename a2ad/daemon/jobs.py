@@ -1,0 +1,289 @@
+"""A job and its rank slots: what the registry holds about each, and the one place a rank's
+state changes (:meth:`Job.set_rank_state`, which keeps the slot and the job's control block,
+where the ranks read it, in step).
+
+A slot of a job that spans nodes (federation.py) whose row another node's daemon holds has
+``RankSlot.node`` set and mirrors what that node reports (mirror.py); every other slot is
+this daemon's own. ``Job.this_node`` is this daemon's own node name in its domain.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from a2ad import errors, layout as L, protocol
+from a2ad.control import ControlBlock
+from a2ad.daemon import memfd
+from a2ad.daemon.backends.base import Allocation
+from a2ad.daemon.policy import active_mask
+
+
+@dataclass
+class Held:
+    """A reply the registry holds back (a join waiting for its rendezvous, a recover waiting
+    for the re-arm)."""
+
+    identity: bytes
+    request_id: int
+    deadline: float
+
+
+@dataclass
+class RankSlot:
+    rank: int
+    state: int = L.RANK_EMPTY
+    pid: int | None = None
+    uid: int | None = None
+    device: str | None = None
+    alloc: Allocation | None = None
+    pending: Held | None = None
+    #: A held `recover` reply: this rank is quiesced and waits for the job's re-arm.
+    recovering: Held | None = None
+    #: Secret that proves a later request (leave, recover, renew) comes from this rank's holder.
+    lease: bytes | None = None
+    ticket: bytes | None = None
+    ticket_kind: str | None = None
+    ticket_expiry: float = 0.0
+    #: The open fd-socket connection that is this rank's lease (an fd socket connection).
+    lease_conn: object | None = None
+    #: pidfd watching the rank's process while no lease connection stands for it.
+    pidfd: int | None = None
+    leaving: bool = False
+    #: A replacement let into a degraded job without a job-wide re-arm: its bit in the
+    #: active mask is set once it holds its handles (see Registry._readmit).
+    readmitting: bool = False
+    #: In a job that spans nodes: the node whose daemon holds this rank's row (None: this
+    #: daemon's, or nobody's yet). Such a slot mirrors that node's reports.
+    node: str | None = None
+    #: A remote rank's held request: "join" or "recover" (None: none).
+    remote_waiting: str | None = None
+    #: A remote rank's row: {"size", "handle_type", "handle", "handle_error"}.
+    remote: dict | None = None
+    #: Counted dead because its node was lost (not because its node said so).
+    lost_with_node: bool = False
+    joined_at: float = 0.0
+    attached_at: float = 0.0
+    deaths: int = 0
+    attaches: int = 0
+
+    @property
+    def live(self) -> bool:
+        return self.state in (L.RANK_JOINING, L.RANK_ATTACHED)
+
+    @property
+    def waiting(self) -> str | None:
+        """The request this rank waits in, wherever it is held: "join", "recover" or None."""
+        if self.node is not None:
+            return self.remote_waiting
+        return "join" if self.pending is not None else "recover" if self.recovering is not None else None
+
+    def clear_remote(self) -> None:
+        self.node = self.remote_waiting = self.remote = None
+        self.lost_with_node = False
+
+    def summary(self, show_pid: bool = True) -> dict:
+        return {
+            "rank": self.rank,
+            "state": L.RANK_STATE_NAMES[self.state],
+            "recovering": self.waiting == "recover",
+            "pid": self.pid if show_pid else None,
+            "device": self.device,
+            "deaths": self.deaths,
+            "attaches": self.attaches,
+        }
+
+
+@dataclass
+class Job:
+    name: str
+    ep_size: int
+    spec: dict
+    size_per_rank: int
+    row_stride: int
+    aux: L.AuxLayout
+    control_fd: int
+    control: ControlBlock
+    slots: list[RankSlot]
+    #: The uid that created the job: only it (or an admin) may join, inspect or end it.
+    owner_uid: int | None = None
+    created_at: float = field(default_factory=time.monotonic)
+    created_wall: float = field(default_factory=time.time)
+    generation: int = 0
+    #: When set, the job is freed at this monotonic time unless a rank comes back.
+    grace_deadline: float | None = None
+    rendezvous_started: float | None = None
+    rendezvous_count: int = 0
+    #: Set when the job's rounds can no longer agree (a rank died or left while the job
+    #: was live, a rank asked for recovery, an operator aborted): the next release of the
+    #: ranks re-arms every row first.
+    needs_rearm: bool = False
+    rearms: int = 0
+    #: Replacements let into a degraded job while the others kept serving.
+    readmits: int = 0
+    freed: bool = False
+    #: A job of a domain: its coordinator decides its rendezvous and re-arms (federation.py).
+    domain: bool = False
+    #: The domain's decision on the spec has reached this daemon (a job created here before
+    #: it did is tentative: the coordinator may still refuse its spec).
+    confirmed: bool = True
+    #: The name of the node this daemon is in the job's domain (None without a domain). A
+    #: slot's ``node`` names the node holding that rank's row; None there means this one.
+    this_node: str | None = None
+    #: The id of the coordinator's prepare this daemon carried out last (its release must match).
+    fed_attempt: int | None = None
+    #: When a rank of the job (here or elsewhere) was last seen to start joining.
+    last_join_seen: float = 0.0
+    #: Degrade jobs: the active-rank mask as this daemon decided it (None until the first
+    #: rendezvous; see policy.active_mask). The control block's CB_ACTIVE_MASK is its
+    #: published copy, in memory the job's clients can write, so the daemon derives nothing
+    #: from that copy and puts its own value back when the copy differs.
+    active_mask: int | None = None
+    #: Times the published mask was found changed behind the daemon's back and put back.
+    mask_restores: int = 0
+
+    def __post_init__(self):
+        # a job adopted from a daemon that knew no policy ran with the default one
+        if "on_peer_loss" not in self.spec:
+            self.spec = {**self.spec, "on_peer_loss": protocol.DEFAULT_PEER_LOSS}
+
+    @property
+    def degrade(self) -> bool:
+        """Whether the job keeps serving without a lost rank (spec on_peer_loss="degrade")."""
+        return self.spec.get("on_peer_loss") == "degrade"
+
+    @property
+    def serving_degraded(self) -> bool:
+        """A degrade job past its first rendezvous and not waiting for a job-wide re-arm: a
+        lost rank leaves the active mask, a replacement is let back in without stopping the
+        others."""
+        return self.degrade and self.rendezvous_count > 0 and not self.needs_rearm
+
+    def mask_summary(self) -> dict:
+        """The active mask as this daemon decided it, with the admit state the control block
+        holds (degrade jobs; None otherwise)."""
+        if not self.degrade or self.control is None or getattr(self.control, "_mv", None) is None:
+            return {"active_mask": None, "active_ranks": None, "admitting_ranks": None,
+                    "mask_generation": None, "degraded_s": None, "mask_restores": None}
+        cb = self.control
+        mask = active_mask(self, keep=False)
+        admitted = cb.admitted_mask(self.ep_size, mask)
+        since = cb.degraded_since_ns
+        return {
+            "active_mask": mask,
+            "active_ranks": L.mask_ranks(admitted),
+            "admitting_ranks": L.mask_ranks(mask & ~admitted),
+            "mask_generation": cb.mask_generation,
+            "degraded_s": None if not since else round(max(0, time.monotonic_ns() - since) / 1e9, 3),
+            "mask_restores": self.mask_restores,
+        }
+
+    @property
+    def job_bytes(self) -> int:
+        """Bytes this daemon reserves for the job: every row, or in a domain the rows it holds
+        (the others' rows are their daemons' memory)."""
+        if self.domain:
+            return sum(1 for s in self.slots if s.alloc is not None) * self.row_stride
+        return self.ep_size * self.row_stride
+
+    def set_rank_state(self, slot: RankSlot, state: int) -> None:
+        """The one writer of a rank's state: the slot and the control block's copy together."""
+        slot.state = state
+        self.control.set_rank_state(slot.rank, state)
+
+    def slot(self, rank: int) -> RankSlot:
+        if not 0 <= rank < self.ep_size:
+            raise errors.InvalidField(f"job {self.name!r} has ranks 0-{self.ep_size - 1}; got ep_rank {rank}", field="ep_rank")
+        return self.slots[rank]
+
+    @property
+    def spans(self) -> bool:
+        """Whether some rank's row is held by another node's daemon."""
+        return any(s.node is not None for s in self.slots)
+
+    def live_ranks(self) -> list[int]:
+        return [s.rank for s in self.slots if s.live]
+
+    def missing_ranks(self) -> list[int]:
+        return [s.rank for s in self.slots if not s.live]
+
+    def pending(self) -> list[RankSlot]:
+        return [s for s in self.slots if s.pending is not None]
+
+    def recovering(self) -> list[RankSlot]:
+        return [s for s in self.slots if s.recovering is not None]
+
+    def attached(self) -> list[RankSlot]:
+        return [s for s in self.slots if s.state == L.RANK_ATTACHED]
+
+    def state_name(self) -> str:
+        if self.grace_deadline is not None:
+            return "grace"
+        if self.pending() or self.recovering() or any(s.remote_waiting for s in self.slots):
+            return "rendezvous"
+        if self.needs_rearm:
+            return "needs-rearm"
+        if all(s.state == L.RANK_ATTACHED for s in self.slots):
+            return "ready"
+        return "degraded"
+
+    def summary(self, now: float, show_pids: bool = True) -> dict:
+        return {
+            "name": self.name,
+            "state": self.state_name(),
+            "owner_uid": self.owner_uid,
+            "ep_size": self.ep_size,
+            "spec": dict(self.spec),
+            "size_per_rank": self.size_per_rank,
+            "row_stride": self.row_stride,
+            "bytes": self.job_bytes,
+            "generation": self.generation,
+            "rearms": self.rearms,
+            "on_peer_loss": self.spec.get("on_peer_loss", protocol.DEFAULT_PEER_LOSS),
+            **self.mask_summary(),
+            "readmits": self.readmits,
+            "abort": L.ABORT_NAMES.get(self.control.abort_word, str(self.control.abort_word)),
+            "age_s": round(now - self.created_at, 3),
+            "grace_remaining_s": None if self.grace_deadline is None else round(max(0.0, self.grace_deadline - now), 3),
+            "ranks": [dict(s.summary(show_pids), node=s.node or self.this_node) if self.this_node else s.summary(show_pids)
+                      for s in self.slots],
+            "ranks_attached": sum(1 for s in self.slots if s.state == L.RANK_ATTACHED),
+            "ranks_dead": sum(1 for s in self.slots if s.state == L.RANK_DEAD),
+        }
+
+    def spec_mismatch(self, ep_size: int, spec: dict, rank: int | None = None, pid: int | None = None,
+                      node: str | None = None) -> errors.SpecMismatch | None:
+        """The SpecMismatch naming the first field where a join differs from the job, or None.
+        ``rank``, ``pid``, ``node``: who asked (named in the error, which the ranks already
+        waiting in the job's rendezvous hear too)."""
+        who = ""
+        if rank is not None:
+            who = f"; the join was rank {rank}" + (f" (pid {pid})" if pid else "") + (f" on node {node}" if node else "")
+        if ep_size != self.ep_size:
+            return errors.SpecMismatch(
+                f"job {self.name!r}: ep_size differs (job has {self.ep_size}, join asked for {ep_size}){who}",
+                field="ep_size", job_value=self.ep_size, requested=ep_size, rank=rank, node=node,
+            )
+        for key in sorted(set(self.spec) | set(spec)):
+            a, b = self.spec.get(key), spec.get(key)
+            if a != b:
+                return errors.SpecMismatch(
+                    f"job {self.name!r}: spec field {key} differs (job has {a}, join asked for {b}){who}",
+                    field=key, job_value=a, requested=b, rank=rank, node=node,
+                )
+        return None
+
+
+def new_control_block(ep_size: int, policy: int = L.POLICY_RAISE) -> tuple[int, ControlBlock]:
+    """A sealed memfd (clients cannot shrink it under the daemon's mapping) holding a fresh
+    control block."""
+    fd = memfd.sealed_memfd("a2ad-ctl", L.CONTROL_BLOCK_SIZE)
+    try:
+        cb = ControlBlock.map_fd(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    cb.initialize(ep_size, policy)
+    return fd, cb
+

@@ -1,0 +1,211 @@
+"""Tickets, leases and pidfds: how a rank proves who it is after its join, and how the
+registry learns that it is gone.
+
+- A released join carries a one-use *ticket* (``TICKET_TTL`` seconds) and a *lease*
+  secret. The rank presents the ticket on fd.sock (``redeem``); the handles go out and that
+  connection becomes its lease connection (``delivered``): the rank is attached, and the
+  connection's end is its death or, after a ``leave``, its departure (``lease_closed``).
+- Later requests (leave, recover, renew) prove their holder with the lease secret.
+- While no lease connection stands for a rank (joining, or adopted after a daemon restart
+  until it renews), a pidfd watches its process (``watch_pid``, ``pid_exited``); the server
+  polls ``Registry.pidfds``.
+
+``Leases`` is a part of the Registry (registry.py); it uses the registry's ``jobs``,
+``auth``, ``counters``, ``dirty``, ``closing`` and its rank-state step ``_mark``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from a2ad import errors, layout as L
+from a2ad.daemon.auth import Peer
+from a2ad.daemon.policy import active_mask
+
+if TYPE_CHECKING:
+    from a2ad.daemon.jobs import Job, RankSlot
+
+log = logging.getLogger("a2ad")
+
+#: Seconds a released join's (or a renew's) ticket stays valid.
+TICKET_TTL = 30.0
+
+
+def new_secret() -> bytes:
+    return secrets.token_bytes(32)
+
+
+@dataclass
+class Redeemed:
+    """What the fd socket must send for a redeemed ticket (fds in handle order), and to whom
+    the connection belongs once sent."""
+
+    kind: str
+    job: Job
+    slot: RankSlot
+    fds: list[int]
+
+
+class Leases:
+    """The Registry's tickets, leases and pidfds."""
+
+    # --------------------------------------------------------- lease requests
+    def _slot_for_lease(self, name: str, rank: int, lease: bytes) -> tuple[Job, RankSlot]:
+        job = self.jobs.get(name)
+        if job is None:
+            raise errors.NoSuchJob(f"no job named {name!r}")
+        slot = job.slot(rank)
+        if slot.lease is None or not secrets.compare_digest(lease, slot.lease):
+            raise errors.PermissionDenied(f"job {job.name!r} rank {rank}: the lease does not match its holder")
+        return job, slot
+
+    def _issue_ticket(self, job: Job, slot: RankSlot, kind: str, now: float) -> bytes:
+        self._drop_ticket(slot)
+        ticket = new_secret()
+        self.tickets[ticket] = (job, slot.rank)
+        slot.ticket, slot.ticket_kind, slot.ticket_expiry = ticket, kind, now + TICKET_TTL
+        return ticket
+
+    def _drop_ticket(self, slot: RankSlot) -> None:
+        if slot.ticket is not None:
+            self.tickets.pop(slot.ticket, None)
+            slot.ticket = slot.ticket_kind = None
+
+    def leave(self, peer: Peer, f: dict) -> dict:
+        job, slot = self._slot_for_lease(f["job"], f["ep_rank"], f["lease"])
+        if not slot.live:
+            raise errors.PermissionDenied(f"job {job.name!r} rank {slot.rank} is {L.RANK_STATE_NAMES[slot.state]}, not held")
+        slot.leaving = True
+        if slot.lease_conn is not None:
+            # the leave is complete when its reply goes out: the rank is free for a successor
+            # at once, whether or not the client's socket close has arrived yet
+            self.lease_closed(slot.lease_conn)
+        else:  # left before redeeming its ticket, or adopted after a restart without a lease
+            self._drop_ticket(slot)
+            if slot.pending is not None:
+                slot.pending = None
+            self.drop_pidfd(slot)
+            self._mark(job, slot, L.RANK_LEFT, "left")
+        return {}
+
+    def renew(self, peer: Peer, f: dict) -> dict:
+        """A ticket for a new lease connection (after a daemon restart dropped the old one)."""
+        job, slot = self._slot_for_lease(f["job"], f["ep_rank"], f["lease"])
+        if peer.pid and peer.pid != f["pid"]:
+            raise errors.PermissionDenied(f"renew claims pid {f['pid']} but comes from pid {peer.pid}")
+        if slot.state != L.RANK_ATTACHED or slot.pid != f["pid"]:
+            raise errors.PermissionDenied(f"job {job.name!r} rank {slot.rank} is not attached to pid {f['pid']}")
+        ticket = self._issue_ticket(job, slot, "renew", time.monotonic())
+        return {"ticket": ticket, "generation": job.generation}
+
+    # ------------------------------------------------------------ the fd socket
+    def redeem(self, ticket, peer: Peer) -> Redeemed:
+        """Check a ticket presented on fd.sock by ``peer``; the ticket is used up only when it
+        is valid for this peer (a foreign pid leaves it to its rightful owner)."""
+        if not isinstance(ticket, bytes) or ticket not in self.tickets:
+            raise errors.BadTicket("unknown, expired or already used ticket")
+        job, rank = self.tickets[ticket]
+        slot = job.slots[rank]
+        want = L.RANK_JOINING if slot.ticket_kind == "join" else L.RANK_ATTACHED
+        if job.freed or slot.ticket != ticket or slot.state != want:
+            self.tickets.pop(ticket, None)
+            raise errors.BadTicket("the ticket's rank is no longer waiting for it")
+        if peer.pid != slot.pid:
+            raise errors.PermissionDenied(f"ticket belongs to pid {slot.pid}, not to pid {peer.pid}")
+        self.auth.check_connect(peer)
+        kind = slot.ticket_kind
+        self._drop_ticket(slot)
+        fds = [] if kind == "renew" else [s.alloc.fd for s in job.slots if s.node is None] + [job.control_fd]
+        return Redeemed(kind=kind, job=job, slot=slot, fds=fds)
+
+    def delivered(self, r: Redeemed, conn: object) -> None:
+        """The redeem's answer went out: ``conn`` is now the rank's lease."""
+        slot, job = r.slot, r.job
+        if slot.lease_conn is not None and slot.lease_conn is not conn:
+            self.leases.pop(slot.lease_conn, None)
+            self.closing.append(slot.lease_conn)  # a renewed lease replaces the old connection
+        slot.lease_conn = conn
+        self.leases[conn] = (job, slot.rank)
+        self.drop_pidfd(slot)
+        if r.kind == "renew":
+            log.info("job %s: rank %d renewed its lease (pid %d)", job.name, slot.rank, slot.pid)
+            return
+        job.set_rank_state(slot, L.RANK_ATTACHED)
+        slot.attached_at = time.monotonic()
+        slot.attaches += 1
+        self.dirty = True
+        self.counters["attaches"] += 1
+        log.info("job %s: rank %d attached (pid %d)", job.name, slot.rank, slot.pid)
+        if slot.readmitting:
+            slot.readmitting = False
+            if job.serving_degraded and not job.control.abort_word:
+                # it holds its handles: its bit goes back (its admit round still keeps it out
+                # of every round until its first dispatch is let in)
+                self._set_mask(job, active_mask(job) | 1 << slot.rank)
+                job.readmits += 1
+                self.counters["readmits"] += 1
+                log.info("job %s: rank %d is active again (mask generation %d)", job.name, slot.rank,
+                         job.control.mask_generation)
+
+    def undelivered(self, r: Redeemed, why: str) -> None:
+        """The redeem's answer could not be sent (the client closed or stalled): a joining rank
+        never got its handles, so it is dead to the job; a renewing rank keeps its pidfd lease."""
+        if r.job.freed or r.kind == "renew":
+            return
+        log.warning("job %s: rank %d's handles could not be delivered (%s)", r.job.name, r.slot.rank, why)
+        self._mark(r.job, r.slot, L.RANK_DEAD, "never received its handles")
+
+    def lease_closed(self, conn: object) -> None:
+        """A lease connection ended (EOF, error, or a leave)."""
+        self.closing.append(conn)
+        entry = self.leases.pop(conn, None)
+        if entry is None:
+            return
+        job, rank = entry
+        slot = job.slots[rank]
+        if job.freed or slot.lease_conn is not conn:
+            return
+        slot.lease_conn = None
+        if slot.leaving:
+            self._mark(job, slot, L.RANK_LEFT, "left")
+        else:
+            self._mark(job, slot, L.RANK_DEAD, "died (lease connection closed without leave)")
+
+    # ----------------------------------------------------------------- pidfds
+    def watch_pid(self, job: Job, slot: RankSlot) -> bool:
+        """Watch a rank's process with a pidfd; False when it is already gone."""
+        self.drop_pidfd(slot)
+        try:
+            slot.pidfd = os.pidfd_open(slot.pid)
+        except (ProcessLookupError, OSError, TypeError):
+            return False
+        self.pidfds[slot.pidfd] = (job, slot.rank)
+        return True
+
+    def drop_pidfd(self, slot: RankSlot) -> None:
+        if slot.pidfd is not None:
+            self.pidfds.pop(slot.pidfd, None)
+            os.close(slot.pidfd)
+            slot.pidfd = None
+
+    def pid_exited(self, pidfd: int) -> None:
+        entry = self.pidfds.get(pidfd)
+        if entry is None:
+            return
+        job, rank = entry
+        slot = job.slots[rank]
+        self.drop_pidfd(slot)
+        if job.freed:
+            return
+        if slot.state == L.RANK_JOINING:
+            slot.pending = None
+            self._drop_ticket(slot)
+            self._mark(job, slot, L.RANK_DEAD, "died before attaching")
+        elif slot.state == L.RANK_ATTACHED and slot.lease_conn is None:
+            # adopted after a daemon restart, lease not renewed yet: the pidfd is the lease
+            self._mark(job, slot, L.RANK_DEAD, "died (seen by its pidfd)")
