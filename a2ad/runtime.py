@@ -240,11 +240,12 @@ def prepare(runtime_dir: Path, group: str | None = None) -> int | None:
     """Create the folder with mode 0700 (0750 and the group when ``group`` is given), or take
     an existing one that this daemon may trust. Returns the group id or None.
 
-    An existing folder is trusted only when it (and a symlink naming it) is owned by this
-    daemon's uid or root and neither group members nor others may write to it: whoever could
-    write there before the daemon started may have planted its lock, state or keeper socket
-    (a symlink the daemon would write through, a keeper it would hand every workspace to).
-    Such a folder is refused with RuntimeDirError, not repaired: what was planted would stay."""
+    An existing folder (and a symlink naming it) must be owned by this daemon's uid or root.
+    Whoever could write to it before the daemon started may have planted its lock, state or
+    keeper socket (a symlink the daemon would write through, a keeper it would hand every
+    workspace to); so a folder that group members or others may write to is closed first
+    (its mode set) and then taken only if it holds nothing at all, as a fresh volume does;
+    one that holds anything is refused with RuntimeDirError naming what it holds."""
     gid = None
     if group is not None:
         try:
@@ -269,14 +270,21 @@ def prepare(runtime_dir: Path, group: str | None = None) -> int | None:
         raise RuntimeDirError(f"refusing the runtime folder {runtime_dir}: it is owned by {_owner(st.st_uid)}, not by "
                               f"this daemon's uid {me} or root; remove it or use another --runtime-dir")
     cur = stat.S_IMODE(st.st_mode)
-    if lst is not None and cur & 0o022:
-        who = "other users" if cur & 0o002 else "its group's members"
-        raise RuntimeDirError(
-            f"refusing the runtime folder {runtime_dir}: mode {cur:04o} lets {who} write to it, so they may "
-            f"have planted files there (a lock symlink, a keeper socket); check what it holds, then remove it "
-            f"(the daemon creates it {mode:04o}) or `chmod go-w {runtime_dir}`")
     if cur != mode:
-        os.chmod(runtime_dir, mode)
+        try:
+            os.chmod(runtime_dir, mode)  # closed before it is looked into: nobody else adds to it now
+        except PermissionError:
+            raise RuntimeDirError(f"{runtime_dir} is owned by uid {st.st_uid}, not by this daemon's uid {me}, and "
+                                  f"its mode {cur:04o} cannot be set to {mode:04o}; chown it to uid {me}") from None
+    if lst is not None and cur & 0o022:
+        held = sorted(os.listdir(runtime_dir))
+        if held:
+            who = "other users" if cur & 0o002 else "its group's members"
+            shown = ", ".join(held[:8]) + (f" and {len(held) - 8} more" if len(held) > 8 else "")
+            raise RuntimeDirError(
+                f"refusing the runtime folder {runtime_dir}: its mode was {cur:04o}, which let {who} write to it, "
+                f"and it holds {shown}, which they may have planted (a lock symlink, a keeper socket); it is "
+                f"{mode:04o} now: check what it holds and remove it, or use another --runtime-dir")
     if gid is not None and st.st_gid != gid:
         os.chown(runtime_dir, -1, gid)
     return gid

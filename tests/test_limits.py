@@ -462,16 +462,33 @@ def test_reserves_scale_with_the_limit(tmp_path):
 
 # ------------------------------------------------------------ the runtime folder
 def test_an_other_writable_runtime_folder_is_refused(tmp_path):
+    """A runtime folder others could write to, holding a file: refused at start, the file
+    untouched (nothing in it is used). The same folder empty (a fresh volume) is closed to
+    0700 and served."""
     rt = tmp_path / "rt"
     rt.mkdir()
     rt.chmod(0o777)
+    (rt / "stray-file").write_text("x")
     p = subprocess.run(_serve_argv(rt), capture_output=True, text=True, timeout=60, cwd=str(REPO))
     out = p.stdout + p.stderr
     assert p.returncode == 1, out
-    assert "mode 0777 lets other users write to it" in out, out
-    assert oct(rt.stat().st_mode & 0o777) == "0o777", "the folder was changed instead of refused"
-    assert not (rt / runtime.LOCK_FILE).exists() and not (rt / runtime.CTL_SOCK).exists()
+    assert "its mode was 0777, which let other users write to it, and it holds stray-file" in out, out
+    assert sorted(os.listdir(rt)) == ["stray-file"], "the daemon used the folder"
     figure("other-writable runtime folder: " + next(ln for ln in out.splitlines() if "cannot start" in ln).split(" ERROR ", 1)[-1])
+    (rt / "stray-file").unlink()
+    rt.chmod(0o777)
+    log = tmp_path / "serve.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(_serve_argv(rt), stdout=f, stderr=subprocess.STDOUT, cwd=str(REPO))
+    try:
+        wait_for(lambda: (rt / runtime.FD_SOCK).exists() or proc.poll() is not None, 30, "the daemon serving")
+        assert proc.poll() is None, log.read_text()
+        assert oct(rt.stat().st_mode & 0o777) == "0o700"
+        assert _ping_ms(rt) > 0
+    finally:
+        proc.terminate()
+        proc.wait(15)
+        reap_keeper(rt)
 
 
 def test_a_planted_lock_symlink_is_not_followed(tmp_path):
