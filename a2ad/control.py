@@ -240,6 +240,7 @@ class ControlBlock:
         index = self._get(_I32, off + L.INPUT_INDEX)
         value = self._get(_I32, off + L.INPUT_VALUE)
         rnd = self._get(_U32, off + L.INPUT_ROUND)
+        own = self._get(_I32, L.input_own_offset(rank))
         self.clear_input_error(rank)
         if code == L.INPUT_BAD_EXPERT:
             bound = f"[0, num_experts={num_experts})" if num_experts is not None else "[0, num_experts)"
@@ -255,11 +256,15 @@ class ControlBlock:
                 "returned zeros) on every rank",
                 argument="runtime_max_tokens_per_rank", peer=index, peer_value=value, round=rnd,
             )
+        if code in (L.INPUT_SPEC_MISMATCH, L.INPUT_COMBINE_MISMATCH):
+            raise spec_mismatch_error(job, rank, index & 0xFF, index >> 8, own, value, rnd)
         raise errors.InternalError(f"rank {rank}: unknown input error code {code} in the control block")
 
     def clear_input_error(self, rank: int) -> None:
         off = L.input_offset(rank)
         self._mv[off : off + L.INPUT_RECORD_SIZE] = bytes(L.INPUT_RECORD_SIZE)
+        own = L.input_own_offset(rank)
+        self._mv[own : own + 4] = bytes(4)
 
     @property
     def destroyed(self) -> bool:
@@ -332,4 +337,22 @@ def destroyed_message(job) -> str:
     return (
         f"job {job} was destroyed (a2ad-ctl destroy, or freed by the daemon) and its memory is gone; "
         "it cannot be resumed: close this object and attach again, which creates a new job"
+    )
+
+
+def spec_mismatch_error(job: str, rank: int, peer: int, field: int, own: int, theirs: int, rnd: int):
+    """The InputError of a payload (or combine) descriptor that differs between two ranks."""
+    name = L.spec_field_name(field)
+    if field == L.SPEC_FIELD_COMBINE:
+        own, theirs = own & 0xFFFFFFFF, theirs & 0xFFFFFFFF
+        what = ("nothing was pulled from that rank in that combine (its contributions are zeros), on every rank")
+        argument = "payload"
+    else:
+        what = "that round moved no data (its combine returned zeros) on every rank"
+        argument = "input_payloads" if field != L.SPEC_FIELD_EPLB else "eplb_stats_num_experts"
+    return errors.InputError(
+        f"job {job} rank {rank}: {name} differs between ranks in round {rnd}: this rank "
+        f"{L.spec_value_text(field, own)}, rank {peer} {L.spec_value_text(field, theirs)}; every rank must pass the "
+        f"same payloads: {what}",
+        argument=argument, peer=peer, field=name, value=own, peer_value=theirs, round=rnd,
     )

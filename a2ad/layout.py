@@ -39,9 +39,16 @@ aligned; all int32)::
                                                    bits (max_tokens <= 65535), else the count
                                                    (CUDA kernels: the count and rt travel with
                                                    the flag; RECV_RTS is then not written)
+    RECV_SPECS                  [ep_size, SPEC_WORDS]  written by source s: the descriptor of its current
+                                                   dispatch's payload list (:func:`payload_spec`), compared
+                                                   with this rank's own before the round's data is used
+    COMBINE_READY               [ep_size] u64      written by target t in one release store:
+                                                   ``(combine spec << 32) | round`` (:func:`combine_spec`):
+                                                   the combine flag together with what t staged
     PAYLOAD_DATA                                   start of the payload area
 
-``slices`` is ``ceil(max_tokens / COMBINE_SLICE_ROWS)``. The four last fields are
+``slices`` is ``ceil(max_tokens / COMBINE_SLICE_ROWS)``; a slice flag is a u64 like
+COMBINE_READY (``(combine spec << 32) | round``). The six last fields are
 not in the seed's metainfo list; they only move PAYLOAD_DATA, and a client checks
 the daemon's metainfo against its own, so a daemon and client that disagree on the
 layout refuse each other at join.
@@ -51,7 +58,9 @@ region, so that a payload set sized by :func:`workspace_size_per_rank` always
 fits.
 
 The payload area is laid out per call (it depends on the payload widths and on
-``runtime_max_tokens_per_rank``, see :func:`payload_layout`): one region per
+``runtime_max_tokens_per_rank``, see :func:`payload_layout`): first, when the job
+gathers EPLB statistics, the region ``[ep_size(source), eplb_stats_num_experts]``
+int32 (written by source s: its local statistics of the round); then one region per
 dispatch payload, ``[ep_size(source), runtime_max_tokens_per_rank,
 bytes_per_token]``, each 128-byte aligned, growing up from PAYLOAD_DATA; and the
 combine region ``[ep_size(source), runtime_max_tokens_per_rank,
@@ -87,16 +96,19 @@ GPU access on the CUDA backend)::
                                  +0 u32 code (STATUS_*), +4 i32 peer, +8 u32 round,
                                  +12 u32 phase (PHASE_*), +16 u64 waited ns
     2560 input record [64]       one per rank, INPUT_RECORD_SIZE bytes each, written by that
-                                 rank's dispatch kernel when its input was wrong (the round
-                                 still completed for every rank): +0 u32 code (INPUT_*),
-                                 +4 i32 index (the token, or the peer), +8 i32 value (the
-                                 expert id, or the peer's runtime_max_tokens_per_rank),
-                                 +12 u32 round. The client raises InputError and clears it.
+                                 rank's dispatch (or combine) kernel when its input was wrong
+                                 (the round still completed for every rank): +0 u32 code
+                                 (INPUT_*), +4 i32 index (the token, or the peer; for a spec
+                                 mismatch ``peer | field << 8``, field a SPEC_FIELD_* value),
+                                 +8 i32 value (the expert id, or the peer's value), +12 u32
+                                 round. The client raises InputError and clears it.
     3584 i32  admit round [64]   per rank: the first round it takes part in (0 for the ranks of a
                                  full rendezvous), ADMIT_JOINED while a replacement waits for its
                                  first dispatch, ADMIT_READY once that dispatch asks to be let in
                                  (written by the daemon, the replacement and the lowest active
                                  rank in turn; docs/PROTOCOL.md, "Degraded mode")
+    3840 i32  input own [64]     per rank: with a spec mismatch in its input record, this rank's
+                                 own value of the field (the record holds the peer's)
 
 Rank q takes part in round R when its mask bit is set and ``0 <= admit round[q] <= R``
 (:func:`effective_mask`); every wait on a peer also ends when the peer's bit is cleared.
@@ -113,8 +125,8 @@ MAX_EP_SIZE = 64
 #: Most payloads one dispatch may carry.
 MAX_PAYLOADS = 6
 ALIGN = 128
-#: Room for aligning up to MAX_PAYLOADS dispatch regions and the combine region.
-ALIGN_SLACK = (MAX_PAYLOADS + 1) * ALIGN
+#: Room for aligning up to MAX_PAYLOADS dispatch regions, the EPLB region and the combine region.
+ALIGN_SLACK = (MAX_PAYLOADS + 2) * ALIGN
 BLOCK_COUNTER_SLOTS = 32
 # What the CUDA kernels keep in BLOCK_COUNTERS (this rank's own scratch, int32 slots).
 #: Arrival counters of the last-block pattern (dispatch, combine).
@@ -139,6 +151,18 @@ SLOT_COMBINE_SEEN = 14
 SLOT_COMBINE_SEEN_ROUND = 16
 #: The claim that elects the single writer of this rank's status record.
 SLOT_STATUS_CLAIM = BLOCK_COUNTER_SLOTS - 1
+#: int32 words of a dispatch's payload descriptor (:func:`payload_spec`): [0] payload count,
+#: [1..6] bytes per token of payload i, [7] dtype codes (4 bits per payload, 0: not given),
+#: [8] eplb_stats_num_experts, [9..11] zero.
+SPEC_WORDS = 12
+#: The fields of a spec mismatch (the input record's index holds ``peer | field << 8``).
+SPEC_FIELD_COUNT = 0
+SPEC_FIELD_WIDTH = 1  # + payload index
+SPEC_FIELD_DTYPE = 7  # + payload index
+SPEC_FIELD_EPLB = 13
+SPEC_FIELD_COMBINE = 14
+#: Elements per scale of the FP8 combine (one power-of-two scale, an E8M0 byte, per block).
+FP8_BLOCK = 32
 #: Rows of one combine slice: the unit in which a rank announces that part of its
 #: combine region is staged (COMBINE_SLICE_FLAGS).
 COMBINE_SLICE_ROWS = 8
@@ -202,6 +226,10 @@ class AuxLayout:
     #: [ep_size] uint64, written by source s: (high << 32) | round, one release store; high is
     #: rt * (max_num_tokens + 1) + count when max_num_tokens <= 65535, else count.
     dispatch_ready: int
+    #: [ep_size, SPEC_WORDS] int32, written by source s: its dispatch's payload descriptor.
+    recv_specs: int
+    #: [ep_size] uint64, written by target t: (combine spec << 32) | round.
+    combine_ready: int
     payload_data: int
     #: Bytes the daemon zeroes (everything before PAYLOAD_DATA).
     aux_bytes: int
@@ -253,9 +281,11 @@ def aux_layout(ep_size: int, max_num_tokens: int) -> AuxLayout:
     block_counters = take(4 * BLOCK_COUNTER_SLOTS)
     slot_tokens = take(4 * ep_size * max_num_tokens)
     slices = combine_slices(max_num_tokens)
-    slice_flags = take(4 * ep_size * slices)
+    slice_flags = take(8 * ep_size * slices)
     recv_rts = take(4 * ep_size)
     dispatch_ready = take(8 * ep_size)
+    recv_specs = take(4 * SPEC_WORDS * ep_size)
+    combine_ready = take(8 * ep_size)
     payload_data = off
     return AuxLayout(
         ep_size=ep_size,
@@ -274,6 +304,8 @@ def aux_layout(ep_size: int, max_num_tokens: int) -> AuxLayout:
         combine_slices=slices,
         recv_rts=recv_rts,
         dispatch_ready=dispatch_ready,
+        recv_specs=recv_specs,
+        combine_ready=combine_ready,
         payload_data=payload_data,
         aux_bytes=payload_data,
         aux_data_size=payload_data + ALIGN_SLACK,
@@ -289,24 +321,155 @@ def workspace_size_per_rank(
     max_num_tokens: int,
     total_dispatch_payload_size_per_token: int,
     combine_payload_size_per_token: int,
+    eplb_stats_num_experts: int = 0,
 ) -> int:
-    """The seed's formula: pad128(aux) + pad128(dispatch area) + pad128(combine area)."""
+    """The seed's formula: pad128(aux) + pad128(dispatch area) + pad128(combine area), plus
+    pad128(the EPLB region) when the job gathers ``eplb_stats_num_experts`` statistics."""
     if total_dispatch_payload_size_per_token < 0 or combine_payload_size_per_token < 0:
         raise ValueError("payload sizes per token must be >= 0")
+    if eplb_stats_num_experts < 0:
+        raise ValueError(f"eplb_stats_num_experts must be >= 0, got {eplb_stats_num_experts}")
     return (
         pad_up(aux_data_size(ep_size, max_num_tokens))
+        + pad_up(4 * ep_size * eplb_stats_num_experts)
         + pad_up(ep_size * max_num_tokens * total_dispatch_payload_size_per_token)
         + pad_up(ep_size * max_num_tokens * combine_payload_size_per_token)
     )
 
 
 def moe_workspace_size_per_rank(
-    ep_size: int, top_k: int, max_num_tokens: int, hidden_size: int, extra_payload_bytes_per_token: int = 0
+    ep_size: int, top_k: int, max_num_tokens: int, hidden_size: int, extra_payload_bytes_per_token: int = 0,
+    eplb_stats_num_experts: int = 0,
 ) -> int:
     """Size for bf16 hidden states + int32 expert ids + fp32 scales (+ extra), bf16 combine."""
     dispatch = 2 * hidden_size + 4 * top_k + 4 * top_k + extra_payload_bytes_per_token
     combine = 2 * hidden_size
-    return workspace_size_per_rank(ep_size, max_num_tokens, dispatch, combine)
+    return workspace_size_per_rank(ep_size, max_num_tokens, dispatch, combine, eplb_stats_num_experts)
+
+
+# ---------------------------------------------------------------------------
+# What every rank must agree on: payload descriptors
+# ---------------------------------------------------------------------------
+#: 4-bit codes of payload dtypes in a descriptor (0: not given). Keyed by torch's name.
+DTYPE_CODES = {
+    "uint8": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "float16": 6, "bfloat16": 7, "float32": 8,
+    "float64": 9, "float8_e4m3fn": 10, "float8_e5m2": 11, "bool": 12, "uint16": 13, "uint32": 14, "uint64": 15,
+}
+DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
+
+
+def dtype_code(dtype) -> int:
+    """The descriptor code of ``dtype`` (a torch dtype, its name, or already a code)."""
+    if isinstance(dtype, int):
+        if not 0 <= dtype <= 15:
+            raise ValueError(f"dtype code must be in [0, 15], got {dtype}")
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    code = DTYPE_CODES.get(name)
+    if code is None:
+        # other dtypes of one width share a code per width (the width is compared anyway)
+        return 0
+    return code
+
+
+def payload_spec(dispatch_bytes_per_token, dtypes=None, eplb_stats_num_experts: int = 0) -> tuple[int, ...]:
+    """The SPEC_WORDS int32 words every rank publishes with its dispatch: what its peers
+    compare with their own before the round's data is used (a mismatch is an InputError
+    on every rank, naming the field and both values)."""
+    n = len(dispatch_bytes_per_token)
+    if n > MAX_PAYLOADS:
+        raise LayoutError(f"at most {MAX_PAYLOADS} payloads, got {n}")
+    words = [0] * SPEC_WORDS
+    words[0] = n
+    for i, b in enumerate(dispatch_bytes_per_token):
+        words[1 + i] = int(b)
+    if dtypes is not None:
+        if len(dtypes) != n:
+            raise LayoutError(f"{len(dtypes)} dtypes for {n} payloads")
+        packed = 0
+        for i, d in enumerate(dtypes):
+            packed |= dtype_code(d) << (4 * i)
+        words[7] = packed
+    words[8] = int(eplb_stats_num_experts)
+    return tuple(words)
+
+
+#: Combine descriptor bits: hidden (elements) in the low 26, the payload dtype code, and for
+#: the FP8 combine (low precision) its flag and whether the payload was in the workspace.
+COMBINE_SPEC_HIDDEN_BITS = 26
+
+
+def combine_spec(hidden: int, dtype, low_precision: bool = False, payload_in_workspace: bool = False) -> int:
+    """The u32 every rank's combine publishes with its flag (COMBINE_READY's high half)."""
+    if not 1 <= hidden < 1 << COMBINE_SPEC_HIDDEN_BITS:
+        raise LayoutError(f"hidden must be in [1, 2^{COMBINE_SPEC_HIDDEN_BITS}), got {hidden}")
+    spec = hidden | (dtype_code(dtype) << COMBINE_SPEC_HIDDEN_BITS)
+    if low_precision:
+        spec |= 1 << 30
+        if payload_in_workspace:
+            spec |= 1 << 31
+    return spec
+
+
+def describe_combine_spec(spec: int) -> dict:
+    spec &= 0xFFFFFFFF
+    return {
+        "hidden": spec & ((1 << COMBINE_SPEC_HIDDEN_BITS) - 1),
+        "dtype": DTYPE_NAMES.get(spec >> COMBINE_SPEC_HIDDEN_BITS & 15, "?"),
+        "low_precision": bool(spec >> 30 & 1),
+        "payload_in_workspace (low precision)": bool(spec >> 31 & 1),
+    }
+
+
+def spec_field_name(field: int) -> str:
+    if field == SPEC_FIELD_COUNT:
+        return "the number of payloads"
+    if SPEC_FIELD_WIDTH <= field < SPEC_FIELD_WIDTH + MAX_PAYLOADS:
+        return f"input_payloads[{field - SPEC_FIELD_WIDTH}] bytes per token"
+    if SPEC_FIELD_DTYPE <= field < SPEC_FIELD_DTYPE + MAX_PAYLOADS:
+        return f"input_payloads[{field - SPEC_FIELD_DTYPE}] dtype"
+    if field == SPEC_FIELD_EPLB:
+        return "eplb_stats_num_experts"
+    if field == SPEC_FIELD_COMBINE:
+        return "the combine payload"
+    return f"field {field}"
+
+
+def spec_mismatch(mine, theirs) -> tuple[int, int, int] | None:
+    """(field, my value, their value) of the first difference of two payload descriptors."""
+    for w in range(SPEC_WORDS):
+        a, b = int(mine[w]), int(theirs[w])
+        if a == b:
+            continue
+        if w == 0:
+            return SPEC_FIELD_COUNT, a, b
+        if 1 <= w <= MAX_PAYLOADS:
+            return SPEC_FIELD_WIDTH + w - 1, a, b
+        if w == 7:
+            for i in range(MAX_PAYLOADS):
+                da, db = a >> (4 * i) & 15, b >> (4 * i) & 15
+                if da != db:
+                    return SPEC_FIELD_DTYPE + i, da, db
+        if w == 8:
+            return SPEC_FIELD_EPLB, a, b
+        return SPEC_FIELD_COUNT, a, b
+    return None
+
+
+def spec_value_text(field: int, value: int) -> str:
+    if SPEC_FIELD_DTYPE <= field < SPEC_FIELD_DTYPE + MAX_PAYLOADS:
+        return DTYPE_NAMES.get(value, "not given") if value else "not given"
+    if field == SPEC_FIELD_COMBINE:
+        d = describe_combine_spec(value)
+        return (f"hidden={d['hidden']} dtype={d['dtype']} low_precision={d['low_precision']}"
+                + (" payload_in_workspace" if d["payload_in_workspace (low precision)"] else ""))
+    return str(value)
+
+
+def fp8_row_bytes(hidden: int) -> int:
+    """Bytes of one FP8 combine row: hidden e4m3 bytes, then hidden / FP8_BLOCK E8M0 scale
+    bytes, padded to 16."""
+    return (hidden + hidden // FP8_BLOCK + 15) // 16 * 16
 
 
 @dataclass(frozen=True)
@@ -322,6 +485,14 @@ class PayloadLayout:
     combine_offset: int
     #: First byte after the dispatch regions.
     dispatch_end: int
+    #: The EPLB statistics region ``[ep_size, eplb_stats_num_experts]`` int32 (at the start of
+    #: the payload area; 0 experts: none).
+    eplb_offset: int = 0
+    eplb_stats_num_experts: int = 0
+    #: The descriptor the ranks compare (:func:`payload_spec`).
+    spec: tuple[int, ...] = ()
+    #: The row's size (for the FP8 combine region).
+    size_per_rank: int = 0
 
 
 class LayoutError(ValueError):
@@ -334,11 +505,16 @@ def payload_layout(
     runtime_max_tokens_per_rank: int,
     dispatch_bytes_per_token: list[int] | tuple[int, ...],
     combine_bytes_per_token: int = 0,
+    *,
+    dtypes=None,
+    eplb_stats_num_experts: int = 0,
 ) -> PayloadLayout:
     """Offsets of one call's dispatch payload regions and combine region.
 
     Raises :class:`LayoutError` naming what does not fit. ``combine_bytes_per_token``
     of 0 checks only the dispatch regions (the combine width is known at combine time).
+    ``dtypes`` (torch dtypes or codes, one per payload) and ``eplb_stats_num_experts`` go
+    into the descriptor the ranks compare; the latter also reserves the EPLB region.
     """
     rt = runtime_max_tokens_per_rank
     if not 1 <= rt <= aux.max_num_tokens:
@@ -347,8 +523,12 @@ def payload_layout(
         )
     if len(dispatch_bytes_per_token) > MAX_PAYLOADS:
         raise LayoutError(f"at most {MAX_PAYLOADS} payloads, got {len(dispatch_bytes_per_token)}")
+    if eplb_stats_num_experts < 0:
+        raise LayoutError(f"eplb_stats_num_experts must be >= 0, got {eplb_stats_num_experts}")
     offsets = []
     off = aux.payload_data
+    eplb_offset = off
+    off = pad_up(off + 4 * aux.ep_size * eplb_stats_num_experts)
     for i, nbytes in enumerate(dispatch_bytes_per_token):
         if nbytes <= 0:
             raise LayoutError(f"payload {i} has {nbytes} bytes per token; must be > 0")
@@ -373,7 +553,27 @@ def payload_layout(
         dispatch_bytes_per_token=tuple(int(b) for b in dispatch_bytes_per_token),
         combine_offset=combine_offset,
         dispatch_end=dispatch_end,
+        eplb_offset=eplb_offset,
+        eplb_stats_num_experts=int(eplb_stats_num_experts),
+        spec=payload_spec(dispatch_bytes_per_token, dtypes, eplb_stats_num_experts),
+        size_per_rank=int(size_per_rank),
     )
+
+
+def fp8_combine_offset(pl: PayloadLayout, ep_size: int, hidden: int, payload_in_workspace: bool) -> int:
+    """Start of the FP8 combine region ``[ep_size, rt, fp8_row_bytes(hidden)]``: at the end of
+    the row, or, when the bf16 payload already is the combine region (payload_in_workspace),
+    right below it. Raises LayoutError when it does not fit above the dispatch regions."""
+    nbytes = ep_size * pl.runtime_max_tokens_per_rank * fp8_row_bytes(hidden)
+    top = pl.combine_offset if payload_in_workspace else pl.size_per_rank
+    off = (top - nbytes) // ALIGN * ALIGN
+    if off < pl.dispatch_end:
+        raise LayoutError(
+            f"the low-precision combine region of {nbytes} bytes does not fit between the dispatch regions (end "
+            f"{pl.dispatch_end}) and {'the combine payload' if payload_in_workspace else 'the end of the row'} "
+            f"({top}); make the workspace larger"
+        )
+    return off
 
 
 def expert_partition(num_experts: int, ep_size: int) -> tuple[int, int]:
@@ -429,6 +629,8 @@ INPUT_INDEX = 4
 INPUT_VALUE = 8
 INPUT_ROUND = 12
 CB_ADMIT_ROUND = CB_INPUT + MAX_EP_SIZE * INPUT_RECORD_SIZE
+#: Per rank, its own value of the field a spec mismatch names (i32).
+CB_INPUT_OWN = CB_ADMIT_ROUND + 4 * MAX_EP_SIZE
 
 # What a job does when a rank dies or leaves while it runs (the job spec's on_peer_loss).
 #: Abort the job: every rank raises PeerLost and recovers with a replacement (the default).
@@ -451,6 +653,12 @@ INPUT_BAD_EXPERT = 1
 #: A peer passed another runtime_max_tokens_per_rank in the same round: the round completed
 #: without data (combine returned zeros) on every rank.
 INPUT_RT_MISMATCH = 2
+#: A peer's dispatch published another payload descriptor (count, widths, dtypes, EPLB
+#: experts): the round moved no data (combine returned zeros) on every rank.
+INPUT_SPEC_MISMATCH = 3
+#: A peer's combine published another combine descriptor (hidden, dtype, low precision):
+#: nothing was pulled from it (its contributions are zeros) on every rank.
+INPUT_COMBINE_MISMATCH = 4
 
 # Abort reasons (the abort word).
 ABORT_NONE = 0
@@ -496,7 +704,7 @@ PHASE_DISPATCH = 1
 PHASE_COMBINE = 2
 PHASE_NAMES = {PHASE_DISPATCH: "dispatch", PHASE_COMBINE: "combine"}
 
-assert CB_ADMIT_ROUND + 4 * MAX_EP_SIZE <= CONTROL_BLOCK_SIZE
+assert CB_INPUT_OWN + 4 * MAX_EP_SIZE <= CONTROL_BLOCK_SIZE
 assert CB_RANK_STATE + 4 * MAX_EP_SIZE <= CB_STATUS
 assert CB_DEGRADED_SINCE_NS + 8 <= CB_RANK_STATE
 
@@ -507,6 +715,10 @@ def status_offset(rank: int) -> int:
 
 def input_offset(rank: int) -> int:
     return CB_INPUT + rank * INPUT_RECORD_SIZE
+
+
+def input_own_offset(rank: int) -> int:
+    return CB_INPUT_OWN + 4 * rank
 
 
 def admit_offset(rank: int) -> int:
@@ -578,8 +790,19 @@ C_HEADER_CONSTANTS = (
     "INPUT_INDEX",
     "INPUT_VALUE",
     "INPUT_ROUND",
+    "INPUT_OK",
     "INPUT_BAD_EXPERT",
     "INPUT_RT_MISMATCH",
+    "INPUT_SPEC_MISMATCH",
+    "INPUT_COMBINE_MISMATCH",
+    "CB_INPUT_OWN",
+    "SPEC_WORDS",
+    "SPEC_FIELD_COUNT",
+    "SPEC_FIELD_WIDTH",
+    "SPEC_FIELD_DTYPE",
+    "SPEC_FIELD_EPLB",
+    "SPEC_FIELD_COMBINE",
+    "FP8_BLOCK",
     "CB_POLICY",
     "POLICY_RAISE",
     "POLICY_DEGRADE",

@@ -59,6 +59,8 @@ def aux_offsets(aux: L.AuxLayout) -> list[int]:
         L.COMBINE_SLICE_ROWS,
         aux.recv_rts,
         aux.dispatch_ready,
+        aux.recv_specs,
+        aux.combine_ready,
     ]
 
 
@@ -201,19 +203,31 @@ class CudaPlane(Plane):
 
     # --- data plane ---------------------------------------------------------------
     def dispatch(self, experts: torch.Tensor, payloads: list[torch.Tensor], rt: int, pl: L.PayloadLayout,
-                 num_experts: int) -> None:
+                 num_experts: int, *, eplb_local_stats: torch.Tensor | None = None,
+                 eplb_gathered: torch.Tensor | None = None, caller_mask: torch.Tensor | None = None) -> None:
         """Route and send this rank's tokens; returns once every peer's tokens are here (on the stream).
 
         experts: ``[T, top_k]`` int32, contiguous, on the workspace's device; an id outside
         ``[0, num_experts)`` is routed nowhere and reported by :meth:`check_input`.
         payloads: ``[T, ...]`` contiguous tensors of any dtype (``pl.dispatch_bytes_per_token[i]``
         bytes per token). The received payload i is ``workspace[ep_rank]`` at
-        ``pl.dispatch_offsets[i]``, ``[ep_size, rt, bytes_i]``.
+        ``pl.dispatch_offsets[i]``, ``[ep_size, rt, bytes_i]``. The kernel publishes
+        ``pl.spec`` with the data and compares every peer's with it (a difference: the round
+        moves no data and :meth:`check_input` raises InputError on every rank).
+        ``eplb_local_stats`` (int32 ``[pl.eplb_stats_num_experts]``, device) goes to every
+        rank; ``eplb_gathered`` (int32 ``[ep_size, E]``, device) is filled on the stream.
+        ``caller_mask``: int64 ``[1]`` (bit r: rank r takes part), read by the kernel when it
+        is on the device (graphs replay its current value), its value now when on the CPU.
         """
         if num_experts != self.num_experts:
             raise errors.InputError(f"num_experts {num_experts} differs from the job's {self.num_experts}")
         op = self._dispatch_op if not _compiling() else self._ops.dispatch.default
-        op(experts, payloads, self.att.workspace, self.plan, rt, pl.dispatch_offsets)
+        spec = list(pl.spec) if pl.spec else []
+        if not pl.eplb_stats_num_experts and caller_mask is None:
+            op(experts, payloads, self.att.workspace, self.plan, rt, pl.dispatch_offsets, spec)
+            return
+        op(experts, payloads, self.att.workspace, self.plan, rt, pl.dispatch_offsets, spec,
+           eplb_local_stats, eplb_gathered, pl.eplb_offset, caller_mask, -1)
 
     def sanitize(self, recv_ids: torch.Tensor, rt: int, invalid_id: int) -> None:
         """Set every id of every slot that received no token to ``invalid_id``.
@@ -224,23 +238,55 @@ class CudaPlane(Plane):
         op(recv_ids, self.att.workspace, self.plan, rt, invalid_id)
 
     def combine(self, payload: torch.Tensor, local_num_tokens: int, rt: int, pl: L.PayloadLayout,
-                payload_in_workspace: bool) -> torch.Tensor:
+                payload_in_workspace: bool, *, output: torch.Tensor | None = None, low_precision: bool = False,
+                caller_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Sum every token's expert outputs from the ranks it was sent to.
 
         payload: ``[ep_size, rt, hidden]`` bfloat16/float16/float32, the expert outputs
         for the tokens this rank received (row (s, j): source s, slot j); when
         ``payload_in_workspace`` it must be this rank's combine region.
-        Returns ``[local_num_tokens, hidden]`` of the payload's dtype.
+        Returns ``[local_num_tokens, hidden]`` of the payload's dtype (written into ``output``
+        when given). ``low_precision`` (bfloat16, hidden % FP8_BLOCK == 0): the rows peers
+        pull are FP8 e4m3 with one power-of-two scale per FP8_BLOCK elements, quantized
+        while staging (host_plane.quantize_fp8 has the same bits); this rank's own rows are
+        summed unquantized. The combine descriptor travels with the flag: a target that
+        published another one contributes nothing and :meth:`check_input` raises.
         """
         op = self._combine_op if not _compiling() else self._ops.combine.default
-        if not self.degrade:
-            return op(payload, self.att.workspace, self.plan, local_num_tokens, rt, pl.combine_offset,
-                      payload_in_workspace)
-        degraded = torch.empty(local_num_tokens, dtype=torch.bool, device=payload.device)
-        out = op(payload, self.att.workspace, self.plan, local_num_tokens, rt, pl.combine_offset,
-                 payload_in_workspace, degraded)
-        self._degraded = degraded
-        self._combined = True
+        hidden = payload.shape[-1]
+        spec = L.combine_spec(hidden, payload.dtype, low_precision, payload_in_workspace)
+        offset = pl.combine_offset
+        if low_precision:
+            from .host_plane import check_fp8_combine
+
+            check_fp8_combine(payload)
+            if payload_in_workspace:
+                expect = self.att.workspace[self.ep_rank, pl.combine_offset:]
+                if payload.data_ptr() != expect.data_ptr():
+                    raise errors.InputError("payload_in_workspace=True but payload is not this rank's combine region",
+                                            argument="payload")
+            offset = L.fp8_combine_offset(pl, self.ep_size, hidden, payload_in_workspace)
+        # under torch.compile the op returns a fresh tensor (no aliasing of an input)
+        out_arg = output if not _compiling() else None
+        degraded = None
+        if self.degrade:
+            degraded = torch.empty(local_num_tokens, dtype=torch.bool, device=payload.device)
+        if out_arg is None and not low_precision and caller_mask is None:
+            if degraded is None:
+                out = op(payload, self.att.workspace, self.plan, local_num_tokens, rt, offset, payload_in_workspace,
+                         None, None, False, spec)
+            else:
+                out = op(payload, self.att.workspace, self.plan, local_num_tokens, rt, offset, payload_in_workspace,
+                         degraded, None, False, spec)
+        else:
+            out = op(payload, self.att.workspace, self.plan, local_num_tokens, rt, offset, payload_in_workspace,
+                     degraded, out_arg, low_precision, spec, caller_mask, -1)
+        if degraded is not None:
+            self._degraded = degraded
+            self._combined = True
+        if output is not None and out_arg is None:
+            output.copy_(out)
+            return output
         return out
 
     def degraded_tokens(self) -> torch.Tensor | None:

@@ -38,7 +38,7 @@ import warnings
 
 import torch
 
-from a2ad import errors, layout as L
+from a2ad import control as C, errors, layout as L
 
 from .plane import Plane
 
@@ -100,6 +100,56 @@ def route(experts: torch.Tensor, num_experts: int, ep_size: int, active: torch.T
     return target, slot, sent
 
 
+def _caller_bits(caller_mask: torch.Tensor | None, ep_size: int) -> int:
+    """The ranks a caller's active-rank mask (int64 ``[1]``, bit r: rank r) lets take part."""
+    if caller_mask is None:
+        return L.full_mask(ep_size)
+    if caller_mask.numel() != 1 or caller_mask.dtype not in (torch.int64, torch.int32):
+        raise errors.InputError(f"active_rank_mask must be an int64 [1] tensor, got {caller_mask.dtype} "
+                                f"{list(caller_mask.shape)}", argument="active_rank_mask")
+    return int(caller_mask.reshape(()).item()) & L.full_mask(ep_size)
+
+
+def check_fp8_combine(payload: torch.Tensor) -> None:
+    """The low-precision combine's conditions on the payload."""
+    if payload.dtype != torch.bfloat16:
+        raise errors.InputError(f"low_precision combine needs a bfloat16 payload, got {payload.dtype}",
+                                argument="payload")
+    if payload.shape[-1] % L.FP8_BLOCK:
+        raise errors.InputError(f"low_precision combine needs hidden % {L.FP8_BLOCK} == 0, got hidden "
+                                f"{payload.shape[-1]}", argument="payload")
+
+
+def quantize_fp8(x: torch.Tensor) -> torch.Tensor:
+    """FP8 rows of the low-precision combine: ``[..., hidden]`` -> uint8 ``[..., fp8_row_bytes]``.
+
+    Per block of FP8_BLOCK elements, k is the smallest exponent with amax * 2^-k <= 448
+    (from amax's float32 bits: k = e - 8, plus one when its mantissa exceeds 448's, at least
+    -126); the block's values are x * 2^-k rounded to e4m3 (nearest even), its scale byte
+    k + 127 (E8M0). The CUDA kernels compute exactly the same bits."""
+    hidden = x.shape[-1]
+    lead = x.shape[:-1]
+    xf = x.float().reshape(*lead, hidden // L.FP8_BLOCK, L.FP8_BLOCK)
+    bits = xf.abs().amax(-1).view(torch.int32)
+    k = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+    k = k.clamp(min=-126)
+    inv = ((127 - k) << 23).view(torch.float32)
+    q = (xf * inv.unsqueeze(-1)).to(torch.float8_e4m3fn).view(torch.uint8).reshape(*lead, hidden)
+    out = torch.zeros(*lead, L.fp8_row_bytes(hidden), dtype=torch.uint8)
+    out[..., :hidden] = q
+    out[..., hidden : hidden + hidden // L.FP8_BLOCK] = (k + 127).to(torch.uint8)
+    return out
+
+
+def dequantize_fp8(rows: torch.Tensor, hidden: int) -> torch.Tensor:
+    """float32 ``[..., hidden]`` of FP8 rows (:func:`quantize_fp8`)."""
+    q = rows[..., :hidden].contiguous().view(torch.float8_e4m3fn).float()
+    k = rows[..., hidden : hidden + hidden // L.FP8_BLOCK].to(torch.int32) - 127
+    scale = ((127 + k) << 23).view(torch.float32)
+    lead = q.shape[:-1]
+    return (q.reshape(*lead, hidden // L.FP8_BLOCK, L.FP8_BLOCK) * scale.unsqueeze(-1)).reshape(*lead, hidden)
+
+
 def _mask_tensor(mask: int, ep_size: int) -> torch.Tensor:
     """``[ep_size]`` bool: bit q of ``mask``."""
     return torch.tensor([bool(mask >> q & 1) for q in range(ep_size)], dtype=torch.bool)
@@ -152,6 +202,8 @@ class HostPlane(Plane):
         self._send_counters = field(aux.send_counters, ep)[me]
         self._recv_counters = field(aux.recv_counters, ep)  # [row q, source s]
         self._recv_rts = field(aux.recv_rts, ep)  # [row q, source s]
+        self._recv_specs = field(aux.recv_specs, ep * L.SPEC_WORDS).view(ep, ep, L.SPEC_WORDS)  # [row q, source s]
+        self._combine_ready = ws[:, aux.combine_ready : aux.combine_ready + 8 * ep].view(torch.int64)  # [row q, t]
         self._dispatch_flags = field(aux.dispatch_completion_flags, ep)
         self._combine_flags = field(aux.combine_completion_flags, ep)
         topk = self.max_num_tokens * L.MAX_TOP_K
@@ -171,8 +223,17 @@ class HostPlane(Plane):
 
     # --- data plane ---------------------------------------------------------------
     def dispatch(self, experts: torch.Tensor, payloads: list[torch.Tensor], rt: int, pl: L.PayloadLayout,
-                 num_experts: int) -> None:
+                 num_experts: int, *, eplb_local_stats: torch.Tensor | None = None,
+                 eplb_gathered: torch.Tensor | None = None, caller_mask: torch.Tensor | None = None) -> None:
         """Route and send this rank's tokens; returns once every peer's tokens are here.
+
+        The payload descriptor ``pl.spec`` (count, widths, dtypes, EPLB experts) travels with
+        the data; a peer that published another one makes this raise InputError on every
+        rank naming the field and both values, after the round completed without data.
+        ``eplb_local_stats`` (int32 ``[pl.eplb_stats_num_experts]``) goes to every rank;
+        ``eplb_gathered`` (int32 ``[ep_size, E]``) receives every rank's (zeros for a rank
+        outside the round). ``caller_mask`` (int64 ``[1]``, bit r: rank r takes part) is
+        ANDed with the job's mask for this round.
 
         experts: ``[T, top_k]`` int32, contiguous, ids in ``[0, num_experts)``.
         payloads: ``[T, ...]`` contiguous tensors (``pl.dispatch_bytes_per_token[i]`` bytes
@@ -194,6 +255,7 @@ class HostPlane(Plane):
                     "counted it as gone); close this object and attach again",
                     rank=me, generation=self.att.control.generation,
                 )
+        view &= _caller_bits(caller_mask, ep)
         self.dispatch_mask = view
         active, rows = self._mask(view)
         # 2. counters and routing scratch of this rank's own row
@@ -217,7 +279,18 @@ class HostPlane(Plane):
                 start = pl.dispatch_offsets[i] + me * rt * nbytes
                 dst = self.ws[q, start : start + n * nbytes].view(n, nbytes)
                 torch.index_select(payload, 0, tokens, out=dst)
-        # 4. every target learns how many tokens came from this rank, and with which rt
+        # EPLB statistics: this rank's row of every target's region
+        n_stats = pl.eplb_stats_num_experts
+        if n_stats:
+            if eplb_local_stats is None:
+                raise errors.InputError("eplb_local_stats is required: the job gathers EPLB statistics",
+                                        argument="eplb_local_stats")
+            stats = eplb_local_stats.reshape(-1).to(torch.int32)
+            start = pl.eplb_offset + 4 * me * n_stats
+            self.ws[rows, start : start + 4 * n_stats] = stats.view(torch.uint8)
+        # 4. every target learns how many tokens came from this rank, with which rt and payloads
+        spec = torch.tensor(pl.spec if pl.spec else L.payload_spec(pl.dispatch_bytes_per_token), dtype=torch.int32)
+        self._recv_specs[rows, me] = spec
         if view == self._full:
             self._recv_counters[:, me].copy_(counts)
             self._recv_rts[:, me].fill_(rt)
@@ -244,6 +317,19 @@ class HostPlane(Plane):
                 f"{rnd}, this rank {rt}; every rank must pass the same: the round moved no data on every rank",
                 argument="runtime_max_tokens_per_rank", peer=peer, peer_value=peer_rt, round=rnd,
             )
+        specs = self._recv_specs[me]
+        differ = ((specs != spec).any(1) & self._mask(got)[0]).nonzero()
+        if differ.numel():
+            peer = int(differ[0, 0])
+            field, own, theirs = L.spec_mismatch(spec.tolist(), specs[peer].tolist())
+            self._round = rnd
+            self._skip_round(rnd)
+            raise C.spec_mismatch_error(self.att.job, me, peer, field, own, theirs, rnd)
+        if n_stats and eplb_gathered is not None:
+            region = self.ws[me, pl.eplb_offset : pl.eplb_offset + 4 * ep * n_stats].view(torch.int32).view(ep, n_stats)
+            eplb_gathered.copy_(region)
+            if got != self._full:
+                eplb_gathered[~self._mask(got)[0]] = 0
         self._round = rnd
 
     def _mask(self, mask: int) -> tuple[torch.Tensor, torch.Tensor | slice]:
@@ -331,62 +417,105 @@ class HostPlane(Plane):
         recv_ids.masked_fill_(empty.unsqueeze(2), invalid_id)
 
     def combine(self, payload: torch.Tensor, local_num_tokens: int, rt: int, pl: L.PayloadLayout,
-                payload_in_workspace: bool) -> torch.Tensor:
+                payload_in_workspace: bool, *, output: torch.Tensor | None = None, low_precision: bool = False,
+                caller_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Sum every token's expert outputs from the ranks it was sent to.
 
         payload: ``[ep_size, rt, hidden]`` bfloat16/float16/float32, the expert outputs
         for the tokens this rank received (row (s, j): source s, slot j); when
         ``payload_in_workspace`` it must be this rank's combine region.
-        Returns ``[local_num_tokens, hidden]`` of the payload's dtype (float32 sums).
+        Returns ``[local_num_tokens, hidden]`` of the payload's dtype (float32 sums), written
+        into ``output`` when given. ``low_precision`` (bfloat16 payloads, hidden a multiple of
+        FP8_BLOCK): the rows peers pull are FP8 e4m3 with one power-of-two scale per
+        FP8_BLOCK elements (:func:`quantize_fp8`); this rank's own rows are summed unquantized.
+        The combine descriptor (hidden, dtype, low precision) travels with the flag; a target
+        that published another one contributes nothing and this raises InputError (on every
+        rank: each sees the other's) after the round completed.
         """
         if self._round is None:
             raise errors.StateError("combine without a completed dispatch on this plane")
         me, ep = self.ep_rank, self.ep_size
         rnd = self._round
         view = self.dispatch_mask if self.dispatch_mask is not None else self._full
+        view &= _caller_bits(caller_mask, ep)
         dtype, hidden = payload.dtype, payload.shape[2]
-        nbytes = ep * rt * hidden * payload.element_size()
-        # [row q, source s, slot, hidden]: every rank's combine region
-        regions = (
-            self.ws[:, pl.combine_offset : pl.combine_offset + nbytes].view(dtype).unflatten(1, (ep, rt, hidden))
-        )
-        # 1. stage
-        if not payload_in_workspace:
-            regions[me].copy_(payload)
-        # 2. the staged outputs are in place; then the flags
-        if view == self._full:
-            self._combine_flags[:, me].fill_(rnd)
+        spec = L.combine_spec(hidden, dtype, low_precision, payload_in_workspace)
+        if low_precision:
+            check_fp8_combine(payload)
+            wbytes = L.fp8_row_bytes(hidden)
+            off = L.fp8_combine_offset(pl, ep, hidden, payload_in_workspace)
+            regions = self.ws[:, off : off + ep * rt * wbytes].unflatten(1, (ep, rt, wbytes))
         else:
-            self._combine_flags[self._mask(view)[1], me] = rnd
+            nbytes = ep * rt * hidden * payload.element_size()
+            # [row q, source s, slot, hidden]: every rank's combine region
+            regions = (
+                self.ws[:, pl.combine_offset : pl.combine_offset + nbytes].view(dtype).unflatten(1, (ep, rt, hidden))
+            )
+        # 1. stage
+        if low_precision:
+            others = [s for s in range(ep) if s != me]
+            if others:
+                regions[me, others] = quantize_fp8(payload[others])
+        elif not payload_in_workspace:
+            regions[me].copy_(payload)
+        # 2. the staged outputs are in place; then the flags, the descriptor with them
+        ready = spec << 32 | rnd
+        ready = ready - (1 << 64) if ready >= 1 << 63 else ready
+        rows = slice(None) if view == self._full else self._mask(view)[1]
+        self._combine_ready[rows, me] = ready
+        self._combine_flags[rows, me] = rnd
         # 3. every target's outputs for this rank are ready (or the target left the mask)
         got = self._wait(self._combine_flags[me], rnd, L.PHASE_COMBINE, view)
+        words = self._combine_ready[me]
+        disagree = (((words >> 32) & 0xFFFFFFFF) != spec) & self._mask(got)[0]
+        bad = _bits(disagree.nonzero()) if bool(disagree.any()) else 0
+        counted_mask = got & ~bad
         self.combine_mask = got
         # 4. pull and sum in float32, over k in ascending order; the combine's view (got: the
         # targets whose flag it saw) decides whose contributions count
         top_k = self.top_k
         target = self._topk_target[:local_num_tokens, :top_k].long()
         slot = self._topk_send[:local_num_tokens, :top_k].long()
-        mine = regions[:, me]  # [target q, slot, hidden]: what q computed for this rank's tokens
+        mine = regions[:, me]  # [target q, slot, ...]: what q computed for this rank's tokens
         acc = torch.zeros(local_num_tokens, hidden, dtype=torch.float32)
-        if got == self._full:
+
+        def rows_of(tokens, k):
+            tq, sq = target[tokens, k], slot[tokens, k]
+            if not low_precision:
+                return mine[tq, sq].float()
+            vals = dequantize_fp8(mine[tq, sq], hidden)
+            own = tq == me
+            if bool(own.any()):
+                vals[own] = payload[me, sq[own]].float()
+            return vals
+
+        if counted_mask == self._full:
             for k in range(top_k):
                 tokens = (target[:, k] >= 0).nonzero().squeeze(1)
                 if tokens.numel():
-                    acc.index_add_(0, tokens, mine[target[tokens, k], slot[tokens, k]].float())
+                    acc.index_add_(0, tokens, rows_of(tokens, k))
             self._degraded = torch.zeros(local_num_tokens, dtype=torch.bool)
         else:
-            counted = self._mask(got)[0]
+            counted = self._mask(counted_mask)[0]
             routed = target >= 0  # every (t, k) that is not a repeat, dropped ones included
             present = routed & counted[target.clamp(min=0)]
             for k in range(top_k):
                 tokens = (present[:, k] & (slot[:, k] >= 0)).nonzero().squeeze(1)
                 if tokens.numel():
-                    acc.index_add_(0, tokens, mine[target[tokens, k], slot[tokens, k]].float())
-            self._degraded = (routed & ~present).any(1)
+                    acc.index_add_(0, tokens, rows_of(tokens, k))
+            seen = self._mask(got)[0]
+            self._degraded = (routed & ~seen[target.clamp(min=0)]).any(1)
         out = acc.to(dtype)
         # 5. next round
         self._flag_val.fill_(rnd + 1)
         self._round = None
+        if bad:
+            peer = (bad & -bad).bit_length() - 1
+            theirs = int(words[peer]) >> 32 & 0xFFFFFFFF
+            raise C.spec_mismatch_error(self.att.job, me, peer, L.SPEC_FIELD_COMBINE, spec, theirs, rnd)
+        if output is not None:
+            output.copy_(out)
+            return output
         return out
 
     def degraded_tokens(self) -> torch.Tensor | None:
@@ -417,6 +546,9 @@ class HostPlane(Plane):
         degrade, ep = self.degrade, self.ep_size
         while True:
             pending = (flags != rnd).nonzero()
+            if pending.numel() and view != self._full:  # a caller's mask: only the round's ranks
+                left = _bits(pending) & view
+                pending = torch.tensor([[(left & -left).bit_length() - 1]]) if left else pending[:0]
             if pending.numel() == 0:
                 return view
             if degrade:

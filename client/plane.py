@@ -26,12 +26,20 @@ class Plane(abc.ABC):
 
     @abc.abstractmethod
     def dispatch(self, experts: torch.Tensor, payloads: list[torch.Tensor], rt: int, pl: L.PayloadLayout,
-                 num_experts: int) -> None:
+                 num_experts: int, *, eplb_local_stats: torch.Tensor | None = None,
+                 eplb_gathered: torch.Tensor | None = None, caller_mask: torch.Tensor | None = None) -> None:
         """Route and send this rank's tokens; complete once every peer's tokens are here.
 
         experts: ``[T, top_k]`` int32, contiguous. payloads: ``[T, ...]`` contiguous tensors,
         ``pl.dispatch_bytes_per_token[i]`` bytes per token. The received payload i is
-        ``workspace[ep_rank]`` at ``pl.dispatch_offsets[i]``, ``[ep_size, rt, bytes_i]``."""
+        ``workspace[ep_rank]`` at ``pl.dispatch_offsets[i]``, ``[ep_size, rt, bytes_i]``.
+        ``pl.spec`` (count, widths, dtypes, EPLB experts) is compared with every peer's: a
+        difference is an InputError on every rank (host: raised here; CUDA: by
+        :meth:`check_input` after the call), the round moving no data.
+        eplb_local_stats: int32 ``[pl.eplb_stats_num_experts]`` on this rank's device, sent to
+        every rank; eplb_gathered: int32 ``[ep_size, E]``, filled by the round (zeros for a
+        rank outside it). caller_mask: int64 ``[1]`` (bit r: rank r takes part this round),
+        on the device or the CPU, ANDed with the job's mask."""
 
     @abc.abstractmethod
     def sanitize(self, recv_ids: torch.Tensor, rt: int, invalid_id: int) -> None:
@@ -40,9 +48,15 @@ class Plane(abc.ABC):
 
     @abc.abstractmethod
     def combine(self, payload: torch.Tensor, local_num_tokens: int, rt: int, pl: L.PayloadLayout,
-                payload_in_workspace: bool) -> torch.Tensor:
+                payload_in_workspace: bool, *, output: torch.Tensor | None = None, low_precision: bool = False,
+                caller_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Sum every token's expert outputs from the ranks it was sent to; returns
-        ``[local_num_tokens, hidden]`` of the payload's dtype."""
+        ``[local_num_tokens, hidden]`` of the payload's dtype (``output`` when given).
+        low_precision: FP8 e4m3 rows with a power-of-two scale per FP8_BLOCK elements on the
+        wire, float32 sums, bfloat16 out (docs/PROTOCOL.md); the FP8 region is at
+        ``layout.fp8_combine_offset`` (below the combine region when the payload is in the
+        workspace: a caller that keeps the next dispatch's regions below the combine
+        region must keep them below that). caller_mask: as for dispatch (pass the same)."""
 
     @abc.abstractmethod
     def check(self) -> None:

@@ -94,10 +94,10 @@ template <typename... A>
 //       topk_send_indices, block_counters, topk_stride (MAX_TOP_K),
 //       block_counter_slots (BLOCK_COUNTER_SLOTS), slot_tokens, max_num_tokens,
 //       combine_slice_flags, combine_slices, combine_slice_rows (COMBINE_SLICE_ROWS),
-//       recv_rts, dispatch_ready]
+//       recv_rts, dispatch_ready, recv_specs, combine_ready]
 // The two constants in it are checked against layout.h, so that a build from other
 // sources than the Python package's is refused rather than run with another layout.
-constexpr size_t kAuxFields = 18;
+constexpr size_t kAuxFields = 20;
 
 void check_workspace(const Tensor& ws, int64_t ep_rank, int64_t ep_size) {
   A2AD_CHECK(ws.is_cuda(), "a2ad: workspace must be a CUDA tensor, got device ", ws.device());
@@ -149,7 +149,12 @@ a2ad::AuxOffsets make_aux(IntArrayRef aux, const Tensor& ws, int64_t ep_size) {
     A2AD_CHECK(aux[i] >= 0 && aux[i] % 4 == 0, "a2ad: aux offset ", i, " (", aux[i], ") is not 4-aligned");
   }
   A2AD_CHECK(aux[11] + 4 * ep_size * aux[12] <= row, "a2ad: aux slot_tokens overruns the row");
-  A2AD_CHECK(aux[13] + 4 * ep_size * aux[14] <= row, "a2ad: aux combine_slice_flags overrun the row");
+  A2AD_CHECK(aux[13] % 8 == 0 && aux[13] + 8 * ep_size * aux[14] <= row,
+             "a2ad: aux combine_slice_flags are not 8-aligned or overrun the row");
+  A2AD_CHECK(aux[18] >= 0 && aux[18] % 16 == 0 && aux[18] + 4 * a2ad::layout::SPEC_WORDS * ep_size <= row,
+             "a2ad: aux recv_specs (", aux[18], ") is not a 16-aligned field inside the row");
+  A2AD_CHECK(aux[19] >= 0 && aux[19] % 8 == 0 && aux[19] + 8 * ep_size <= row,
+             "a2ad: aux combine_ready (", aux[19], ") is not an 8-aligned field inside the row");
   A2AD_CHECK(aux[16] >= 0 && aux[16] % 4 == 0 && aux[16] + 4 * ep_size <= row,
              "a2ad: aux recv_rts (", aux[16], ") is not an aligned field inside the row");
   A2AD_CHECK(aux[17] >= 0 && aux[17] % 8 == 0 && aux[17] + 8 * ep_size <= row,
@@ -171,6 +176,8 @@ a2ad::AuxOffsets make_aux(IntArrayRef aux, const Tensor& ws, int64_t ep_size) {
   a.combine_slices = static_cast<int>(aux[14]);
   a.recv_rts = aux[16];
   a.dispatch_ready = aux[17];
+  a.recv_specs = aux[18];
+  a.combine_ready = aux[19];
   return a;
 }
 
@@ -293,8 +300,28 @@ a2ad::Workspace plan_workspace(const Plan& p, const Tensor& ws) {
 
 // --- ops -------------------------------------------------------------------------
 
+// The caller's active-rank mask: a device int64 [1] (read by the kernels, so graphs replay
+// its current value) or a CPU one (its value now); value -1 (all bits) when none.
+void caller_mask_args(const std::optional<Tensor>& mask, int64_t value, const Tensor& ws, const int64_t** ptr,
+                      uint64_t* out_value) {
+  *ptr = nullptr;
+  *out_value = static_cast<uint64_t>(value);
+  if (!mask.has_value()) return;
+  const Tensor& m = *mask;
+  A2AD_CHECK(m.scalar_type() == at::kLong && m.numel() == 1, "a2ad: active_rank_mask must be an int64 [1] tensor, got ",
+             m.scalar_type(), " ", m.sizes());
+  if (m.is_cuda()) {
+    check_same_device(m, ws, "active_rank_mask");
+    *ptr = m.data_ptr<int64_t>();
+  } else {
+    *out_value &= static_cast<uint64_t>(m.item<int64_t>());
+  }
+}
+
 void dispatch_cuda(const Tensor& experts, TensorList payloads, Tensor& workspace, int64_t plan, int64_t rt,
-                   IntArrayRef payload_offsets) {
+                   IntArrayRef payload_offsets, IntArrayRef spec, const std::optional<Tensor>& eplb_local,
+                   const std::optional<Tensor>& eplb_out, int64_t eplb_offset, const std::optional<Tensor>& caller_mask,
+                   int64_t caller_mask_value) {
   const Plan pl = plan_of(plan, workspace);
   c10::cuda::CUDAGuard guard(workspace.device());
   check_same_device(experts, workspace, "token_selected_experts");
@@ -341,6 +368,43 @@ void dispatch_cuda(const Tensor& experts, TensorList payloads, Tensor& workspace
     p.payload_bytes[i] = nb;
     p.payload_offset[i] = off;
   }
+  // The payload descriptor (layout.payload_spec); none given: count and widths only.
+  A2AD_CHECK(spec.empty() || spec.size() == static_cast<size_t>(a2ad::layout::SPEC_WORDS), "a2ad: spec must hold ",
+             a2ad::layout::SPEC_WORDS, " words, got ", spec.size());
+  if (spec.empty()) {
+    p.spec[0] = p.num_payloads;
+    for (int i = 0; i < p.num_payloads; ++i) p.spec[1 + i] = static_cast<int32_t>(p.payload_bytes[i]);
+  } else {
+    for (int w = 0; w < a2ad::layout::SPEC_WORDS; ++w) p.spec[w] = static_cast<int32_t>(spec[w]);
+    A2AD_CHECK(p.spec[0] == p.num_payloads, "a2ad: spec counts ", p.spec[0], " payloads, got ", p.num_payloads);
+  }
+  const int64_t E = p.spec[8];
+  A2AD_CHECK(E >= 0, "a2ad: eplb_stats_num_experts must be >= 0, got ", E);
+  if (E > 0) {
+    A2AD_CHECK(eplb_local.has_value(), "a2ad: eplb_local_stats is required: the job gathers EPLB statistics of ", E,
+               " experts");
+    const Tensor& l = *eplb_local;
+    check_same_device(l, workspace, "eplb_local_stats");
+    A2AD_CHECK(l.scalar_type() == at::kInt && l.numel() == E && l.is_contiguous(),
+               "a2ad: eplb_local_stats must be a contiguous int32 [eplb_stats_num_experts=", E, "], got ",
+               l.scalar_type(), " ", l.sizes());
+    A2AD_CHECK(eplb_offset >= pl.aux.block_counters && eplb_offset % 4 == 0 &&
+                   eplb_offset + 4 * pl.ep_size * E <= workspace.size(1),
+               "a2ad: the EPLB region [", eplb_offset, ", +", 4 * pl.ep_size * E, ") does not fit a row");
+    p.eplb_local = l.data_ptr<int32_t>();
+    p.eplb_experts = static_cast<int>(E);
+    p.eplb_offset = eplb_offset;
+    if (eplb_out.has_value()) {
+      const Tensor& o = *eplb_out;
+      check_same_device(o, workspace, "eplb_gathered_stats");
+      A2AD_CHECK(o.scalar_type() == at::kInt && o.dim() == 2 && o.size(0) == pl.ep_size && o.size(1) == E &&
+                     o.is_contiguous(),
+                 "a2ad: eplb_gathered_stats must be a contiguous int32 [ep_size=", pl.ep_size, ", ", E, "], got ",
+                 o.scalar_type(), " ", o.sizes());
+      p.eplb_out = o.data_ptr<int32_t>();
+    }
+  }
+  caller_mask_args(caller_mask, caller_mask_value, workspace, &p.caller_mask, &p.caller_mask_value);
   A2AD_CHECK_CUDA(a2ad::launch_dispatch(p, current_stream(workspace)), "dispatch launch");
 }
 
@@ -368,7 +432,9 @@ void sanitize_cuda(Tensor& recv_ids, const Tensor& workspace, int64_t plan, int6
 }
 
 Tensor combine_cuda(const Tensor& payload, Tensor& workspace, int64_t plan, int64_t local_num_tokens, int64_t rt,
-                    int64_t combine_offset, bool payload_in_workspace, const std::optional<Tensor>& degraded) {
+                    int64_t combine_offset, bool payload_in_workspace, const std::optional<Tensor>& degraded,
+                    const std::optional<Tensor>& output, bool low_precision, int64_t spec,
+                    const std::optional<Tensor>& caller_mask, int64_t caller_mask_value) {
   const Plan pl = plan_of(plan, workspace);
   c10::cuda::CUDAGuard guard(workspace.device());
   check_same_device(payload, workspace, "payload");
@@ -388,19 +454,40 @@ Tensor combine_cuda(const Tensor& payload, Tensor& workspace, int64_t plan, int6
   A2AD_CHECK(hidden >= 1, "a2ad: payload has hidden size 0");
   A2AD_CHECK(local_num_tokens >= 0 && local_num_tokens <= rt, "a2ad: local_num_tokens must be in [0, ", rt,
               "], got ", local_num_tokens);
-  const int64_t region = pl.ep_size * rt * hidden * payload.element_size();
+  if (low_precision) {
+    A2AD_CHECK(payload.scalar_type() == at::kBFloat16, "a2ad: low_precision combine needs a bfloat16 payload, got ",
+               payload.scalar_type());
+    A2AD_CHECK(hidden % a2ad::layout::FP8_BLOCK == 0, "a2ad: low_precision combine needs hidden % ",
+               a2ad::layout::FP8_BLOCK, " == 0, got ", hidden);
+    A2AD_CHECK(reinterpret_cast<uintptr_t>(payload.data_ptr()) % 16 == 0 && combine_offset % 16 == 0,
+               "a2ad: low_precision combine needs a 16-byte aligned payload and region");
+  }
+  const int64_t fp8_row = (hidden + hidden / a2ad::layout::FP8_BLOCK + 15) / 16 * 16;
+  const int64_t region = pl.ep_size * rt * (low_precision ? fp8_row : hidden * payload.element_size());
   A2AD_CHECK(combine_offset >= pl.aux.block_counters && combine_offset + region <= workspace.size(1),
              "a2ad: combine region [", combine_offset, ", +", region, ") does not fit a row of ", workspace.size(1),
              " bytes");
   A2AD_CHECK(payload.is_contiguous(), "a2ad: payload must be contiguous [ep_size, rt, hidden]");
-  if (payload_in_workspace) {
+  if (payload_in_workspace && !low_precision) {  // (low precision: the region is the FP8 one; the client checks)
     const auto* expect = static_cast<const uint8_t*>(workspace.data_ptr()) + pl.ep_rank * workspace.stride(0) +
                          combine_offset;
     A2AD_CHECK(static_cast<const uint8_t*>(payload.data_ptr()) == expect,
                 "a2ad: payload_in_workspace=True but payload is not this rank's combine region "
                 "(use get_combine_payload_tensor_in_workspace)");
   }
-  Tensor out = at::empty({local_num_tokens, hidden}, payload.options().memory_format(at::MemoryFormat::Contiguous));
+  Tensor out;
+  if (output.has_value()) {
+    out = *output;
+    check_same_device(out, workspace, "output");
+    A2AD_CHECK(out.scalar_type() == payload.scalar_type() && out.dim() == 2 && out.size(0) == local_num_tokens &&
+                   out.size(1) == hidden && out.is_contiguous(),
+               "a2ad: output must be a contiguous ", payload.scalar_type(), " [", local_num_tokens, ", ", hidden,
+               "], got ", out.scalar_type(), " ", out.sizes());
+    A2AD_CHECK(!low_precision || reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
+               "a2ad: low_precision combine needs a 16-byte aligned output");
+  } else {
+    out = at::empty({local_num_tokens, hidden}, payload.options().memory_format(at::MemoryFormat::Contiguous));
+  }
   a2ad::CombineParams p{};
   p.ws = plan_workspace(pl, workspace);
   p.aux = pl.aux;
@@ -415,6 +502,9 @@ Tensor combine_cuda(const Tensor& payload, Tensor& workspace, int64_t plan, int6
   p.top_k = pl.top_k;
   p.rt = static_cast<int>(rt);
   p.combine_offset = combine_offset;
+  p.low_precision = low_precision;
+  p.spec = static_cast<uint32_t>(spec);
+  caller_mask_args(caller_mask, caller_mask_value, workspace, &p.caller_mask, &p.caller_mask_value);
   if (pl.ctl.degrade) {
     A2AD_CHECK(degraded.has_value(), "a2ad: a degrade job's combine needs the degraded tensor");
     const Tensor& d = *degraded;
@@ -448,12 +538,15 @@ void initialize_cuda(Tensor& workspace, int64_t rank, int64_t aux_bytes, int64_t
 
 // --- fake (meta) implementations: shapes only, for torch.compile and graph capture ---
 
-void dispatch_meta(const Tensor&, TensorList, Tensor&, int64_t, int64_t, IntArrayRef) {}
+void dispatch_meta(const Tensor&, TensorList, Tensor&, int64_t, int64_t, IntArrayRef, IntArrayRef,
+                   const std::optional<Tensor>&, const std::optional<Tensor>&, int64_t, const std::optional<Tensor>&,
+                   int64_t) {}
 
 void sanitize_meta(Tensor&, const Tensor&, int64_t, int64_t, int64_t) {}
 
 Tensor combine_meta(const Tensor& payload, Tensor&, int64_t, int64_t local_num_tokens, int64_t, int64_t, bool,
-                    const std::optional<Tensor>&) {
+                    const std::optional<Tensor>&, const std::optional<Tensor>&, bool, int64_t,
+                    const std::optional<Tensor>&, int64_t) {
   A2AD_CHECK(payload.dim() == 3, "a2ad: payload must be [ep_size, rt, hidden], got ", payload.sizes());
   return at::empty({local_num_tokens, payload.size(2)}, payload.options());
 }
@@ -515,11 +608,15 @@ TORCH_LIBRARY(a2ad, m) {
       "int timeout_ns, int sm_budget, int diag, bool degrade=False, int seen_out=0, int seen_dev=0) -> int",
       &make_plan);
   m.def("free_plan(int plan) -> ()", &free_plan);
-  m.def("dispatch(Tensor experts, Tensor[] payloads, Tensor(a!) workspace, int plan, int rt, int[] payload_offsets) -> ()");
+  m.def(
+      "dispatch(Tensor experts, Tensor[] payloads, Tensor(a!) workspace, int plan, int rt, int[] payload_offsets, "
+      "int[] spec=[], Tensor? eplb_local=None, Tensor(b!)? eplb_out=None, int eplb_offset=0, Tensor? caller_mask=None, "
+      "int caller_mask_value=-1) -> ()");
   m.def("sanitize(Tensor(a!) recv_ids, Tensor workspace, int plan, int rt, int invalid_id) -> ()");
   m.def(
       "combine(Tensor payload, Tensor(a!) workspace, int plan, int local_num_tokens, int rt, int combine_offset, "
-      "bool payload_in_workspace, Tensor(b!)? degraded=None) -> Tensor");
+      "bool payload_in_workspace, Tensor(b!)? degraded=None, Tensor(c!)? output=None, bool low_precision=False, "
+      "int spec=0, Tensor? caller_mask=None, int caller_mask_value=-1) -> Tensor");
   m.def("initialize(Tensor(a!) workspace, int rank, int aux_bytes, int flag_offset, int initial_round) -> ()");
   m.def("host_register(int ptr, int size) -> int", &host_register);
   m.def("host_unregister(int ptr) -> ()", &host_unregister);
@@ -555,8 +652,11 @@ TORCH_LIBRARY_IMPL(a2ad, Autograd, m) {
 namespace {
 
 void dispatch_direct(const Tensor& experts, const std::vector<Tensor>& payloads, Tensor workspace, int64_t plan,
-                     int64_t rt, const std::vector<int64_t>& payload_offsets) {
-  dispatch_cuda(experts, payloads, workspace, plan, rt, payload_offsets);
+                     int64_t rt, const std::vector<int64_t>& payload_offsets, const std::vector<int64_t>& spec,
+                     const std::optional<Tensor>& eplb_local, const std::optional<Tensor>& eplb_out,
+                     int64_t eplb_offset, const std::optional<Tensor>& caller_mask, int64_t caller_mask_value) {
+  dispatch_cuda(experts, payloads, workspace, plan, rt, payload_offsets, spec, eplb_local, eplb_out, eplb_offset,
+                caller_mask, caller_mask_value);
 }
 
 void sanitize_direct(Tensor recv_ids, const Tensor& workspace, int64_t plan, int64_t rt, int64_t invalid_id) {
@@ -564,8 +664,11 @@ void sanitize_direct(Tensor recv_ids, const Tensor& workspace, int64_t plan, int
 }
 
 Tensor combine_direct(const Tensor& payload, Tensor workspace, int64_t plan, int64_t local_num_tokens, int64_t rt,
-                      int64_t combine_offset, bool payload_in_workspace, const std::optional<Tensor>& degraded) {
-  return combine_cuda(payload, workspace, plan, local_num_tokens, rt, combine_offset, payload_in_workspace, degraded);
+                      int64_t combine_offset, bool payload_in_workspace, const std::optional<Tensor>& degraded,
+                      const std::optional<Tensor>& output, bool low_precision, int64_t spec,
+                      const std::optional<Tensor>& caller_mask, int64_t caller_mask_value) {
+  return combine_cuda(payload, workspace, plan, local_num_tokens, rt, combine_offset, payload_in_workspace, degraded,
+                      output, low_precision, spec, caller_mask, caller_mask_value);
 }
 
 // Block quantization of a combine output (csrc/quantize.cu); client/quant.py checks the
@@ -607,11 +710,18 @@ void quantize_direct(const Tensor& x, Tensor out, Tensor scales, int64_t fmt, in
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "a2ad kernels: direct entry points of the data-plane ops (same arguments as torch.ops.a2ad.*)";
-  m.def("dispatch", &dispatch_direct, "torch.ops.a2ad.dispatch without the dispatcher");
+  m.def("dispatch", &dispatch_direct, "torch.ops.a2ad.dispatch without the dispatcher", pybind11::arg("experts"),
+        pybind11::arg("payloads"), pybind11::arg("workspace"), pybind11::arg("plan"), pybind11::arg("rt"),
+        pybind11::arg("payload_offsets"), pybind11::arg("spec") = std::vector<int64_t>{},
+        pybind11::arg("eplb_local") = pybind11::none(), pybind11::arg("eplb_out") = pybind11::none(),
+        pybind11::arg("eplb_offset") = 0, pybind11::arg("caller_mask") = pybind11::none(),
+        pybind11::arg("caller_mask_value") = -1);
   m.def("sanitize", &sanitize_direct, "torch.ops.a2ad.sanitize without the dispatcher");
   m.def("combine", &combine_direct, "torch.ops.a2ad.combine without the dispatcher", pybind11::arg("payload"),
         pybind11::arg("workspace"), pybind11::arg("plan"), pybind11::arg("local_num_tokens"), pybind11::arg("rt"),
-        pybind11::arg("combine_offset"), pybind11::arg("payload_in_workspace"), pybind11::arg("degraded") = pybind11::none());
+        pybind11::arg("combine_offset"), pybind11::arg("payload_in_workspace"), pybind11::arg("degraded") = pybind11::none(),
+        pybind11::arg("output") = pybind11::none(), pybind11::arg("low_precision") = false, pybind11::arg("spec") = 0,
+        pybind11::arg("caller_mask") = pybind11::none(), pybind11::arg("caller_mask_value") = -1);
   m.def("quantize", &quantize_direct, "block quantization (MXFP8/MXFP4/NVFP4) of a combine output", pybind11::arg("x"),
         pybind11::arg("out"), pybind11::arg("scales"), pybind11::arg("fmt"), pybind11::arg("layout"),
         pybind11::arg("scale"), pybind11::arg("scale_t") = pybind11::none());

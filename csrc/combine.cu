@@ -6,6 +6,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 namespace a2ad {
 namespace {
@@ -34,12 +35,17 @@ constexpr int kStageUnroll = 8;
 // critical path of a small round); the extra rows are never pulled.
 constexpr int64_t kStageAllSlotsBytes = int64_t{1} << 20;
 
-// Probe of the combine flag target q wrote into this rank's row.
+// Probe of the combine ready word target q wrote into this rank's row: its low half is
+// the round, its high half q's combine descriptor (the probe's value).
 struct CombineFlags {
-  const int* flags;
+  const uint64_t* words;
   int round;
-  __device__ FlagProbe operator()(int q) const { return FlagProbe{flags + q, round}; }
+  __device__ ReadyProbe operator()(int q) const { return ReadyProbe{words + q, round}; }
 };
+
+__device__ __forceinline__ uint64_t combine_word(const CombineParams& p, int round) {
+  return (static_cast<uint64_t>(p.spec) << 32) | static_cast<uint32_t>(round);
+}
 
 template <typename T>
 struct Elem;
@@ -66,6 +72,16 @@ struct Elem<float> {
 template <typename Bits>
 struct Elem16 {
   static constexpr int kPerVec = 8;
+  __device__ static __forceinline__ void unpack(const uint4& v, float* a) {
+    a[0] = Bits::lo(v.x);
+    a[1] = Bits::hi(v.x);
+    a[2] = Bits::lo(v.y);
+    a[3] = Bits::hi(v.y);
+    a[4] = Bits::lo(v.z);
+    a[5] = Bits::hi(v.z);
+    a[6] = Bits::lo(v.w);
+    a[7] = Bits::hi(v.w);
+  }
   __device__ static __forceinline__ void add(const uint4& v, float* a) {
     a[0] += Bits::lo(v.x);
     a[1] += Bits::hi(v.x);
@@ -121,6 +137,163 @@ __host__ __device__ inline PullGeometry pull_geometry(int64_t hidden) {
   g.per_chunk = kVec ? 32 * kPullVecs : 32 * kPullScalars;
   g.chunks = (g.units + g.per_chunk - 1) / g.per_chunk;
   return g;
+}
+
+// ---------------------------------------------------------------------------
+// FP8 combine: e4m3 rows, one E8M0 scale byte per FP8_BLOCK elements
+// ---------------------------------------------------------------------------
+// The block's exponent k: the smallest with amax * 2^-k <= 448 (e4m3's largest), from
+// amax's bits (448 = 1.75 * 2^8), at least -126. The host plane computes the same bits.
+__device__ __forceinline__ int fp8_block_exponent(float amax) {
+  const uint32_t b = __float_as_uint(amax);
+  const int k = static_cast<int>((b >> 23) & 0xff) - 135 + ((b & 0x7fffff) > 0x600000 ? 1 : 0);
+  return k < -126 ? -126 : k;
+}
+
+__device__ __forceinline__ float pow2(int k) { return __uint_as_float(static_cast<uint32_t>(127 + k) << 23); }
+
+__device__ __forceinline__ uint32_t fp8x4(float a, float b, float c, float d) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+  return (lo & 0xffffu) | (hi << 16);
+}
+
+__device__ __forceinline__ void fp8x2_add(uint32_t w16, float scale, float* a) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w16), __NV_E4M3);
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+  a[0] += f.x * scale;
+  a[1] += f.y * scale;
+}
+
+// Rows [0, rows) of source s quantized from the bf16 payload into this rank's FP8 region:
+// a unit is 8 elements (one 16-byte load, an 8-byte store); 4 lanes hold a scale block.
+__device__ __forceinline__ void stage_rows_fp8(const CombineParams& p, const int* recv, uint32_t warp_id,
+                                               uint32_t nwarps, int lane) {
+  const int me = p.ws.ep_rank, ep = p.ws.ep_size;
+  uint8_t* region = row_of(p.ws, me) + p.combine_offset;
+  const uint32_t U = static_cast<uint32_t>(p.hidden / 8);
+  const int64_t row8 = (p.hidden + p.hidden / layout::FP8_BLOCK + 15) / 16 * 16;
+  const int64_t row16 = p.hidden * 2;
+  const bool all_slots = (int64_t)(ep - 1) * p.rt * row16 <= kStageAllSlotsBytes;
+  constexpr int kQ = 4;  // units per lane in flight
+  for (int s = 0; s < ep; ++s) {
+    if (s == me) continue;
+    int rows = all_slots ? p.rt : ld_volatile(recv + s);
+    rows = rows < 0 ? 0 : rows > p.rt ? p.rt : rows;
+    const uint32_t n = static_cast<uint32_t>(rows) * U;
+    const uint8_t* src = p.payload + (int64_t)s * p.rt * row16;
+    uint8_t* dst = region + (int64_t)s * p.rt * row8;
+    // rotate the warps per source so that small copies spread over the grid
+    const uint32_t w = (warp_id + static_cast<uint32_t>(s) * (nwarps / static_cast<uint32_t>(ep))) % nwarps;
+#pragma unroll 1
+    for (uint32_t g0 = w * 32 * kQ; g0 < n; g0 += nwarps * 32 * kQ) {
+      uint4 v[kQ];
+#pragma unroll
+      for (int u = 0; u < kQ; ++u) {
+        const uint32_t g = g0 + u * 32 + lane;
+        v[u] = g < n ? __ldcs(reinterpret_cast<const uint4*>(src) + g) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < kQ; ++u) {
+        const uint32_t g = g0 + u * 32 + lane;
+        float f[8];
+        Elem16<Bf16Bits>::unpack(v[u], f);
+        float amax = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[e]));
+        amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
+        if (g0 + u * 32 >= n) continue;  // warp-uniform (n is a multiple of 4 units, g0 of 32)
+        const int k = fp8_block_exponent(amax);
+        const float inv = pow2(-k);
+        if (g < n) {
+          const uint32_t j = g / U, e8 = g - j * U;
+          uint8_t* row = dst + (int64_t)j * row8;
+          uint2 q;
+          q.x = fp8x4(f[0] * inv, f[1] * inv, f[2] * inv, f[3] * inv);
+          q.y = fp8x4(f[4] * inv, f[5] * inv, f[6] * inv, f[7] * inv);
+          reinterpret_cast<uint2*>(row)[e8] = q;
+          if ((lane & 3) == 0) row[p.hidden + e8 / 4] = static_cast<uint8_t>(k + 127);
+        }
+      }
+    }
+  }
+}
+
+// pull_item for the FP8 combine: the sends of token t, chunk c (units of 8 elements);
+// a send to this rank is read from the bf16 payload, the others from the target's FP8 rows.
+__device__ void pull_item_fp8(const CombineParams& p, int t, uint32_t c, const PullGeometry& g, int lane, int target,
+                              int slot) {
+  const int me = p.ws.ep_rank;
+  unsigned sends = __ballot_sync(kFullMask, target >= 0);
+  const int64_t row16 = p.hidden * 2;
+  const int64_t row8 = (p.hidden + p.hidden / layout::FP8_BLOCK + 15) / 16 * 16;
+  const int64_t first = c * static_cast<uint32_t>(g.per_chunk);
+  const uint8_t* region = p.ws.base + p.combine_offset + (int64_t)me * p.rt * row8;
+  const uint8_t* self_region = p.payload + (int64_t)me * p.rt * row16;
+  constexpr int kUnits = kPullVecs;
+  constexpr int kSends = kPullSendsVec;
+  float acc[kUnits * 8];
+#pragma unroll
+  for (int a = 0; a < kUnits * 8; ++a) acc[a] = 0.f;
+  bool in[kUnits];
+#pragma unroll
+  for (int u = 0; u < kUnits; ++u) in[u] = first + u * 32 + lane < g.units;
+  uint4 vbuf[kSends][kUnits];
+  uint32_t sbuf[kSends][kUnits];
+  while (sends != 0) {
+    const uint8_t* src[kSends];
+    bool has[kSends], self[kSends];
+#pragma unroll
+    for (int b = 0; b < kSends; ++b) {
+      has[b] = sends != 0;
+      const int k = has[b] ? __ffs(sends) - 1 : 0;
+      if (has[b]) sends &= sends - 1;
+      const int tq = __shfl_sync(kFullMask, target, k), sq = __shfl_sync(kFullMask, slot, k);
+      self[b] = tq == me;
+      src[b] = self[b] ? self_region + (int64_t)sq * row16 : region + (int64_t)tq * p.ws.row_stride + (int64_t)sq * row8;
+    }
+#pragma unroll
+    for (int b = 0; b < kSends; ++b) {
+#pragma unroll
+      for (int u = 0; u < kUnits; ++u) {
+        const int64_t unit = first + u * 32 + lane;
+        vbuf[b][u] = make_uint4(0, 0, 0, 0);
+        sbuf[b][u] = 0;
+        if (has[b] && in[u]) {
+          if (self[b]) {
+            vbuf[b][u] = __ldcg(reinterpret_cast<const uint4*>(src[b]) + unit);
+          } else {
+            const uint2 w = __ldcg(reinterpret_cast<const uint2*>(src[b]) + unit);
+            vbuf[b][u].x = w.x;
+            vbuf[b][u].y = w.y;
+            sbuf[b][u] = __ldcg(src[b] + p.hidden + unit / 4);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kSends; ++b) {
+      if (!has[b]) continue;
+#pragma unroll
+      for (int u = 0; u < kUnits; ++u) {
+        if (self[b]) {
+          Elem16<Bf16Bits>::add(vbuf[b][u], acc + u * 8);
+        } else {
+          const float scale = pow2(static_cast<int>(sbuf[b][u]) - 127);
+          fp8x2_add(vbuf[b][u].x & 0xffffu, scale, acc + u * 8);
+          fp8x2_add(vbuf[b][u].x >> 16, scale, acc + u * 8 + 2);
+          fp8x2_add(vbuf[b][u].y & 0xffffu, scale, acc + u * 8 + 4);
+          fp8x2_add(vbuf[b][u].y >> 16, scale, acc + u * 8 + 6);
+        }
+      }
+    }
+  }
+  uint4* out_row = reinterpret_cast<uint4*>(static_cast<uint8_t*>(p.out) + (int64_t)t * row16) + first;
+#pragma unroll
+  for (int u = 0; u < kUnits; ++u) {
+    if (in[u]) out_row[u * 32 + lane] = Elem16<Bf16Bits>::pack(acc + u * 8);
+  }
 }
 
 // This rank's own sends are read from the payload (never staged: only this rank pulls
@@ -292,20 +465,28 @@ __device__ void pull_item(const CombineParams& p, int t, uint32_t c, const PullG
 // `round`. Not the poller (the launch's last block is): stop when the poller
 // posted this round to *give_up, give up on our own only after twice the
 // timeout (then post it and write the status record, as the poller would).
-__device__ bool wait_slice(const CombineParams& p, uint8_t* my_row, int q, int slot, int round, int* give_up,
-                           int* claim) {
-  const int* slice = at<int>(my_row, p.aux.combine_slice_flags) +
-                     (int64_t)q * p.aux.combine_slices + slot / layout::COMBINE_SLICE_ROWS;
-  const int* whole = at<int>(my_row, p.aux.combine_completion_flags) + q;
+// Returns 1 when ready, 0 when it gave up, 2 when q's combine descriptor is not this
+// rank's (nothing may be read from q).
+__device__ int wait_slice(const CombineParams& p, uint8_t* my_row, int q, int slot, int round, int* give_up,
+                          int* claim) {
+  const uint64_t* slice = at<uint64_t>(my_row, p.aux.combine_slice_flags) +
+                          (int64_t)q * p.aux.combine_slices + slot / layout::COMBINE_SLICE_ROWS;
+  const uint64_t* whole = at<uint64_t>(my_row, p.aux.combine_ready) + q;
+  const uint64_t want = combine_word(p, round);
   const uint64_t t0 = global_timer_ns();
   for (;;) {
-    if (ld_acquire_sys(slice) == round || ld_acquire_sys(whole) == round) return true;
-    if (ld_volatile(give_up) == round) return false;
+    const uint64_t a = ld_acquire_sys_u64(slice), b = ld_acquire_sys_u64(whole);
+    if (a == want || b == want) return 1;
+    if (static_cast<uint32_t>(a) == static_cast<uint32_t>(round) ||
+        static_cast<uint32_t>(b) == static_cast<uint32_t>(round)) {
+      return 2;
+    }
+    if (ld_volatile(give_up) == round) return 0;
     const uint64_t waited = global_timer_ns() - t0;
     if (waited >= 2 * p.ctl.timeout_ns) {
       *reinterpret_cast<volatile int*>(give_up) = round;
       if (atomicCAS(claim, 0, 1) == 0) write_status(p.ctl, layout::STATUS_TIMEOUT, q, round, layout::PHASE_COMBINE, waited);
-      return false;
+      return 0;
     }
     __nanosleep(64);
   }
@@ -342,8 +523,8 @@ __device__ void stage_slices(const CombineParams& p, const int* recv, int round,
                              blockDim.x);
     __syncthreads();
     if (threadIdx.x == 0) {
-      st_release_sys(at<int>(row_of(p.ws, s), p.aux.combine_slice_flags) + (int64_t)me * p.aux.combine_slices + j,
-                     round);
+      st_release_sys_u64(at<uint64_t>(row_of(p.ws, s), p.aux.combine_slice_flags) + (int64_t)me * p.aux.combine_slices + j,
+                         combine_word(p, round));
     }
   }
 }
@@ -385,6 +566,26 @@ __device__ __forceinline__ void stage_rows(const CombineParams& p, const int* re
   }
 }
 
+// The poller after its wait: the protocol's COMBINE_COMPLETION_FLAGS get the round (this
+// rank's own row), and a target whose combine descriptor differs is reported (the input
+// record; nothing is read from it).
+__device__ __forceinline__ void combine_waited(const CombineParams& p, uint8_t* my_row, int round, uint64_t view,
+                                               uint64_t seen, uint64_t bad) {
+  const int q = threadIdx.x;
+  if (q < p.ws.ep_size && (view >> q & 1) && (seen >> q & 1)) {
+    at<int>(my_row, p.aux.combine_completion_flags)[q] = round;
+  }
+  // (a record the dispatch of the round wrote, not yet raised, is kept: it came first)
+  const int64_t rec = layout::CB_INPUT + (int64_t)p.ctl.ep_rank * layout::INPUT_RECORD_SIZE + layout::INPUT_CODE;
+  if (bad != 0 && threadIdx.x == 0 && *cb_field<uint32_t>(p.ctl, rec) == layout::INPUT_OK) {
+    const int peer = __ffsll(static_cast<long long>(bad)) - 1;
+    const uint64_t w = *reinterpret_cast<const volatile unsigned long long*>(
+        at<uint64_t>(my_row, p.aux.combine_ready) + peer);
+    write_input(p.ctl, layout::INPUT_COMBINE_MISMATCH, peer | (layout::SPEC_FIELD_COMBINE << 8),
+                static_cast<int>(w >> 32), round, static_cast<int>(p.spec));
+  }
+}
+
 // Grid: at most as many blocks as can be co-resident within lim.sm_budget SMs
 // (the launcher sizes it), because blocks wait for the flag that the last
 // block of the same grid writes. Phases: stage -> arrive (last block: flags,
@@ -395,7 +596,7 @@ __device__ __forceinline__ void stage_rows(const CombineParams& p, const int* re
 // counter in the order (tokens with no remote send) then (target q, slot s,
 // chunk): the order in which q stages, so pullers rarely wait; each item waits
 // for its rows' slices. Only the last block waits for the whole-region flags.
-template <typename T, bool kVec>
+template <typename T, bool kVec, bool kFp8>
 __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p) {
   wait_prior_grid();
   const int me = p.ws.ep_rank, ep = p.ws.ep_size;
@@ -411,6 +612,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
     if (ld_volatile(block_counters + layout::SLOT_VIEW_ROUND) != round) return;
     view = *reinterpret_cast<volatile unsigned long long*>(block_counters + layout::SLOT_VIEW);
   }
+  view = with_caller_mask(view, p.caller_mask, p.caller_mask_value, ep, p.ctl.degrade);
   // The dispatch of this round saw a peer pass another rt: the regions do not line up, so
   // nothing is pulled and the output is zeros; the flags still go round so that every rank
   // completes the round (every rank saw the mismatch).
@@ -423,7 +625,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   // they are used).
   if (threadIdx.x < 32) {
     prefetch_l2(block_counters, 4 * layout::BLOCK_COUNTER_SLOTS, threadIdx.x, 32);
-    if (!p.payload_in_workspace && (overlap || !stages_all_slots(p, row_bytes))) {
+    if ((kFp8 || !p.payload_in_workspace) && (overlap || !stages_all_slots(p, row_bytes))) {
       prefetch_l2(recv, 4 * ep, threadIdx.x, 32);
     }
   }
@@ -442,7 +644,10 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   // 1. Stage the rows that were received (RECV_COUNTERS) into the own combine region.
   //    (Staging happens only when the payload is not the region, so this rank's own rows
   //    are never staged: only this rank pulls them, from the payload.)
-  if (overlap) {
+  if constexpr (kFp8) {
+    stage_rows_fp8(p, recv, blockIdx.x * (kThreads / 32) + threadIdx.x / 32, gridDim.x * (kThreads / 32),
+                   threadIdx.x % 32);
+  } else if (overlap) {
     if (static_cast<int>(blockIdx.x) < nstage) stage_slices(p, recv, round, nstage);
   } else if (!p.payload_in_workspace) {
     stage_rows<kVec>(p, recv, row_bytes, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
@@ -454,7 +659,9 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   if (last) {
     const int q = threadIdx.x;
     if (q < ep) {
-      if (view >> q & 1) st_release_sys(at<int>(row_of(p.ws, q), p.aux.combine_completion_flags + 4 * (int64_t)me), round);
+      if (view >> q & 1) {
+        st_release_sys_u64(at<uint64_t>(row_of(p.ws, q), p.aux.combine_ready + 8 * (int64_t)me), combine_word(p, round));
+      }
       // The next dispatch counts from zero (it cannot zero them itself before its atomics).
       at<int>(my_row, p.aux.send_counters)[q] = 0;
     }
@@ -498,20 +705,24 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
     token_sends(p, first_t, lane, &first_target, &first_slot, &first_routed);
   }
   int unused = 0;
-  uint64_t seen = ~0ull;
+  uint64_t seen = ~0ull, bad = 0;
+  const CombineFlags flags{at<uint64_t>(my_row, p.aux.combine_ready), round};
   if (!p.ctl.degrade) {
-    if ((last || !overlap) && !block_wait(CombineFlags{at<int>(my_row, p.aux.combine_completion_flags), round}, ep,
-                                          round, p.ctl, layout::PHASE_COMBINE, /*poller=*/last, claim, give_up,
-                                          &unused)) {
+    if ((last || !overlap) && !block_wait(flags, ep, round, p.ctl, layout::PHASE_COMBINE, /*poller=*/last, claim,
+                                          give_up, &unused, view, &seen, &bad, static_cast<int>(p.spec))) {
       return;
     }
+    if (last) combine_waited(p, my_row, round, view, seen, bad);
   } else if (last) {
     // Degraded mode (never overlapped): the poller alone waits, letting go of a peer whose
-    // bit is cleared, and posts whose flags it saw; every block counts exactly those.
-    if (!block_wait(CombineFlags{at<int>(my_row, p.aux.combine_completion_flags), round}, ep, round, p.ctl,
-                    layout::PHASE_COMBINE, /*poller=*/true, claim, give_up, &unused, view, &seen)) {
+    // bit is cleared, and posts whose flags it saw; every block counts exactly those (a
+    // target whose combine descriptor differs is not counted).
+    if (!block_wait(flags, ep, round, p.ctl, layout::PHASE_COMBINE, /*poller=*/true, claim, give_up, &unused, view,
+                    &seen, &bad, static_cast<int>(p.spec))) {
       return;
     }
+    combine_waited(p, my_row, round, view, seen, bad);
+    seen &= ~bad;
     if (threadIdx.x == 0) {
       *reinterpret_cast<volatile unsigned long long*>(block_counters + layout::SLOT_COMBINE_SEEN) = seen;
       st_release_gpu(block_counters + layout::SLOT_COMBINE_SEEN_ROUND, round);
@@ -532,7 +743,12 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
       int target = first_target, slot = first_slot, routed = first_routed;
       if (t != first_t) token_sends(p, t, lane, &target, &slot, &routed);
       if (p.ctl.degrade) count_seen(p, t, c, routed, seen, &target, lane);
-      pull_item<T, kVec>(p, t, c, g, lane, target, slot);
+      if (bad != 0 && target >= 0 && (bad >> target & 1)) target = -1;  // never read from a target that disagreed
+      if constexpr (kFp8) {
+        pull_item_fp8(p, t, c, g, lane, target, slot);
+      } else {
+        pull_item<T, kVec>(p, t, c, g, lane, target, slot);
+      }
     }
     return;
   }
@@ -550,7 +766,9 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
       t = static_cast<int>(item);
       token_sends(p, t, lane, &target, &slot);
       if (__any_sync(kFullMask, target >= 0 && target != me)) continue;
-      for (uint32_t c = 0; c < chunks; ++c) pull_item<T, kVec>(p, t, c, g, lane, target, slot);
+      if constexpr (!kFp8) {
+        for (uint32_t c = 0; c < chunks; ++c) pull_item<T, kVec>(p, t, c, g, lane, target, slot);
+      }
       continue;
     }
     const uint32_t pos = (item - ntok) / chunks, c = (item - ntok) % chunks;
@@ -564,17 +782,18 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
     // The token's item belongs to its lowest remote target; the others skip it.
     const int primary = __reduce_min_sync(kFullMask, target >= 0 && target != me ? target : kMaxEpSize);
     if (primary != q) continue;
-    bool ok = true;
+    int ok = 1;
     if (target >= 0 && target != me) ok = wait_slice(p, my_row, target, slot, round, give_up, claim);
-    if (!__all_sync(kFullMask, ok)) return;  // __all_sync also orders the acquires before every lane's loads
-    pull_item<T, kVec>(p, t, c, g, lane, target, slot);
+    if (!__all_sync(kFullMask, ok != 0)) return;  // __all_sync also orders the acquires before every lane's loads
+    if (ok == 2) target = -1;  // the target's combine descriptor differs: nothing is read from it
+    if constexpr (!kFp8) pull_item<T, kVec>(p, t, c, g, lane, target, slot);
   }
 }
 
 
-template <typename T, bool kVec>
+template <typename T, bool kVec, bool kFp8 = false>
 cudaError_t launch_typed(const CombineParams& p, cudaStream_t stream) {
-  const void* fn = reinterpret_cast<const void*>(&combine_kernel<T, kVec>);
+  const void* fn = reinterpret_cast<const void*>(&combine_kernel<T, kVec, kFp8>);
   int resident = 0;
   cudaError_t err = launch::resident_blocks(fn, kThreads, p.lim, &resident);
   if (err != cudaSuccess) return err;
@@ -582,19 +801,19 @@ cudaError_t launch_typed(const CombineParams& p, cudaStream_t stream) {
   if ((int64_t)p.local_num_tokens * (g.chunks + 1) >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
   const int64_t row_bytes = p.hidden * (int64_t)sizeof(T);
   const int64_t pull_blocks = launch::ceil_div((int64_t)p.local_num_tokens * g.chunks, kThreads / 32);
-  const int64_t staged_sources = self_from_payload(p) ? p.ws.ep_size - 1 : p.ws.ep_size;
-  const int64_t stage_bytes = p.payload_in_workspace ? 0 : staged_sources * p.rt * row_bytes;  // at most rt rows each
+  const int64_t staged_sources = kFp8 || self_from_payload(p) ? p.ws.ep_size - 1 : p.ws.ep_size;
+  const int64_t stage_bytes = p.payload_in_workspace && !kFp8 ? 0 : staged_sources * p.rt * row_bytes;  // at most rt rows each
   const int64_t stage_blocks = launch::ceil_div(stage_bytes, kThreads * 16 * kCopyUnroll);
   const int grid = launch::clamp_grid(pull_blocks > stage_blocks ? pull_blocks : stage_blocks, resident);
   CombineParams q = p;
   q.overlap_stage_blocks = 0;
   // (not in degraded mode: there every block counts the targets the poller saw, so no
   // block may pull a target's slices before its whole-region flag)
-  if (!p.ctl.degrade && !p.payload_in_workspace && p.ws.ep_size > 1 && stage_bytes >= kOverlapMinBytes &&
+  if (!kFp8 && !p.ctl.degrade && !p.payload_in_workspace && p.ws.ep_size > 1 && stage_bytes >= kOverlapMinBytes &&
       row_bytes >= kOverlapMinRowBytes) {
     q.overlap_stage_blocks = grid / kOverlapStageShare < 1 ? 1 : grid / kOverlapStageShare;
   }
-  return launch::overlapped(combine_kernel<T, kVec>, grid, kThreads, stream, q);
+  return launch::overlapped(combine_kernel<T, kVec, kFp8>, grid, kThreads, stream, q);
 }
 
 }  // namespace
@@ -614,6 +833,15 @@ cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream) {
   const bool vec = row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(p.ws.base + p.combine_offset) % 16 == 0 && p.ws.row_stride % 16 == 0 &&
                    (!self_from_payload(p) || reinterpret_cast<uintptr_t>(p.payload) % 16 == 0);
+  if (p.low_precision) {
+    // bf16 rows, whole scale blocks, 16-byte vectors everywhere (the binding checks them)
+    const int64_t row8 = (p.hidden + p.hidden / layout::FP8_BLOCK + 15) / 16 * 16;
+    if (p.dtype != DType::kBFloat16 || p.hidden % layout::FP8_BLOCK != 0 || !vec ||
+        reinterpret_cast<uintptr_t>(p.payload) % 16 != 0 || row8 % 16 != 0) {
+      return cudaErrorInvalidValue;
+    }
+    return launch_typed<__nv_bfloat16, true, true>(p, stream);
+  }
   switch (p.dtype) {
     case DType::kFloat32:
       return vec ? launch_typed<float, true>(p, stream) : launch_typed<float, false>(p, stream);

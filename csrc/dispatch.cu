@@ -140,6 +140,22 @@ __device__ __forceinline__ unsigned long long take_bad_expert(int* block_counter
   return inv;
 }
 
+// The field a payload descriptor's first differing word w names (layout.spec_mismatch),
+// with both values (*a: this rank's, *b: the peer's; for the dtype word, the codes).
+__device__ __forceinline__ int spec_field(int w, int* a, int* b) {
+  if (w == 0) return layout::SPEC_FIELD_COUNT;
+  if (w <= kMaxPayloads) return layout::SPEC_FIELD_WIDTH + w - 1;
+  if (w == 7) {
+    const int x = *a ^ *b;
+    const int i = (__ffs(x) - 1) / 4;  // the lowest payload whose code differs
+    *a = *a >> (4 * i) & 15;
+    *b = *b >> (4 * i) & 15;
+    return layout::SPEC_FIELD_DTYPE + i;
+  }
+  if (w == 8) return layout::SPEC_FIELD_EPLB;
+  return layout::SPEC_FIELD_COUNT;
+}
+
 // Probe of the ready word peer q wrote into this rank's row.
 struct ReadyWords {
   const uint64_t* words;
@@ -174,6 +190,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
     if (ld_volatile(block_counters + layout::SLOT_VIEW_ROUND) != round) return;
     view = *reinterpret_cast<volatile unsigned long long*>(block_counters + layout::SLOT_VIEW);
   }
+  view = with_caller_mask(view, p.caller_mask, p.caller_mask_value, ep, p.ctl.degrade);
   // A one-block launch numbers its sends in shared memory (no global atomics).
   const bool one_block = gridDim.x == 1;
   // The words this launch's atomics and its last block hit: fetched into L2 now, while
@@ -191,6 +208,25 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
       // Every peer checks this rank's rt against its own; the fence (or release) before
       // the ready word covers this store. (Compact: the ready word carries rt.)
       *reinterpret_cast<volatile int*>(row_of(p.ws, q) + p.aux.recv_rts + 4 * (int64_t)me) = p.rt;
+    }
+    if (q < ep && (view >> q & 1)) {
+      // The payload descriptor: every peer compares it with its own after the wait (the
+      // fence or release before the ready word covers these stores).
+      uint4* d = reinterpret_cast<uint4*>(row_of(p.ws, q) + p.aux.recv_specs + 4 * layout::SPEC_WORDS * (int64_t)me);
+#pragma unroll
+      for (int w = 0; w < layout::SPEC_WORDS / 4; ++w) {
+        d[w] = make_uint4(p.spec[4 * w], p.spec[4 * w + 1], p.spec[4 * w + 2], p.spec[4 * w + 3]);
+      }
+    }
+    if (p.eplb_experts > 0) {
+      // EPLB statistics: this rank's row of every peer's region (covered like the above).
+      const int E = p.eplb_experts;
+      for (int i = threadIdx.x; i < ep * E; i += blockDim.x) {
+        const int tq = i / E, e = i - tq * E;
+        if (view >> tq & 1) {
+          at<int32_t>(row_of(p.ws, tq), p.eplb_offset)[(int64_t)me * E + e] = p.eplb_local[e];
+        }
+      }
     }
     if (one_block && q < ep) s_count[q] = 0;
     if (threadIdx.x == 0) {
@@ -299,9 +335,13 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
     return;
   }
   // Thread q now holds what peer q sent here; the protocol's per-source fields get it.
-  __shared__ int s_peer;
+  __shared__ int s_peer, s_spec_peer;
   __shared__ int s_rts[kMaxEpSize];
-  if (threadIdx.x == 0) s_peer = kMaxEpSize;
+  __shared__ int s_field[kMaxEpSize], s_own[kMaxEpSize], s_theirs[kMaxEpSize];
+  if (threadIdx.x == 0) {
+    s_peer = kMaxEpSize;
+    s_spec_peer = kMaxEpSize;
+  }
   __syncthreads();
   if (q < ep) {
     if (seen >> q & 1) {
@@ -317,6 +357,32 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
       at<int>(my_row, p.aux.dispatch_completion_flags)[q] = round;
       s_rts[q] = r;
       if (r != p.rt) atomicMin(&s_peer, q);
+      // q's payload descriptor (written before its ready word) against this rank's
+      const uint4* d = reinterpret_cast<const uint4*>(my_row + p.aux.recv_specs + 4 * layout::SPEC_WORDS * (int64_t)q);
+      int theirs[layout::SPEC_WORDS];
+#pragma unroll
+      for (int w = 0; w < layout::SPEC_WORDS / 4; ++w) {
+        const uint4 v = __ldcg(d + w);
+        theirs[4 * w] = static_cast<int>(v.x);
+        theirs[4 * w + 1] = static_cast<int>(v.y);
+        theirs[4 * w + 2] = static_cast<int>(v.z);
+        theirs[4 * w + 3] = static_cast<int>(v.w);
+      }
+      int first = -1, own = 0, other = 0;
+#pragma unroll
+      for (int w = layout::SPEC_WORDS - 1; w >= 0; --w) {
+        if (theirs[w] != p.spec[w]) {
+          first = w;
+          own = p.spec[w];
+          other = theirs[w];
+        }
+      }
+      if (first >= 0) {  // rare: where it differs, for the input record
+        s_field[q] = spec_field(first, &own, &other);
+        s_own[q] = own;
+        s_theirs[q] = other;
+        atomicMin(&s_spec_peer, q);
+      }
     } else {
       at<int>(my_row, p.aux.recv_counters)[q] = 0;  // degraded mode: nothing came from q
     }
@@ -328,10 +394,23 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
     if (s_peer < kMaxEpSize) {
       block_counters[layout::SLOT_RT_MISMATCH] = round;
       write_input(p.ctl, layout::INPUT_RT_MISMATCH, s_peer, s_rts[s_peer], round);
+    } else if (s_spec_peer < kMaxEpSize) {
+      const int b = s_spec_peer;
+      block_counters[layout::SLOT_RT_MISMATCH] = round;  // the combine of the round moves nothing
+      write_input(p.ctl, layout::INPUT_SPEC_MISMATCH, b | (s_field[b] << 8), s_theirs[b], round, s_own[b]);
     } else if (bad_inv != 0) {
       const unsigned long long key = ~bad_inv;
       write_input(p.ctl, layout::INPUT_BAD_EXPERT, static_cast<int>(key >> 32),
                   static_cast<int>(static_cast<uint32_t>(key)), round);
+    }
+  }
+  if (p.eplb_out != nullptr && p.eplb_experts > 0) {
+    // The gathered statistics (the barrier above ordered every source's acquire before these loads).
+    const int n = ep * p.eplb_experts;
+    const int32_t* region = at<int32_t>(my_row, p.eplb_offset);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const int src = i / p.eplb_experts;
+      p.eplb_out[i] = (seen >> src & 1) ? ld_volatile(region + i) : 0;
     }
   }
 }
@@ -486,6 +565,7 @@ cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
   for (int i = 0; i < p.num_payloads; ++i) {
     if (p.payload_bytes[i] <= 0 || (p.local_num_tokens > 0 && p.payload[i] == nullptr)) return cudaErrorInvalidValue;
   }
+  if (p.eplb_experts < 0 || (p.eplb_experts > 0 && p.eplb_local == nullptr)) return cudaErrorInvalidValue;
   int resident = 0;
   cudaError_t err = launch::resident_blocks(reinterpret_cast<const void*>(&dispatch_kernel), kThreads, p.lim, &resident);
   if (err != cudaSuccess) return err;

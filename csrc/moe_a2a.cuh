@@ -61,6 +61,8 @@ struct AuxOffsets {
   int combine_slices;         // ceil(max_num_tokens / COMBINE_SLICE_ROWS)
   int64_t recv_rts;           // [ep_size] int32, written by source s: its runtime_max_tokens_per_rank
   int64_t dispatch_ready;     // [ep_size] uint64, written by source s: (high << 32) | round (ready_word)
+  int64_t recv_specs;         // [ep_size, SPEC_WORDS] int32, written by source s: its payload descriptor
+  int64_t combine_ready;      // [ep_size] uint64, written by target t: (combine spec << 32) | round
 };
 
 // The job's control block as the kernels see it (host memory registered for GPU
@@ -96,6 +98,19 @@ struct DispatchParams {
   int64_t payload_offset[kMaxPayloads];        // row-relative start of region [ep_size, rt, bytes]
   int tile_tokens;            // set by launch_dispatch (tokens a block routes per step)
   int diag;                   // kDiag* bits (timing build only; 0 otherwise)
+  // The payload descriptor every peer compares with its own (layout.payload_spec).
+  int32_t spec[layout::SPEC_WORDS];
+  // EPLB statistics (eplb_experts > 0): this rank's [eplb_experts] int32 go to row
+  // eplb_offset + 4 * me * eplb_experts of every peer; eplb_out (may be null) gets the
+  // gathered [ep_size, eplb_experts] (zeros for a rank outside the round).
+  const int32_t* eplb_local;
+  int32_t* eplb_out;
+  int eplb_experts;
+  int64_t eplb_offset;
+  // The caller's active-rank mask, ANDed with the job's: a device word (may be null) and a
+  // value given at launch (~0: none).
+  const int64_t* caller_mask;
+  uint64_t caller_mask_value;
 };
 
 struct SanitizeParams {
@@ -134,6 +149,14 @@ struct CombineParams {
   uint8_t* degraded;
   uint64_t* seen_out;
   uint64_t* seen_dev;
+  // The combine descriptor (layout.combine_spec) published with the flag and compared.
+  uint32_t spec;
+  // FP8 combine (bf16 only): the rows peers pull are e4m3 with one E8M0 scale per
+  // FP8_BLOCK elements (layout.fp8_row_bytes per row, region at combine_offset); this
+  // rank's own rows are read from the payload.
+  bool low_precision;
+  const int64_t* caller_mask;
+  uint64_t caller_mask_value;
 };
 
 struct InitializeParams {

@@ -150,8 +150,9 @@ __device__ inline void write_status(const Control& c, uint32_t code, int peer, i
 
 // This rank's input record (what dispatch found wrong in the input while still
 // completing the round for every rank), in the same order.
-__device__ inline void write_input(const Control& c, uint32_t code, int index, int value, int round) {
+__device__ inline void write_input(const Control& c, uint32_t code, int index, int value, int round, int own = 0) {
   const int64_t rec = layout::CB_INPUT + (int64_t)c.ep_rank * layout::INPUT_RECORD_SIZE;
+  *cb_field<int32_t>(c, layout::CB_INPUT_OWN + 4 * (int64_t)c.ep_rank) = own;
   *cb_field<int32_t>(c, rec + layout::INPUT_INDEX) = index;
   *cb_field<int32_t>(c, rec + layout::INPUT_VALUE) = value;
   *cb_field<uint32_t>(c, rec + layout::INPUT_ROUND) = static_cast<uint32_t>(round);
@@ -171,6 +172,7 @@ struct FlagProbe {
   __device__ __forceinline__ bool ready(int* /*value*/) const { return ld_acquire_sys(flag) == want; }
 };
 
+// A u64 ready word whose low half is the round: `value` gets the high half.
 struct ReadyProbe {
   const uint64_t* word;
   int want;
@@ -181,6 +183,19 @@ struct ReadyProbe {
     return true;
   }
 };
+
+// The round's view with the caller's active-rank mask ANDed in (~0: every rank, as
+// without a mask in a job without degraded mode).
+__device__ __forceinline__ uint64_t with_caller_mask(uint64_t view, const int64_t* mask, uint64_t value, int ep,
+                                                     bool degrade) {
+  uint64_t m = value;
+  if (mask != nullptr) m &= static_cast<uint64_t>(*reinterpret_cast<const volatile int64_t*>(mask));
+  if (m == ~0ull) return view;
+  view &= m;
+  const uint64_t full = ep >= 64 ? ~0ull : (1ull << ep) - 1;
+  if (!degrade && (view & full) == full) view = ~0ull;  // every rank: the plain path
+  return view;
+}
 
 // The job's active mask (degraded mode; host memory).
 __device__ __forceinline__ uint64_t active_mask(const Control& c) {
@@ -239,24 +254,29 @@ __device__ inline void give_up_wait(const Control& c, int result, int peer, int 
 // read (the count of a ready word). Degraded mode (`view` != ~0, the poller only): only
 // the peers of the view are waited for, a peer whose bit is cleared meanwhile is let go,
 // and *seen gets (in every thread) the peers whose probe was ready (otherwise: all ones).
+// With `bad` (combine): *bad gets (in every thread) the peers whose probe value differs
+// from `expect` (their descriptor is not this rank's).
 template <typename ProbeOf>
 __device__ __forceinline__ bool block_wait(ProbeOf probe_of, int ep_size, int round, const Control& c, uint32_t phase, bool poller,
-                           int* claim, int* give_up, int* value, uint64_t view = ~0ull, uint64_t* seen = nullptr) {
+                           int* claim, int* give_up, int* value, uint64_t view = ~0ull, uint64_t* seen = nullptr,
+                           uint64_t* bad = nullptr, int expect = 0) {
   __shared__ int s_stop;
-  __shared__ unsigned long long s_seen;
+  __shared__ unsigned long long s_seen, s_bad;
   volatile int* stop = &s_stop;
   if (threadIdx.x == 0) {
     *stop = 0;
     s_seen = 0;
+    s_bad = 0;
   }
   __syncthreads();
   const int q = threadIdx.x;
   const bool degrade = view != ~0ull;
   if (q < ep_size && (view >> q & 1)) {
     uint64_t waited = 0;
-    const int r = spin_wait(probe_of(q), round, c, poller, give_up, stop, &waited, value, degrade ? q : -1);
+    const int r = spin_wait(probe_of(q), round, c, poller, give_up, stop, &waited, value, degrade && c.degrade ? q : -1);
     if (r == kWaitOk) {
       if (degrade) atomicOr(&s_seen, 1ull << q);
+      if (bad != nullptr && *value != expect) atomicOr(&s_bad, 1ull << q);
     } else if (r != kWaitLeft) {
       *stop = 1;
       if (r != kWaitStopped) give_up_wait(c, r, q, round, phase, waited, claim, give_up);
@@ -264,6 +284,7 @@ __device__ __forceinline__ bool block_wait(ProbeOf probe_of, int ep_size, int ro
   }
   __syncthreads();
   if (seen != nullptr) *seen = degrade ? s_seen : ~0ull;
+  if (bad != nullptr) *bad = s_bad;
   return *stop == 0;
 }
 

@@ -54,7 +54,7 @@ A2AD_QDEV float u2f(uint32_t u) {
 // One fp32 multiply / reciprocal, rounded to nearest even, never contracted into an FMA.
 A2AD_QDEV float mul_rn(float a, float b) {
 #ifdef __CUDA_ARCH__
-  return mul_rn(a, b);
+  return __fmul_rn(a, b);
 #else
   volatile float r = a * b;
   return r;
@@ -63,7 +63,7 @@ A2AD_QDEV float mul_rn(float a, float b) {
 
 A2AD_QDEV float rcp_rn(float a) {
 #ifdef __CUDA_ARCH__
-  return rcp_rn(a);
+  return __frcp_rn(a);
 #else
   volatile float r = 1.0f / a;
   return r;

@@ -60,3 +60,19 @@ def test_no_kernel_variants_or_runtime_diagnostics_in_production_code():
         for line in text.splitlines():
             if "p.diag" in line and "kTimingBuild" not in line:
                 raise AssertionError(f"{name}: diagnostics read outside the kTimingBuild guard: {line.strip()}")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.timeout(300)
+def test_quantize_kernel_keeps_its_rounded_arithmetic(tmp_path):
+    """The quantize kernel's device code does its scaling with round-to-nearest multiplies and
+    reciprocals (mul.rn / rcp.rn). A wrapper that called itself instead of the intrinsic once
+    compiled to a kernel with no arithmetic at all (undefined behaviour, folded away) whose
+    outputs were never written: the PTX must hold the instructions."""
+    ptx = tmp_path / "quantize.ptx"
+    cmd = ["nvcc", "-arch=sm_90", "-std=c++17", "-O3", *TORCH_NVCC_FLAGS, "-ptx", str(CSRC / "quantize.cu"),
+           "-o", str(ptx)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr
+    text = ptx.read_text()
+    assert "mul.rn.f32" in text and "rcp.rn.f32" in text

@@ -420,11 +420,16 @@ def test_overlapped_combine(make_job, dtype, hidden):
             close(outs[r], combine_reference(job, experts[r], xs[r]), dtype)
             job.planes[r].check()
         # rank q staged slice by slice iff the round was large: then every slice it holds for
-        # source s carries this round in s's COMBINE_SLICE_FLAGS[q]
+        # source s carries this round in s's COMBINE_SLICE_FLAGS[q] (the low half of each u64;
+        # the high half is q's combine descriptor)
         this_round = L.INITIAL_ROUND + rnd
+        nflags = ep_size * job.aux.combine_slices
         for s in range(ep_size):
-            flags = job.i32(s, job.aux.combine_slice_flags, ep_size * job.aux.combine_slices)
-            flags = flags.view(ep_size, job.aux.combine_slices).cpu()
+            words = job.ws[s, job.aux.combine_slice_flags : job.aux.combine_slice_flags + 8 * nflags].view(torch.int64)
+            flags = (words.cpu() & 0xFFFFFFFF).view(ep_size, job.aux.combine_slices)
+            spec = L.combine_spec(hidden, dtype)
+            assert all(int(w) >> 32 == spec for w, f in zip(words.cpu().tolist(), flags.flatten().tolist())
+                       if f == this_round), f"round {rnd}: slice flags without the combine descriptor"
             for q in range(ep_size):
                 if q == s:
                     continue

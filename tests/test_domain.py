@@ -329,7 +329,7 @@ def test_hostile_messages_from_a_node_are_dropped(cluster):
                msgpack.packb(dict(env, t="refuse", job="x", kind="spec", field=3))]
         for frame in bad:
             s.send(frame)
-        s.send(b"\x00" * (D.MAX_MESSAGE + 10))  # over the limit: the socket drops it (and the connection)
+        s.send(b"\x00" * (D.MAX_MESSAGE + 10))  # over the cap: logged and dropped, the link stays
         wait_for(lambda: {x["name"]: x for x in c.domain("a")["nodes"]}["c"]["bad_messages"] >= 10, 15,
                  "a counting the bad messages")
     finally:

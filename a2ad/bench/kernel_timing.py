@@ -6,6 +6,10 @@ does), each rank's dispatch and combine in its own CUDA graph; replays are queue
 GPU sleep and L2 is flushed before each round (as in a2ad-bench). Per round the slowest
 rank's interval counts; medians and p10-p90 over the rounds.
 
+``--low-precision`` adds, at every T, a row of the FP8 combine (``low_precision=True``: e4m3
+rows and their scales pulled, fp32 accumulation, bf16 out) beside the bf16 one, and the ratio
+of their combine times.
+
 ``--one-gpu`` puts both ranks on cuda:0 instead (one device buffer holds both rows, each rank
 gets a third of the SMs, as the kernel tests do): no NVLink, so it shows what a change
 costs or saves on the GPU itself (launches, atomics, fences, kernel boundaries), not the
@@ -47,6 +51,7 @@ class TwoGpuJob:
         ep = 2
         self.ep_size, self.top_k, self.num_experts, self.hidden = ep, top_k, num_experts, hidden
         self.one_gpu = one_gpu
+        self.low_precision = False  # the FP8 combine (rows labelled "fp8 combine")
         self.devs = [0] * ep if one_gpu else list(range(ep))
         self.widths = [2 * hidden, 4 * top_k, 4 * top_k]  # bf16 hidden, int32 ids, fp32 scales (as the bench)
         self.aux = L.aux_layout(ep, max_tokens)
@@ -146,7 +151,7 @@ class TwoGpuJob:
         self.planes[r].dispatch(self.experts[r], self.payloads[r], self.T, self.pl, self.num_experts)
 
     def c(self, r: int):
-        return self.planes[r].combine(self.comb[r], self.T, self.T, self.pl, False)
+        return self.planes[r].combine(self.comb[r], self.T, self.T, self.pl, False, low_precision=self.low_precision)
 
     def on(self, r: int) -> contextlib.ExitStack:
         """Rank r's device and stream current."""
@@ -238,10 +243,27 @@ class TwoGpuJob:
                 "c90": q(cs, 0.9), "starved": starved}
 
 
-def plan(cp, tokens: list[int] | None = None, diags: bool = True) -> list[tuple[str, int, int]]:
+FP8_LABEL = "fp8 combine (low_precision)"
+
+
+def plan(cp, tokens: list[int] | None = None, diags: bool = True, low_precision: bool = False
+         ) -> list[tuple[str, int, int]]:
     """``(label, T, diag)`` per configuration, in the order they run (``cp``: a2ad.client.cuda_plane):
     the diagnostics at every T of ``tokens`` (default: T=1), then the kernels as they serve at
-    T=4096. Without ``diags``, the kernels as they serve at each T only."""
+    T=4096. Without ``diags``, the kernels as they serve at each T only. With
+    ``low_precision``, each "default" row is followed by the FP8 combine at its T."""
+    rows = plan_bf16(cp, tokens, diags)
+    if not low_precision:
+        return rows
+    out = []
+    for row in rows:
+        out.append(row)
+        if row[0] == "default":
+            out.append((FP8_LABEL, row[1], 0))
+    return out
+
+
+def plan_bf16(cp, tokens: list[int] | None = None, diags: bool = True) -> list[tuple[str, int, int]]:
     rows = []
     for T in tokens or [1]:
         if not diags:
@@ -273,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", default="1",
                    help="comma-separated T (each at most 4096) at which the diagnostics run (default 1)")
     p.add_argument("--no-diags", action="store_true", help="only the kernels as they serve, at each T of --tokens")
+    p.add_argument("--low-precision", action="store_true",
+                   help="also time the FP8 combine (low_precision=True) at each T, beside the bf16 combine")
     p.add_argument("--one-gpu", action="store_true",
                    help="both ranks on cuda:0, a third of the SMs each (no NVLink: the on-GPU costs only)")
     return p
@@ -304,10 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     job = TwoGpuJob(4096, args.top_k, args.num_experts, args.hidden, one_gpu=args.one_gpu)
     rows, cur_T = [], None
     try:
-        for label, T, dg in plan(cp, tokens, diags=not args.no_diags):
+        for label, T, dg in plan(cp, tokens, diags=not args.no_diags, low_precision=args.low_precision):
             if T != cur_T:
                 job.inputs(T)
                 cur_T = T
+            job.low_precision = label == FP8_LABEL
             try:
                 # 600 rounds in chunks of 50 behind one sleep each (200 at once filled the
                 # launch queue while the GPU slept: the CPU blocked and the GPU then waited for it)
@@ -328,6 +353,13 @@ def main(argv: list[str] | None = None) -> int:
     for label, T, dg, r in rows:
         print(f"| {label} | {T} | {dg} | {'yes' if flush else 'no'} | {r['d']:.2f} ({r['d10']:.2f}-{r['d90']:.2f}) | "
               f"{r['c']:.2f} ({r['c10']:.2f}-{r['c90']:.2f}) |", flush=True)
+    if args.low_precision:
+        bf16 = {T: r["c"] for label, T, _, r in rows if label == "default"}
+        print("\n| T | bf16 combine us | fp8 combine us | fp8 / bf16 |")
+        print("| --: | --: | --: | --: |")
+        for label, T, _, r in rows:
+            if label == FP8_LABEL and T in bf16:
+                print(f"| {T} | {bf16[T]:.2f} | {r['c']:.2f} | {r['c'] / bf16[T]:.3f} |")
     sys.stdout.flush()
     return 0
 

@@ -19,10 +19,14 @@ What lives here (and nothing about jobs: that is federation.py):
   with its node name over a private socketpair, read from the daemon's poll loop. A gate
   that dies is started again (with backoff) and the daemon serves on;
 - heartbeats, and the state of every peer: ``connecting`` (never heard since this daemon
-  started), ``up``, ``down`` (silent for ``heartbeat_interval * heartbeat_misses``);
-- the message bus: msgpack maps with an envelope, size-capped by the socket, decoded with
-  limits; a message that does not decode or does not fit the envelope is dropped, counted
-  and logged (rate-limited) and never reaches the federation.
+  started), ``up``, ``down`` (silent for ``heartbeat_interval * heartbeat_misses``); a
+  daemon instance of a peer that a newer one replaced and that speaks again means two
+  daemons run as that node name: logged, shown in the status, and its messages dropped;
+- the message bus: msgpack maps with an envelope, at most MAX_MESSAGE bytes on both ends
+  (the socket's own limit leaves room for CURVE's overhead and more, so a larger message is
+  logged and dropped here instead of taking the link with it), decoded with limits; a
+  message that does not decode or does not fit the envelope is dropped, counted and logged
+  (rate-limited) and never reaches the federation.
 
 Every socket is non-blocking and polled by the daemon's loop (:meth:`Domain.sockets`,
 :meth:`Domain.service`, :meth:`Domain.tick`, :meth:`Domain.next_deadline`). The federation
@@ -55,8 +59,19 @@ log = logging.getLogger("a2ad")
 
 #: Version of the daemon-to-daemon messages (``v`` of every envelope).
 DOMAIN_PROTOCOL = 1
-#: Largest domain message a daemon accepts (the socket drops larger ones before the loop sees them).
+#: Largest domain message (its msgpack bytes) a daemon sends or takes: the sender does not send
+#: a larger one (logged), the receiver drops a larger one (logged and counted; the link stays).
 MAX_MESSAGE = 1 << 20
+#: What CURVE adds to every message on the wire (the MESSAGE command's name, its nonce, the
+#: box's MAC and the flags byte), which counts against the socket's own size limit.
+CURVE_OVERHEAD = 33
+#: The receive socket's own limit (ZMQ_MAXMSGSIZE), counting CURVE's overhead. libzmq cuts a
+#: connection that carries a larger frame; frames between MAX_MESSAGE and this reach the loop,
+#: which logs and drops them, so an oversized message never silently takes the link with it.
+MAX_FRAME = 4 * MAX_MESSAGE + CURVE_OVERHEAD
+#: Superseded daemon instances (boot ids) remembered per peer, to tell a restart from two
+#: daemons running as one node.
+MAX_SUPERSEDED = 16
 #: Node and domain names: what a config file may use.
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 ADDRESS_RE = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+|\*):([0-9]{1,5})")
@@ -256,9 +271,14 @@ class Peer:
     connected: bool = False
     #: a full resync of this daemon's state to the peer is owed (it came up, restarted, or a send failed)
     resync_due: bool = False
+    #: daemon instances of this node that a newer one replaced -> [when replaced, when last heard]
+    superseded: dict = field(default_factory=dict)
+    #: while two daemons run as this node: the other instance's boot id (its messages are dropped)
+    collision: bytes | None = None
     counters: dict = field(default_factory=lambda: {
         "heartbeats_received": 0, "heartbeats_sent": 0, "messages_received": 0, "messages_sent": 0,
         "bad_messages": 0, "send_drops": 0, "losses": 0, "ups": 0, "handshake_failures": 0,
+        "name_collisions": 0, "collision_drops": 0,
     })
 
     def summary(self, now: float) -> dict:
@@ -271,6 +291,8 @@ class Peer:
             "last_message_age_s": None if self.last_rx is None else round(now - self.last_rx, 3),
             "boot": None if self.boot is None else self.boot.hex(),
             "link_connected": self.connected,
+            "name_collision": self.collision is not None,
+            "colliding_instance": None if self.collision is None else self.collision.hex(),
             **self.counters,
         }
 
@@ -278,12 +300,19 @@ class Peer:
 class _RateLog:
     """At most one line per key every ``every`` seconds; how many were suppressed is said."""
 
+    #: keys remembered at most (a flood of connections from many addresses must not grow it)
+    MAX_KEYS = 1024
+
     def __init__(self, every: float = 10.0):
         self.every = every
         self._last: dict = {}
 
     def __call__(self, level: int, key, msg: str, *args) -> None:
         now = time.monotonic()
+        if key not in self._last and len(self._last) >= self.MAX_KEYS:
+            self._last = {k: v for k, v in self._last.items() if now - v[0] < self.every}
+            if len(self._last) >= self.MAX_KEYS:
+                self._last.clear()
         last, skipped = self._last.get(key, (None, 0))
         if last is not None and now - last < self.every:
             self._last[key] = (last, skipped + 1)
@@ -354,7 +383,7 @@ class Domain:
     # ------------------------------------------------------------------- gate
     def _gate_settings(self) -> dict:
         return {"domain": self.cfg.name, "node": self.node, "bind": self.me.bind, "secret": self._secret,
-                "public": self.public, "allowed": dict(self._allowed), "max_message": MAX_MESSAGE}
+                "public": self.public, "allowed": dict(self._allowed), "max_frame": MAX_FRAME}
 
     def _start_gate(self) -> None:
         """Start the gate and wait (bounded) for its READY; raises BackendError with its reason."""
@@ -431,7 +460,7 @@ class Domain:
         d.setsockopt(zmq.LINGER, 0)
         d.setsockopt(zmq.IMMEDIATE, 1)  # no queue for a peer that is not connected: sends fail, a resync follows
         d.setsockopt(zmq.SNDHWM, LINK_HWM)
-        d.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        d.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
         ivl = max(10, int(self.cfg.heartbeat_interval * 250))
         d.setsockopt(zmq.RECONNECT_IVL, ivl)
         d.setsockopt(zmq.RECONNECT_IVL_MAX, max(ivl, int(self.cfg.heartbeat_interval * 1000)))
@@ -487,6 +516,8 @@ class Domain:
         bound = self.cfg.loss_bound
         for p in self.peers.values():
             self.send(p.name, {"t": "hb"}, heartbeat=True)
+            if p.collision is not None:
+                self._collision_check(p, now)
             if p.state == PEER_UP and p.last_rx is not None and now - p.last_rx > bound:
                 self._lost(p, f"no message for {now - p.last_rx:.2f} s (heartbeat every {self.cfg.heartbeat_interval:g} s, "
                               f"lost after {bound:g} s)")
@@ -566,7 +597,7 @@ class Domain:
             self._rx += chunk
         while len(self._rx) >= 4:
             (n,) = struct.unpack(">I", self._rx[:4])
-            if n > MAX_MESSAGE + 4096:
+            if n > MAX_FRAME + 4096:
                 log.error("domain %s: the domain gate sent a frame of %d bytes; restarting it", self.cfg.name, n)
                 self._stop_gate_channel()
                 return
@@ -604,6 +635,10 @@ class Domain:
         if not isinstance(data, bytes):
             self._bad(p, "not exactly one frame")
             return
+        if len(data) > MAX_MESSAGE:
+            self._bad(p, f"a frame of {len(data)} bytes, over the {MAX_MESSAGE}-byte cap of a domain message "
+                         "(the link stays)")
+            return
         try:
             msg = msgpack.unpackb(data, raw=False, strict_map_key=True, max_str_len=MAX_MESSAGE,
                                   max_bin_len=MAX_MESSAGE, max_array_len=1 << 16, max_map_len=1 << 16)
@@ -614,7 +649,8 @@ class Domain:
         if why:
             self._bad(p, why)
             return
-        self._heard(p, msg)
+        if not self._heard(p, msg):
+            return
         if msg["t"] == "hb":
             p.counters["heartbeats_received"] += 1
             return
@@ -631,13 +667,40 @@ class Domain:
         self._ratelog(logging.WARNING, ("bad", p.name), "domain %s: dropped a message from node %s: %s",
                       self.cfg.name, p.name, why)
 
-    def _heard(self, p: Peer, msg: dict) -> None:
+    def _heard(self, p: Peer, msg: dict) -> bool:
+        """Note that ``p`` was heard; False when the message is to be dropped (it comes from a
+        second daemon running as the same node)."""
         now = time.monotonic()
+        boot = msg["boot"]
+        if p.boot is not None and boot != p.boot:
+            old = p.superseded.get(boot)
+            if old is not None:
+                # an instance that a newer one replaced speaks again: not a restart (a daemon's
+                # instance id is new at every start) but two daemons running as this node, unless
+                # it is a message that was on its way when the other took over (an upgrade)
+                old[1] = now
+                if now - old[0] <= self.cfg.heartbeat_interval and p.collision != boot:
+                    log.debug("domain %s: a late message of node %s's previous instance %s; dropped",
+                              self.cfg.name, p.name, boot.hex())
+                    return False
+                p.counters["collision_drops"] += 1
+                if p.collision != boot:
+                    p.collision = boot
+                    p.counters["name_collisions"] += 1
+                    log.error("domain %s: two daemons run as node %s (instances %s and %s, both heard within "
+                              "%g s; %s is reached at %s): only instance %s is listened to, the other's messages are "
+                              "dropped. Run one daemon per node name: check --node (or the host name) of the "
+                              "daemons of this domain", self.cfg.name, p.name, p.boot.hex(), boot.hex(),
+                              self.cfg.loss_bound, p.name, p.address, p.boot.hex())
+                return False
+            p.superseded[p.boot] = [now, now]
+            while len(p.superseded) > MAX_SUPERSEDED:
+                del p.superseded[min(p.superseded, key=lambda b: p.superseded[b][1])]
         p.last_rx = now
         if msg["t"] == "hb":
             p.last_heartbeat = now
-        restarted = p.boot is not None and p.boot != msg["boot"]
-        p.boot = msg["boot"]
+        restarted = p.boot is not None and p.boot != boot
+        p.boot = boot
         if p.state != PEER_UP or restarted:
             was = p.state
             p.state, p.since = PEER_UP, now
@@ -649,6 +712,21 @@ class Domain:
                 log.info("domain %s: node %s is up (was %s)", self.cfg.name, p.name, was)
             if self.handler is not None:
                 self.handler.on_peer_up(p.name, restarted)
+        return True
+
+    def _collision_check(self, p: Peer, now: float) -> None:
+        """A node-name collision ends once either instance has been silent for the loss bound:
+        the other one, if it still speaks, is then heard as a restart."""
+        other = p.superseded.get(p.collision, [0.0, 0.0])[1]
+        if now - other > self.cfg.loss_bound:
+            log.warning("domain %s: the second daemon running as node %s (instance %s) has been silent for %g s: "
+                        "the name collision is over", self.cfg.name, p.name, p.collision.hex(), now - other)
+            p.collision = None
+        elif p.last_rx is None or now - p.last_rx > self.cfg.loss_bound:
+            log.warning("domain %s: instance %s of node %s went silent while instance %s still speaks: that one is "
+                        "node %s now", self.cfg.name, p.boot.hex() if p.boot else "?", p.name, p.collision.hex(), p.name)
+            p.superseded.pop(p.collision, None)
+            p.collision = None
 
     def _lost(self, p: Peer, why: str) -> None:
         was = p.state
@@ -675,6 +753,7 @@ class Domain:
             "boot": self.boot.hex(),
             "nodes": [{"name": self.node, "address": self.me.address, "state": "self", "state_for_s": round(now - self.started, 3)}]
             + [p.summary(now) for p in self.peers.values()],
+            "name_collisions": sorted(p.name for p in self.peers.values() if p.collision is not None),
             **self.counters,
             "gate": {
                 "pid": self.gate.pid if self.gate is not None else None,

@@ -42,8 +42,21 @@ allocates the rank's row and holds its join. The daemons then share what they ho
 
 Nothing here blocks: messages go out through the domain bus (non-blocking; a message the
 link cannot take makes a full resend owed), messages to this daemon itself go through a
-local inbox handled in the same loop turn. Every message from a peer is checked field by
-field before it reaches the registry; one that does not fit is dropped and counted.
+local inbox handled in the same loop turn.
+
+What a peer says is checked before it is used, as a client's request is: every field of
+every message (types, ranges, sizes: devices, row sizes, ranks, node names), and only the
+fields this daemon knows are kept (a report is stored as its checked copy). A message that
+does not fit is dropped, counted and logged. Besides:
+
+- only a job's coordinator (as this daemon sees the domain) may decide, prepare, release
+  or refuse a rank of it; the same message from another node is refused and logged;
+- a node is believed only about its own ranks: a report that claims a rank this daemon
+  holds, or one whose row another node holds, does not reach the mirror (logged); the
+  job's coordinator settles who keeps it;
+- what this daemon keeps per peer is bounded (MAX_PEER_JOBS reports, MAX_PEER_REPORT_BYTES
+  of them) and freed when the peer is counted lost (it sends everything again when it is
+  heard again).
 """
 
 from __future__ import annotations
@@ -54,8 +67,10 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+import msgpack
+
 from a2ad import errors, layout as L, protocol
-from a2ad.daemon.domain import PEER_DOWN, Domain
+from a2ad.daemon.domain import PEER_DOWN, Domain, _RateLog
 
 log = logging.getLogger("a2ad")
 
@@ -65,6 +80,29 @@ PREPARE_TIMEOUT = 5.0
 RETRY_DELAY = 0.05
 _LIVE = (L.RANK_JOINING, L.RANK_ATTACHED)
 _SPEC_KEYS = ("ep_size", "spec")
+
+# --- what a peer's messages may hold (docs/DOMAIN.md, "Security")
+#: Job reports kept per peer at once (one per job it holds); a report of one more is refused.
+MAX_PEER_JOBS = 2048
+#: Bytes of job reports kept per peer at once (each counted as its checked copy, msgpack-encoded).
+MAX_PEER_REPORT_BYTES = 32 << 20
+#: Longest reason a report may give for a row without a fabric handle (characters).
+MAX_HANDLE_ERROR = 2000
+#: Longest fabric handle (bytes; CUDA's are 64, the host backend's 32) and handle type name.
+MAX_HANDLE = 256
+MAX_HANDLE_TYPE = 32
+#: Longest backend name, and a refusal's message and values (characters).
+MAX_BACKEND = 16
+MAX_REFUSAL_TEXT = 4000
+MAX_REFUSAL_VALUE = 256
+#: Largest rank counter (deaths, attaches) and generation or rendezvous count a report may carry.
+MAX_COUNT = 2**31 - 1
+MAX_GENERATION = 2**63 - 1
+#: A report's job-wide fields and a rank record's fields: nothing else of a report is kept.
+REPORT_FIELDS = ("ep_size", "spec", "owner_uid", "backend", "row_stride", "size_per_rank", "confirmed", "generation",
+                 "rendezvous_count", "needs_rearm", "abort", "abort_rank")
+RANK_FIELDS = ("rank", "state", "waiting", "pid", "device", "deaths", "attaches", "size", "handle_type", "handle",
+               "handle_error")
 
 
 @dataclass
@@ -166,6 +204,28 @@ def _opt_str(v, n: int) -> bool:
     return v is None or (isinstance(v, str) and len(v) <= n)
 
 
+def _printable(v, n: int) -> bool:
+    return isinstance(v, str) and 1 <= len(v) <= n and v.isprintable()
+
+
+def _device(v) -> bool:
+    """What a client's join may declare as its device (protocol.py): 'host' or a GPU's UUID."""
+    return _printable(v, protocol.MAX_DEVICE_LEN)
+
+
+def _handle(v) -> bool:
+    return v is None or (isinstance(v, bytes) and 1 <= len(v) <= MAX_HANDLE)
+
+
+def _row_size(v, size_per_rank: int, row_stride: int) -> bool:
+    """A row holds the workspace and fits the job's row stride."""
+    return _int(v, size_per_rank, row_stride)
+
+
+def _boot_seq(v) -> bool:
+    return isinstance(v, list) and len(v) == 2 and isinstance(v[0], bytes) and len(v[0]) == 8 and _int(v[1])
+
+
 def _need(ok: bool, what: str) -> None:
     if not ok:
         raise ValueError(what)
@@ -178,54 +238,93 @@ def _check_name(msg: dict) -> str:
         raise ValueError(exc.message) from None
 
 
-def _check_report(msg: dict) -> None:
-    """A ``job`` message's fields, all of them, before anything uses one (ValueError: why not)."""
-    _check_name(msg)
-    _need(_int(msg.get("seq"), 1), "bad seq")
+def _check_report(msg: dict) -> dict:
+    """A ``job`` message's fields, all of them, before anything uses one (ValueError: why
+    not). Returns the checked copy, which holds the known fields only: that is what is kept."""
+    name = _check_name(msg)
+    _need(_int(msg.get("seq"), 1, MAX_GENERATION), "bad seq")
     _need(isinstance(msg.get("gone"), bool), "bad gone")
     if msg["gone"]:
-        return
+        return {"job": name, "seq": msg["seq"], "gone": True}
     ep = msg.get("ep_size")
     _need(_int(ep, 1, L.MAX_EP_SIZE), "bad ep_size")
     try:
         spec = protocol.REQUESTS["join"]["spec"].check("spec", msg.get("spec"))
     except errors.InvalidField as exc:
         raise ValueError(exc.message) from None
-    _need(protocol.normalize_spec(spec, ep) == msg["spec"], "spec not normalized")
-    _need(msg.get("owner_uid") is None or _int(msg["owner_uid"]), "bad owner_uid")
-    _need(isinstance(msg.get("backend"), str) and len(msg["backend"]) <= 16, "bad backend")
-    for k in ("row_stride", "size_per_rank", "generation", "rendezvous_count"):
-        _need(_int(msg.get(k)), f"bad {k}")
+    spec = protocol.normalize_spec(spec, ep)
+    _need(spec == msg["spec"], "spec not normalized")
+    _need(msg.get("owner_uid") is None or _int(msg["owner_uid"], 0, 2**32 - 1), "bad owner_uid")
+    _need(_printable(msg.get("backend"), MAX_BACKEND), "bad backend")
+    size = msg.get("size_per_rank")
+    _need(_int(size, 1, protocol.MAX_SIZE_PER_RANK) and size == spec["workspace_size_per_rank"], "bad size_per_rank")
+    stride = msg.get("row_stride")
+    _need(_int(stride, size, protocol.MAX_SIZE_PER_RANK), "bad row_stride (smaller than a row's workspace)")
+    for k in ("generation", "rendezvous_count"):
+        _need(_int(msg.get(k), 0, MAX_GENERATION), f"bad {k}")
     for k in ("confirmed", "needs_rearm"):
         _need(isinstance(msg.get(k), bool), f"bad {k}")
-    _need(_int(msg.get("abort"), 0, 2**32 - 1) and _int(msg.get("abort_rank"), -1, L.MAX_EP_SIZE), "bad abort")
+    _need(_int(msg.get("abort"), 0, 2**32 - 1) and msg["abort"] in L.ABORT_NAMES, "bad abort word")
+    _need(_int(msg.get("abort_rank"), -1, ep - 1), "bad abort rank")
     ranks = msg.get("ranks")
     _need(isinstance(ranks, list) and len(ranks) <= ep, "bad ranks")
-    seen = set()
+    seen, kept = set(), []
     for rec in ranks:
         _need(isinstance(rec, dict), "a rank record is not a map")
         r = rec.get("rank")
         _need(_int(r, 0, ep - 1) and r not in seen, "bad rank")
         seen.add(r)
-        _need(rec.get("state") in L.RANK_STATE_NAMES, "bad rank state")
-        _need(rec.get("waiting") in (None, "join", "recover"), "bad waiting")
-        _need(rec.get("pid") is None or _int(rec["pid"], 1, 2**31 - 1), "bad pid")
-        _need(_opt_str(rec.get("device"), protocol.MAX_DEVICE_LEN), "bad device")
-        _need(_int(rec.get("deaths")) and _int(rec.get("attaches")), "bad counts")
-        _need(rec.get("size") is None or _int(rec["size"], 1), "bad size")
-        _need(rec.get("handle") is None or (isinstance(rec["handle"], bytes) and 1 <= len(rec["handle"]) <= 256),
-              "bad handle")
-        _need(_opt_str(rec.get("handle_type"), 32) and _opt_str(rec.get("handle_error"), 2000), "bad handle fields")
+        _need(_int(rec.get("state")) and rec["state"] in L.RANK_STATE_NAMES, f"rank {r}: bad state")
+        _need(rec.get("waiting") in (None, "join", "recover"), f"rank {r}: bad waiting")
+        _need(rec.get("pid") is None or _int(rec["pid"], 1, 2**31 - 1), f"rank {r}: bad pid")
+        _need(rec.get("device") is None or _device(rec["device"]), f"rank {r}: bad device")
+        _need(_int(rec.get("deaths"), 0, MAX_COUNT) and _int(rec.get("attaches"), 0, MAX_COUNT), f"rank {r}: bad counts")
+        _need(rec.get("size") is None or _row_size(rec["size"], size, stride),
+              f"rank {r}: bad row size (must be in [{size}, {stride}])")
+        _need(_handle(rec.get("handle")), f"rank {r}: bad handle")
+        _need(rec.get("handle_type") is None or _printable(rec["handle_type"], MAX_HANDLE_TYPE), f"rank {r}: bad handle type")
+        _need(_opt_str(rec.get("handle_error"), MAX_HANDLE_ERROR), f"rank {r}: bad handle error")
+        kept.append({k: rec.get(k) for k in RANK_FIELDS})
+    out = {"job": name, "seq": msg["seq"], "gone": False}
+    out.update((k, msg[k]) for k in REPORT_FIELDS)
+    out["spec"], out["ranks"] = spec, kept
+    return out
+
+
+def _check_table(table, job, nodes) -> None:
+    """A ``release`` table: one record per rank of ``job``, each on a configured node, with a
+    device a client could declare and a row that fits the job (ValueError: why not)."""
+    _need(isinstance(table, list) and len(table) == job.ep_size, f"bad release table (not {job.ep_size} records)")
+    seen = set()
+    for rec in table:
+        _need(isinstance(rec, dict), "bad release table (a record is not a map)")
+        r = rec.get("rank")
+        _need(_int(r, 0, job.ep_size - 1) and r not in seen, f"bad release table (rank {r!r:.20})")
+        seen.add(r)
+        _need(rec.get("node") in nodes, f"bad release table: rank {r}'s node {rec.get('node')!r:.70} is not a node "
+                                        "of the domain")
+        _need(_device(rec.get("device")), f"bad release table: rank {r}'s device {rec.get('device')!r:.70}")
+        _need(_row_size(rec.get("size"), job.size_per_rank, job.row_stride),
+              f"bad release table: rank {r}'s row size {rec.get('size')!r:.30} (the job's rows hold "
+              f"{job.size_per_rank}-{job.row_stride} bytes)")
+        _need(_handle(rec.get("handle")), f"bad release table: rank {r}'s handle")
+        _need(rec.get("handle_type") is None or _printable(rec["handle_type"], MAX_HANDLE_TYPE),
+              f"bad release table: rank {r}'s handle type")
+
+
+def _refusal_value(v) -> bool:
+    return v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= MAX_REFUSAL_VALUE)
 
 
 def _check_decision(d) -> dict:
     _need(isinstance(d, dict), "bad decision")
-    probe = {"ep_size": d.get("ep_size"), "spec": d.get("spec"), "owner_uid": d.get("owner_uid"),
+    spec = d.get("spec")
+    probe = {"ep_size": d.get("ep_size"), "spec": spec, "owner_uid": d.get("owner_uid"),
              "backend": d.get("backend"), "row_stride": d.get("row_stride"), "job": "x", "seq": 1, "gone": False,
-             "size_per_rank": 1, "generation": 0, "rendezvous_count": 0, "confirmed": True, "needs_rearm": False,
+             "size_per_rank": spec.get("workspace_size_per_rank") if isinstance(spec, dict) else None,
+             "generation": 0, "rendezvous_count": 0, "confirmed": True, "needs_rearm": False,
              "abort": 0, "abort_rank": -1, "ranks": []}
-    _check_report(probe)
-    return _decision(probe)
+    return _decision(_check_report(probe))
 
 
 class Federation:
@@ -249,7 +348,12 @@ class Federation:
         self._next_force = 0.0
         self._order_cache: dict[str, list[str]] = {}
         self.counters = {"reports_sent": 0, "reports_received": 0, "rendezvous_coordinated": 0, "prepare_retries": 0,
-                         "refusals": 0, "nodes_lost": 0}
+                         "refusals": 0, "nodes_lost": 0, "refused_messages": 0, "reports_refused": 0,
+                         "claims_refused": 0}
+        #: peer -> job -> bytes of the report of it kept here (bounded: MAX_PEER_JOBS, MAX_PEER_REPORT_BYTES)
+        self._held: dict[str, dict[str, int]] = {}
+        self._held_bytes: dict[str, int] = {}
+        self._ratelog = _RateLog()
         #: the coordinator's "last join seen to release sent" of its latest rendezvous, seconds
         self.coordinated: list[float] = []
 
@@ -269,6 +373,18 @@ class Federation:
             if n == self.node or self.bus.state(n) != PEER_DOWN:
                 return n
         return self.node
+
+    def _from_coordinator(self, node: str, name: str, t: str) -> str | None:
+        """None when ``node`` is ``name``'s coordinator as this daemon sees the domain, else
+        why its ``t`` message is refused (counted and logged)."""
+        coord = self.coordinator(name)
+        if node == coord:
+            return None
+        self.counters["refused_messages"] += 1
+        self._ratelog(logging.WARNING, ("coord", node, t),
+                      "domain: refused a %r of job %s from node %s, which is not the job's coordinator (node %s is, "
+                      "as this node sees the domain)", t, name, node, coord)
+        return f"node {node} is not the job's coordinator here (node {coord} is)"
 
     # --------------------------------------------------------- registry's calls
     def check_new_job(self, name: str, ep_size: int, spec: dict, peer) -> bool:
@@ -308,9 +424,10 @@ class Federation:
         job.confirmed = confirmed
         fj = self.jobs.get(job.name)
         if fj is not None:  # other nodes' ranks of it, as they reported them
-            for n, v in fj.views.items():
-                if n != self.node and n not in fj.lost and self._same_job(job, v):
-                    self.reg.apply_remote(job, n, _ranks(v), _fields(v))
+            for n in list(fj.order):
+                v = fj.views.get(n)
+                if v is not None and n != self.node and n not in fj.lost and self._same_job(job, v):
+                    self._mirror(job, n, v)
 
     def spread_refusal(self, job, exc: errors.SpecMismatch) -> None:
         d = exc.details
@@ -324,6 +441,86 @@ class Federation:
     @staticmethod
     def _same_job(job, view: dict) -> bool:
         return view["ep_size"] == job.ep_size and view["spec"] == job.spec
+
+    # ---------------------------------------------------------------- the mirror
+    def _believed(self, job, node: str, ranks: dict[int, dict]) -> dict[int, dict]:
+        """The part of ``node``'s report that it may be believed about: its own ranks. A rank
+        this daemon holds, or whose row another node holds here, is left out (logged); the
+        job's coordinator settles which node keeps a rank two nodes claim."""
+        out = {}
+        for r, rec in ranks.items():
+            if r >= job.ep_size:
+                continue
+            slot = job.slots[r]
+            if slot.node is None and (slot.alloc is not None or slot.live):
+                owner = self.node
+            else:
+                owner = slot.node
+            if owner is None or owner == node:
+                out[r] = rec
+                continue
+            self.counters["claims_refused"] += 1
+            self._ratelog(logging.WARNING, ("claim", job.name, node, r),
+                          "job %s: node %s reports rank %d as its own, which is %s: not believed", job.name, node, r,
+                          "this node's" if owner == self.node else f"node {owner}'s")
+        return out
+
+    def _mirror(self, job, node: str, view: dict | None, why_gone: str = "") -> None:
+        """Mirror ``node``'s report ``view`` of ``job`` into the registry's copy (None: the node
+        holds the job no more); ranks it let go of may then be another node's."""
+        if view is None:
+            self.reg.apply_remote(job, node, None, why_gone=why_gone)
+        else:
+            self.reg.apply_remote(job, node, self._believed(job, node, _ranks(view)), _fields(view))
+        fj = self.jobs.get(job.name)
+        if fj is None:
+            return
+        for n in list(fj.order):
+            v = fj.views.get(n)
+            if n in (node, self.node) or n in fj.lost or v is None or not self._same_job(job, v):
+                continue
+            free = [r for r in _ranks(v) if r < job.ep_size and job.slots[r].node is None
+                    and job.slots[r].alloc is None and not job.slots[r].live]
+            if free:
+                self.reg.apply_remote(job, n, self._believed(job, n, _ranks(v)), _fields(v))
+
+    # ------------------------------------------------------- what is kept per peer
+    def _hold(self, node: str, name: str, report: dict) -> bool:
+        """Count ``node``'s report of ``name`` against its bounds; False (the report is refused,
+        counted and logged; the one kept before stays) when it would pass one."""
+        held = self._held.setdefault(node, {})
+        size = len(msgpack.packb(report, use_bin_type=True))
+        prev = held.get(name)
+        total = self._held_bytes.get(node, 0) - (prev or 0) + size
+        if prev is None and len(held) >= MAX_PEER_JOBS:
+            why = (f"node {node} already has {MAX_PEER_JOBS} job reports here (the bound per node); its report of "
+                   f"job {name} is refused")
+        elif total > MAX_PEER_REPORT_BYTES:
+            why = (f"node {node}'s job reports would hold {total} bytes here, over the bound of "
+                   f"{MAX_PEER_REPORT_BYTES} per node; its report of job {name} ({size} bytes) is refused")
+        else:
+            held[name] = size
+            self._held_bytes[node] = total
+            return True
+        self.counters["reports_refused"] += 1
+        self._ratelog(logging.WARNING, ("bound", node, prev is None and len(held) >= MAX_PEER_JOBS), "domain: %s", why)
+        return False
+
+    def _unhold(self, node: str, name: str) -> None:
+        held = self._held.get(node)
+        if held is not None and name in held:
+            self._held_bytes[node] -= held.pop(name)
+
+    def _forget_view(self, fj: FedJob, node: str) -> None:
+        """Drop what this daemon keeps of ``node``'s part of ``fj``."""
+        fj.views.pop(node, None)
+        fj.seqs.pop(node, None)
+        if node in fj.order:
+            fj.order.remove(node)
+        fj.decide_sent.pop(node, None)
+        fj.refused.pop(node, None)
+        fj.rank_refused = {k for k in fj.rank_refused if k[1] != node}
+        self._unhold(node, fj.name)
 
     # ------------------------------------------------------------------- reports
     def _report(self, job) -> dict:
@@ -392,6 +589,14 @@ class Federation:
         for job in list(self.reg.jobs.values()):  # re-adopted jobs too, whose reports of it never came
             if job.domain and any(s.node == node for s in job.slots):
                 self.reg.remote_node_lost(job, node, why)
+        # what it reported is freed (the mirror keeps its ranks, dead); it sends it all again
+        # when it is heard again
+        for fj in list(self.jobs.values()):
+            if node in fj.views or node in fj.seqs:
+                self._forget_view(fj, node)
+                self._gc(fj)
+        self._held.pop(node, None)
+        self._held_bytes.pop(node, None)
         self._coord_dirty.update(self.jobs)
 
     def on_message(self, node: str, msg: dict) -> None:
@@ -403,20 +608,25 @@ class Federation:
 
     # ----------------------------------------------------------------- handlers
     def _on_job(self, node: str, msg: dict) -> None:
-        _check_report(msg)
+        report = _check_report(msg)
         self.counters["reports_received"] += 1
-        self._take_report(node, msg["boot"], msg)
+        self._take_report(node, msg["boot"], report)
 
     def _take_report(self, node: str, boot: bytes, msg: dict) -> None:
         name = msg["job"]
         fj = self.jobs.get(name)
-        if fj is None:
-            if msg["gone"]:
-                return
-            fj = self.jobs[name] = FedJob(name)
-        prev = fj.seqs.get(node)
+        if fj is None and msg["gone"]:
+            return
+        prev = fj.seqs.get(node) if fj is not None else None
         if prev is not None and prev[0] == boot and (msg["seq"] < prev[1] or (msg["seq"] == prev[1] and node not in fj.lost)):
             return  # not newer than what we have
+        if node != self.node:
+            if msg["gone"]:
+                self._unhold(node, name)
+            elif not self._hold(node, name, msg):
+                return
+        if fj is None:
+            fj = self.jobs[name] = FedJob(name)
         fj.seqs[node] = (boot, msg["seq"])
         fj.lost.discard(node)
         old = fj.views.get(node)
@@ -436,9 +646,9 @@ class Federation:
             job = self.reg.jobs.get(name)
             if job is not None and job.domain:
                 if msg["gone"] or not self._same_job(job, msg):
-                    self.reg.apply_remote(job, node, None, why_gone=f"node {node} no longer holds the job")
+                    self._mirror(job, node, None, why_gone=f"node {node} no longer holds the job")
                 else:
-                    self.reg.apply_remote(job, node, _ranks(msg), _fields(msg))
+                    self._mirror(job, node, msg)
         self._coord_dirty.add(name)
         self._gc(fj)
 
@@ -448,7 +658,8 @@ class Federation:
 
     def _on_sync(self, node: str, msg: dict) -> None:
         names = msg.get("jobs")
-        _need(isinstance(names, list) and all(isinstance(n, str) for n in names), "bad job list")
+        _need(isinstance(names, list) and all(isinstance(n, str) and len(n) <= protocol.MAX_JOB_NAME for n in names),
+              "bad job list")
         keep = set(names)
         for fj in list(self.jobs.values()):
             if node in fj.views and fj.name not in keep:
@@ -456,19 +667,26 @@ class Federation:
                 if node in fj.order:
                     fj.order.remove(node)
                 fj.lost.discard(node)
+                self._unhold(node, fj.name)
                 job = self.reg.jobs.get(fj.name)
                 if job is not None and job.domain:
-                    self.reg.apply_remote(job, node, None, why_gone=f"node {node} no longer holds the job")
+                    self._mirror(job, node, None, why_gone=f"node {node} no longer holds the job")
                 self._coord_dirty.add(fj.name)
                 self._gc(fj)
 
     def _on_decide(self, node: str, msg: dict) -> None:
         name = _check_name(msg)
         decided = _check_decision(msg.get("decision"))
-        fj = self.jobs.setdefault(name, FedJob(name))
+        if self._from_coordinator(node, name, "decide") is not None:
+            return
+        job = self.reg.jobs.get(name)
+        fj = self.jobs.get(name)
+        if fj is None:
+            if job is None:
+                return  # a decision is sent to the nodes that report the job: nothing to keep
+            fj = self.jobs[name] = FedJob(name)
         if self.coordinator(name) != self.node:
             fj.decided = decided
-        job = self.reg.jobs.get(name)
         if job is None or not job.domain:
             return
         probe = {"ep_size": job.ep_size, "spec": job.spec, "owner_uid": job.owner_uid, "backend": self.backend,
@@ -485,9 +703,13 @@ class Federation:
     def _on_refuse(self, node: str, msg: dict) -> None:
         name = _check_name(msg)
         kind, fld = msg.get("kind"), msg.get("field")
-        _need(kind in ("spec", "owner", "config", "backend") and isinstance(fld, str), "bad refusal")
-        _need(isinstance(msg.get("node"), str) and _opt_str(msg.get("message"), 4000), "bad refusal")
+        _need(kind in ("spec", "owner", "config", "backend") and _printable(fld, protocol.MAX_JOB_NAME), "bad refusal")
+        _need(msg.get("node") in self.nodes, "bad refusal (not a node of the domain)")
+        _need(_opt_str(msg.get("message"), MAX_REFUSAL_TEXT), "bad refusal message")
+        _need(_refusal_value(msg.get("job_value")) and _refusal_value(msg.get("requested")), "bad refusal values")
         decided = _check_decision(msg.get("decision")) if msg.get("decision") is not None else None
+        if msg["node"] != node and self._from_coordinator(node, name, "refuse") is not None:
+            return  # a node refuses its own joins; another node's only the coordinator
         job = self.reg.jobs.get(name)
         self.counters["refusals"] += 1
         if job is None or not job.domain:
@@ -506,7 +728,9 @@ class Federation:
     def _on_refuse_rank(self, node: str, msg: dict) -> None:
         name = _check_name(msg)
         r, holder = msg.get("rank"), msg.get("holder")
-        _need(_int(r, 0, L.MAX_EP_SIZE - 1) and isinstance(holder, str), "bad rank refusal")
+        _need(_int(r, 0, L.MAX_EP_SIZE - 1) and holder in self.nodes, "bad rank refusal")
+        if self._from_coordinator(node, name, "refuse_rank") is not None:
+            return
         job = self.reg.jobs.get(name)
         if job is None or not job.domain or r >= job.ep_size:
             return
@@ -515,15 +739,19 @@ class Federation:
         fj = self.jobs.get(name)
         v = fj.views.get(holder) if fj is not None else None
         if v is not None and holder not in fj.lost and self._same_job(job, v):
-            self.reg.apply_remote(job, holder, _ranks(v), _fields(v))  # the slot is the holder's now
+            self._mirror(job, holder, v)  # the slot is the holder's now
 
     def _on_prepare(self, node: str, msg: dict) -> None:
         name = _check_name(msg)
         attempt, gen, rearm, seqs = msg.get("attempt"), msg.get("generation"), msg.get("rearm"), msg.get("seqs")
-        _need(_int(attempt) and _int(gen) and isinstance(rearm, bool) and isinstance(seqs, dict), "bad prepare")
+        _need(_int(attempt) and _int(gen, 0, MAX_GENERATION) and isinstance(rearm, bool) and isinstance(seqs, dict),
+              "bad prepare")
+        _need(all(n in self.nodes and _boot_seq(v) for n, v in seqs.items()), "bad prepare (report numbers)")
         job = self.reg.jobs.get(name)
-        why = None
-        if job is None or not job.domain:
+        why = self._from_coordinator(node, name, "prepare")  # answered no: a coordinator that thinks
+        if why is not None:                                  # itself one tries again soon
+            pass
+        elif job is None or not job.domain:
             why = "no such job here"
         else:
             if self.reg.dirty or self._force_sync:
@@ -564,7 +792,7 @@ class Federation:
             return
         a.prepared.add(node)
         seq = msg.get("seq")
-        if isinstance(seq, list) and len(seq) == 2:
+        if _boot_seq(seq):
             a.after[node] = seq
         if a.prepared != a.nodes:
             return
@@ -585,15 +813,15 @@ class Federation:
     def _on_release(self, node: str, msg: dict) -> None:
         name = _check_name(msg)
         attempt, gen, count, table = msg.get("attempt"), msg.get("generation"), msg.get("rendezvous_count"), msg.get("table")
-        _need(_int(attempt) and _int(gen) and _int(count) and isinstance(table, list), "bad release")
-        for rec in table:
-            _need(isinstance(rec, dict) and _int(rec.get("rank"), 0, L.MAX_EP_SIZE - 1) and isinstance(rec.get("node"), str),
-                  "bad release table")
-            _need(rec.get("handle") is None or isinstance(rec["handle"], bytes), "bad release table")
+        _need(_int(attempt) and _int(gen, 0, MAX_GENERATION) and _int(count, 0, MAX_GENERATION)
+              and isinstance(table, list), "bad release")
+        if self._from_coordinator(node, name, "release") is not None:
+            return
         job = self.reg.jobs.get(name)
         if job is None or not job.domain or job.fed_attempt != attempt:
             log.debug("job %s: a release from node %s for another rendezvous attempt; ignored", name, node)
             return
+        _check_table(table, job, self.nodes)
         job.fed_attempt = None
         self.reg.domain_release(job, gen, count, table)
 
@@ -657,6 +885,7 @@ class Federation:
                 fj.decide_sent[n] = fj.seqs.get(n)
                 self._send(n, {"t": "decide", "job": fj.name, "decision": d})
         # placement: a rank's row stays with the first node that reported it
+        fj.rank_refused = {k for k in fj.rank_refused if fj.seqs.get(k[1]) == k[2]}  # only the current reports'
         holders: dict[int, list[str]] = {}
         for n in fj.order:
             v = fj.views.get(n)
@@ -796,6 +1025,7 @@ class Federation:
                 "max": round(lat[-1] * 1e3, 3) if lat else None,
                 "last": round(self.coordinated[-1] * 1e3, 3) if lat else None,
             },
+            "peer_reports": {n: {"jobs": len(h), "bytes": self._held_bytes.get(n, 0)} for n, h in self._held.items()},
             **self.counters,
         }
 

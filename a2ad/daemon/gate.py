@@ -90,7 +90,9 @@ class Gate:
         r = self.ctx.socket(zmq.ROUTER)
         self.router = r
         r.setsockopt(zmq.LINGER, 0)
-        r.setsockopt(zmq.MAXMSGSIZE, int(self.cfg["max_message"]))
+        # the frame cap counts CURVE's overhead and more: the daemon logs and drops a message over
+        # its own cap, so that an oversized one never takes the link with it (domain.MAX_FRAME)
+        r.setsockopt(zmq.MAXMSGSIZE, int(self.cfg["max_frame"]))
         r.setsockopt(zmq.RCVHWM, LINK_HWM)
         r.setsockopt(zmq.HANDSHAKE_IVL, int(self.cfg.get("handshake_ivl_ms", HANDSHAKE_IVL_MS)))
         r.setsockopt(zmq.BACKLOG, 128)
@@ -163,6 +165,10 @@ class Gate:
         """At most one line per key every 10 s (how many were suppressed is said); the daemon
         writes it, once it has the counters that go with it."""
         now = time.monotonic()
+        if key not in self._last_line and len(self._last_line) >= 1024:  # a flood from many addresses
+            self._last_line = {k: v for k, v in self._last_line.items() if now - v[0] < 10.0}
+            if len(self._last_line) >= 1024:
+                self._last_line.clear()
         last, skipped = self._last_line.get(key, (None, 0))
         if last is not None and now - last < 10.0:
             self._last_line[key] = (last, skipped + 1)
@@ -259,8 +265,12 @@ class Gate:
                     self.conns.add(fd)
             elif e == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.counters["authenticated"] += 1
-            elif e in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+            elif e == zmq.EVENT_DISCONNECTED:
                 self.conns.discard(fd)
+                self._ratelog(logging.INFO, ("disconnect",),
+                              "domain %s: a connection to %s closed: its daemon stopped or restarted, it sent a frame "
+                              "over the %d-byte socket limit, or it never authenticated", self.name, self.bind_addr,
+                              int(self.cfg["max_frame"]))
             elif e in _HANDSHAKE_FAILED:
                 if e != zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # the ZAP handler counted and logged those
                     self.counters["refused_connections"] += 1

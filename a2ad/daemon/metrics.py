@@ -189,7 +189,11 @@ class DaemonCollector:
                                 "Seconds since the peer's last heartbeat (absent before the first).", labels=["node"])
         link = GaugeMetricFamily("a2ad_domain_peer_link_connected",
                                  "1 while this daemon's authenticated connection to the peer stands.", labels=["node"])
+        collision = GaugeMetricFamily("a2ad_domain_peer_name_collision",
+                                      "1 while two daemons are heard running as the peer's node name, else 0.",
+                                      labels=["node"])
         for p in peers:
+            collision.add_metric([p["name"]], 1 if p.get("name_collision") else 0)
             up.add_metric([p["name"]], 1 if p["state"] == "up" else 0)
             link.add_metric([p["name"]], 1 if p["link_connected"] else 0)
             if p["last_heartbeat_age_s"] is not None:
@@ -197,6 +201,7 @@ class DaemonCollector:
         yield up
         yield age
         yield link
+        yield collision
         for key, help_text in (
             ("heartbeats_received", "Heartbeats received from the peer."),
             ("heartbeats_sent", "Heartbeats sent to the peer."),
@@ -206,6 +211,8 @@ class DaemonCollector:
             ("send_drops", "Messages to the peer the link could not take (a full resend follows)."),
             ("losses", "Times the peer was counted lost (silent past the heartbeat bound)."),
             ("handshake_failures", "Failed handshakes of this daemon's connection to the peer."),
+            ("name_collisions", "Times a second daemon was heard running as the peer's node name."),
+            ("collision_drops", "Messages dropped from a second daemon running as the peer's node name."),
         ):
             fam = CounterMetricFamily(f"a2ad_domain_peer_{key}", help_text, labels=["node"])
             for p in peers:

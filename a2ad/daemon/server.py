@@ -705,7 +705,7 @@ class Daemon:
         st = self.domain.status()
         if brief:
             return {"domain": st["domain"], "node": st["node"],
-                    "nodes": {n["name"]: n["state"] for n in st["nodes"]}}
+                    "nodes": {n["name"]: n["state"] for n in st["nodes"]}, "name_collisions": st["name_collisions"]}
         st["federation"] = self.fed.status()
         return st
 

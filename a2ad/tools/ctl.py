@@ -88,6 +88,8 @@ def show_status(st: dict) -> str:
     if dom:
         peers = ", ".join(f"{n} {state}" for n, state in dom["nodes"].items() if state != "self")
         lines.append(f"domain        {dom['domain']}, this is node {dom['node']}; peers: {peers or 'none'}")
+        for n in dom.get("name_collisions") or []:
+            lines.append(f"              two daemons run as node {n}: only one is listened to (see the log)")
     lat = st.get("rendezvous_latency_ms", {})
     if lat.get("count"):
         lines.append(f"rendezvous    {lat['count']} done, p50 {lat['p50']} ms, max {lat['max']} ms")
@@ -186,6 +188,8 @@ def show_domain(d: dict) -> str:
                      f"{n['messages_received']}/{n['messages_sent']}", str(n["losses"]),
                      str(n["bad_messages"] + n["handshake_failures"])])
     lines.append(_table(rows, ["NODE", "ADDRESS", "STATE", "FOR", "LAST HEARTBEAT", "MSGS IN/OUT", "LOSSES", "REFUSED"]))
+    for n in d.get("name_collisions") or []:
+        lines.append(f"two daemons run as node {n}: only one is listened to (see the log)")
     return "\n".join(lines)
 
 

@@ -1,0 +1,283 @@
+"""GPU tests of the data-plane features of the CUDA kernels, several ranks of one job on one
+GPU in this process (the harness of test_cuda_kernels): payload and combine descriptors that
+differ between ranks (InputError on every rank, nothing misread), EPLB statistics gathered in
+the dispatch (eager and in CUDA graphs), the FP8 combine (bit-exact against its definition,
+host_plane.quantize_fp8, and its error against the bf16 combine), and the caller's
+active-rank mask (a device tensor, in CUDA graphs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from a2ad import errors, layout as L
+from test_cuda_kernels import (  # noqa: F401  (make_job is a fixture)
+    combine_reference,
+    expert_weight,
+    make_job,
+    owners,
+    rand_experts,
+    routes,
+    run_round,
+    close,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _raises_on_every_rank(job, words):
+    torch.cuda.synchronize()
+    msgs = []
+    for r in range(job.ep_size):
+        with pytest.raises(errors.InputError) as info:
+            job.planes[r].check_input()
+        msgs.append(str(info.value))
+        for w in words[r]:
+            assert w in msgs[-1], msgs[-1]
+        job.planes[r].check_input()  # raised once, then forgotten
+    return msgs
+
+
+def _good_round(job, T=8, hidden=64):
+    """A correct round after an error: exact again."""
+    e = [rand_experts(T, job.top_k, job.num_experts) for _ in range(job.ep_size)]
+    x = [torch.randn(T, hidden, device="cuda").to(torch.bfloat16) for _ in range(job.ep_size)]
+    pl = job.layout(T, [2 * hidden, 4 * job.top_k], 2 * hidden)
+    payloads = [[x[r].view(torch.uint8), e[r].view(torch.uint8)] for r in range(job.ep_size)]
+    outs = run_round(job, e, payloads, pl, 0, torch.bfloat16)
+    for r in range(job.ep_size):
+        close(outs[r], combine_reference(job, e[r], x[r]), torch.bfloat16)
+        job.planes[r].check_input()
+
+
+@pytest.mark.parametrize("ep_size", [2, 3])
+def test_payload_width_mismatch_raises_on_every_rank(make_job, ep_size):
+    """hidden 7 on rank 0, 8 on the others (bf16): every rank's check_input raises naming
+    input_payloads[0] and both widths; the round's combine returns zeros; then exact rounds."""
+    T, top_k, E = 8, 2, 8
+    job = make_job(ep_size, T, top_k, E, 2 * 64 + 4 * top_k, 2 * 64)
+    e = [rand_experts(T, top_k, E) for _ in range(ep_size)]
+    hid = [7 if r == 0 else 8 for r in range(ep_size)]
+    x = [torch.randn(T, hid[r], device="cuda").to(torch.bfloat16) for r in range(ep_size)]
+    pls = [L.payload_layout(job.aux, job.size, T, [2 * hid[r], 4 * top_k], 2 * hid[r],
+                            dtypes=[torch.bfloat16, torch.int32]) for r in range(ep_size)]
+
+    def dispatch(r):
+        job.planes[r].dispatch(e[r], [x[r], e[r]], T, pls[r], E)
+
+    def combine(r):
+        payload = torch.ones(ep_size, T, hid[r], dtype=torch.bfloat16, device="cuda")
+        return job.planes[r].combine(payload, T, T, pls[r], False)
+
+    job.on_ranks(dispatch)
+    outs = job.on_ranks(combine)
+    job.join()
+    for r in range(ep_size):
+        assert not bool(outs[r].any()), f"rank {r}: a round with mismatched payloads returned data"
+    words = {0: ["input_payloads[0] bytes per token", "this rank 14", "16"]}
+    for r in range(1, ep_size):
+        words[r] = ["input_payloads[0] bytes per token", "this rank 16", "rank 0 14"]
+    _raises_on_every_rank(job, words)
+    _good_round(job)
+
+
+def test_payload_dtype_mismatch_names_both_dtypes(make_job):
+    T, top_k, E, hidden = 8, 2, 8, 64
+    job = make_job(2, T, top_k, E, 2 * hidden + 4 * top_k, 2 * hidden)
+    e = [rand_experts(T, top_k, E) for _ in range(2)]
+    dts = [torch.bfloat16, torch.float16]
+    x = [torch.randn(T, hidden, device="cuda").to(dts[r]) for r in range(2)]
+    pls = [L.payload_layout(job.aux, job.size, T, [2 * hidden, 4 * top_k], 2 * hidden, dtypes=[dts[r], torch.int32])
+           for r in range(2)]
+    job.on_ranks(lambda r: job.planes[r].dispatch(e[r], [x[r], e[r]], T, pls[r], E))
+    job.on_ranks(lambda r: job.planes[r].combine(torch.zeros(2, T, hidden, dtype=torch.bfloat16, device="cuda"), T, T,
+                                                 pls[r], False))
+    job.join()
+    _raises_on_every_rank(job, {0: ["input_payloads[0] dtype", "bfloat16", "float16"],
+                                1: ["input_payloads[0] dtype", "float16", "bfloat16"]})
+    _good_round(job)
+
+
+def test_combine_width_mismatch_reads_nothing_from_the_peer(make_job):
+    """Same dispatch, combine hidden 64 on rank 0 and 32 on rank 1: each rank's output holds only
+    its own contributions (nothing pulled from the other) and check_input raises on both."""
+    T, top_k, E, hidden = 8, 2, 8, 64
+    job = make_job(2, T, top_k, E, 2 * hidden + 4 * top_k, 2 * hidden)
+    e = [rand_experts(T, top_k, E) for _ in range(2)]
+    x = [torch.randn(T, hidden, device="cuda").to(torch.bfloat16) for _ in range(2)]
+    hid = [64, 32]
+    pls = [job.layout(T, [2 * hidden, 4 * top_k], 2 * hid[r]) for r in range(2)]
+    payload = [torch.ones(2, T, hid[r], dtype=torch.bfloat16, device="cuda") for r in range(2)]
+    job.on_ranks(lambda r: job.planes[r].dispatch(e[r], [x[r], e[r]], T, pls[r], E))
+    outs = job.on_ranks(lambda r: job.planes[r].combine(payload[r], T, T, pls[r], False))
+    job.join()
+    own = owners(E, 2)
+    for r in range(2):
+        mine = torch.tensor([1.0 if r in {own[k] for k in row} else 0.0 for row in e[r].cpu().tolist()])
+        want = mine[:, None].expand(T, hid[r])
+        assert torch.equal(outs[r].float().cpu(), want), f"rank {r}: pulled from a peer that disagreed"
+    _raises_on_every_rank(job, {0: ["the combine payload", "hidden=64", "hidden=32"],
+                                1: ["the combine payload", "hidden=32", "hidden=64"]})
+    _good_round(job)
+
+
+@pytest.mark.parametrize("ep_size,num_stats", [(2, 7), (4, 256)])
+def test_eplb_stats_gathered_eager_and_in_graphs(make_job, ep_size, num_stats):
+    T, top_k, E, hidden = 16, 4, 32, 128
+    # the EPLB region comes first in the payload area: room for it in the dispatch bytes
+    job = make_job(ep_size, T, top_k, E, 2 * hidden + 4 * top_k + 4 * num_stats, 2 * hidden)
+    pl = L.payload_layout(job.aux, job.size, T, [2 * hidden, 4 * top_k], 2 * hidden,
+                          eplb_stats_num_experts=num_stats)
+    job.rt = T
+    e = [rand_experts(T, top_k, E) for _ in range(ep_size)]
+    x = [torch.randn(T, hidden, device="cuda").to(torch.bfloat16) for _ in range(ep_size)]
+    stats = [torch.zeros(num_stats, dtype=torch.int32, device="cuda") for _ in range(ep_size)]
+    gathered = [torch.full((ep_size, num_stats), -1, dtype=torch.int32, device="cuda") for _ in range(ep_size)]
+
+    def step(r):
+        job.planes[r].dispatch(e[r], [x[r], e[r]], T, pl, E, eplb_local_stats=stats[r], eplb_gathered=gathered[r])
+        recv = job.region(r, pl.dispatch_offsets[0], 2 * hidden).view(torch.bfloat16)
+        comb = (recv.float() * expert_weight(r)).to(torch.bfloat16)
+        return job.planes[r].combine(comb, T, T, pl, False)
+
+    def values(it):
+        return [torch.arange(num_stats, dtype=torch.int32) * (r + 1) + 100 * it - r for r in range(ep_size)]
+
+    for it in range(3):  # eager
+        vals = values(it)
+        for r in range(ep_size):
+            stats[r].copy_(vals[r])
+        outs = job.on_ranks(step)
+        job.join()
+        torch.cuda.synchronize()
+        for r in range(ep_size):
+            assert torch.equal(gathered[r].cpu(), torch.stack(vals)), f"rank {r} eager round {it}"
+            close(outs[r], combine_reference(job, e[r], x[r]), torch.bfloat16)
+            job.planes[r].check_input()
+    graphs, outs = [], []
+    for r in range(ep_size):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=job.streams[r]):
+            outs.append(step(r))
+        graphs.append(g)
+    torch.cuda.synchronize()
+    for it in range(3, 8):  # replays: the statistics of the moment, no host sync in the round
+        vals = values(it)
+        for r in range(ep_size):
+            stats[r].copy_(vals[r])
+        job.on_ranks(lambda r: graphs[r].replay())
+        job.join()
+        torch.cuda.synchronize()
+        for r in range(ep_size):
+            assert torch.equal(gathered[r].cpu(), torch.stack(vals)), f"rank {r} replay {it}"
+            close(outs[r], combine_reference(job, e[r], x[r]), torch.bfloat16)
+
+
+def _fp8_reference(job, experts, x):
+    """The FP8 combine by its definition (host_plane.quantize_fp8): token t's rows at its
+    targets q (bf16(x[t] * expert_weight(q))) quantized unless q is the token's own rank, summed
+    in float32 over ascending k, bf16 out. ``experts[s]``, ``x[s]`` per source s."""
+    from a2ad.client.host_plane import dequantize_fp8, quantize_fp8
+
+    hidden = x[0].shape[1]
+    out = []
+    for s in range(job.ep_size):
+        xs = x[s].cpu()
+        acc = torch.zeros(xs.shape[0], hidden, dtype=torch.float32)
+        for t, tg in enumerate(routes(experts[s].cpu(), job.num_experts, job.ep_size)):
+            for q in tg:
+                row = (xs[t].float() * expert_weight(q)).to(torch.bfloat16)
+                acc[t] += row.float() if q == s else dequantize_fp8(quantize_fp8(row[None]), hidden)[0]
+        out.append(acc.to(torch.bfloat16))
+    return out
+
+
+@pytest.mark.parametrize("in_workspace", [False, True], ids=["staged", "in-workspace"])
+@pytest.mark.parametrize("ep_size,hidden,T", [(2, 2880, 33), (2, 7168, 5), (4, 4096, 64), (2, 256, 0)])
+def test_fp8_combine_exact_to_its_definition(make_job, in_workspace, ep_size, hidden, T):
+    top_k, E = 4, 16
+    rt = max(T, 1)
+    job = make_job(ep_size, rt, top_k, E, 2 * hidden + 4 * top_k, 2 * hidden + L.fp8_row_bytes(hidden))
+    pl = job.layout(rt, [2 * hidden, 4 * top_k], 2 * hidden)
+    e = [rand_experts(T, top_k, E) for _ in range(ep_size)]
+    x = [torch.randn(T, hidden, device="cuda").to(torch.bfloat16) for _ in range(ep_size)]
+
+    def dispatch(r):
+        job.planes[r].dispatch(e[r], [x[r], e[r]], rt, pl, E)
+
+    def combine(r, low):
+        recv = job.region(r, pl.dispatch_offsets[0], 2 * hidden).view(torch.bfloat16)
+        if in_workspace:
+            comb = job.region(r, pl.combine_offset, 2 * hidden).view(torch.bfloat16)
+            torch.mul(recv, expert_weight(r), out=comb)
+        else:
+            comb = (recv.float() * expert_weight(r)).to(torch.bfloat16)
+        out = torch.empty(T, hidden, dtype=torch.bfloat16, device="cuda")
+        got = job.planes[r].combine(comb, T, rt, pl, in_workspace, output=out, low_precision=low)
+        assert got.data_ptr() == out.data_ptr()
+        return out
+
+    results = {}
+    for low in (False, True):
+        job.on_ranks(dispatch)
+        results[low] = job.on_ranks(lambda r: combine(r, low))
+        job.join()
+    torch.cuda.synchronize()
+    want = _fp8_reference(job, e, x)
+    worst = 0.0
+    for r in range(ep_size):
+        job.planes[r].check_input()
+        got = results[True][r].cpu()
+        differ = int((got != want[r]).sum())
+        assert differ == 0, f"rank {r}: {differ} elements of the FP8 combine differ from its definition"
+        bf = results[False][r].cpu().float()
+        if T:
+            worst = max(worst, float((got.float() - bf).abs().max()) / max(float(bf.abs().max()), 1e-30))
+    print(f"FP8 combine (CUDA, ep {ep_size}, hidden {hidden}, T {T}): max error / max |bf16 output| {worst:.4g}")
+    assert worst <= 0.0625
+
+
+def test_caller_mask_device_tensor_in_graphs(make_job):
+    """Ranks 0-2 of 4 run rounds with a device mask without rank 3 (which runs nothing), eager
+    and captured in CUDA graphs: tokens for rank 3's experts go nowhere, nobody waits for it."""
+    ep_size, T, top_k, E, hidden = 4, 16, 4, 16, 128
+    job = make_job(ep_size, T, top_k, E, 2 * hidden + 4 * top_k, 2 * hidden)
+    pl = job.layout(T, [2 * hidden, 4 * top_k], 2 * hidden)
+    active = [0, 1, 2]
+    mask = torch.tensor([0b0111], dtype=torch.int64, device="cuda")
+    e = [rand_experts(T, top_k, E) for _ in range(ep_size)]
+    x = [torch.randn(T, hidden, device="cuda").to(torch.bfloat16) for _ in range(ep_size)]
+
+    def step(r):
+        job.planes[r].dispatch(e[r], [x[r], e[r]], T, pl, E, caller_mask=mask)
+        recv = job.region(r, pl.dispatch_offsets[0], 2 * hidden).view(torch.bfloat16)
+        comb = (recv.float() * expert_weight(r)).to(torch.bfloat16)
+        return job.planes[r].combine(comb, T, T, pl, False, caller_mask=mask)
+
+    def reference(r):
+        tg = routes(e[r].cpu(), E, ep_size)
+        w = torch.tensor([sum(expert_weight(q) for q in t if q in active) for t in tg], dtype=torch.float64)
+        return x[r].cpu().double() * w[:, None]
+
+    outs = job.on_ranks(step, ranks=active)
+    job.join(ranks=active)
+    torch.cuda.synchronize()
+    for r in active:
+        close(outs[r], reference(r), torch.bfloat16)
+    graphs, gouts = {}, {}
+    for r in active:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=job.streams[r]):
+            gouts[r] = step(r)
+        graphs[r] = g
+    for _ in range(3):
+        job.on_ranks(lambda r: graphs[r].replay(), ranks=active)
+        job.join(ranks=active)
+        torch.cuda.synchronize()
+        for r in active:
+            close(gouts[r], reference(r), torch.bfloat16)
+            job.planes[r].check()
+            job.planes[r].check_input()
