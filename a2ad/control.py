@@ -8,7 +8,10 @@ it for GPU access so that kernels read the abort word and write status records.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 
@@ -268,8 +271,9 @@ class ControlBlock:
 
     @property
     def destroyed(self) -> bool:
-        """Whether the daemon destroyed (or freed) the job: nothing can resume it."""
-        return self.abort_word == L.ABORT_DESTROYED
+        """Whether the job is gone for good: the daemon destroyed (or freed) it, or a rank
+        found that no daemon and no fd store holds it any more. Nothing can resume it."""
+        return self.abort_word in (L.ABORT_DESTROYED, L.ABORT_ORPHANED)
 
     def raise_for(self, rank: int, job: str = "?") -> None:
         """Raise what this block says about ``rank``: the abort word first, then its status record.
@@ -278,11 +282,16 @@ class ControlBlock:
         PeerLeft when a rank left the running job cleanly; PeerLost when the job was
         otherwise aborted (naming the rank whose loss caused it, else the peer the wait
         was on) or the rank's last wait was aborted; PeerTimeout when its last wait ran
-        out. ``details['reason']`` is the ABORT_* reason. Both data planes use it.
+        out. ``details['reason']`` is the ABORT_* reason (a number, where the abort word caused it)
+        and ``details['reason_name']`` says it in words (``ABORT_NAMES``; for a rank's own
+        aborted wait "wait aborted", for a rank the daemon no longer counts "not an active
+        rank"). Both data planes use it.
         """
         abort = self.abort_word
         if abort == L.ABORT_DESTROYED:
-            raise errors.JobDestroyed(destroyed_message(job), job=job, reason=abort)
+            raise errors.JobDestroyed(destroyed_message(job), job=job, reason=abort, reason_name=abort_name(abort))
+        if abort == L.ABORT_ORPHANED:
+            raise errors.JobDestroyed(orphaned_message(job), job=job, reason=abort, reason_name=abort_name(abort))
         rec = self.status(rank)
         if abort != L.ABORT_NONE:
             lost = self.abort_rank
@@ -296,14 +305,16 @@ class ControlBlock:
                     rank=lost,
                     generation=self.generation,
                     reason=abort,
+                    reason_name=abort_name(abort),
                 )
             raise errors.PeerLost(
-                f"job {job}: {L.ABORT_NAMES.get(abort, f'aborted ({abort})')}"
+                f"job {job}: {abort_name(abort)}"
                 + (f" (rank {lost})" if lost >= 0 else "")
                 + "; call recover() to resume once every rank is back",
                 rank=lost,
                 generation=self.generation,
                 reason=abort,
+                reason_name=abort_name(abort),
             )
         if rec.code == L.STATUS_TIMEOUT:
             raise errors.PeerTimeout(
@@ -319,6 +330,7 @@ class ControlBlock:
                 f"rank {rank}: {rec.phase_name} of round {rec.round} was aborted while waiting for rank {rec.peer}",
                 rank=rec.peer,
                 generation=self.generation,
+                reason_name=WAIT_ABORTED,
             )
         if rec.code == L.STATUS_NOT_ACTIVE:
             raise errors.PeerLost(
@@ -326,9 +338,21 @@ class ControlBlock:
                 f"it as gone before round {rec.round}); close this object and attach again",
                 rank=rank,
                 generation=self.generation,
+                reason_name=NOT_ACTIVE,
             )
         if rec.code != L.STATUS_OK:
             raise errors.InternalError(f"rank {rank}: unknown status code {rec.code} in the control block")
+
+
+#: ``PeerLost.details['reason_name']`` where no abort word gave the reason: this rank's wait was
+#: aborted, or the daemon no longer counts this rank as one of the job's active ranks.
+WAIT_ABORTED = "wait aborted"
+NOT_ACTIVE = "not an active rank"
+
+
+def abort_name(abort: int) -> str:
+    """An abort word's reason in words (``details['reason_name']`` of PeerLost and JobDestroyed)."""
+    return L.ABORT_NAMES.get(abort, f"aborted ({abort})")
 
 
 def destroyed_message(job) -> str:
@@ -338,6 +362,86 @@ def destroyed_message(job) -> str:
         f"job {job} was destroyed (a2ad-ctl destroy, or freed by the daemon) and its memory is gone; "
         "it cannot be resumed: close this object and attach again, which creates a new job"
     )
+
+
+def orphaned_message(job) -> str:
+    """What a client is told when no daemon and no fd store holds its job any more."""
+    return (
+        f"job {job} is held by no daemon and no fd store any more (the daemon stopped or died and its fd keeper "
+        "is gone or freed the job): nobody can join, re-arm or watch it. Its memory stays mapped in the processes "
+        "that attached it until they close it (or exit), then it is freed; close this object and attach again"
+    )
+
+
+# ---------------------------------------------------------------- holder and rank locks
+# Two open-file-description locks on a job's control-block memfd tell the parties apart
+# without any message (both live in the kernel and end with the last reference to the open
+# file description that took them, a mapping included):
+#
+# - the holder lock, a write lock on byte HOLDER_BYTE, is taken by the daemon on the
+#   description it creates. That description travels with the fd: to the fd store (the keeper
+#   or systemd) and to an upgrade's successor, so the lock stands as long as any daemon or
+#   fd store holds the job. A client maps its own description (opened anew through
+#   /proc/self/fd) and tests the lock (F_OFD_GETLK, taking nothing); a free lock means the
+#   job has no holder left.
+# - the rank lock, a read lock on byte RANK_BYTE, is taken by every attached client on its
+#   own description. The fd keeper, holding the daemon's description, tests it to learn
+#   whether any rank still maps the job.
+HOLDER_BYTE = 0
+RANK_BYTE = 1
+#: struct flock on Linux (64-bit off_t): l_type, l_whence, l_start, l_len, l_pid (+ padding)
+_FLOCK = struct.Struct("hhqqi4x")
+
+
+def _ofd(fd: int, cmd: int, ltype: int, byte: int) -> int:
+    raw = fcntl.fcntl(fd, cmd, _FLOCK.pack(ltype, os.SEEK_SET, byte, 1, 0))
+    return _FLOCK.unpack(raw)[0]
+
+
+def hold_job(fd: int) -> bool:
+    """Take the holder lock on the daemon's control-block description (idempotent).
+    False when it cannot be taken (another description holds it, or no OFD locks here)."""
+    try:
+        _ofd(fd, fcntl.F_OFD_SETLK, fcntl.F_WRLCK, HOLDER_BYTE)
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EINVAL, errno.ENOLCK):
+            return False
+        raise
+
+
+def job_held(fd: int) -> bool | None:
+    """Whether a daemon or an fd store holds the job (its holder lock stands), tested from
+    a client's own description; None when it cannot be told."""
+    try:
+        return _ofd(fd, fcntl.F_OFD_GETLK, fcntl.F_RDLCK, HOLDER_BYTE) != fcntl.F_UNLCK
+    except OSError:
+        return None
+
+
+def mark_rank(fd: int) -> bool:
+    """Take the rank lock on a client's own description (released when it closes and unmaps)."""
+    try:
+        _ofd(fd, fcntl.F_OFD_SETLK, fcntl.F_RDLCK, RANK_BYTE)
+        return True
+    except OSError:
+        return False
+
+
+def ranks_present(fd: int) -> bool | None:
+    """Whether any client description holds the rank lock (some rank still maps the job),
+    tested from the daemon's description; None when it cannot be told."""
+    try:
+        return _ofd(fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK, RANK_BYTE) != fcntl.F_UNLCK
+    except OSError:
+        return None
+
+
+def reopen(fd: int) -> int:
+    """A new open file description of the file behind ``fd`` (O_RDWR, close-on-exec), so
+    that this process's locks and mapping do not keep the sender's description alive.
+    Raises OSError where /proc is not mounted."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
 
 
 def spec_mismatch_error(job: str, rank: int, peer: int, field: int, own: int, theirs: int, rnd: int):

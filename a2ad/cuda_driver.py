@@ -84,7 +84,8 @@ FABRIC_HANDLE_SIZE = 64
 #: is retried with the POSIX-fd handle type alone.
 FABRIC_FALLBACK_RESULTS = frozenset({CUDA_ERROR_NOT_PERMITTED, CUDA_ERROR_NOT_SUPPORTED, CUDA_ERROR_INVALID_VALUE})
 
-INSTALL_HINT = "install the a2ad[cuda] extra (pip install 'a2ad[cuda]') or pip install cuda-bindings"
+INSTALL_HINT = ("pip install cuda-bindings (a2ad's cuda extra: pip install '.[cuda]' in a clone of a2ad, or "
+                "'a2ad-<version>-py3-none-any.whl[cuda]')")
 
 
 # ---------------------------------------------------------------------------

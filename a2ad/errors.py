@@ -94,6 +94,8 @@ class BackendError(A2ADError):
 
 
 class Draining(A2ADError):
+    """The daemon is draining (``a2ad-ctl drain``): it refuses new jobs; existing ones run on."""
+
     code = "draining"
 
 
@@ -137,7 +139,11 @@ class PeerTimeout(A2ADError, TimeoutError):
 
 
 class PeerLost(A2ADError):
-    """A peer of the job died (or the job was aborted); ``rank`` and ``generation``."""
+    """A peer of the job died (or the job was aborted); ``rank`` and ``generation``.
+
+    ``details['reason_name']`` says why in words ("peer lost", "aborted by operator", "re-arm
+    requested", "peer left", "wait aborted", "not an active rank"); where the job's abort word
+    caused it, ``details['reason']`` is that word's number (``a2ad.layout.ABORT_*``)."""
 
     code = "peer_lost"
 

@@ -49,7 +49,7 @@ aligned; all int32)::
 
 ``slices`` is ``ceil(max_tokens / COMBINE_SLICE_ROWS)``; a slice flag is a u64 like
 COMBINE_READY (``(combine spec << 32) | round``). The six last fields are
-not in the seed's metainfo list; they only move PAYLOAD_DATA, and a client checks
+not in FlashInfer's MoeAlltoAll metainfo list; they only move PAYLOAD_DATA, and a client checks
 the daemon's metainfo against its own, so a daemon and client that disagree on the
 layout refuse each other at join.
 
@@ -118,7 +118,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: Largest top_k the layout has room for (the seed's limit).
+#: Largest top_k the layout has room for (FlashInfer's MoeAlltoAll limit).
 MAX_TOP_K = 22
 #: Largest ep_size a job may have.
 MAX_EP_SIZE = 64
@@ -167,7 +167,7 @@ FP8_BLOCK = 32
 #: combine region is staged (COMBINE_SLICE_FLAGS).
 COMBINE_SLICE_ROWS = 8
 
-# Metainfo indices (names as in the seed API).
+# Metainfo indices (names as in FlashInfer's MoeAlltoAll API).
 FLAG_VAL_OFFSET_INDEX = 0
 LOCAL_TOKEN_COUNTER_OFFSET_INDEX = 1
 SEND_COUNTERS_OFFSET_INDEX = 2
@@ -233,11 +233,11 @@ class AuxLayout:
     payload_data: int
     #: Bytes the daemon zeroes (everything before PAYLOAD_DATA).
     aux_bytes: int
-    #: Aux size in the seed's sense: PAYLOAD_DATA plus the alignment slack.
+    #: Aux size as FlashInfer's MoeAlltoAll counts it: PAYLOAD_DATA plus the alignment slack.
     aux_data_size: int
 
     def metainfo(self) -> list[int]:
-        """Offsets in metainfo-index order (the seed's int64 metainfo tensor)."""
+        """Offsets in metainfo-index order (FlashInfer's MoeAlltoAll int64 metainfo tensor)."""
         return [
             self.flag_val,
             self.local_token_counter,
@@ -323,7 +323,7 @@ def workspace_size_per_rank(
     combine_payload_size_per_token: int,
     eplb_stats_num_experts: int = 0,
 ) -> int:
-    """The seed's formula: pad128(aux) + pad128(dispatch area) + pad128(combine area), plus
+    """FlashInfer's MoeAlltoAll formula: pad128(aux) + pad128(dispatch area) + pad128(combine area), plus
     pad128(the EPLB region) when the job gathers ``eplb_stats_num_experts`` statistics."""
     if total_dispatch_payload_size_per_token < 0 or combine_payload_size_per_token < 0:
         raise ValueError("payload sizes per token must be >= 0")
@@ -669,6 +669,9 @@ ABORT_DESTROYED = 3
 ABORT_REARM = 4
 #: A live rank of a running job left it cleanly (close/leave); ABORT_PEER_LOST is for deaths.
 ABORT_PEER_LEFT = 5
+#: Set by a rank itself once it found that no daemon and no fd store holds its job any more
+#: (the control block's holder lock is free: see a2ad/control.py, "Holder and rank locks").
+ABORT_ORPHANED = 6
 ABORT_NAMES = {
     ABORT_NONE: "none",
     ABORT_PEER_LOST: "peer lost",
@@ -676,6 +679,7 @@ ABORT_NAMES = {
     ABORT_DESTROYED: "job destroyed",
     ABORT_REARM: "re-arm requested",
     ABORT_PEER_LEFT: "peer left",
+    ABORT_ORPHANED: "no holder",
 }
 
 # Rank states.

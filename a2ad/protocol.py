@@ -389,7 +389,7 @@ def fd_frame_length(header: bytes) -> int:
 
 
 def normalize_spec(spec: dict, ep_size: int) -> dict:
-    """The spec with workspace_size_per_rank filled in (the seed's formula) when only
+    """The spec with workspace_size_per_rank filled in (FlashInfer's MoeAlltoAll formula) when only
     per-token byte counts were given, and on_peer_loss when it was left out (a join without
     it asks for the default, so it is compared like any other field)."""
     from .layout import workspace_size_per_rank

@@ -137,6 +137,36 @@ def find_nvcc() -> str | None:
     return str(default) if default.is_file() else None
 
 
+def guessed_cuda_home_problem() -> str | None:
+    """Where CUDA_HOME is unset, torch takes the folder above the nvcc found on PATH as the CUDA
+    toolkit's root; when that nvcc is a wrapper (a script or link in /usr/local/bin, say) the
+    guess has no CUDA headers and the build fails on a missing cuda_runtime.h. Say so, and
+    where the real toolkit seems to be."""
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return None
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    guess = Path(nvcc).parent.parent
+    if (guess / "include" / "cuda_runtime.h").is_file():
+        return None
+    hint = ""
+    real = Path(nvcc).resolve()
+    candidates = [real.parent.parent] if real != Path(nvcc) else []
+    try:
+        if Path(nvcc).stat().st_size < 4096:  # a wrapper script: the nvcc it runs
+            candidates += [Path(w).parent.parent for w in re.findall(r"(/[^\s'\"]*/bin/nvcc)\b", Path(nvcc).read_text())]
+    except (OSError, UnicodeDecodeError):
+        pass
+    for c in candidates:
+        if (c / "include" / "cuda_runtime.h").is_file():
+            hint = f" (the toolkit it runs seems to be {c}: CUDA_HOME={c})"
+            break
+    return (f"CUDA_HOME is not set, so it is guessed from the nvcc on PATH ({nvcc}) as {guess}, which has no "
+            f"include/cuda_runtime.h: that nvcc is a wrapper or lies outside its toolkit. Set CUDA_HOME to the "
+            f"CUDA toolkit's root, the folder holding bin/nvcc and include/cuda_runtime.h{hint}")
+
+
 def toolchain_problems() -> list[str]:
     """Why the extension cannot be built here (empty when it can, as far as can be told)."""
     import torch
@@ -156,6 +186,10 @@ def toolchain_problems() -> list[str]:
             "(e.g. NVIDIA's cuda-toolkit / cuda-nvcc package, or pip install nvidia-cuda-nvcc-cu12) and put its "
             "bin/ on PATH or set CUDA_HOME to its root"
         )
+    else:
+        guessed = guessed_cuda_home_problem()
+        if guessed:
+            problems.append(guessed)
     include = sysconfig.get_paths().get("include")
     if not include or not (Path(include) / "Python.h").is_file():
         problems.append(
@@ -267,6 +301,9 @@ def _build_and_load(
     except (RuntimeError, OSError, ImportError) as exc:
         text = str(exc)
         tail = text[-ERROR_TAIL:]
+        guessed = guessed_cuda_home_problem() if "cuda_runtime.h" in text else None
+        if guessed:
+            tail += f"\n{guessed}"
         raise errors.BuildError(
             f"building the a2ad CUDA extension in {out} failed:\n{tail}", build_dir=str(out), arch=arch
         ) from None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from a2ad import errors, fdpass, layout as L, protocol, runtime
+from a2ad import control as _cb
 from a2ad.control import ControlBlock, destroyed_message
 
 from .connection import DaemonClient
@@ -38,6 +40,10 @@ PROGRESS_EVERY_ENV = "A2AD_PROGRESS_EVERY"
 PROGRESS_EVERY = 2.0
 #: Longest a progress query (job_info on a second connection) may take.
 PROGRESS_QUERY_WAIT = 1.0
+#: Seconds between two looks at the lease (and, while it is down, at the job's holder lock)
+#: on the data path; lease renewals back off from this up to RENEW_BACKOFF_MAX.
+LEASE_CHECK_EVERY = 0.5
+RENEW_BACKOFF_MAX = 8.0
 
 
 def _device_of(backend: str, device) -> tuple[str, torch.device]:
@@ -105,7 +111,12 @@ class _Shared:
     _client: DaemonClient | None = None
     _closed: bool = False
     _next_lease_check: float = 0.0
-    _lease_backoff: float = 0.5
+    _next_renew: float = 0.0
+    _lease_backoff: float = LEASE_CHECK_EVERY
+    #: this process's own open file description of the control block (its rank lock and its
+    #: holder-lock test; -1: none, e.g. without /proc), and whether the holder lock is watched
+    _cb_fd: int = -1
+    _watch_holder: bool = False
     #: the process that attached (a forked child inherits the object, not the attachment)
     pid: int = field(default_factory=os.getpid)
     forked: bool = False
@@ -125,6 +136,8 @@ class _Shared:
 
     def raise_if_destroyed(self) -> None:
         if self.destroyed:
+            if self.control.abort_word == L.ABORT_ORPHANED:
+                raise errors.JobDestroyed(_cb.orphaned_message(self.job), job=self.job, reason=L.ABORT_ORPHANED)
             raise errors.JobDestroyed(destroyed_message(self.job), job=self.job, reason=L.ABORT_DESTROYED)
 
     def shareable(self) -> bool:
@@ -181,12 +194,18 @@ class _Shared:
             return self.generation
 
     def lease_alive(self) -> bool:
-        import select
-
-        if self._lease_sock is None:
+        sock = self._lease_sock
+        if sock is None:
             return False
-        readable, _, _ = select.select([self._lease_sock], [], [], 0)
-        if not readable:
+        try:
+            fd = sock.fileno()
+        except OSError:
+            return False
+        if fd < 0:
+            return False
+        poller = select.poll()  # poll, not select(): this process may hold fds above 1024
+        poller.register(fd, select.POLLIN | select.POLLPRI)
+        if not poller.poll(0):
             return True
         try:
             data = self._lease_sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
@@ -208,6 +227,10 @@ class _Shared:
             self._lease_sock = sock
 
     def maintain(self, force: bool = False) -> None:
+        """Every LEASE_CHECK_EVERY s at most: a look at the lease (one poll); while it is
+        down, a test of the job's holder lock (one fcntl) and a renewal with backoff. Never
+        raises: a job no daemon or fd store holds any more is marked in the control block
+        (ABORT_ORPHANED), which the next call raises as JobDestroyed."""
         now = time.monotonic()
         if not force and now < self._next_lease_check:
             return
@@ -216,20 +239,43 @@ class _Shared:
         if not self.lock.acquire(blocking=force):
             return
         try:
-            self._next_lease_check = now + self._lease_backoff
-            if self.lease_alive():
-                self._lease_backoff = 0.5
+            self._next_lease_check = now + LEASE_CHECK_EVERY
+            if self._closed or self.lease_alive():
+                self._lease_backoff = LEASE_CHECK_EVERY
+                self._next_renew = 0.0
+                return
+            if self._orphaned():
+                return
+            if not force and now < self._next_renew:
                 return
             if not self._daemon_listening():
-                self._lease_backoff = min(8.0, self._lease_backoff * 2)
+                self._renew_later(now)
                 return
             try:
                 self.renew(timeout=1.0)
-                self._lease_backoff = 0.5
+                self._lease_backoff = LEASE_CHECK_EVERY
+                self._next_renew = 0.0
             except (errors.A2ADError, OSError, TimeoutError):
-                self._lease_backoff = min(8.0, self._lease_backoff * 2)
+                self._renew_later(now)
         finally:
             self.lock.release()
+
+    def _renew_later(self, now: float) -> None:
+        self._lease_backoff = min(RENEW_BACKOFF_MAX, self._lease_backoff * 2)
+        self._next_renew = now + self._lease_backoff
+
+    def _orphaned(self) -> bool:
+        """True (and the job marked ABORT_ORPHANED) when no daemon and no fd store holds
+        the job any more: its holder lock is free."""
+        if not self._watch_holder or self._cb_fd < 0:
+            return False
+        if self.control.destroyed:
+            return True
+        if _cb.job_held(self._cb_fd) is not False:
+            return False
+        self.control.set_abort(L.ABORT_ORPHANED, -1)  # every rank of the job, and its kernels, see it
+        log.warning("job %r rank %d: no daemon and no fd store holds the job any more", self.job, self.ep_rank)
+        return True
 
     def _daemon_listening(self) -> bool:
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -257,6 +303,12 @@ class _Shared:
                 sock.close()
             except OSError:
                 pass
+        cfd, self._cb_fd = self._cb_fd, -1
+        if cfd >= 0:
+            try:
+                os.close(cfd)
+            except OSError:
+                pass
 
     def release(self) -> None:
         """Leave the job (best effort when the daemon is gone) and unmap everything."""
@@ -282,6 +334,9 @@ class _Shared:
                 self._mapping.close()
                 self._mapping = None
             self.control.close()
+            if self._cb_fd >= 0:
+                os.close(self._cb_fd)  # with the mapping gone, this ends the rank lock
+                self._cb_fd = -1
             self._client.close()
 
 
@@ -426,7 +481,9 @@ class Attachment:
     def maintain(self, force: bool = False) -> None:
         """Cheap and rate-limited, called on the data path: if the daemon restarted, reconnect
         the lease. It never waits on an absent daemon (a socket left by a dead one refuses the
-        connection at once) and backs off exponentially (up to 8 s) while there is none."""
+        connection at once) and backs off exponentially (up to 8 s) while there is none. While
+        the lease is down it also tests, every 0.5 s, whether any daemon or fd store still
+        holds the job; once none does, the next call raises JobDestroyed. Never raises."""
         self._live().maintain(force)
 
     def close(self) -> None:
@@ -733,6 +790,7 @@ def _redeem(client: DaemonClient, reply: dict, aux: L.AuxLayout, tdev: torch.dev
     nfds = sum(1 for h in wanted if h is True) + 1
     sock, fds = redeem_ticket(client, reply["ticket"], nfds, 10.0)
     mapping = control = None
+    cb_fd = -1
     try:
         size, stride = reply["size_per_rank"], reply["row_stride"]
         taken = iter(fds)
@@ -745,7 +803,9 @@ def _redeem(client: DaemonClient, reply: dict, aux: L.AuxLayout, tdev: torch.dev
             from .cuda_map import CudaMapping
 
             mapping = CudaMapping(rows, size, stride, tdev.index)
-        control = ControlBlock.map_fd(fds[-1])
+        cb_fd = _own_control_fd(fds[-1])
+        control = ControlBlock.map_fd(cb_fd if cb_fd >= 0 else fds[-1])
+        watch = cb_fd >= 0 and _cb.mark_rank(cb_fd) and _cb.job_held(cb_fd) is True
         att = _Shared(
             job=reply["job"],
             ep_rank=reply["ep_rank"],
@@ -764,7 +824,10 @@ def _redeem(client: DaemonClient, reply: dict, aux: L.AuxLayout, tdev: torch.dev
             _lease_sock=sock,
             _lease=reply["lease"],
             _client=client,
+            _cb_fd=cb_fd,
+            _watch_holder=watch,
         )
+        cb_fd = -1
         return att
     except BaseException:
         sock.close()
@@ -776,3 +839,17 @@ def _redeem(client: DaemonClient, reply: dict, aux: L.AuxLayout, tdev: torch.dev
     finally:
         for fd in fds:
             os.close(fd)
+        if cb_fd >= 0:
+            os.close(cb_fd)
+
+
+def _own_control_fd(fd: int) -> int:
+    """This process's own description of the control block (control.reopen), or -1 when it
+    cannot be had (then the received fd is mapped and the holder lock is not watched). Its
+    mapping must not keep the daemon's description alive, or the holder lock would never
+    end while this rank lives."""
+    try:
+        return _cb.reopen(fd)
+    except OSError as exc:
+        log.debug("cannot reopen the control block through /proc (%s): not watching its holder", exc)
+        return -1

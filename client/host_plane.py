@@ -39,6 +39,7 @@ import warnings
 import torch
 
 from a2ad import control as C, errors, layout as L
+from a2ad.control import NOT_ACTIVE
 
 from .plane import Plane
 
@@ -253,7 +254,7 @@ class HostPlane(Plane):
                 raise errors.PeerLost(
                     f"job {self.att.job} rank {me}: this rank is no longer one of the job's active ranks (the daemon "
                     "counted it as gone); close this object and attach again",
-                    rank=me, generation=self.att.control.generation,
+                    rank=me, generation=self.att.control.generation, reason_name=NOT_ACTIVE,
                 )
         view &= _caller_bits(caller_mask, ep)
         self.dispatch_mask = view

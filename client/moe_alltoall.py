@@ -1,10 +1,10 @@
 """``MoeAlltoAll``: MoE expert-parallel dispatch and combine over a daemon-owned workspace.
 
-The API mirrors FlashInfer's ``MoeAlltoAll`` throughput backend (see
-``reference/SEED_API.md`` in the design folder): construct it on every rank of an
+The API mirrors FlashInfer's ``MoeAlltoAll`` throughput backend
+(``flashinfer.comm.trtllm_moe_alltoall``): construct it on every rank of an
 expert-parallel group, then per round ``dispatch`` the tokens to the ranks that own
 their experts, run the local experts on what arrived, and ``combine`` the outputs
-back. Unlike the seed, the workspace is allocated by the a2ad daemon and mapped
+back. Unlike FlashInfer's MoeAlltoAll, the workspace is allocated by the a2ad daemon and mapped
 through :func:`a2ad.client.attach`, every input is checked before anything is
 written to a peer (:class:`~a2ad.errors.InputError`), calls out of order raise
 :class:`~a2ad.errors.StateError`, and every wait on a peer is bounded

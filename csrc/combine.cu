@@ -568,16 +568,18 @@ __device__ __forceinline__ void stage_rows(const CombineParams& p, const int* re
 
 // The poller after its wait: the protocol's COMBINE_COMPLETION_FLAGS get the round (this
 // rank's own row), and a target whose combine descriptor differs is reported (the input
-// record; nothing is read from it).
+// record; nothing is read from it). Not when the round's dispatch already found its
+// input wrong (`dispatch_mismatch`): that record is the round's report, and the client
+// may already have raised and cleared it (a second record would be raised by the next,
+// correct, round); nor over a record of the dispatch not yet raised.
 __device__ __forceinline__ void combine_waited(const CombineParams& p, uint8_t* my_row, int round, uint64_t view,
-                                               uint64_t seen, uint64_t bad) {
+                                               uint64_t seen, uint64_t bad, bool dispatch_mismatch) {
   const int q = threadIdx.x;
   if (q < p.ws.ep_size && (view >> q & 1) && (seen >> q & 1)) {
     at<int>(my_row, p.aux.combine_completion_flags)[q] = round;
   }
-  // (a record the dispatch of the round wrote, not yet raised, is kept: it came first)
   const int64_t rec = layout::CB_INPUT + (int64_t)p.ctl.ep_rank * layout::INPUT_RECORD_SIZE + layout::INPUT_CODE;
-  if (bad != 0 && threadIdx.x == 0 && *cb_field<uint32_t>(p.ctl, rec) == layout::INPUT_OK) {
+  if (bad != 0 && !dispatch_mismatch && threadIdx.x == 0 && *cb_field<uint32_t>(p.ctl, rec) == layout::INPUT_OK) {
     const int peer = __ffsll(static_cast<long long>(bad)) - 1;
     const uint64_t w = *reinterpret_cast<const volatile unsigned long long*>(
         at<uint64_t>(my_row, p.aux.combine_ready) + peer);
@@ -712,7 +714,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
                                           give_up, &unused, view, &seen, &bad, static_cast<int>(p.spec))) {
       return;
     }
-    if (last) combine_waited(p, my_row, round, view, seen, bad);
+    if (last) combine_waited(p, my_row, round, view, seen, bad, mismatch);
   } else if (last) {
     // Degraded mode (never overlapped): the poller alone waits, letting go of a peer whose
     // bit is cleared, and posts whose flags it saw; every block counts exactly those (a
@@ -721,7 +723,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
                     &seen, &bad, static_cast<int>(p.spec))) {
       return;
     }
-    combine_waited(p, my_row, round, view, seen, bad);
+    combine_waited(p, my_row, round, view, seen, bad, mismatch);
     seen &= ~bad;
     if (threadIdx.x == 0) {
       *reinterpret_cast<volatile unsigned long long*>(block_counters + layout::SLOT_COMBINE_SEEN) = seen;

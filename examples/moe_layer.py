@@ -38,10 +38,21 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
+from helpers.layer_args import add_arguments, check_arguments  # noqa: F401  examples/helpers/layer_args.py
 
-from a2ad.layout import experts_of_rank
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return check_arguments(parser, parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # before torch is imported, so that --help and a usage error answer at once
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from a2ad.layout import experts_of_rank  # noqa: E402
 
 INVALID_EXPERT_ID = -1  # what dispatch writes into the expert ids of empty slots
 
@@ -311,22 +322,6 @@ def default_backend() -> str:
     return "cuda" if torch.cuda.is_available() else "host"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ranks", type=int, default=2, help="rank processes (default 2)")
-    parser.add_argument("--rounds", type=int, default=3, help="forward passes (default 3)")
-    parser.add_argument("--tokens", type=int, default=32, help="most tokens per rank per round (default 32)")
-    parser.add_argument("--hidden", type=int, default=128, help="hidden size (default 128)")
-    parser.add_argument("--ffn", type=int, default=256, help="expert FFN size (default 256)")
-    parser.add_argument("--experts", type=int, default=8, help="experts in the layer (default 8)")
-    parser.add_argument("--top-k", type=int, default=2, help="experts per token (default 2)")
-    parser.add_argument("--backend", choices=["host", "cuda"], default=None,
-                        help="workspace memory for a daemon started here (default: cuda when GPUs are visible)")
-    parser.add_argument("--runtime-dir", help="a running daemon's runtime folder (default: $A2AD_RUNTIME_DIR, "
-                        "else start a daemon in a temp folder)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=30.0, help="seconds for the rendezvous and every wait")
-
-
 def run_config(args, runtime_dir: str, backend: str, job: str) -> RunConfig:
     layer = Config(num_experts=args.experts, top_k=args.top_k, hidden=args.hidden, ffn=args.ffn,
                    max_tokens=args.tokens, seed=args.seed)
@@ -334,12 +329,8 @@ def run_config(args, runtime_dir: str, backend: str, job: str) -> RunConfig:
                      backend=backend, timeout=args.timeout)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    if args.experts < args.ranks or not 1 <= args.top_k <= args.experts:
-        parser.error("need --experts >= --ranks and 1 <= --top-k <= --experts")
+def main(args: argparse.Namespace | None = None) -> int:
+    args = parse_args() if args is None else args
     backend = args.backend or default_backend()
     ok = False
     try:
@@ -356,4 +347,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGS))

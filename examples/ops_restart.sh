@@ -2,7 +2,7 @@
 # A worker group keeps serving while the a2ad daemon is upgraded and a worker is replaced.
 #
 #   1. start a daemon (host backend) on a temp runtime folder, and two workers
-#      (examples/ops_worker.py: the MoE layer of moe_layer.py, every round verified);
+#      (examples/helpers/ops_worker.py: the MoE layer of moe_layer.py, every round verified);
 #   2. `a2ad-ctl upgrade`: a successor daemon takes every job over; the workers' rounds go on;
 #   3. kill -9 worker 1: worker 0 gets PeerLost and calls recover(), which waits;
 #   4. start a replacement worker 1: it joins, the job is re-armed, rounds resume on both;
@@ -70,7 +70,7 @@ trap cleanup EXIT
 trap 'fail "interrupted"' INT TERM
 
 start_worker() {  # start_worker RANK
-    "$PYTHON" "$HERE/ops_worker.py" --rank "$1" --ranks 2 --job "$JOB" --runtime-dir "$RUNTIME" \
+    "$PYTHON" "$HERE/helpers/ops_worker.py" --rank "$1" --ranks 2 --job "$JOB" --runtime-dir "$RUNTIME" \
         --progress "$WORK/progress.$1" --stop "$WORK/stop" --timeout "$TIMEOUT" \
         > >(tee -a "$WORK/worker$1.log") 2>&1 &
     WORKER_PID[$1]=$!

@@ -34,9 +34,23 @@ import shutil
 import sys
 import tempfile
 
-import torch
+from helpers.layer_args import add_arguments, check_arguments  # examples/helpers/layer_args.py
 
-import moe_layer  # examples/moe_layer.py, beside this file
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    parser.add_argument("--sides", choices=["both", "a2ad", "flashinfer"], default="both",
+                        help="which MoeAlltoAll to run (default both; FlashInfer only where it can run)")
+    return check_arguments(parser, parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # before torch is imported, so that --help and a usage error answer at once
+
+import torch  # noqa: E402
+
+import moe_layer  # noqa: E402  examples/moe_layer.py, beside this file
 
 NAME = "switch_from_flashinfer"
 
@@ -121,14 +135,8 @@ def run_a2ad(args) -> bool:
         return moe_layer.run_ranks(run, a2ad_moe_alltoall, name=f"{NAME} [a2ad]")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    moe_layer.add_arguments(parser)
-    parser.add_argument("--sides", choices=["both", "a2ad", "flashinfer"], default="both",
-                        help="which MoeAlltoAll to run (default both; FlashInfer only where it can run)")
-    args = parser.parse_args(argv)
-    if args.experts < args.ranks or not 1 <= args.top_k <= args.experts:
-        parser.error("need --experts >= --ranks and 1 <= --top-k <= --experts")
+def main(args: argparse.Namespace | None = None) -> int:
+    args = parse_args() if args is None else args
     sides, why = pick_sides(args.sides, args.ranks)
     print(f"{NAME}: the differences: the import (flashinfer.comm.trtllm_moe_alltoall -> a2ad.client), "
           f"job= (a2ad: the group's name), mnnvl_config (a2ad: accepted and ignored); "
@@ -149,4 +157,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGS))

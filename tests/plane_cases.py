@@ -51,6 +51,41 @@ def _plane(a2a):
     return a2a._att, a2a._plane
 
 
+def _received(att, rank, rt, pl, like):
+    """This rank's received payloads (views of its row where ``pl`` says), typed like the
+    reference's ``like`` ([ep_size, rt, ...] each), and its RECV_COUNTERS (CPU)."""
+    ep = att.workspace.shape[0]
+    got = [att.workspace[rank, off : off + ep * rt * nb].view(ep, rt, nb)
+           for off, nb in zip(pl.dispatch_offsets, pl.dispatch_bytes_per_token)]
+    recv = [t.view(w.dtype).view(*w.shape) for t, w in zip(got, like)]
+    off = att.aux.recv_counters
+    counts = att.workspace[rank, off : off + 4 * ep].cpu().view(torch.int32).clone()
+    return recv, counts
+
+
+def _slot_order(recv, counts, expected, sources) -> dict[int, list[int]]:
+    """Per source s in ``sources``: for each slot j < count of the received rows, the slot of
+    the reference (``expected``, a ``reference.Received``) holding the same row. The CUDA
+    dispatch numbers the sends to a target in the order its blocks get there, the reference
+    (and the host plane) in token order: the same rows, maybe in another order."""
+    from a2ad.client import reference as ref
+
+    got = ref.slot_bytes(recv)
+    want = ref.slot_bytes(expected.payloads)
+    order = {}
+    for s in sources:
+        n = int(counts[s])
+        assert n == int(expected.recv_counts[s]), f"{n} rows from {s}, the reference has {int(expected.recv_counts[s])}"
+        perm = []
+        for j in range(n):
+            hits = (want[s, :n] == got[s, j]).all(1).nonzero().flatten().tolist()
+            assert len(hits) == 1, f"slot {j} from {s} matches reference slots {hits} (want exactly one)"
+            perm.append(hits[0])
+        assert sorted(perm) == list(range(n)), f"rows from {s} are not the reference's rows: {perm}"
+        order[s] = perm
+    return order
+
+
 def _layout(att, rt, payloads, eplb=0, combine_bytes=0):
     widths = [dc._bytes_per_token(p) for p in payloads]
     return L.payload_layout(att.aux, att.size_per_rank, rt, widths, combine_bytes,
@@ -80,20 +115,18 @@ def eplb_gather(rank: int, job: dc.JobSpec, rounds: int, num_stats: int) -> dict
         plane.check_input()
         want = torch.stack(stats_of)
         assert torch.equal(gathered.cpu(), want), f"rank {rank} round {rnd}: gathered {gathered.cpu()} != {want}"
-        # the received payloads are where the layout (after the EPLB region) says
-        got = [att.workspace[rank, off : off + job.ep_size * rt * nb].view(job.ep_size, rt, nb)
-               for off, nb in zip(pl.dispatch_offsets, pl.dispatch_bytes_per_token)]
-        counts = received[rank].recv_counts
-        for s in range(job.ep_size):
-            n = int(counts[s])
-            for i, p in enumerate(received[rank].payloads):
-                want_rows = p[s, :n].contiguous().view(torch.uint8).reshape(n, pl.dispatch_bytes_per_token[i])
-                assert torch.equal(got[i][s, :n].cpu(), want_rows), f"rank {rank}: payload {i} from {s} differs"
-        recv = [t.view(received[rank].payloads[i].dtype).view(*received[rank].payloads[i].shape) for i, t in
-                enumerate(got)]
+        # the received payloads are where the layout (after the EPLB region) says: the
+        # reference's rows from every source (as sets: CUDA numbers the slots in arrival order)
+        recv, counts = _received(att, rank, rt, pl, received[rank].payloads)
+        problems = ref.dispatch_mismatches(recv, counts, received[rank])
+        assert not problems, f"rank {rank} round {rnd}: " + "; ".join(problems)
         expert_out = ref.toy_expert(recv[0], recv[1], recv[2], rank, job.num_experts, job.ep_size)
-        plane.combine(expert_out.contiguous(), tokens[rank], rt, pl, False)
+        out = plane.combine(expert_out.contiguous(), tokens[rank], rt, pl, False)
         _sync(dev)
+        plane.check_input()
+        outputs = [ref.toy_expert(r.payloads[0], r.payloads[1], r.payloads[2], q, job.num_experts, job.ep_size)
+                   for q, r in enumerate(received)]
+        dc._assert_combined(out.cpu(), ref.combine(routings, outputs)[rank], job.backend, f"rank {rank} round {rnd}")
     return {"rounds": rounds}
 
 
@@ -140,7 +173,15 @@ def fp8_combine(rank: int, job: dc.JobSpec, rounds: int, in_workspace: bool) -> 
             mine = [p.to(dev) for p in payloads[rank]]
             pl = _layout(att, rt, mine, combine_bytes=2 * job.hidden)
             plane.dispatch(inputs[rank].experts.to(dev), mine, rt, pl, job.num_experts)
-            payload = outputs[rank].to(dev)
+            _sync(dev)
+            # row (s, j) of the payload: the output the reference has for the token the
+            # dispatch put in slot j from s (CUDA numbers a target's slots in arrival order)
+            recv, counts = _received(att, rank, rt, pl, received[rank].payloads)
+            payload = outputs[rank].clone()
+            for s, perm in _slot_order(recv, counts, received[rank], range(job.ep_size)).items():
+                if perm:
+                    payload[s, : len(perm)] = outputs[rank][s, perm]
+            payload = payload.to(dev)
             if in_workspace:
                 region = att.workspace[rank, pl.combine_offset : pl.combine_offset + job.ep_size * rt * 2 * job.hidden]
                 payload_ws = region.view(torch.bfloat16).view(job.ep_size, rt, job.hidden)
@@ -195,18 +236,19 @@ def caller_mask_round(rank: int, job: dc.JobSpec, excluded: int, device_mask: bo
     plane.dispatch(inputs[rank].experts.to(dev), mine, rt, pl, job.num_experts, caller_mask=mask)
     # the received rows of the active sources are right (the ref routes to every rank; the
     # slots at an active target are the same, since sends to the excluded one come last nowhere)
-    got = [att.workspace[rank, off : off + job.ep_size * rt * nb].view(job.ep_size, rt, nb)
-           for off, nb in zip(pl.dispatch_offsets, pl.dispatch_bytes_per_token)]
     _sync(dev)
-    recv = [t.view(received[rank].payloads[i].dtype).view(*received[rank].payloads[i].shape) for i, t in enumerate(got)]
+    recv, counts = _received(att, rank, rt, pl, received[rank].payloads)
     outputs = [
         ref.toy_expert(r.payloads[0], r.payloads[1], r.payloads[2], q, job.num_experts, job.ep_size)
         for q, r in enumerate(received)
     ]
-    expert_out = ref.toy_expert(recv[0], recv[1], recv[2], rank, job.num_experts, job.ep_size)
-    for s in active:  # only what active sources sent is defined
+    # only what active sources sent is defined; the rows as sets (CUDA: arrival order)
+    got_rows, want_rows = ref.slot_bytes(recv), ref.slot_bytes(received[rank].payloads)
+    for s in active:
         n = int(received[rank].recv_counts[s])
-        assert torch.equal(expert_out[s, :n].cpu(), outputs[rank][s, :n]), f"rank {rank}: rows from {s} differ"
+        assert int(counts[s]) == n, f"rank {rank}: {int(counts[s])} rows from {s}, expected {n}"
+        assert ref.same_rows(got_rows[s, :n], want_rows[s, :n]), f"rank {rank}: rows from {s} differ"
+    expert_out = ref.toy_expert(recv[0], recv[1], recv[2], rank, job.num_experts, job.ep_size)
     payload = expert_out.contiguous()
     out = plane.combine(payload, tokens[rank], rt, pl, False, caller_mask=mask)
     _sync(dev)

@@ -903,11 +903,15 @@ def test_dry_run_end_to_end_with_flashinfer_archive(tmp_path):
     assert res["config"]["flashinfer_archive"] == str(tgz) and "flashinfer_paths" not in res["config"]
     assert res["ceilings"]["sm_store_two_way"]["verified"]
     assert res["targets"] == []  # judged on GPU runs only
-    for text in ("impl", "targets", "graph vs graph", "eager vs eager", "flashinfer: 0.0+cpu-standin"):
+    for text in ("impl", "targets", "cpu-replay vs cpu-replay", "eager vs eager", "flashinfer: 0.0+cpu-standin",
+                 "a2ad graphs: none (a CPU run has no CUDA graphs)"):
         assert text in r.stdout
+    # a CPU run has no CUDA graphs: no row, and no line, says there are
+    assert "graph vs graph" not in r.stdout and "captured at all" not in r.stdout
+    assert not [line for line in r.stdout.splitlines() if " graph " in f" {line} " and line.split()[1:2] == ["graph"]]
     text = doc.read_text()
     assert "python -m a2ad.bench --dry-run" in text and "| nccl | eager | 8 |" in text
-    assert "| flashinfer | graph | 1 |" in text and "## Graph vs graph" in text and "## Eager vs eager" in text
+    assert "| flashinfer | cpu-replay | 1 |" in text and "| a2ad | graph |" not in text and "## Graph vs graph" in text and "## Eager vs eager" in text
     import importlib.util
 
     if importlib.util.find_spec("matplotlib") is not None:

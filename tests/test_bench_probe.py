@@ -236,7 +236,7 @@ def test_probe_imports_torch_only_where_needed(module):
 @pytest.mark.timeout(600)
 def test_probe_on_gpu_passes(tmp_path):
     if cd.bindings_version() is None:
-        pytest.skip("cuda-bindings is not installed (pip install 'a2ad[cuda]')")
+        pytest.skip("cuda-bindings is not installed (pip install cuda-bindings, or the cuda extra: pip install '.[cuda]')")
     out = tmp_path / "p.json"
     r = _probe("--json", out, timeout=560)
     text = r.stdout[-8000:] + r.stderr[-8000:]

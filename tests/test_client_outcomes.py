@@ -180,7 +180,7 @@ def leave_rank(rank, runtime_dir, barrier):
             _small_dispatch(a2a)
         except errors.PeerLost as exc:
             res["error"] = (type(exc).__name__, isinstance(exc, errors.PeerLeft), exc.rank,
-                            exc.details.get("reason"), str(exc))
+                            exc.details.get("reason"), str(exc), exc.details.get("reason_name"))
         else:
             res["error"] = None
         res["generation"] = a2a.recover(timeout=60)
@@ -198,8 +198,9 @@ def test_clean_leave_is_reported_as_peer_left(daemon):
     res = run_ranks(leave_rank, range(2), args=(str(daemon.runtime_dir), CTX.Barrier(2)), timeout=120, ctx=CTX)
     err = res[0]["error"]
     assert err is not None, "rank 0's call after rank 1 left raised nothing"
-    name, is_left, rank, reason, msg = err
+    name, is_left, rank, reason, msg, reason_name = err
     assert name == "PeerLeft" and is_left and rank == 1 and reason == L.ABORT_PEER_LEFT, err
+    assert reason_name == "peer left", err
     assert "rank 1 left" in msg and "recover()" in msg and "replacement" in msg, msg
     assert res[0]["generation"] == res[1]["generation"] == 1
 
@@ -213,12 +214,20 @@ def test_peer_left_is_a_peer_lost_with_its_own_code():
     with pytest.raises(errors.PeerLost) as ei:
         cb.raise_for(0, "j")
     assert type(ei.value) is errors.PeerLeft and ei.value.rank == 1 and ei.value.code == "peer_left"
+    assert ei.value.details["reason"] == L.ABORT_PEER_LEFT and ei.value.details["reason_name"] == "peer left"
     assert L.ABORT_NAMES[L.ABORT_PEER_LEFT] == "peer left"
     assert L.ABORT_PEER_LEFT not in (L.ABORT_NONE, L.ABORT_PEER_LOST, L.ABORT_OPERATOR, L.ABORT_DESTROYED, L.ABORT_REARM)
     cb.set_abort(L.ABORT_PEER_LOST, 1)
     with pytest.raises(errors.PeerLost) as ei:
         cb.raise_for(0, "j")
     assert type(ei.value) is errors.PeerLost
+    assert ei.value.details["reason"] == L.ABORT_PEER_LOST and ei.value.details["reason_name"] == "peer lost"
+    for word in (L.ABORT_OPERATOR, L.ABORT_REARM):  # every abort word is named, as a string beside the number
+        cb.set_abort(word, 1)
+        with pytest.raises(errors.PeerLost) as ei:
+            cb.raise_for(0, "j")
+        assert ei.value.details["reason"] == word and ei.value.details["reason_name"] == L.ABORT_NAMES[word]
+        assert isinstance(ei.value.details["reason_name"], str)
     cb.set_abort(L.ABORT_DESTROYED, -1)
     with pytest.raises(errors.JobDestroyed, match="destroyed"):
         cb.raise_for(0, "j")

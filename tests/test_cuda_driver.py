@@ -86,7 +86,7 @@ def test_without_cuda_bindings_everything_says_what_to_install():
                 except cd.CudaUnavailable as exc:
                     assert isinstance(exc, errors.BackendError)
                     assert "pip install cuda-bindings" in exc.message, exc.message
-                    assert "a2ad[cuda]" in exc.message, exc.message
+                    assert "pip install cuda-bindings" in exc.message and "[cuda]" in exc.message, exc.message
                 else:
                     raise AssertionError("no CudaUnavailable")
             assert "cuda-bindings" in cuda_unavailable_reason()
@@ -282,7 +282,7 @@ def test_allocation_properties_reach_the_c_struct():
 @pytest.mark.gpu
 def test_export_import_map_copy_release_round_trip():
     if _bindings() is None:
-        pytest.skip("cuda-bindings is not installed (pip install 'a2ad[cuda]')")
+        pytest.skip("cuda-bindings is not installed (pip install cuda-bindings, or the cuda extra: pip install '.[cuda]')")
     assert cd.unavailable() is None, cd.unavailable()
     ordinal = 0
     assert cd.driver_version() >= 12000

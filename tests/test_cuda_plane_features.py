@@ -12,6 +12,7 @@ import torch
 
 from a2ad import errors, layout as L
 from test_cuda_kernels import (  # noqa: F401  (make_job is a fixture)
+    check_dispatch,
     combine_reference,
     expert_weight,
     make_job,
@@ -281,3 +282,184 @@ def test_caller_mask_device_tensor_in_graphs(make_job):
             close(gouts[r], reference(r), torch.bfloat16)
             job.planes[r].check()
             job.planes[r].check_input()
+
+
+# ---------------------------------------------------------------------------
+# Narrow checks: each names one stage (which region, which record, which bytes)
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("ep_size", [2, 3])
+def test_dispatch_error_raised_before_the_combine_is_the_rounds_only_error(make_job, ep_size):
+    """As a client does it: the dispatch's spec mismatch is raised (and cleared) before the
+    round's combine runs; that combine (whose widths differ too) returns zeros and leaves no
+    second record: the next check raises nothing and the next round is exact."""
+    T, top_k, E = 8, 2, 8
+    job = make_job(ep_size, T, top_k, E, 2 * 64 + 4 * top_k, 2 * 64)
+    e = [rand_experts(T, top_k, E) for _ in range(ep_size)]
+    hid = [7 if r == 0 else 8 for r in range(ep_size)]
+    x = [torch.randn(T, hid[r], device="cuda").to(torch.bfloat16) for r in range(ep_size)]
+    pls = [L.payload_layout(job.aux, job.size, T, [2 * hid[r], 4 * top_k], 2 * hid[r],
+                            dtypes=[torch.bfloat16, torch.int32]) for r in range(ep_size)]
+    job.on_ranks(lambda r: job.planes[r].dispatch(e[r], [x[r], e[r]], T, pls[r], E))
+    job.join()
+    words = {r: ["input_payloads[0] bytes per token"] for r in range(ep_size)}
+    _raises_on_every_rank(job, words)  # raised and cleared before any combine
+    outs = job.on_ranks(lambda r: job.planes[r].combine(
+        torch.ones(ep_size, T, hid[r], dtype=torch.bfloat16, device="cuda"), T, T, pls[r], False))
+    job.join()
+    torch.cuda.synchronize()
+    for r in range(ep_size):
+        assert not bool(outs[r].any()), f"rank {r}: a round with mismatched payloads returned data"
+        job.planes[r].check_input()  # no second record (the combine's) from the same round
+    _good_round(job)
+
+
+@pytest.mark.parametrize("ep_size,num_stats,hidden", [(1, 5, 64), (2, 1, 20), (2, 7, 64), (4, 256, 128)])
+def test_dispatch_with_eplb_bytes_of_every_region(make_job, ep_size, num_stats, hidden):
+    """One dispatch with the EPLB region (one rank to itself too; widths not a multiple of 16):
+    the payload regions (after the EPLB region) hold every token's bytes at the slot its
+    source's routing names, RECV_SPECS of every row hold every source's descriptor, the raw EPLB
+    region of every row holds every source's statistics, the gathered tensor is that region,
+    and the round's combine is exact."""
+    torch.manual_seed(1234 + ep_size * 10 + num_stats)
+    T, top_k, E = 12, 4, 16
+    job = make_job(ep_size, T, top_k, E, 2 * hidden + 4 * top_k + 4 * num_stats, 2 * hidden)
+    pl = L.payload_layout(job.aux, job.size, T, [2 * hidden, 4 * top_k], 2 * hidden,
+                          dtypes=[torch.bfloat16, torch.int32], eplb_stats_num_experts=num_stats)
+    assert pl.eplb_offset == job.aux.payload_data and pl.dispatch_offsets[0] >= pl.eplb_offset + 4 * ep_size * num_stats
+    job.rt = T
+    tokens = [T - r for r in range(ep_size)]
+    e = [rand_experts(tokens[r], top_k, E) for r in range(ep_size)]
+    x = [torch.randn(tokens[r], hidden, device="cuda").to(torch.bfloat16) for r in range(ep_size)]
+    vals = [torch.arange(num_stats, dtype=torch.int32, device="cuda") * (r + 3) - 50 * r for r in range(ep_size)]
+    gathered = [torch.full((ep_size, num_stats), -1, dtype=torch.int32, device="cuda") for _ in range(ep_size)]
+    job.on_ranks(lambda r: job.planes[r].dispatch(e[r], [x[r], e[r]], T, pl, E, eplb_local_stats=vals[r],
+                                                  eplb_gathered=gathered[r]))
+    job.join()
+    torch.cuda.synchronize()
+    for r in range(ep_size):
+        job.planes[r].check_input()
+    payloads = [[x[r].view(torch.uint8).view(tokens[r], -1), e[r].view(torch.uint8).view(tokens[r], -1)]
+                for r in range(ep_size)]
+    check_dispatch(job, e, payloads, pl)
+    want_stats = torch.stack([v.cpu() for v in vals])
+    spec = torch.tensor(pl.spec, dtype=torch.int32)
+    for r in range(ep_size):
+        specs = job.i32(r, job.aux.recv_specs, L.SPEC_WORDS * ep_size).cpu().view(ep_size, L.SPEC_WORDS)
+        for s in range(ep_size):
+            assert torch.equal(specs[s], spec), f"rank {r}: RECV_SPECS[{s}] {specs[s].tolist()} != {pl.spec}"
+        region = job.i32(r, pl.eplb_offset, ep_size * num_stats).cpu().view(ep_size, num_stats)
+        assert torch.equal(region, want_stats), f"rank {r}: the EPLB region of its row"
+        assert torch.equal(gathered[r].cpu(), want_stats), f"rank {r}: eplb_gathered"
+
+    def combine(r):
+        recv = job.region(r, pl.dispatch_offsets[0], 2 * hidden).view(torch.bfloat16)
+        return job.planes[r].combine((recv.float() * expert_weight(r)).to(torch.bfloat16), tokens[r], T, pl, False)
+
+    outs = job.on_ranks(combine)
+    job.join()
+    torch.cuda.synchronize()
+    for r in range(ep_size):
+        close(outs[r], combine_reference(job, e[r], x[r]), torch.bfloat16)
+        job.planes[r].check_input()
+
+
+@pytest.mark.parametrize("device_mask", [False, True], ids=["cpu-mask", "device-mask"])
+def test_caller_mask_dispatch_bytes_and_untouched_row(make_job, device_mask):
+    """Ranks 0-2 of 4 dispatch with a mask without rank 3 (which runs nothing): at each active
+    rank the rows from each active source are that source's tokens for it, at the slots its
+    routing names; nothing comes from rank 3 (count 0); rank 3's whole row is left as it was."""
+    torch.manual_seed(77)
+    ep_size, T, top_k, E, hidden = 4, 10, 4, 16, 32
+    job = make_job(ep_size, T, top_k, E, 2 * hidden + 4 * top_k, 2 * hidden)
+    pl = job.layout(T, [2 * hidden, 4 * top_k], 2 * hidden)
+    active = [0, 1, 2]
+    mask = torch.tensor([0b0111], dtype=torch.int64, device="cuda" if device_mask else "cpu")
+    e = [rand_experts(T, top_k, E) for _ in range(ep_size)]
+    x = [torch.randn(T, hidden, device="cuda").to(torch.bfloat16) for _ in range(ep_size)]
+    torch.cuda.synchronize()
+    row3 = job.ws[3].cpu().clone()
+    job.on_ranks(lambda r: job.planes[r].dispatch(e[r], [x[r], e[r]], T, pl, E, caller_mask=mask), ranks=active)
+    job.join(ranks=active)
+    torch.cuda.synchronize()
+    own = owners(E, ep_size)
+    for r in active:
+        counts = job.recv_counts(r)
+        assert counts[3].item() == 0, f"rank {r}: RECV_COUNTERS[3] = {counts[3].item()} from the excluded rank"
+        region = job.region(r, pl.dispatch_offsets[0], 2 * hidden).cpu()
+        for s in active:
+            toks = [t for t, tg in enumerate(routes(e[s].cpu(), E, ep_size)) if r in tg]
+            assert counts[s].item() == len(toks), f"rank {r}: RECV_COUNTERS[{s}]"
+            slot = job.i32(s, job.aux.topk_send_indices, T * L.MAX_TOP_K).view(T, L.MAX_TOP_K).cpu()
+            tgt = job.i32(s, job.aux.topk_target_ranks, T * L.MAX_TOP_K).view(T, L.MAX_TOP_K).cpu()
+            xs = x[s].cpu().view(torch.uint8).view(T, -1)
+            for t in toks:
+                ks = [k for k in range(top_k) if int(tgt[t, k]) == r]
+                assert len(ks) == 1, f"source {s} token {t}: {ks} sends to {r}"
+                j = int(slot[t, ks[0]])
+                assert 0 <= j < counts[s].item(), f"source {s} token {t}: slot {j} at {r}"
+                assert torch.equal(region[s, j], xs[t]), f"rank {r}: slot {j} from {s} is not token {t}"
+        # tokens for rank 3's experts got no slot
+        for t in range(T):
+            for k in range(top_k):
+                if own[int(e[r][t, k])] == 3:
+                    sl = int(job.i32(r, job.aux.topk_send_indices, T * L.MAX_TOP_K).view(T, L.MAX_TOP_K)[t, k])
+                    assert sl == -1, f"rank {r} token {t} k {k}: slot {sl} at the excluded rank"
+    assert torch.equal(job.ws[3].cpu(), row3), "the excluded rank's row was written"
+    # the round's combine among the active ranks (clears the round for the fixture's close)
+    outs = job.on_ranks(lambda r: job.planes[r].combine(
+        (job.region(r, pl.dispatch_offsets[0], 2 * hidden).view(torch.bfloat16).float() * expert_weight(r)).to(
+            torch.bfloat16), T, T, pl, False, caller_mask=mask), ranks=active)
+    job.join(ranks=active)
+    torch.cuda.synchronize()
+    for r in active:
+        tg = routes(e[r].cpu(), E, ep_size)
+        w = torch.tensor([sum(expert_weight(q) for q in t if q in active) for t in tg], dtype=torch.float64)
+        close(outs[r], x[r].cpu().double() * w[:, None], torch.bfloat16)
+    assert torch.equal(job.ws[3].cpu(), row3), "the excluded rank's row was written by the combine"
+
+
+@pytest.mark.parametrize("in_workspace", [False, True], ids=["staged", "in-workspace"])
+@pytest.mark.parametrize("ep_size,hidden", [(2, 256), (3, 2880)])
+def test_fp8_staged_rows_are_quantize_fp8(make_job, in_workspace, ep_size, hidden):
+    """After an FP8 combine, each rank's FP8 region (layout.fp8_combine_offset) holds, for every
+    source s != itself and every row s sent (RECV_COUNTERS), exactly host_plane.quantize_fp8 of
+    the bf16 payload row: a difference here is the staging (quantizer), elsewhere the pull."""
+    from a2ad.client.host_plane import quantize_fp8
+
+    torch.manual_seed(99 + hidden)
+    T, top_k, E = 9, 4, 16
+    job = make_job(ep_size, T, top_k, E, 2 * hidden + 4 * top_k, 2 * hidden + L.fp8_row_bytes(hidden))
+    pl = job.layout(T, [2 * hidden, 4 * top_k], 2 * hidden)
+    e = [rand_experts(T, top_k, E) for _ in range(ep_size)]
+    x = [torch.randn(T, hidden, device="cuda").to(torch.bfloat16) for _ in range(ep_size)]
+    payload = {}
+
+    def step(r):
+        job.planes[r].dispatch(e[r], [x[r], e[r]], T, pl, E)
+        recv = job.region(r, pl.dispatch_offsets[0], 2 * hidden).view(torch.bfloat16)
+        if in_workspace:
+            comb = job.region(r, pl.combine_offset, 2 * hidden).view(torch.bfloat16)
+            torch.mul(recv, expert_weight(r), out=comb)
+        else:
+            comb = (recv.float() * expert_weight(r)).to(torch.bfloat16)
+        payload[r] = comb
+        return job.planes[r].combine(comb, T, T, pl, in_workspace, low_precision=True)
+
+    job.on_ranks(step)
+    job.join()
+    torch.cuda.synchronize()
+    row8 = L.fp8_row_bytes(hidden)
+    for r in range(ep_size):
+        job.planes[r].check_input()
+        off = L.fp8_combine_offset(pl, ep_size, hidden, in_workspace)
+        fp8 = job.ws[r, off : off + ep_size * T * row8].view(ep_size, T, row8).cpu()
+        counts = job.recv_counts(r)
+        src = payload[r].cpu()
+        for s in range(ep_size):
+            if s == r:
+                continue
+            n = counts[s].item()
+            want = quantize_fp8(src[s, :n])
+            got = fp8[s, :n, : hidden + hidden // L.FP8_BLOCK]
+            bad = (got != want[:, : hidden + hidden // L.FP8_BLOCK]).any(1).nonzero().flatten().tolist()
+            assert not bad, f"rank {r}: FP8 rows {bad} staged for source {s} differ from quantize_fp8"

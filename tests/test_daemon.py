@@ -472,6 +472,10 @@ def test_destroyed_job_memory_is_reported_until_importers_unmap(daemon):
         wait_for(lambda: daemon.request("status")["memory"]["released_mapped_processes"] == 1, 10, "one importer left")
         _stop(procs[1])
         wait_for(lambda: daemon.request("status")["memory"]["released_mapped_bytes"] == 0, 10, "no importer left")
+        out = subprocess.run([sys.executable, "-m", "a2ad.tools.ctl", "--runtime-dir", str(daemon.runtime_dir), "status"],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0 and "memory" in out.stdout, out.stdout + out.stderr
+        assert "released but still mapped" not in out.stdout  # nothing to say once it is 0
     finally:
         for p in procs:
             _stop(p)

@@ -1,7 +1,10 @@
 """The examples in examples/ run as users run them: no arguments, host backend, their own daemon.
 
-Each runs as a subprocess in its own process group from a temp cwd, with a timeout; whatever
-happens, the group is killed afterwards, so no daemon, keeper or rank outlives the test.
+Every program at the top of examples/ is an example: it runs with no arguments and ends in
+``<name>: OK`` (``python examples/*.py`` runs them all). Programs that only serve an example
+live in examples/helpers/ and are named by one. Each runs as a subprocess in its own process
+group from a temp cwd, with a timeout; whatever happens, the group is killed afterwards, so no
+daemon, keeper or rank outlives the test.
 """
 
 from __future__ import annotations
@@ -46,7 +49,29 @@ def last_line(out: str) -> str:
     return lines[-1] if lines else ""
 
 
-@pytest.mark.parametrize("script", ["moe_layer.py", "switch_from_flashinfer.py"])
+#: The programs at the top of examples/ (data files such as domain.toml are not programs).
+PROGRAMS = sorted(p.name for p in EXAMPLES.iterdir() if p.is_file() and p.suffix in (".py", ".sh"))
+PYTHON_EXAMPLES = ["moe_layer.py", "switch_from_flashinfer.py"]
+SHELL_EXAMPLES = ["ops_restart.sh"]
+
+
+def test_every_program_in_examples_is_an_example_or_a_named_helper():
+    """A new program at the top of examples/ must be run by this file with no arguments (or be
+    moved to examples/helpers/); every helper must be used by an example."""
+    assert PROGRAMS == sorted(PYTHON_EXAMPLES + SHELL_EXAMPLES), (
+        f"examples/ holds {PROGRAMS}: every program there must run with no arguments and be run by "
+        "tests/test_examples.py, or live in examples/helpers/")
+    texts = "\n".join((EXAMPLES / p).read_text() for p in PROGRAMS)
+    helpers = sorted(p for p in (EXAMPLES / "helpers").iterdir() if p.is_file() and p.suffix == ".py"
+                     and p.name != "__init__.py")
+    assert helpers, "examples/helpers/ is empty: remove the folder"
+    for h in helpers:
+        assert f"helpers/{h.name}" in texts or f"helpers.{h.stem} import" in texts, \
+            f"examples/helpers/{h.name} is used by no example"
+        assert "helper" in h.read_text()[:600].lower(), f"examples/helpers/{h.name}: its docstring must say it is a helper"
+
+
+@pytest.mark.parametrize("script", PYTHON_EXAMPLES)
 def test_python_example(script, tmp_path):
     res = run_example([sys.executable, str(EXAMPLES / script)], tmp_path, timeout=60)
     name = script[:-3]
@@ -57,7 +82,9 @@ def test_python_example(script, tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_ops_restart(tmp_path):
+@pytest.mark.parametrize("script", SHELL_EXAMPLES)
+def test_ops_restart(script, tmp_path):
+    assert script == "ops_restart.sh"
     res = run_example(["bash", str(EXAMPLES / "ops_restart.sh")], tmp_path, timeout=90)
     out = res.stdout
     assert res.returncode == 0, out

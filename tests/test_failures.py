@@ -96,7 +96,7 @@ def rank_body(rank, ep, runtime_dir, job, script, cmds, results):
                 try:
                     verified_round(a2a, rank, ep, step[1])
                 except errors.PeerLost as exc:
-                    results.put((rank, "lost", time.clock_gettime(time.CLOCK_MONOTONIC), (exc.rank, exc.details.get("reason"))))
+                    results.put((rank, "lost", time.clock_gettime(time.CLOCK_MONOTONIC), (exc.rank, exc.details.get("reason"), exc.details.get("reason_name"))))
                 else:
                     results.put((rank, "error", t0, "no PeerLost"))
                     return
@@ -196,7 +196,7 @@ def test_kill9_mid_dispatch_peerlost_fast_then_replacement_resumes(backend, daem
     delays = {r: (t - t_kill) * 1e3 for r, (t, _) in lost.items()}
     print(f"\n{backend}: PeerLost after kill -9 of rank {victim} mid-dispatch: "
           + ", ".join(f"rank {r} {d:.1f} ms" for r, d in sorted(delays.items())))
-    assert all(v == (victim, L.ABORT_PEER_LOST) for _, v in lost.values())
+    assert all(v == (victim, L.ABORT_PEER_LOST, "peer lost") for _, v in lost.values())
     assert max(delays.values()) < 100.0
     rk.procs[victim].join(10)
     info = daemon.request("job_info", job="kill9")
@@ -311,7 +311,8 @@ def test_operator_abort_interrupts_a_wait(daemon):
         out = subprocess.run([sys.executable, "-m", "a2ad.tools.ctl", "--runtime-dir", str(daemon.runtime_dir), "abort", "opabort"],
                              capture_output=True, text=True, timeout=30)
         assert out.returncode == 0, out.stderr
-        (_, (rank, reason)), = rk.expect("lost", [0], timeout=10).values()
+        (_, (rank, reason, reason_name)), = rk.expect("lost", [0], timeout=10).values()
+        assert reason_name == "aborted by operator"
         assert reason == L.ABORT_OPERATOR and rank == 1  # no rank was lost: the wait on rank 1 was aborted
         rk.go(1)
         rk.expect("recovered", [0, 1])

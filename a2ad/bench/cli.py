@@ -16,13 +16,11 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
+from .common import (DEFAULT_HIDDEN, DRY_HIDDEN, DRY_TOKENS, FULL_TOKENS, IMPLS, NO_MULTICAST_ENV, QUICK_TOKENS,
+                     SCHEMA, ensure_client_package, log)
 
-from .common import IMPLS, NO_MULTICAST_ENV, SCHEMA, ensure_client_package, log
-from .plotting import plot, plot_unavailable
-from .report import _finite, make_report, perf_doc, sort_rows, write_json
-from .results import add_comparisons, add_speedups, capture_summary, comparisons, evaluate_targets
-from .workload import DEFAULT_HIDDEN, DRY_HIDDEN, DRY_TOKENS, FULL_TOKENS, QUICK_TOKENS
+# torch and the modules that import it are loaded in main(), after the options are parsed, so that
+# `a2ad-bench --help` (and a usage error) answers at once
 
 
 def _int_list(text: str) -> list[int]:
@@ -61,11 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("grid")
     g.add_argument("--tokens", type=_int_list, help=f"tokens per rank (default {','.join(map(str, FULL_TOKENS))})")
     g.add_argument("--hidden", type=_int_list, help=f"hidden sizes (default {','.join(map(str, DEFAULT_HIDDEN))})")
-    g.add_argument("--top-k", type=int, default=8)
-    g.add_argument("--num-experts", type=int, default=256)
+    g.add_argument("--top-k", type=int, default=8, help="experts each token is routed to (default 8, at most 22)")
+    g.add_argument("--num-experts", type=int, default=256,
+                   help="experts in the model, split over the ranks in contiguous blocks (default 256)")
     g.add_argument("--ep", type=int, help="ranks, one per GPU (default: every visible GPU; 2 on CPU)")
     g.add_argument("--routing", choices=["uniform", "skewed"], default="uniform",
-                   help="uniform random experts, or Zipf-skewed expert popularity")
+                   help="uniform random experts, or Zipf-skewed expert popularity (default uniform)")
     g.add_argument("--zipf-s", type=float, default=1.0, help="Zipf exponent of --routing skewed (default 1.0)")
     g.add_argument("--impls", type=_impl_list, help=f"subset of {','.join(IMPLS)} (default all)")
     g.add_argument("--quick", action="store_true", help="T in {1,128,4096}, hidden 7168, 50 replays: a smoke run")
@@ -85,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eager rows: samples per figure (default 20; 3 with --dry-run)")
     m.add_argument("--no-ceilings", action="store_true", help="skip the NVLink ceiling measurements")
     m.add_argument("--ceiling-bytes", type=_size, default=None, help="bytes per direction of the ceilings (default 1G)")
-    m.add_argument("--seed", type=int, default=1234)
+    m.add_argument("--seed", type=int, default=1234, help="seed of the routing and the inputs (default 1234)")
     r = p.add_argument_group("run")
     r.add_argument("--budget", type=float, default=480.0,
                    help="wall-clock seconds for the whole run; grid points that would overrun are skipped (default 480)")
@@ -97,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a FlashInfer archive (.tgz, or the folder it was extracted to) holding the flashinfer "
                         "package and the wheels it needs: extracted and installed in the scratch folder for the "
                         "ranks only (not needed after pip install flashinfer-python)")
-    r.add_argument("--a2ad-timeout", type=float, default=30.0, help="MoeAlltoAll rendezvous/peer wait timeout, s")
+    r.add_argument("--a2ad-timeout", type=float, default=30.0, help="MoeAlltoAll rendezvous/peer wait timeout, seconds (default 30)")
     r.add_argument("--keep-run-dir", action="store_true", help="keep the scratch folder (daemon log, raw points)")
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write every result to this JSON file")
@@ -323,6 +322,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    import torch
+
+    from .plotting import plot, plot_unavailable
+    from .report import _finite, make_report, perf_doc, sort_rows, write_json
+    from .results import add_comparisons, add_speedups, capture_summary, comparisons, evaluate_targets
+
     if args.plot:  # fail before the run, not after it
         why = plot_unavailable()
         if why:

@@ -8,6 +8,12 @@ from pathlib import Path
 
 
 SCHEMA = "a2ad-bench/1"
+#: The grid: tokens per rank and hidden sizes of a full run, of --quick and of --dry-run.
+FULL_TOKENS = (1, 8, 32, 128, 512, 1024, 4096)
+QUICK_TOKENS = (1, 128, 4096)
+DEFAULT_HIDDEN = (7168, 4096, 2880)
+DRY_TOKENS = (1, 8, 64)
+DRY_HIDDEN = (256,)
 IMPLS = ("a2ad", "a2ad-eager", "flashinfer", "flashinfer-eager", "nccl", "agrs")
 IMPL_LABELS = {
     "a2ad": "a2ad (CUDA graph)",

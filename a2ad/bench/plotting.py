@@ -9,7 +9,7 @@ from .results import ce_per_gpu_gbps, comparisons
 from .workload import gbps
 
 
-PLOT_HINT = "pip install 'a2ad[bench]' for --plot"
+PLOT_HINT = "pip install matplotlib for --plot (a2ad's bench extra: pip install '.[bench]' in a clone of a2ad)"
 
 
 def plot_unavailable() -> str | None:

@@ -33,6 +33,11 @@ VS_NCCL_NOTE = ("* vs NCCL: NCCL's median dispatch+combine over this row's, same
                 "graph with an eager baseline; the eager-vs-eager table compares like with like.")
 
 
+#: The mode column of a CPU run's would-be graph rows: no CUDA graph exists there, the stand-in
+#: records the calls once and runs them again on every replay.
+CPU_REPLAY = "cpu-replay"
+
+
 def table_cells(r: dict) -> list[str]:
     med = lambda k: r[k]["median"] if r.get(k) else None  # noqa: E731
     t = r.get("total_us")
@@ -42,9 +47,12 @@ def table_cells(r: dict) -> list[str]:
     if r["impl"] == "a2ad" and r.get("capture"):
         note = f"{r['capture']} capture" + (" (fallback)" if r.get("capture_fallback") or
                                             "failed" in (r.get("capture_why") or "") else "")
+    mode = r.get("mode") or IMPL_MODE.get(r["impl"], "-")
+    if mode == "graph" and str(r.get("timing", "")).startswith("cpu stand-in"):
+        mode = CPU_REPLAY  # a CPU run has no CUDA graphs: the captured calls were run again
     return [
         r["impl"],
-        r.get("mode") or IMPL_MODE.get(r["impl"], "-"),
+        mode,
         str(r["tokens"]),
         str(r["hidden"]),
         _f(med("dispatch_us"), "{:.2f}"),
@@ -131,10 +139,14 @@ def format_eager_comparison(comp: dict, md: bool = False) -> str:
 
 
 # --- lines -------------------------------------------------------------------------------
-def format_capture(summary: dict) -> str:
+def format_capture(summary: dict, cpu: bool = False) -> str:
     n_api, n_plane = summary.get("api_points", 0), summary.get("plane_points", 0)
     if not n_api and not n_plane:
         return "a2ad graphs: none built in this run"
+    if cpu:
+        what = "public API (MoeAlltoAll.dispatch/combine)" if not n_plane else "calls"
+        return (f"a2ad graphs: none (a CPU run has no CUDA graphs); the {CPU_REPLAY} rows run the {what} "
+                f"again on every replay, at {n_api + n_plane} point(s), to check the pipeline")
     if n_plane == 0:
         head = f"a2ad graphs: the public API (MoeAlltoAll.dispatch/combine) captured at all {n_api} point(s)"
     elif n_api == 0:
@@ -237,9 +249,14 @@ def make_report(result: dict) -> str:
     parts += ["", "ceilings:", format_ceilings(result.get("ceilings") or {}), "", format_table(result["rows"]),
               VS_NCCL_NOTE, ""]
     comp = result.get("comparisons") or comparisons(result["rows"])
-    parts += [format_capture(result.get("capture") or capture_summary(result["rows"], None)), ""]
-    parts += ["graph vs graph (us, medians; CUDA graphs of each public API; FI/a2ad > 1: a2ad faster):"
-              + _graph_caveat(result), format_graph_comparison(comp), ""]
+    cpu = result["config"].get("mode") == "cpu"
+    parts += [format_capture(result.get("capture") or capture_summary(result["rows"], None), cpu), ""]
+    if cpu:
+        parts += [f"{CPU_REPLAY} vs {CPU_REPLAY} (us, medians; a CPU run, no CUDA graphs: the figures check the "
+                  "pipeline, they are not performance; FI/a2ad > 1: a2ad faster):", format_graph_comparison(comp), ""]
+    else:
+        parts += ["graph vs graph (us, medians; CUDA graphs of each public API; FI/a2ad > 1: a2ad faster):"
+                  + _graph_caveat(result), format_graph_comparison(comp), ""]
     parts += [f"eager vs eager (us, medians of the pair; {_eager_how(result)}; x/a2ad > 1: a2ad faster; "
               "eager-graph = eager pair - graph pair):", format_eager_comparison(comp), ""]
     parts += ["targets (a2ad rows; the eager ones from the eager rows):", format_targets(result.get("targets") or [])]
@@ -321,7 +338,8 @@ def perf_doc(result: dict, plot_rel: str | None) -> str:
         "## How the a2ad graphs were built",
         "",
         "```",
-        format_capture(result.get("capture") or capture_summary(result["rows"], cfg.get("capture"))),
+        format_capture(result.get("capture") or capture_summary(result["rows"], cfg.get("capture")),
+                       cfg.get("mode") == "cpu"),
         "```",
         "",
         "## Graph vs graph",

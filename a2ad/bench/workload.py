@@ -6,13 +6,8 @@ from __future__ import annotations
 
 import torch
 
-
-#: The grid: tokens per rank and hidden sizes of a full run, of --quick and of --dry-run.
-FULL_TOKENS = (1, 8, 32, 128, 512, 1024, 4096)
-QUICK_TOKENS = (1, 128, 4096)
-DEFAULT_HIDDEN = (7168, 4096, 2880)
-DRY_TOKENS = (1, 8, 64)
-DRY_HIDDEN = (256,)
+# the grid (kept in common, which imports no torch, so that `a2ad-bench --help` is quick)
+from .common import DEFAULT_HIDDEN, DRY_HIDDEN, DRY_TOKENS, FULL_TOKENS, QUICK_TOKENS  # noqa: F401
 
 
 # --- accounting --------------------------------------------------------------------------

@@ -78,8 +78,18 @@ def cmd_join(d, f, ctx):
     the lease secret. Errors: spec_mismatch (also sent to the ranks already waiting),
     rank_taken, rendezvous_timeout, limit_exceeded, invalid_field, permission_denied (another
     user's job), draining, backend_error."""
+    if f.get("job") not in d.registry.jobs:
+        # a job the state file (or its reserve) could not record would be lost by a crash
+        why = d.state.refusal(_record_bytes(f.get("ep_size")))
+        if why is not None:
+            raise errors.LimitExceeded(f"job {f.get('job')!r} not created: {why}; existing jobs go on serving")
     d.registry.join(ctx.peer, ctx.identity, ctx.request_id, f)
     return None
+
+
+def _record_bytes(ep_size) -> int:
+    """About how many bytes a job of ``ep_size`` ranks adds to the state (a generous bound)."""
+    return 1024 + 256 * (ep_size if isinstance(ep_size, int) and ep_size > 0 else 1)
 
 
 def cmd_leave(d, f, ctx) -> dict:
@@ -145,10 +155,11 @@ def cmd_shutdown(d, f, ctx) -> dict:
 
 
 def cmd_metrics(d, f, ctx) -> dict:
-    """Reply: {text}: the daemon's metrics in Prometheus text format."""
+    """Reply: {text}: the daemon's metrics in Prometheus text format (series naming a job
+    only for the jobs the asking uid may see, as in status)."""
     from a2ad.daemon.metrics import render
 
-    return {"text": render(d)}
+    return {"text": render(d, ctx.peer)}
 
 
 COMMANDS: dict[str, Callable] = {

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from a2ad import errors, layout as L, protocol
-from a2ad.control import ControlBlock
+from a2ad.control import ControlBlock, hold_job
 from a2ad.daemon import memfd
 from a2ad.daemon.backends.base import Allocation
 from a2ad.daemon.policy import active_mask
@@ -280,6 +280,7 @@ def new_control_block(ep_size: int, policy: int = L.POLICY_RAISE) -> tuple[int, 
     control block."""
     fd = memfd.sealed_memfd("a2ad-ctl", L.CONTROL_BLOCK_SIZE)
     try:
+        hold_job(fd)  # the holder lock: ranks learn when no daemon or fd store holds the job
         cb = ControlBlock.map_fd(fd)
     except BaseException:
         os.close(fd)

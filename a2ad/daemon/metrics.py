@@ -1,6 +1,6 @@
 """The daemon's metrics, through prometheus-client.
 
-``render(daemon)`` returns the Prometheus text exposition (what ``a2ad-ctl metrics``
+``render(daemon, peer)`` returns the Prometheus text exposition (what ``a2ad-ctl metrics``
 prints). ``registry(daemon)`` builds a CollectorRegistry whose collector reads the
 daemon's state at scrape time; nothing is updated on the daemon's hot paths except the
 rendezvous-latency histogram (``LatencyHistogram.observe``, a few integer additions).
@@ -79,10 +79,17 @@ class LatencyHistogram:
 
 
 class DaemonCollector:
-    """Reads a Daemon's state at collect() time."""
+    """Reads a Daemon's state at collect() time.
 
-    def __init__(self, daemon):
+    Series labelled with a job's name are only about the jobs in ``named_jobs(daemon)``
+    (None: every job): ``a2ad-ctl metrics`` passes the asking uid's view (its own jobs, every
+    job for an admin), as ``status`` does; the HTTP port, which knows nobody's identity,
+    names no job unless the daemon runs with ``--metrics-job-names``. Totals (jobs by state,
+    ranks, bytes, degraded jobs) count every job."""
+
+    def __init__(self, daemon, named_jobs=None):
         self.d = daemon
+        self.named_jobs = named_jobs
 
     def collect(self):
         d = self.d
@@ -166,7 +173,8 @@ class DaemonCollector:
         yield aborted
         yield failing
 
-        yield from self._degraded(jobs, now)
+        named = jobs if self.named_jobs is None else list(self.named_jobs(d))
+        yield from self._degraded(jobs, named, now)
 
         yield from self._memory(jobs)
 
@@ -223,7 +231,7 @@ class DaemonCollector:
         refused.add_metric([], st["refused_connections"])
         yield refused
 
-    def _degraded(self, jobs, now: float):
+    def _degraded(self, jobs, named, now: float):
         """Per job of the degrade policy (on_peer_loss="degrade"): its active-rank mask, how
         many ranks serve, and since when it runs without some (0 while every rank serves)."""
         active = GaugeMetricFamily("a2ad_job_active_ranks",
@@ -238,17 +246,20 @@ class DaemonCollector:
                                   "Seconds a degrade job has run without some of its ranks (0 while all serve).",
                                   labels=["job"])
         n_degraded = 0
+        named_ids = {id(j) for j in named}
         for j in jobs:
             if not getattr(j, "degrade", False):
                 continue
             m = j.mask_summary()
             if m["active_mask"] is None:
                 continue
+            n_degraded += 1 if m["degraded_s"] else 0
+            if id(j) not in named_ids:
+                continue  # counted above, not named
             active.add_metric([j.name], len(m["active_ranks"]))
             mask.add_metric([j.name], m["active_mask"])
             gen.add_metric([j.name], m["mask_generation"])
             since.add_metric([j.name], m["degraded_s"] or 0.0)
-            n_degraded += 1 if m["degraded_s"] else 0
         total = GaugeMetricFamily("a2ad_jobs_serving_degraded",
                                   "Degrade jobs running without some of their ranks right now.")
         total.add_metric([], n_degraded)
@@ -318,20 +329,32 @@ class DaemonCollector:
         yield limits
 
 
-def registry(daemon) -> CollectorRegistry:
+def _no_jobs(daemon) -> list:
+    return []
+
+
+def registry(daemon, named_jobs=None) -> CollectorRegistry:
     """A registry with the daemon's collector and the process collector
-    (a2ad_process_*: CPU seconds, resident memory, open fds, start time)."""
+    (a2ad_process_*: CPU seconds, resident memory, open fds, start time). ``named_jobs``:
+    see DaemonCollector (None: every job is named)."""
     from prometheus_client import ProcessCollector
 
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(DaemonCollector(daemon))
+    reg.register(DaemonCollector(daemon, named_jobs))
     ProcessCollector(namespace="a2ad", registry=reg)
     return reg
 
 
-def render(daemon) -> str:
-    """The daemon's metrics in Prometheus text format."""
-    return generate_latest(registry(daemon)).decode()
+def render(daemon, peer=None) -> str:
+    """The daemon's metrics in Prometheus text format; series that name a job only for the
+    jobs ``peer`` may see (``registry.visible_jobs``), every job when ``peer`` is None."""
+    named = None if peer is None else (lambda d: d.registry.visible_jobs(peer))
+    return generate_latest(registry(daemon, named)).decode()
+
+
+def http_named_jobs(daemon):
+    """What the HTTP port names: every job with --metrics-job-names, else none."""
+    return None if getattr(daemon.cfg, "metrics_job_names", False) else _no_jobs
 
 
 # ---------------------------------------------------------------- HTTP /metrics
@@ -482,7 +505,7 @@ class MetricsHTTP:
                 accept = value.strip()
         try:
             encoder, ctype = choose_encoder(accept)
-            body = encoder(registry(self.d))
+            body = encoder(registry(self.d, http_named_jobs(self.d)))
         except Exception:
             log.exception("metrics http: render failed")
             return 500, b"internal error rendering metrics\n"

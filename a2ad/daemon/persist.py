@@ -7,6 +7,15 @@ needs, besides the fds themselves (kept by an a2ad.daemon.fdstore), to re-adopt 
 - ``StateWriter`` is what the daemon's loop holds: ``mark_dirty()`` on every change,
   ``flush()`` each turn; a failing write is retried with backoff and logged once per
   distinct failure.
+- The disk-full path (``StateWriter(reserve=True)``, what the daemon uses): beside the state
+  file the writer keeps ``state.msgpack.reserve``, space written in full while there is room
+  (two copies' worth, at least 2 x the state). While the state file cannot be written, every
+  change goes into that reserve in place, alternating between its two copies (header: magic,
+  sequence number, length, CRC-32), which needs no new blocks on a non-copy-on-write
+  filesystem (tmpfs, ext4, xfs), so a full disk cannot stop it and a kill -9 loses nothing.
+  ``load()`` takes whichever of the file and the reserve's copies is newest (``seq``). When
+  the state no longer fits one copy and the reserve cannot grow, ``refusal()`` says why a
+  new job must be refused.
 - The job's peer-loss policy travels in its spec (``on_peer_loss``; a record without it is a
   job of the default policy); its admit rounds live in the control block, which the fd store
   keeps with the workspaces, so a restarted daemon finds them as they were. The active-rank
@@ -33,7 +42,9 @@ import math
 import os
 import re
 import stat
+import struct
 import time
+import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -104,7 +115,7 @@ def job_from_record(rec: dict, fds: dict[str, int], backend, this_node: str | No
     fds it took are added to ``used``. ``this_node``: this daemon's node name in its domain
     (None without one). Raises on a record that cannot be adopted."""
     from a2ad import errors
-    from a2ad.control import ControlBlock
+    from a2ad.control import ControlBlock, hold_job
     from a2ad.daemon import memfd
     from a2ad.daemon.fdstore import cb_name, ws_name
     from a2ad.daemon.jobs import Job, RankSlot
@@ -116,6 +127,7 @@ def job_from_record(rec: dict, fds: dict[str, int], backend, this_node: str | No
     if not memfd.adopt_memfd(cfd, L.CONTROL_BLOCK_SIZE, "control block"):
         log.warning("job %s: its control block cannot be sealed (from an older daemon)", name)
     aux = L.aux_layout(ep_size, rec["spec"]["max_num_tokens"])
+    hold_job(cfd)  # held already when the store kept the daemon's description; taken if not
     control = ControlBlock.map_fd(cfd)
     job = Job(
         name=name, ep_size=ep_size, spec=rec["spec"], size_per_rank=rec["size_per_rank"],
@@ -175,16 +187,26 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
-def write_state(runtime_dir: Path, records: Iterable[dict], backend: str) -> None:
-    """Write the state file from job records (``job_record`` dicts): all of it or nothing.
-    Raises OSError on any failure, after removing the temp file; the previous state file is
-    then untouched."""
-    path = Path(runtime_dir) / STATE_FILE
-    tmp = path.with_name(path.name + ".tmp")
+def encode_state(records: Iterable[dict], backend: str, seq: int | None = None) -> bytes:
+    """The state file's bytes; OSError(EINVAL) for a record that cannot be encoded."""
+    top = {"v": STATE_VERSION, "backend": backend, "jobs": list(records)}
+    if seq is not None:
+        top["seq"] = seq
     try:
-        data = msgpack.packb({"v": STATE_VERSION, "backend": backend, "jobs": list(records)}, use_bin_type=True)
+        return msgpack.packb(top, use_bin_type=True)
     except Exception as exc:  # an unpackable record: a bug, but never a crash of the daemon
         raise OSError(errno.EINVAL, f"could not encode the state: {exc}") from exc
+
+
+def write_state(runtime_dir: Path, records: Iterable[dict], backend: str, seq: int | None = None,
+                data: bytes | None = None) -> int:
+    """Write the state file from job records (``job_record`` dicts), or the bytes ``data``
+    encode_state made: all of it or nothing. Returns its size. Raises OSError on any failure,
+    after removing the temp file; the previous state file is then untouched."""
+    path = Path(runtime_dir) / STATE_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    if data is None:
+        data = encode_state(records, backend, seq)
     fd = -1
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
@@ -207,6 +229,150 @@ def write_state(runtime_dir: Path, records: Iterable[dict], backend: str) -> Non
             raise
         raise OSError(errno.EIO, f"could not write {path}: {exc!r}") from exc
     _fsync_dir(path.parent)
+    return len(data)
+
+
+# --------------------------------------------------------------------------- the reserve
+RESERVE_FILE = STATE_FILE + ".reserve"
+#: magic, sequence number, length, CRC-32 of the state that follows (then padding)
+_RES_HEAD = struct.Struct("<8sQQI4x")
+_RES_MAGIC = b"A2ADRSV1"
+#: Smallest copy the reserve holds (bytes); it grows to twice the state when that outgrows it.
+MIN_RESERVE_COPY = 256 << 10
+_PAGE = 4096
+
+
+class Reserve:
+    """``state.msgpack.reserve``: two copies' worth of space, allocated (written) while the
+    disk has room, overwritten in place while the state file cannot be written."""
+
+    def __init__(self, runtime_dir: Path):
+        self.path = Path(runtime_dir) / RESERVE_FILE
+        self.copy = 0  # bytes per copy in the file as it stands (0: none)
+        self._next = 0
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and st.st_size and st.st_size % (2 * _PAGE) == 0:
+                self.copy = st.st_size // 2
+                # overwrite the older (or torn) copy first: the newest intact one stays (never
+                # read through a link: nothing in the runtime folder is)
+                with os.fdopen(os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
+                    seqs = [_intact_seq(f, i * self.copy, self.copy) for i in range(2)]
+                self._next = 0 if seqs[0] <= seqs[1] else 1
+        except (OSError, struct.error):
+            pass
+
+    def ensure(self, need: int) -> bool:
+        """Make each copy hold at least ``need`` bytes of state (growing to 2 x that, at
+        least MIN_RESERVE_COPY); False when the space cannot be had now."""
+        need += _RES_HEAD.size
+        if self.copy >= need:
+            return True
+        copy = max(MIN_RESERVE_COPY, 2 * need)
+        copy = -(-copy // _PAGE) * _PAGE
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        fd = -1
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            zeros = bytes(1 << 16)
+            left = 2 * copy
+            while left:
+                n = os.write(fd, zeros[: min(left, len(zeros))])  # written, not sparse: no block is allocated later
+                if n <= 0:
+                    raise OSError(errno.EIO, "write made no progress")
+                left -= n
+            os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, self.path)
+        except OSError:
+            if fd >= 0:
+                os.close(fd)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            return False
+        _fsync_dir(self.path.parent)
+        self.copy = copy
+        self._next = 0
+        return True
+
+    def write(self, data: bytes, seq: int) -> None:
+        """Overwrite the older copy with ``data`` (state bytes) in place; OSError when it
+        does not fit or cannot be written."""
+        if _RES_HEAD.size + len(data) > self.copy:
+            raise OSError(errno.ENOSPC, f"the state ({len(data)} bytes) does not fit the reserve's copies "
+                                        f"({self.copy} bytes each)")
+        fd = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            blob = _RES_HEAD.pack(_RES_MAGIC, seq, len(data), zlib.crc32(data)) + data
+            view, off = memoryview(blob), self._next * self.copy
+            while view:
+                n = os.pwrite(fd, view, off)
+                if n <= 0:
+                    raise OSError(errno.EIO, "write made no progress")
+                view, off = view[n:], off + n
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._next ^= 1
+
+    def remove(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        self.copy = 0
+
+
+def _intact_seq(f, offset: int, copy: int) -> int:
+    """The sequence number of the reserve's copy at ``offset`` when it is intact, else -1."""
+    f.seek(offset)
+    head = f.read(_RES_HEAD.size)
+    if len(head) != _RES_HEAD.size:
+        return -1
+    magic, seq, length, crc = _RES_HEAD.unpack(head)
+    if magic != _RES_MAGIC or length > copy - _RES_HEAD.size:
+        return -1
+    data = f.read(length)
+    return seq if len(data) == length and zlib.crc32(data) == crc else -1
+
+
+def load_reserve(runtime_dir: Path) -> dict | None:
+    """The newest intact state copy in the reserve (with its ``seq``), or None."""
+    path = Path(runtime_dir) / RESERVE_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    best = None
+    try:
+        size = os.fstat(fd).st_size
+        copy = size // 2
+        for i in range(2 if copy > _RES_HEAD.size else 0):
+            head = os.pread(fd, _RES_HEAD.size, i * copy)
+            if len(head) != _RES_HEAD.size:
+                continue
+            magic, seq, length, crc = _RES_HEAD.unpack(head)
+            if magic != _RES_MAGIC or length > copy - _RES_HEAD.size or (best is not None and seq <= best["seq"]):
+                continue
+            data = os.pread(fd, length, i * copy + _RES_HEAD.size)
+            if len(data) != length or zlib.crc32(data) != crc:
+                continue  # a copy whose write did not finish: the other one stands
+            try:
+                obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
+            except Exception:
+                continue
+            if (isinstance(obj, dict) and obj.get("v") == STATE_VERSION and isinstance(obj.get("backend"), str)
+                    and isinstance(obj.get("jobs"), list)):
+                obj["seq"] = seq
+                best = obj
+    except OSError:
+        return best
+    finally:
+        os.close(fd)
+    return best
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -246,9 +412,19 @@ class StateWriter:
     BACKOFF = 0.5
     MAX_BACKOFF = 10.0
 
-    def __init__(self, runtime_dir: Path, logger: logging.Logger | None = None):
+    def __init__(self, runtime_dir: Path, logger: logging.Logger | None = None, reserve: bool = False):
         self.runtime_dir = Path(runtime_dir)
         self.log = logger or log
+        #: the disk-full path: changes go into the reserve while the file cannot be written
+        self.reserve = Reserve(self.runtime_dir) if reserve else None
+        #: changes made durable nowhere yet (neither the file nor the reserve has them)
+        self.pending = False
+        #: whether the reserve holds changes the state file lacks (the file is failing)
+        self.in_reserve = False
+        self.reserve_error: str | None = None
+        #: size of the state at the last attempt, for refusal()
+        self.last_size = 0
+        self.seq = 0
         self.dirty = False
         self.healthy = True
         self.last_error: str | None = None
@@ -262,7 +438,26 @@ class StateWriter:
 
     def mark_dirty(self) -> None:
         self.dirty = True
+        self.pending = True
 
+    def _next_seq(self) -> int:
+        self.seq = max(self.seq + 1, time.time_ns())
+        return self.seq
+
+    def refusal(self, extra: int = 0) -> str | None:
+        """Why a new job (about ``extra`` more bytes of state) must be refused now, or None:
+        the state file cannot be written and the reserve could not keep it either."""
+        if self.healthy:
+            return None
+        why = f"the state file {self.runtime_dir / STATE_FILE} cannot be written ({self.last_error})"
+        if self.reserve is None:
+            return f"{why}; a new job could not be kept across a restart"
+        if self.reserve_error is not None:
+            return f"{why} and its reserve cannot be written either ({self.reserve_error})"
+        if _RES_HEAD.size + self.last_size + extra > self.reserve.copy:
+            return (f"{why} and its reserve has no room for another job ({self.reserve.copy} bytes per copy, "
+                    f"{self.last_size} in use)")
+        return None
     def due(self, now: float) -> bool:
         return self.dirty and now >= self._next_attempt
 
@@ -277,10 +472,18 @@ class StateWriter:
         """Write the state file if it is dirty and a write is due (``force``: ignore the
         backoff, e.g. right before an upgrade or shutdown). ``now``: time.monotonic().
         Returns True when the file was written by this call. Never raises."""
-        if not self.dirty or (not force and now < self._next_attempt):
+        if not self.dirty:
             return False
+        if not force and now < self._next_attempt:
+            if self.pending and self.reserve is not None and not self.healthy:
+                self._to_reserve(records_fn, backend_name)  # no backoff for the reserve: it has room
+            return False
+        data = None
         try:
-            write_state(self.runtime_dir, records_fn(), backend_name)
+            seq = self._next_seq()
+            data = encode_state(records_fn(), backend_name, seq if self.reserve is not None else None)
+            self.last_size = len(data)
+            write_state(self.runtime_dir, (), backend_name, data=data)
         except Exception as exc:
             reason = str(exc) or type(exc).__name__
             self.failures += 1
@@ -297,7 +500,16 @@ class StateWriter:
                 self._logged = reason
             else:
                 self.log.debug("state file write failed again (%d in a row): %s", self.failures, reason)
+            if self.reserve is not None and data is not None:
+                self._to_reserve(None, backend_name, data, seq)
             return False
+        if self.reserve is not None:
+            self.pending = False
+            self.in_reserve = False
+            self.reserve_error = None
+            if not self.reserve.ensure(len(data)):
+                self.log.warning("could not make room for the state file's reserve %s (%d bytes); "
+                                 "a full disk could then stop new jobs", self.reserve.path, 2 * len(data))
         if not self.healthy:
             self.log.info("state file written again after %d failed attempt(s)", self.failures)
         self.dirty = False
@@ -309,6 +521,39 @@ class StateWriter:
         self._backoff = self.BACKOFF
         self._next_attempt = 0.0
         return True
+
+    def _to_reserve(self, records_fn, backend_name: str, data: bytes | None = None, seq: int | None = None) -> None:
+        """While the state file fails: the state into the reserve, in place."""
+        try:
+            if data is None:
+                seq = self._next_seq()
+                data = encode_state(records_fn(), backend_name, seq)
+                self.last_size = len(data)
+            self.reserve.write(data, seq)
+        except Exception as exc:
+            reason = str(exc) or type(exc).__name__
+            if reason != self.reserve_error:
+                self.log.error("could not keep the state in the reserve %s either: %s; a daemon crash now would "
+                               "lose the jobs changed since the last write, and new jobs are refused",
+                               self.reserve.path, reason)
+            self.reserve_error = reason
+            return
+        if not self.in_reserve or self.reserve_error is not None:
+            self.log.warning("the state is kept in the reserve %s (seq %d) while the state file cannot be written",
+                             self.reserve.path, seq)
+        self.pending = False
+        self.in_reserve = True
+        self.reserve_error = None
+
+    def remove(self) -> None:
+        """Nothing is left to re-adopt: remove the state file and the reserve."""
+        for name in (STATE_FILE, RESERVE_FILE):
+            try:
+                os.unlink(self.runtime_dir / name)
+            except FileNotFoundError:
+                pass
+        if self.reserve is not None:
+            self.reserve.copy = 0
 
 
 # --------------------------------------------------------------------------- reading
@@ -472,6 +717,23 @@ def _read_private(path: Path) -> bytes:
 
 
 def load(runtime_dir: Path) -> dict | None:
+    """The previous daemon's state (see _load_file), or the reserve's copy when that is newer
+    (a daemon that ran on a full disk kept its latest state there)."""
+    main = _load_file(runtime_dir)
+    spare = load_reserve(runtime_dir)
+    if spare is None or (main is not None and _seq(main) >= spare["seq"]):
+        return main
+    log.warning("state: the copy in %s (seq %d) is newer than %s%s; using it", RESERVE_FILE, spare["seq"], STATE_FILE,
+                "" if main is None else f" (seq {_seq(main)})")
+    return spare
+
+
+def _seq(obj: dict) -> int:
+    seq = obj.get("seq")
+    return seq if _is_int(seq) else 0
+
+
+def _load_file(runtime_dir: Path) -> dict | None:
     """The previous daemon's state ``{"v", "backend", "jobs": [record, ...]}``, or None when
     there is none usable. Never raises for a bad file: one that does not decode, or whose
     top level has the wrong shape, is moved aside to ``state.msgpack.bad-<UTC time>`` with a

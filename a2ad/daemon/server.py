@@ -65,8 +65,13 @@ class Config:
     admin_group: str | None = None
     #: serve GET /metrics on 127.0.0.1:PORT from the poll loop (None: off)
     metrics_port: int | None = None
+    #: name jobs in the HTTP /metrics series (anyone on the node can read that port)
+    metrics_job_names: bool = False
     #: auto | systemd | keeper | none: where workspace fds survive a daemon restart
     fd_store: str = "auto"
+    #: Seconds the fd keeper keeps a job once no daemon is connected and no rank attached
+    #: (None: the keeper's default, keeper.DEFAULT_LINGER).
+    keeper_linger: float | None = None
     #: Wait for the previous daemon to hand over the runtime folder (upgrade successor).
     takeover: bool = False
     #: The `a2ad serve` arguments, so that an upgrade can start a successor just like us.
@@ -114,7 +119,7 @@ class Daemon:
         ))
         self.registry.on_rendezvous = self.rendezvous_hist.observe
         self.registry.fd_budget = self._charge_fds
-        self.state = persist.StateWriter(config.runtime_dir)
+        self.state = persist.StateWriter(config.runtime_dir, reserve=True)
         self._ctx: zmq.Context | None = None
         self.router: zmq.Socket | None = None
         self.monitor: zmq.Socket | None = None
@@ -206,6 +211,15 @@ class Daemon:
                 self.auth.admin_gids.add(grp.getgrnam(self.cfg.admin_group).gr_gid)
             except KeyError:
                 raise errors.InvalidField(f"admin group {self.cfg.admin_group!r} does not exist", field="admin_group") from None
+        from a2ad.daemon.keeper import LINGER_ENV, parse_linger
+
+        if self.cfg.keeper_linger is not None:
+            os.environ[LINGER_ENV] = repr(parse_linger(self.cfg.keeper_linger))  # every keeper we start inherits it
+        elif LINGER_ENV in os.environ:
+            try:
+                parse_linger(os.environ[LINGER_ENV])
+            except ValueError as exc:
+                raise errors.InvalidField(f"${LINGER_ENV}: {exc}", field="keeper_linger") from None
         handover = upgrade.handover_socket()
         self.lock = None if handover is not None else self._take_lock(rd, wait=self.cfg.takeover)
         store_held = True  # until the store is known to hold nothing, a failure leaves it be
@@ -627,14 +641,12 @@ class Daemon:
             if reg.jobs:
                 log.info("stopping: %d job(s) with attached ranks kept for the next daemon: %s",
                          len(reg.jobs), ", ".join(sorted(reg.jobs)[:20]))
+                self._log_kept(list(reg.jobs.values()))
             self._flush()
         if reg.jobs and not self.handover:
             self._write_state_now()
         elif not reg.jobs:
-            try:  # nothing is left to re-adopt
-                (self.cfg.runtime_dir / runtime.STATE_FILE).unlink()
-            except FileNotFoundError:
-                pass
+            self.state.remove()  # nothing is left to re-adopt
         self._deliver()
         self._unbind()
         kept = bool(reg.jobs)
@@ -646,6 +658,29 @@ class Daemon:
         if self.lock is not None:
             self.lock.release()
         log.info("stopped")
+
+    def _log_kept(self, jobs: list[Job]) -> None:
+        """Say who holds the kept jobs' memory now the daemon goes, and how to free it."""
+        nbytes = sum(j.job_bytes for j in jobs)
+        what = f"{len(jobs)} job(s), {nbytes} bytes"
+        kind = self.store.kind
+        if kind == "keeper":
+            pid, linger = _keeper_info(self.cfg.runtime_dir)
+            who = f"the fd keeper (pid {pid})" if pid else f"the fd keeper at {self.cfg.runtime_dir / 'keeper.sock'}"
+            log.warning(
+                "stopping: %s holds %s for the next daemon on %s; if none comes back it frees each job %s after "
+                "its last rank is gone (--keeper-linger); to free them now: start a2ad serve and run a2ad-ctl shutdown "
+                "--free-jobs, or %s", who, what, self.cfg.runtime_dir,
+                f"{linger:g} s" if isinstance(linger, (int, float)) else "some time",
+                f"kill {pid}" if pid else "kill the keeper",
+            )
+        elif kind == "systemd":
+            log.warning(
+                "stopping: systemd's fd store holds %s for the next start of the unit; to free them now: "
+                "start it and run a2ad-ctl shutdown --free-jobs (or systemctl clean --what=fdstore on systemd 254+)", what)
+        else:
+            log.warning("stopping with --fd-store none: %s are held by no one once this daemon exits; their ranks "
+                        "get JobDestroyed at their next call and their memory is freed when they close it", what)
 
     # ----------------------------------------------------------------- status
     def status(self, peer: Peer | None = None) -> dict:
@@ -676,7 +711,9 @@ class Daemon:
             "uid_usage": self.registry.uid_usage(peer.uid) if peer.uid is not None else None,
             "fd_store": self.store.kind if store_state == "ok" else f"{self.store.kind} ({store_state})",
             "fd_store_state": store_state,
-            "state_file": "ok" if self.state.healthy else f"failing: {self.state.last_error}",
+            "state_file": "ok" if self.state.healthy else f"failing: {self.state.last_error}" + (
+                "; kept in the reserve" if self.state.in_reserve else
+                f"; the reserve fails too: {self.state.reserve_error}" if self.state.reserve_error else ""),
             "limits": {
                 **self.fds.describe(),
                 "held_joins_per_uid": self.cfg.max_held_joins_per_uid,
@@ -723,3 +760,26 @@ def _zmq_peer(frame: zmq.Frame) -> tuple[int, int, int] | None:
         return int(parts[1]), int(parts[2]), int(parts[3])
     except ValueError:
         return None
+
+
+def _keeper_info(runtime_dir: Path) -> tuple[int | None, float | None]:
+    """(pid, linger) of the fd keeper serving ``runtime_dir``, asked on a connection of its
+    own; (None, None) when it does not answer within a second."""
+    from a2ad.daemon.keeper import KEEPER_SOCK
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        s.settimeout(1.0)
+        s.connect(str(Path(runtime_dir) / KEEPER_SOCK))
+        fdpass.send_frame(s, {"op": "ping"}, timeout=1.0)
+        reply, extra = fdpass.recv_frame(s, timeout=1.0)
+        fdpass.close_all(extra)
+    except (OSError, errors.A2ADError):
+        return None, None
+    finally:
+        s.close()
+    if not isinstance(reply, dict):
+        return None, None
+    pid = reply.get("pid")
+    return (pid if isinstance(pid, int) else None), reply.get("linger")
+

@@ -40,6 +40,15 @@ def _port(text: str) -> int:
     return n
 
 
+def _seconds(text: str) -> float:
+    from a2ad.daemon.keeper import parse_linger
+
+    try:
+        return parse_linger(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runtime-dir", help="folder for sockets, lock and state (default: $A2AD_RUNTIME_DIR, "
                    "/run/a2ad where writable, $XDG_RUNTIME_DIR/a2ad, else a per-user temp folder)")
@@ -78,16 +87,24 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fd-store", choices=["auto", "systemd", "keeper", "none"], default="auto",
                    help="where workspace fds survive a daemon restart: systemd's fd store under systemd, "
                         "else a small keeper process (auto, the default); none loses jobs on restart")
+    p.add_argument("--keeper-linger", type=_seconds, default=None, metavar="SECONDS",
+                   help="with the fd keeper: seconds it keeps a job once no daemon is connected and no rank is "
+                        "attached, then frees it (default 600)")
     p.add_argument("--takeover", action="store_true",
                    help="wait for the previous daemon to hand over the runtime folder (used by upgrade)")
     p.add_argument("--metrics-port", type=_port, metavar="PORT",
                    help="also serve Prometheus metrics at http://127.0.0.1:PORT/metrics (loopback only; default off)")
+    p.add_argument("--metrics-job-names", action="store_true",
+                   help="name every user's jobs in the series of the metrics port (any local user can read it); "
+                        "by default only a2ad-ctl metrics names jobs, those the asking user may see")
     p.add_argument("--domain", metavar="FILE",
                    help="the config file (TOML) of the multi-node NVLink domain this node belongs to: its nodes, "
                         "their addresses and the shared key (docs/DOMAIN.md); jobs may then span nodes")
     p.add_argument("--node", metavar="NAME",
                    help="this node's name in the --domain file (default: the short host name)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="least severe log lines written to stderr: debug adds diagnostic detail (default info: one "
+                        "line per lifecycle event)")
 
 
 def serve(args) -> int:
@@ -120,7 +137,9 @@ def serve(args) -> int:
         max_handshakes_per_uid=args.max_fd_handshakes_per_uid,
         max_zmq_peers_per_uid=args.max_ctl_connections_per_uid,
         metrics_port=args.metrics_port,
+        metrics_job_names=args.metrics_job_names,
         fd_store=args.fd_store,
+        keeper_linger=args.keeper_linger,
         takeover=args.takeover,
         argv=list(getattr(args, "serve_argv", [])),
         domain=args.domain,
@@ -181,7 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="a2ad", description="MoE all-to-all workspace daemon")
     parser.add_argument("--version", action="version", version=f"a2ad {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    p_serve = sub.add_parser("serve", help="run the daemon in the foreground")
+    p_serve = sub.add_parser(
+        "serve", help="run the daemon in the foreground",
+        description="Run the a2ad daemon in the foreground: it owns every job's shared workspaces, runs the rank "
+                    "rendezvous and reports dead ranks at once. One daemon per node (a lock guards its runtime "
+                    "folder). Logs go to stderr.",
+        epilog="a2ad-ctl talks to it (status, jobs, drain, upgrade, shutdown); README.md and docs/OPERATIONS.md "
+               "describe running it.")
     add_serve_args(p_serve)
     p_build = sub.add_parser("build-ext", help="build the CUDA extension ahead of time into the cache "
                              "(needs nvcc and a CUDA build of torch, not a GPU)")

@@ -81,7 +81,7 @@ def show_status(st: dict) -> str:
         f"memory        {_fmt_bytes(mem['job_bytes'])} in jobs (limits: {_fmt_bytes(mem['max_job_bytes'])} per job, "
         f"{_fmt_bytes(mem['max_total_bytes'])} total)"
     )
-    if "released_mapped_bytes" in mem:
+    if mem.get("released_mapped_bytes"):  # said only when some freed memory is still mapped
         lines.append(f"              {_fmt_bytes(mem['released_mapped_bytes'])} released but still mapped by clients")
     lines.append(f"draining      {'yes' if st['draining'] else 'no'}")
     dom = st.get("domain")
@@ -237,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         add(name, helptext).add_argument("name")
     p = add("drain", "refuse new jobs (existing ones run on); --off to accept again")
-    p.add_argument("--off", action="store_true")
+    p.add_argument("--off", action="store_true", help="stop draining: accept new jobs again (default: start draining)")
     add("metrics", "metrics in Prometheus text format")
     add("domain", "the nodes of this daemon's domain: their state, last heartbeat, link counters")
     p = add("upgrade", "start a successor daemon (the installed version) and hand it every job; clients keep "

@@ -109,6 +109,7 @@ def _rank_rounds(rank: int, cfg: _Config, results, barrier) -> None:
     from a2ad.client import reference as ref
     from a2ad.client.moe_alltoall import MoeAlltoAll
 
+    results.put(("stage", rank, "imported"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.ranks))
     if cfg.backend == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
@@ -132,6 +133,7 @@ def _rank_rounds(rank: int, cfg: _Config, results, barrier) -> None:
         device=device if device.type == "cuda" else None,
         timeout=cfg.timeout,
     ) as a2a:
+        results.put(("stage", rank, "attached"))
         recv_off = int(a2a.metainfo[L.RECV_COUNTERS_OFFSET_INDEX])
         for rnd in range(cfg.rounds):
             seed, tokens, rt = _round_plan(cfg, rnd)
@@ -224,6 +226,7 @@ def run(args) -> int:
                 made_dir = runtime_dir = Path(tempfile.mkdtemp(prefix="a2ad-demo-"))
             from a2ad.tools.launcher import DaemonLauncher
 
+            print(f"a2ad demo: starting a daemon on {runtime_dir} ...", flush=True)
             daemon = DaemonLauncher(runtime_dir, "--backend", args.backend, "--grace", "1")
             hello = daemon.start(30.0).hello  # LaunchError (a RuntimeError) carries the log's tail
             where = f"started a daemon (pid {daemon.pid}) on {runtime_dir}"
@@ -267,13 +270,21 @@ def run(args) -> int:
             shutil.rmtree(made_dir, ignore_errors=True)
 
 
+#: Seconds of silence while the ranks start after which the demo says how far they got.
+PROGRESS_EVERY = 5.0
+
+
 def _run_ranks(cfg: _Config) -> int:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     barrier = ctx.Barrier(cfg.ranks)
     procs = [ctx.Process(target=_rank_main, args=(r, cfg, results, barrier), daemon=True) for r in range(cfg.ranks)]
+    print(f"a2ad demo: starting {cfg.ranks} ranks: each imports torch (a few seconds), then joins job {cfg.job} "
+          "through the daemon and maps every rank's workspace ...", flush=True)
     for p in procs:
         p.start()
+    stages: dict[str, set[int]] = {"imported": set(), "attached": set()}
+    said = time.monotonic()
     rounds: dict[int, dict[int, tuple]] = {}
     errors_by_rank: dict[int, str] = {}
     done: set[int] = set()
@@ -283,13 +294,21 @@ def _run_ranks(cfg: _Config) -> int:
     # generous: start-up (imports, rendezvous) plus every round's bounded waits
     deadline = time.monotonic() + 120.0 + cfg.timeout * 2 + cfg.rounds * (5.0 + cfg.timeout / 10)
     start = time.monotonic()
-    print(f"{'round':>5} {'tokens':>7} {'rt':>5} {'dispatch ms':>12} {'expert ms':>10} {'combine ms':>11}  check")
+    header = f"{'round':>5} {'tokens':>7} {'rt':>5} {'dispatch ms':>12} {'expert ms':>10} {'combine ms':>11}  check"
+
+    def starting() -> str:
+        return (f"{len(stages['imported'])}/{cfg.ranks} ranks imported torch, {len(stages['attached'])}/{cfg.ranks} "
+                f"attached ({time.monotonic() - start:.1f} s)")
+
     try:
         while len(done) + len(errors_by_rank) < cfg.ranks:
             if time.monotonic() > deadline:
                 errors_by_rank.update({r: "did not finish in time" for r in range(cfg.ranks)
                                        if r not in done and r not in errors_by_rank})
                 break
+            if printed == 0 and time.monotonic() - said > PROGRESS_EVERY:
+                print(f"a2ad demo: still starting: {starting()}", flush=True)
+                said = time.monotonic()
             try:
                 kind, rank, value = results.get(timeout=0.5)
             except queue.Empty:
@@ -297,13 +316,22 @@ def _run_ranks(cfg: _Config) -> int:
                     if r not in done and r not in errors_by_rank and not p.is_alive():
                         errors_by_rank[r] = f"the process exited with status {p.exitcode}"
                 continue
-            if kind == "done":
+            if kind == "stage":
+                stages[value].add(rank)
+                if len(stages[value]) == cfg.ranks:
+                    what = ("every rank imported torch" if value == "imported" else
+                            "every rank attached: rendezvous done, workspaces mapped")
+                    print(f"a2ad demo: {what} ({time.monotonic() - start:.1f} s)", flush=True)
+                    said = time.monotonic()
+            elif kind == "done":
                 done.add(rank)
             elif kind == "error":
                 errors_by_rank[rank] = value
             else:
                 rounds.setdefault(value[0], {})[rank] = value[1:]
                 while len(rounds.get(printed, {})) == cfg.ranks:
+                    if printed == 0:
+                        print(header)
                     row = rounds[printed]
                     _, tokens, rt = _round_plan(cfg, printed)
                     d = max(v[0] for v in row.values())

@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """One worker of examples/ops_restart.sh: runs the MoE layer of moe_layer.py round after round.
 
+A helper, not an example of its own (hence its folder): ops_restart.sh starts it with the
+arguments it needs.
+
 Every round is a forward through a2ad (dispatch, local experts, combine) checked against the
 same layer computed in this process. A token's result depends only on this rank's tokens and
 the shared weights, so the check holds whatever round number the peers are at (a
@@ -19,26 +22,30 @@ import argparse
 import os
 import sys
 import time
-
-import torch
-
-import moe_layer  # beside this file
-from a2ad.client import A2ADError, MoeAlltoAll, PeerLost
+from pathlib import Path
 
 ROUND_TOKENS = 16
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--job", default="ops-example")
-    p.add_argument("--runtime-dir", required=True)
+    p.add_argument("--rank", type=int, required=True, help="this worker's expert-parallel rank")
+    p.add_argument("--ranks", type=int, default=2, help="ranks of the job (default 2)")
+    p.add_argument("--job", default="ops-example", help="the job's name (default ops-example)")
+    p.add_argument("--runtime-dir", required=True, help="the daemon's runtime folder")
     p.add_argument("--progress", required=True, help="file that holds the number of verified rounds")
     p.add_argument("--stop", required=True, help="stop once this file exists")
     p.add_argument("--pause", type=float, default=0.02, help="seconds between rounds (default 0.02)")
-    p.add_argument("--timeout", type=float, default=30.0, help="bound of the rendezvous, of every wait and of recover")
+    p.add_argument("--timeout", type=float, default=30.0, help="bound of the rendezvous, of every wait and of recover, seconds (default 30)")
     args = p.parse_args()
+    # imported once the arguments are parsed, so that --help and a usage error answer at once
+    import torch
+
+    from a2ad.client import A2ADError, MoeAlltoAll, PeerLost
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import moe_layer  # examples/moe_layer.py
+
     torch.set_num_threads(1)
     say = lambda msg: print(f"  [worker {args.rank}, pid {os.getpid()}] {msg}", flush=True)  # noqa: E731
 
