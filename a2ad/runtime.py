@@ -237,8 +237,15 @@ class RuntimeDirError(Exception):
 
 
 def prepare(runtime_dir: Path, group: str | None = None) -> int | None:
-    """Create the folder with mode 0700 (0750 and the group when ``group`` is given).
-    Returns the group id or None."""
+    """Create the folder with mode 0700 (0750 and the group when ``group`` is given), or take
+    an existing one that this daemon may trust. Returns the group id or None.
+
+    An existing folder (and a symlink naming it) must be owned by this daemon's uid or root.
+    Whoever could write to it before the daemon started may have planted its lock, state or
+    keeper socket (a symlink the daemon would write through, a keeper it would hand every
+    workspace to); so a folder that group members or others may write to is closed first
+    (its mode set) and then taken only if it holds nothing at all, as a fresh volume does;
+    one that holds anything is refused with RuntimeDirError naming what it holds."""
     gid = None
     if group is not None:
         try:
@@ -246,14 +253,66 @@ def prepare(runtime_dir: Path, group: str | None = None) -> int | None:
         except KeyError:
             raise RuntimeDirError(f"group {group!r} does not exist") from None
     mode = 0o750 if gid is not None else 0o700
-    runtime_dir.mkdir(parents=True, exist_ok=True, mode=mode)
-    st = runtime_dir.stat()
-    if st.st_uid != os.getuid():
-        raise RuntimeDirError(f"{runtime_dir} is owned by uid {st.st_uid}, not by this daemon's uid {os.getuid()}")
-    os.chmod(runtime_dir, mode)
-    if gid is not None:
+    me = os.geteuid()
+    try:
+        lst = os.lstat(runtime_dir)
+    except FileNotFoundError:
+        lst = None
+    if lst is not None and stat.S_ISLNK(lst.st_mode) and lst.st_uid not in (me, 0):
+        raise RuntimeDirError(f"refusing the runtime folder {runtime_dir}: it is a symlink owned by {_owner(lst.st_uid)}, "
+                              f"who could point it elsewhere; remove it or use another --runtime-dir")
+    if lst is None:
+        runtime_dir.mkdir(parents=True, exist_ok=True, mode=mode)
+    st = os.stat(runtime_dir)
+    if not stat.S_ISDIR(st.st_mode):
+        raise RuntimeDirError(f"refusing the runtime folder {runtime_dir}: it is not a folder")
+    if st.st_uid not in (me, 0):
+        raise RuntimeDirError(f"refusing the runtime folder {runtime_dir}: it is owned by {_owner(st.st_uid)}, not by "
+                              f"this daemon's uid {me} or root; remove it or use another --runtime-dir")
+    cur = stat.S_IMODE(st.st_mode)
+    if cur != mode:
+        try:
+            os.chmod(runtime_dir, mode)  # closed before it is looked into: nobody else adds to it now
+        except PermissionError:
+            raise RuntimeDirError(f"{runtime_dir} is owned by uid {st.st_uid}, not by this daemon's uid {me}, and "
+                                  f"its mode {cur:04o} cannot be set to {mode:04o}; chown it to uid {me}") from None
+    if lst is not None and cur & 0o022:
+        held = sorted(os.listdir(runtime_dir))
+        if held:
+            who = "other users" if cur & 0o002 else "its group's members"
+            shown = ", ".join(held[:8]) + (f" and {len(held) - 8} more" if len(held) > 8 else "")
+            raise RuntimeDirError(
+                f"refusing the runtime folder {runtime_dir}: its mode was {cur:04o}, which let {who} write to it, "
+                f"and it holds {shown}, which they may have planted (a lock symlink, a keeper socket); it is "
+                f"{mode:04o} now: check what it holds and remove it, or use another --runtime-dir")
+    if gid is not None and st.st_gid != gid:
         os.chown(runtime_dir, -1, gid)
     return gid
+
+
+def open_private(path: Path, flags: int, mode: int = 0o600) -> int:
+    """Open a file of the runtime folder without following a symlink (O_NOFOLLOW), and check
+    that it is a plain file of this process's uid with one link (not a hard link to a file
+    elsewhere). Raises RuntimeDirError naming the file otherwise."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise RuntimeDirError(f"{path} is a symlink; the daemon never follows links in its runtime folder "
+                                  "(someone planted it?): remove it") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+            what = ("not a plain file" if not stat.S_ISREG(st.st_mode) else
+                    f"owned by {_owner(st.st_uid)}" if st.st_uid != os.geteuid() else f"a hard link ({st.st_nlink} names)")
+            raise RuntimeDirError(f"{path} is {what}; the daemon only uses files of its own there (someone planted "
+                                  "it?): remove it")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class Lock:
@@ -264,7 +323,7 @@ class Lock:
 
     def __init__(self, runtime_dir: Path):
         self.path = runtime_dir / LOCK_FILE
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.fd = open_private(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:

@@ -12,10 +12,12 @@ What lives here (and nothing about jobs: that is federation.py):
   DEALER per peer (CURVE client, which also authenticates the peer it reaches); messages
   only flow DEALER -> ROUTER, so "who sent this" is the node name that the ZAP handler
   attached to the connection, never a claim inside the message;
-- the ZAP handler: an inproc ROUTER on ``zeromq.zap.01`` in the domain's own ZeroMQ context,
-  served from the daemon's poll loop like every other socket (no thread: the handshake of a
-  connection simply waits for the loop's next turn). It accepts exactly the public keys of
-  the configured nodes other than this one; anything else is refused and logged;
+- the ROUTER and its ZAP handler (which accepts exactly the public keys of the configured
+  nodes other than this one; anything else is refused and logged) live in the domain gate,
+  a process of its own (gate.py), so that connections to the port that never authenticate
+  spend the gate's fds and never the daemon's; the gate forwards each authenticated message
+  with its node name over a private socketpair, read from the daemon's poll loop. A gate
+  that dies is started again (with backoff) and the daemon serves on;
 - heartbeats, and the state of every peer: ``connecting`` (never heard since this daemon
   started), ``up``, ``down`` (silent for ``heartbeat_interval * heartbeat_misses``); a
   daemon instance of a peer that a newer one replaced and that speaks again means two
@@ -39,7 +41,11 @@ import logging
 import os
 import re
 import secrets
+import selectors
+import signal
+import socket
 import stat
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +86,9 @@ BATCH = 256
 #: Outgoing messages queued per peer link while its connection stands.
 LINK_HWM = 4096
 PEER_CONNECTING, PEER_UP, PEER_DOWN = "connecting", "up", "down"
+#: Seconds the domain gate has to say READY; backoff between restarts of a gate that died.
+GATE_START_TIMEOUT = 15.0
+GATE_BACKOFF = (0.5, 30.0)
 
 
 class DomainConfigError(errors.InvalidField):
@@ -339,50 +348,112 @@ class Domain:
         self._allowed = {p.public: p.name for p in self.peers.values()}
         self.started = time.monotonic()
         self.ctx: zmq.Context | None = None
-        self.zap: zmq.Socket | None = None
-        self.router: zmq.Socket | None = None
-        self.router_monitor: zmq.Socket | None = None
+        #: the domain gate (gate.py): its process and our end of its socketpair
+        self.gate: subprocess.Popen | None = None
+        self.channel: socket.socket | None = None
+        self._rx = bytearray()
+        self.gate_restarts = 0
+        self._gate_next_try = 0.0
+        self._gate_backoff = GATE_BACKOFF[0]
+        self._gate_counters: dict = {}
+        self._gate_base = {"refused_connections": 0, "zap_requests": 0, "shed_connections": 0}
+        self.log_level = logging.getLevelName(logging.getLogger("a2ad").getEffectiveLevel()).lower()
         self.counters = {"refused_connections": 0, "bad_messages": 0, "zap_requests": 0}
         self._next_beat = 0.0
         self._ratelog = _RateLog()
 
     # ------------------------------------------------------------------ setup
     def start(self) -> None:
-        """Bind this node's address and connect to every peer. Raises BackendError (naming the
-        address) when the address cannot be bound."""
+        """Start the gate (which listens on this node's address) and connect to every peer.
+        Raises BackendError (naming the address) when the address cannot be bound."""
         self.ctx = zmq.Context()
         self.ctx.setsockopt(zmq.LINGER, 0)
         try:
-            # the ZAP handler first: a CURVE server without one would let any key in
-            self.zap = self.ctx.socket(zmq.ROUTER)
-            self.zap.bind(ZAP_ENDPOINT)
-            r = self.ctx.socket(zmq.ROUTER)
-            self.router = r
-            r.setsockopt(zmq.LINGER, 0)
-            r.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
-            r.setsockopt(zmq.RCVHWM, LINK_HWM)
-            r.setsockopt(zmq.ZAP_DOMAIN, f"a2ad:{self.cfg.name}".encode())
-            r.curve_server = True
-            r.curve_secretkey = self._secret
-            r.curve_publickey = self.public
-            self.router_monitor = r.get_monitor_socket(
-                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_DISCONNECTED)
-            try:
-                r.bind(self.me.bind)
-            except zmq.ZMQError as exc:
-                raise errors.BackendError(
-                    f"domain {self.cfg.name}: node {self.node} cannot listen on {self.me.bind}: {exc} "
-                    "(another process holds the port, or the address is not this host's)"
-                ) from None
+            self._start_gate()
             for p in self.peers.values():
                 self._connect(p)
         except BaseException:
             self.close()
             raise
-        log.info("domain %s: node %s listening on %s; peers %s (heartbeat every %g s, lost after %g s)",
-                 self.cfg.name, self.node, self.me.bind, ", ".join(f"{p.name}={p.address}" for p in self.peers.values())
-                 or "none", self.cfg.heartbeat_interval, self.cfg.loss_bound)
+        log.info("domain %s: node %s listening on %s (gate pid %d); peers %s (heartbeat every %g s, lost after %g s)",
+                 self.cfg.name, self.node, self.me.bind, self.gate.pid,
+                 ", ".join(f"{p.name}={p.address}" for p in self.peers.values()) or "none",
+                 self.cfg.heartbeat_interval, self.cfg.loss_bound)
+
+    # ------------------------------------------------------------------- gate
+    def _gate_settings(self) -> dict:
+        return {"domain": self.cfg.name, "node": self.node, "bind": self.me.bind, "secret": self._secret,
+                "public": self.public, "allowed": dict(self._allowed), "max_frame": MAX_FRAME}
+
+    def _start_gate(self) -> None:
+        """Start the gate and wait (bounded) for its READY; raises BackendError with its reason."""
+        import msgpack as _mp
+
+        from a2ad.runtime import python_command
+
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            proc = subprocess.Popen(
+                python_command("a2ad.daemon.gate", "--channel", str(theirs.fileno()), "--log-level", self.log_level),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True, close_fds=True,
+                pass_fds=[theirs.fileno()],
+            )
+        except OSError as exc:
+            ours.close()
+            theirs.close()
+            raise errors.BackendError(f"domain {self.cfg.name}: could not start the domain gate: {exc}") from None
+        theirs.close()
+        try:
+            proc.stdin.write(_mp.packb(self._gate_settings(), use_bin_type=True))
+            proc.stdin.close()
+            line = _read_line(proc.stdout, GATE_START_TIMEOUT)
+        except (OSError, TimeoutError) as exc:
+            _stop(proc)
+            ours.close()
+            raise errors.BackendError(f"domain {self.cfg.name}: the domain gate did not start: {exc}") from None
+        if line != "READY":
+            _stop(proc)
+            ours.close()
+            why = line[6:] if line.startswith("ERROR ") else f"it said {line!r}"
+            raise errors.BackendError(why)
+        ours.setblocking(False)
+        self.gate, self.channel = proc, ours
+        self._rx.clear()
+
+    def _stop_gate(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        if self.gate is not None:
+            _stop(self.gate)
+            self.gate = None
+        for k in self._gate_base:  # what the dead gate had counted stays counted
+            self._gate_base[k] += self._gate_counters.get(k, 0)
+        self._gate_counters = {}
+
+    def _check_gate(self, now: float) -> None:
+        """A gate that died is started again (after a backoff that doubles while it keeps dying)."""
+        if self.gate is not None and self.gate.poll() is None and self.channel is not None:
+            return
+        if self.gate is not None:
+            log.error("domain %s: the domain gate (pid %d) exited with %s; peers cannot reach this node until "
+                      "another one listens on %s", self.cfg.name, self.gate.pid, self.gate.returncode, self.me.bind)
+            self._stop_gate()
+            self._gate_next_try = now
+        if now < self._gate_next_try:
+            return
+        try:
+            self._start_gate()
+        except errors.BackendError as exc:
+            self._gate_next_try = now + self._gate_backoff
+            self._gate_backoff = min(self._gate_backoff * 2, GATE_BACKOFF[1])
+            log.error("domain %s: could not start the domain gate again: %s (retrying in %.1f s)", self.cfg.name,
+                      exc.message, self._gate_next_try - now)
+            return
+        self.gate_restarts += 1
+        self._gate_backoff = GATE_BACKOFF[0]
+        log.warning("domain %s: domain gate started again (pid %d, %d restart(s))", self.cfg.name, self.gate.pid,
+                    self.gate_restarts)
 
     def _connect(self, p: Peer) -> None:
         d = self.ctx.socket(zmq.DEALER)
@@ -413,15 +484,7 @@ class Domain:
                 if sock is not None:
                     sock.close(0)
             p.monitor = p.dealer = None
-        if self.router is not None and self.router_monitor is not None:
-            try:
-                self.router.disable_monitor()
-            except zmq.ZMQError:
-                pass
-        for sock in (self.router_monitor, self.router, self.zap):
-            if sock is not None:
-                sock.close(0)
-        self.router_monitor = self.router = self.zap = None
+        self._stop_gate()
         if self.ctx is not None:
             self.ctx.term()
             self.ctx = None
@@ -429,20 +492,16 @@ class Domain:
     # ------------------------------------------------------------------- poll
     def sockets(self) -> list[zmq.Socket]:
         """What the daemon's poller watches for POLLIN."""
-        out = [s for s in (self.zap, self.router, self.router_monitor) if s is not None]
+        out: list = [self.channel.fileno()] if self.channel is not None else []  # the poller answers with fd numbers
         out += [p.monitor for p in self.peers.values() if p.monitor is not None]
         return out
 
     def service(self, ready) -> None:
         """Handle whatever is readable among :meth:`sockets` (``ready``: the poller's events)."""
-        if self.zap in ready:
-            self._serve_zap()
-        if self.router_monitor in ready:
-            self._router_events()
         for p in self.peers.values():
             if p.monitor is not None and p.monitor in ready:
                 self._link_events(p)
-        if self.router in ready:
+        if self.channel is not None and self.channel.fileno() in ready:
             self._receive()
 
     def next_deadline(self) -> float:
@@ -453,6 +512,7 @@ class Domain:
         if now < self._next_beat:
             return
         self._next_beat = now + self.cfg.heartbeat_interval
+        self._check_gate(now)
         bound = self.cfg.loss_bound
         for p in self.peers.values():
             self.send(p.name, {"t": "hb"}, heartbeat=True)
@@ -468,66 +528,6 @@ class Domain:
                 if p.resync_due and p.state == PEER_UP and p.connected:
                     p.resync_due = False
                     self.handler.on_resync(p.name)
-
-    # ------------------------------------------------------------------- ZAP
-    def _serve_zap(self) -> None:
-        for _ in range(BATCH):
-            try:
-                frames = self.zap.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self.counters["zap_requests"] += 1
-            # [routing id, empty, version, request id, domain, address, identity, mechanism, credentials...]
-            if len(frames) < 9 or frames[1] != b"" or frames[2] != b"1.0":
-                if len(frames) >= 4:
-                    self._zap_reply(frames[0], frames[3] if len(frames) > 3 else b"", b"500", b"bad ZAP request", b"")
-                continue
-            rid, req_domain, address, mechanism, creds = frames[3], frames[4], frames[5], frames[7], frames[8:]
-            node = None
-            if mechanism == b"CURVE" and len(creds) == 1 and len(creds[0]) == 32 and req_domain == f"a2ad:{self.cfg.name}".encode():
-                from zmq.utils import z85
-
-                node = self._allowed.get(z85.encode(creds[0]))
-            if node is None:
-                self.counters["refused_connections"] += 1
-                self._ratelog(logging.WARNING, ("zap", address),
-                              "domain %s: refused a connection from %s: its key is not one of this domain's nodes "
-                              "(a daemon with another domain key or config?)", self.cfg.name,
-                              address.decode(errors="replace") or "?")
-                self._zap_reply(frames[0], rid, b"400", b"not a node of this domain", b"")
-            else:
-                self._zap_reply(frames[0], rid, b"200", b"OK", node.encode())
-
-    def _zap_reply(self, ident: bytes, rid: bytes, code: bytes, text: bytes, user: bytes) -> None:
-        try:
-            self.zap.send_multipart([ident, b"", b"1.0", rid, code, text, user, b""], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            log.warning("domain: could not answer a ZAP request: %s", exc)
-
-    def _router_events(self) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-
-        for _ in range(BATCH):
-            try:
-                ev = recv_monitor_message(self.router_monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if ev["event"] == zmq.EVENT_DISCONNECTED:
-                # a peer's daemon stopped or restarted, or (the only other cause) it sent a frame
-                # over MAX_FRAME, which libzmq answers by closing the connection
-                self._ratelog(logging.INFO, ("disconnect",),
-                              "domain %s: a connection to %s closed (%s): its daemon stopped or restarted, or it "
-                              "sent a frame over the %d-byte socket limit", self.cfg.name, self.me.bind,
-                              (ev.get("endpoint") or b"?").decode(errors="replace"), MAX_FRAME)
-                continue
-            what = _HANDSHAKE_FAILED.get(ev["event"])
-            if what is None:
-                continue
-            if ev["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # the ZAP handler counted and logged those
-                self.counters["refused_connections"] += 1
-                self._ratelog(logging.WARNING, ("handshake", ev["event"]),
-                              "domain %s: refused a connection on %s: %s; a daemon with another domain key, or "
-                              "something that is not an a2ad daemon", self.cfg.name, self.me.bind, what)
 
     def _link_events(self, p: Peer) -> None:
         from zmq.utils.monitor import recv_monitor_message
@@ -581,47 +581,85 @@ class Domain:
                 self.send(name, msg)
 
     def _receive(self) -> None:
+        """Read what the gate forwarded: frames of ``[kind, ...]`` (gate.py)."""
+        import struct
+
         for _ in range(BATCH):
             try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+                chunk = self.channel.recv(1 << 20)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:  # the gate is gone; the next tick starts another
+                self._stop_gate_channel()
+                break
+            self._rx += chunk
+        while len(self._rx) >= 4:
+            (n,) = struct.unpack(">I", self._rx[:4])
+            if n > MAX_FRAME + 4096:
+                log.error("domain %s: the domain gate sent a frame of %d bytes; restarting it", self.cfg.name, n)
+                self._stop_gate_channel()
                 return
+            if len(self._rx) < 4 + n:
+                return
+            raw = bytes(self._rx[4 : 4 + n])
+            del self._rx[: 4 + n]
             try:
-                node = frames[-1].get("User-Id")
-            except zmq.ZMQError:
-                node = None
-            p = self.peers.get(node) if node else None
-            if p is None:  # cannot happen past the ZAP handler; dropped all the same
-                self.counters["bad_messages"] += 1
+                item = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+                kind = item[0]
+            except Exception:
                 continue
-            if len(frames) != 2:
-                self._bad(p, f"{len(frames) - 1} frames instead of 1")
-                continue
-            if len(frames[1]) > MAX_MESSAGE:
-                self._bad(p, f"a frame of {len(frames[1])} bytes, over the {MAX_MESSAGE}-byte cap of a domain message "
-                             "(the link stays)")
-                continue
+            if kind == "m" and len(item) == 3:
+                self._on_frame(item[1], item[2])
+            elif kind == "s" and len(item) == 2 and isinstance(item[1], dict):
+                self._gate_counters = item[1]
+                for k in ("refused_connections", "zap_requests"):
+                    self.counters[k] = self._gate_base[k] + int(item[1].get(k, 0))
+            elif kind == "l" and len(item) == 3 and isinstance(item[1], int) and isinstance(item[2], str):
+                log.log(item[1], "%s", item[2][:2000])
+
+    def _stop_gate_channel(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        self._rx.clear()
+
+    def _on_frame(self, node: str, data: bytes | None) -> None:
+        """One message the gate received on ``node``'s authenticated connection (``None``: a
+        message that was not exactly one frame)."""
+        p = self.peers.get(node) if isinstance(node, str) else None
+        if p is None:  # cannot happen past the ZAP handler; dropped all the same
+            self.counters["bad_messages"] += 1
+            return
+        if not isinstance(data, bytes):
+            self._bad(p, "not exactly one frame")
+            return
+        if len(data) > MAX_MESSAGE:
+            self._bad(p, f"a frame of {len(data)} bytes, over the {MAX_MESSAGE}-byte cap of a domain message "
+                         "(the link stays)")
+            return
+        try:
+            msg = msgpack.unpackb(data, raw=False, strict_map_key=True, max_str_len=MAX_MESSAGE,
+                                  max_bin_len=MAX_MESSAGE, max_array_len=1 << 16, max_map_len=1 << 16)
+        except Exception as exc:
+            self._bad(p, f"undecodable ({type(exc).__name__})")
+            return
+        why = _envelope_problem(msg, self.cfg.name, node)
+        if why:
+            self._bad(p, why)
+            return
+        if not self._heard(p, msg):
+            return
+        if msg["t"] == "hb":
+            p.counters["heartbeats_received"] += 1
+            return
+        p.counters["messages_received"] += 1
+        if self.handler is not None:
             try:
-                msg = msgpack.unpackb(frames[1].bytes, raw=False, strict_map_key=True, max_str_len=MAX_MESSAGE,
-                                      max_bin_len=MAX_MESSAGE, max_array_len=1 << 16, max_map_len=1 << 16)
-            except Exception as exc:
-                self._bad(p, f"undecodable ({type(exc).__name__})")
-                continue
-            why = _envelope_problem(msg, self.cfg.name, node)
-            if why:
-                self._bad(p, why)
-                continue
-            if not self._heard(p, msg):
-                continue
-            if msg["t"] == "hb":
-                p.counters["heartbeats_received"] += 1
-                continue
-            p.counters["messages_received"] += 1
-            if self.handler is not None:
-                try:
-                    self.handler.on_message(node, msg)
-                except (KeyError, TypeError, ValueError, IndexError, AttributeError, errors.A2ADError) as exc:
-                    self._bad(p, f"a {msg['t']!r} message the daemon could not use ({type(exc).__name__}: {exc})")
+                self.handler.on_message(node, msg)
+            except (KeyError, TypeError, ValueError, IndexError, AttributeError, errors.A2ADError) as exc:
+                self._bad(p, f"a {msg['t']!r} message the daemon could not use ({type(exc).__name__}: {exc})")
 
     def _bad(self, p: Peer, why: str) -> None:
         p.counters["bad_messages"] += 1
@@ -717,6 +755,12 @@ class Domain:
             + [p.summary(now) for p in self.peers.values()],
             "name_collisions": sorted(p.name for p in self.peers.values() if p.collision is not None),
             **self.counters,
+            "gate": {
+                "pid": self.gate.pid if self.gate is not None else None,
+                "restarts": self.gate_restarts,
+                "shed_connections": self._gate_base["shed_connections"] + int(self._gate_counters.get("shed_connections", 0)),
+                "connections": int(self._gate_counters.get("connections", 0)),
+            },
         }
 
 
@@ -736,3 +780,39 @@ def _envelope_problem(msg, domain: str, node: str) -> str | None:
     if not isinstance(msg.get("t"), str):
         return "no message type"
     return None
+
+
+def _read_line(f, timeout: float) -> str:
+    """One line from a child's stdout within ``timeout`` seconds (poll, never select())."""
+    fd = f.fileno()
+    buf = b""
+    end = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while b"\n" not in buf:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no answer within {timeout:g} s")
+            if sel.select(left):
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    break
+                buf += chunk
+    f.close()
+    return buf.split(b"\n", 1)[0].decode(errors="replace").strip() if buf else "(exited without a word)"
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    for f in (proc.stdin, proc.stdout):
+        if f is not None and not f.closed:
+            try:
+                f.close()
+            except OSError:
+                pass

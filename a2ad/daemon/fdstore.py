@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-import select
+import selectors
 import socket
 import subprocess
 import time
@@ -314,6 +314,8 @@ class KeeperStore(FdStore):
         self._all_fds: Callable[[], dict[str, int]] | None = None
         self._epoch = 0
         self._hung = False
+        #: listeners on keeper.sock found running as another uid (handed nothing)
+        self.impostors = 0
         if self.path.exists() and self._connect():
             log.info("fd keeper found at %s", self.path)
             return
@@ -422,15 +424,36 @@ class KeeperStore(FdStore):
 
     # ------------------------------------------------------------------ connection
     def _connect(self) -> bool:
+        """Connect to the keeper socket; True once connected to a keeper run by this daemon's
+        own uid. Nothing is sent before the peer's credentials are checked: a keeper.sock
+        planted by another user gets no fd (and the daemon starts a keeper of its own)."""
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             s.settimeout(self.CALL_TIMEOUT)
             s.connect(str(self.path))
+            pid, uid, _ = fdpass.peer_credentials(s)
         except OSError:
             s.close()
             return False
+        if uid != os.getuid():
+            s.close()
+            self.impostors += 1
+            log.error("fd keeper: the process listening on %s (pid %d) runs as uid %d, not this daemon's uid %d: "
+                      "handing it nothing; it is set aside and a keeper of our own is started", self.path, pid, uid,
+                      os.getuid())
+            self._set_aside()
+            return False
         self.sock = s
         return True
+
+    def _set_aside(self) -> None:
+        """Move a keeper.sock that is not ours out of the way (the runtime folder is ours, so
+        we may), so that our keeper can bind the path."""
+        aside = self.path.with_name(f"{self.path.name}.foreign-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+        try:
+            os.rename(self.path, aside)
+        except OSError as exc:
+            log.error("fd keeper: could not move %s aside: %s", self.path, exc)
 
     def _call(self, req: dict, fds: list[int] | None = None):
         """One request and its reply; raises _KeeperDown (after marking the keeper dead)
@@ -502,16 +525,17 @@ class KeeperStore(FdStore):
         fd = proc.stdout.fileno()
         buf = b""
         try:
-            while b"\n" not in buf:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise errors.BackendError(f"the fd keeper did not start at {self.path} within {self.START_TIMEOUT} s")
-                r, _, _ = select.select([fd], [], [], remaining)
-                if r:
-                    chunk = os.read(fd, 64)
-                    if not chunk:
-                        raise errors.BackendError(f"the fd keeper exited before it was ready (status {proc.wait(1)})")
-                    buf += chunk
+            with selectors.DefaultSelector() as sel:  # poll: this process may hold more than 1024 fds
+                sel.register(fd, selectors.EVENT_READ)
+                while b"\n" not in buf:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise errors.BackendError(f"the fd keeper did not start at {self.path} within {self.START_TIMEOUT} s")
+                    if sel.select(remaining):
+                        chunk = os.read(fd, 64)
+                        if not chunk:
+                            raise errors.BackendError(f"the fd keeper exited before it was ready (status {proc.wait(1)})")
+                        buf += chunk
         finally:
             proc.stdout.close()
         if buf.split(b"\n", 1)[0].strip() != b"READY":

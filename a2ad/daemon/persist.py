@@ -41,6 +41,7 @@ import logging
 import math
 import os
 import re
+import stat
 import struct
 import time
 import zlib
@@ -251,10 +252,11 @@ class Reserve:
         self._next = 0
         try:
             st = os.stat(self.path, follow_symlinks=False)
-            if st.st_size and st.st_size % (2 * _PAGE) == 0:
+            if stat.S_ISREG(st.st_mode) and st.st_size and st.st_size % (2 * _PAGE) == 0:
                 self.copy = st.st_size // 2
-                # overwrite the older (or torn) copy first: the newest intact one stays
-                with open(self.path, "rb") as f:
+                # overwrite the older (or torn) copy first: the newest intact one stays (never
+                # read through a link: nothing in the runtime folder is)
+                with os.fdopen(os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
                     seqs = [_intact_seq(f, i * self.copy, self.copy) for i in range(2)]
                 self._next = 0 if seqs[0] <= seqs[1] else 1
         except (OSError, struct.error):
@@ -697,6 +699,23 @@ def _copy_aside(path: Path, raw: bytes) -> Path | None:
     return dest
 
 
+def _read_private(path: Path) -> bytes:
+    """The bytes of ``path``, never through a symlink and only from a plain file (a FIFO or a
+    device planted there would block or feed garbage)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a plain file")
+        chunks = []
+        while True:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+
+
 def load(runtime_dir: Path) -> dict | None:
     """The previous daemon's state (see _load_file), or the reserve's copy when that is newer
     (a daemon that ran on a full disk kept its latest state there)."""
@@ -722,7 +741,7 @@ def _load_file(runtime_dir: Path) -> dict | None:
     each; when some are unusable a copy of the file is kept aside and a warning names them."""
     path = Path(runtime_dir) / STATE_FILE
     try:
-        raw = path.read_bytes()
+        raw = _read_private(path)
     except FileNotFoundError:
         return None
     except OSError as exc:

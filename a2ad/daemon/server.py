@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 import signal
 import socket
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,10 +24,11 @@ from pathlib import Path
 import zmq
 
 from a2ad import __version__, errors, fdpass, protocol, runtime
-from a2ad.daemon import metrics, persist, sdnotify
+from a2ad.daemon import metrics, persist, sdnotify, upgrade
 from a2ad.daemon.auth import Auth, Peer
 from a2ad.daemon.backends import make_backend
 from a2ad.daemon.backends.base import Backend, default_limits
+from a2ad.daemon.fdbudget import FdBudget, count_fds, raise_nofile_limit
 from a2ad.daemon.fdsock import FdSocket
 from a2ad.daemon.fdstore import FdStore, NullStore, make_store
 from a2ad.daemon.registry import Job, Limits, Registry
@@ -43,23 +42,11 @@ REQUEST_BATCH = 256
 #: Replies queued per ZeroMQ peer; past it, replies to a peer that does not read are dropped.
 SNDHWM = 64
 RCVHWM = 256
-#: The last FD_RESERVE fds before the open-file limit are kept for what the daemon needs to
-#: go on serving: an fd.sock connection landing there is shed, a join that would reach it
-#: is refused. libzmq accepts ctl.sock connections on its own thread and aborts the process
-#: when accept() fails with EMFILE; so once a ctl.sock connection is numbered within
-#: CTL_PAUSE_MARGIN of the limit (fds are numbered from the lowest free one, so its number
-#: says how many are open), the daemon stops listening on ctl.sock (libzmq then also drops
-#: the connections it had accepted there; clients reconnect by themselves) and listens again
-#: once fewer than the limit minus CTL_RESUME_MARGIN fds are open. Only members of the
-#: allowed groups can reach ctl.sock at all; the unit's LimitNOFILE keeps this far away.
-FD_RESERVE = 384
-CTL_PAUSE_MARGIN = 256
-CTL_RESUME_MARGIN = 512
+#: ctl.sock's listen backlog: connections wait there, holding no fd of the daemon, until
+#: libzmq accepts them.
 CTL_BACKLOG = 64
-#: Environment variable naming the socket an upgrading daemon hands its jobs over on.
-HANDOVER_ENV = "A2AD_HANDOVER_SOCK"
-#: Seconds a successor has to confirm that it holds every job.
-HANDOVER_TIMEOUT = 60.0
+#: Milliseconds a ctl.sock connection has to complete its ZeroMQ handshake.
+CTL_HANDSHAKE_MS = 5000
 
 
 @dataclass
@@ -103,19 +90,6 @@ class Config:
     node: str | None = None
 
 
-def raise_nofile_limit() -> tuple[int, int]:
-    """Raise the soft open-file limit to the hard one (every lease, pidfd and workspace is an
-    fd); returns the limits now in force."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError) as exc:
-            log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
-    return soft, hard
-
-
 class Daemon:
     def __init__(self, config: Config, backend: Backend | None = None):
         self.cfg = config
@@ -144,7 +118,7 @@ class Daemon:
             max_bytes_per_uid=config.max_bytes_per_uid,
         ))
         self.registry.on_rendezvous = self.rendezvous_hist.observe
-        self.registry.fd_budget = self._fd_budget
+        self.registry.fd_budget = self._charge_fds
         self.state = persist.StateWriter(config.runtime_dir, reserve=True)
         self._ctx: zmq.Context | None = None
         self.router: zmq.Socket | None = None
@@ -153,14 +127,17 @@ class Daemon:
         self.lock: runtime.Lock | None = None
         self._wake_r = self._wake_w = None
         self._bound: list[str] = []
-        #: fd of each ZeroMQ connection -> the uid at its other end
-        self.zpeers: dict[int, int] = {}
+        #: fd of each ZeroMQ connection -> (the uid at its other end, whether it is an admin)
+        self.zpeers: dict[int, tuple[int, bool]] = {}
+        self.zpeer_counts: dict[int, int] = {}
+        self.zpeers_nonadmin = 0
         self.zpeers_refused = 0
         self.ctl_paused = False
         self.ctl_pauses = 0
         self._sock_mode = 0o600
         self._sock_gid: int | None = None
         self.nofile = raise_nofile_limit()
+        self.fds = FdBudget(self.nofile[0])
         if config.max_fds_per_uid is None:
             config.max_fds_per_uid = max(1, self.nofile[0] // 2)
         self.registry.limits.max_fds_per_uid = config.max_fds_per_uid
@@ -215,6 +192,8 @@ class Daemon:
         """Take the runtime folder and start serving it. On any failure nothing is left
         behind: no lock, no sockets, no half-adopted jobs (the fds stay in the store)."""
         rd = self.cfg.runtime_dir
+        # an open-file limit too low to serve: refuse now, rather than serve and go deaf
+        self.fds.check_startable(peers=len(self.domain.peers) if self.domain is not None else 0)
         if self.cfg.allow_uids - {os.getuid(), 0} and self.cfg.group is None:
             raise errors.InvalidField(
                 "--allow-uid needs --group: without a group the runtime folder is private (mode 0700), so "
@@ -241,14 +220,14 @@ class Daemon:
                 parse_linger(os.environ[LINGER_ENV])
             except ValueError as exc:
                 raise errors.InvalidField(f"${LINGER_ENV}: {exc}", field="keeper_linger") from None
-        handover = self._handover_socket()
+        handover = upgrade.handover_socket()
         self.lock = None if handover is not None else self._take_lock(rd, wait=self.cfg.takeover)
         store_held = True  # until the store is known to hold nothing, a failure leaves it be
         try:
             self.store = make_store(self.cfg.fd_store, rd)
             self.registry.store = self.store
             if handover is not None:
-                self._receive_handover(handover)  # returns once the predecessor let go of the folder
+                upgrade.receive_handover(self, handover)  # returns once the predecessor let go of the folder
                 self.lock = self._take_lock(rd, wait=True)
             else:
                 kept = self.store.load()
@@ -266,8 +245,8 @@ class Daemon:
                 self.lock = None
             raise
         log.info(
-            "a2ad %s serving %s (backend %s, fd store %s, pid %d, open-file limit %d)",
-            __version__, rd, self.backend.name, self.store.kind, os.getpid(), self.nofile[0],
+            "a2ad %s serving %s (backend %s, fd store %s, pid %d, open-file limit %d, %d kept in reserve)",
+            __version__, rd, self.backend.name, self.store.kind, os.getpid(), self.nofile[0], self.fds.reserve,
         )
         self.notifier.ready(self)
 
@@ -287,18 +266,21 @@ class Daemon:
         self.router.setsockopt(zmq.SNDHWM, SNDHWM)
         self.router.setsockopt(zmq.RCVHWM, RCVHWM)
         self.router.setsockopt(zmq.BACKLOG, CTL_BACKLOG)
+        # a connection that has not sent its ZeroMQ greeting within this is closed (libzmq's
+        # default is 30 s of an fd held for nothing)
+        self.router.setsockopt(zmq.HANDSHAKE_IVL, CTL_HANDSHAKE_MS)
         self.monitor = self.router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
         self._bind_ctl()
         self._bound.append(runtime.CTL_SOCK)
         old_umask = os.umask(0o777 & ~self._sock_mode)
         try:
             self.fdsock = FdSocket(str(rd / runtime.FD_SOCK), self.registry, self.cfg.max_handshakes_per_uid,
-                                   fd_ceiling=self.nofile[0] - FD_RESERVE)
+                                   fd_ceiling=self.fds.ceiling)
             self._bound.append(runtime.FD_SOCK)
         finally:
             os.umask(old_umask)
         if gid is not None:
-            os.chown(rd / runtime.FD_SOCK, -1, gid)
+            os.chown(rd / runtime.FD_SOCK, -1, gid, follow_symlinks=False)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -316,7 +298,7 @@ class Daemon:
         finally:
             os.umask(old_umask)
         if self._sock_gid is not None:
-            os.chown(rd / runtime.CTL_SOCK, -1, self._sock_gid)
+            os.chown(rd / runtime.CTL_SOCK, -1, self._sock_gid, follow_symlinks=False)
 
     def _pause_ctl(self, fd: int) -> None:
         """Stop listening on ctl.sock until the daemon is well below its open-file limit."""
@@ -328,12 +310,12 @@ class Daemon:
             self.router.unbind(runtime.ctl_endpoint(self.cfg.runtime_dir))
         except zmq.ZMQError as exc:
             log.error("could not stop listening on ctl.sock: %s", exc)
-        self.zpeers.clear()  # libzmq ends the connections it accepted on that endpoint
+        self._clear_zpeers()  # libzmq ends the connections it accepted on that endpoint
         log.error("open files at %d of %d: not listening on ctl.sock until fewer are open (%d time(s) so far)",
                   fd + 1, self.nofile[0], self.ctl_pauses)
 
     def _maybe_resume_ctl(self) -> None:
-        if not self.ctl_paused or _count_fds() >= self.nofile[0] - CTL_RESUME_MARGIN:
+        if not self.ctl_paused or not self.fds.may_resume():
             return
         try:
             self._bind_ctl()
@@ -341,7 +323,7 @@ class Daemon:
             log.error("could not listen on ctl.sock again: %s", exc)
             return
         self.ctl_paused = False
-        log.info("listening on ctl.sock again (%d open files)", _count_fds())
+        log.info("listening on ctl.sock again (%d open files)", count_fds())
 
     def _unbind(self) -> None:
         if self.domain is not None:
@@ -399,20 +381,21 @@ class Daemon:
         signal.signal(signal.SIGINT, stop)
         signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
 
-    def _fd_budget(self, needed: int) -> None:
-        """Refuse work that would take the daemon to its open-file limit (the fds it needs to
-        keep serving everyone else come first)."""
+    def _charge_fds(self, needed: int) -> None:
+        """Refuse work that would take the daemon into its fd reserve (fdbudget.py)."""
         try:
-            used = len(os.listdir("/proc/self/fd"))
-        except OSError:
-            return
-        if used + needed + FD_RESERVE > self.nofile[0]:
+            self.fds.charge(needed)
+        except errors.LimitExceeded:
             self.registry.counters["refused"] += 1
-            raise errors.LimitExceeded(
-                f"the daemon has {used} of its {self.nofile[0]} file descriptors open; this request needs {needed} "
-                "more (raise LimitNOFILE, or free jobs)",
-                needed=needed, limit=self.nofile[0],
-            )
+            raise
+
+    def keep_accounting(self) -> None:
+        """Count (and cap) ctl.sock connections now: called from waits outside the loop."""
+        if self.monitor is not None:
+            try:
+                self._on_monitor()
+            except Exception:
+                log.exception("internal error in peer accounting (the daemon keeps serving)")
 
     # ------------------------------------------------------------------- loop
     def serve_forever(self) -> None:
@@ -423,10 +406,8 @@ class Daemon:
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
         if self.metrics_http is not None:
             poller.register(self.metrics_http.fileno(), zmq.POLLIN)
-        domain_socks = self.domain.sockets() if self.domain is not None else []
-        for sock in domain_socks:
-            poller.register(sock, zmq.POLLIN)
         registered: set[int] = set()
+        domain_socks: list = []
         while not self.stopping:
             # keep the poller in step with the live connections and pidfds
             want = set(self.fdsock.conns) | set(self.registry.pidfds)
@@ -435,6 +416,14 @@ class Daemon:
             for fd in want - registered:
                 poller.register(fd, zmq.POLLIN)
             registered = want
+            if self.domain is not None:  # and with the domain's (the gate's channel changes when it restarts)
+                now_socks = self.domain.sockets()
+                if now_socks != domain_socks:
+                    for sock in domain_socks:
+                        poller.unregister(sock)
+                    for sock in now_socks:
+                        poller.register(sock, zmq.POLLIN)
+                    domain_socks = now_socks
             nxt = self._next_deadline()
             timeout_ms = 1000 if nxt is None else max(0, min(1000, int((nxt - time.monotonic()) * 1000) + 1))
             events = dict(poller.poll(self.notifier.poll_timeout_ms(timeout_ms)))
@@ -561,7 +550,7 @@ class Daemon:
                 return
             event, fd = msg["event"], msg["value"]
             if event == zmq.EVENT_ACCEPTED:
-                if fd >= self.nofile[0] - CTL_PAUSE_MARGIN:
+                if self.fds.should_pause(fd):
                     self._pause_ctl(fd)
                     continue
                 if self.ctl_paused:
@@ -579,22 +568,50 @@ class Daemon:
                     if dup.family != socket.AF_UNIX or dup.getsockname() != str(self.cfg.runtime_dir / runtime.CTL_SOCK):
                         continue  # the connection closed and its number went to another socket
                     _, uid, gid = fdpass.peer_credentials(dup)
-                    peer = Peer(uid, gid, None)
-                    count = sum(1 for u in self.zpeers.values() if u == uid)
-                    if count >= self.cfg.max_zmq_peers_per_uid and not self.auth.is_admin(peer):
+                    admin = self.auth.is_admin(Peer(uid, gid, None))
+                    count = self.zpeer_counts.get(uid, 0)
+                    capped = None if admin else (
+                        f"uid {uid} has {count} connections to ctl.sock (limit {self.cfg.max_zmq_peers_per_uid})"
+                        if count >= self.cfg.max_zmq_peers_per_uid else
+                        f"non-admin uids hold {self.zpeers_nonadmin} connections to ctl.sock in all "
+                        f"(limit {self.fds.ctl_total}, from the open-file limit)"
+                        if self.zpeers_nonadmin >= self.fds.ctl_total else None)
+                    if capped is not None:
                         self.zpeers_refused += 1
                         if self.zpeers_refused == 1 or self.zpeers_refused % 100 == 0:
-                            log.warning("uid %d has %d connections to ctl.sock (limit %d); refusing more (%d so far)",
-                                        uid, count, self.cfg.max_zmq_peers_per_uid, self.zpeers_refused)
+                            log.warning("%s; refusing more (%d so far)", capped, self.zpeers_refused)
                         dup.shutdown(socket.SHUT_RDWR)
                     else:
-                        self.zpeers[fd] = uid
+                        self._add_zpeer(fd, uid, admin)
                 except OSError:
                     pass
                 finally:
                     dup.close()
             elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
-                self.zpeers.pop(fd, None)
+                self._drop_zpeer(fd)
+
+    def _add_zpeer(self, fd: int, uid: int, admin: bool) -> None:
+        self._drop_zpeer(fd)  # a number reused before its close was seen
+        self.zpeers[fd] = (uid, admin)
+        self.zpeer_counts[uid] = self.zpeer_counts.get(uid, 0) + 1
+        self.zpeers_nonadmin += not admin
+
+    def _drop_zpeer(self, fd: int) -> None:
+        got = self.zpeers.pop(fd, None)
+        if got is None:
+            return
+        uid, admin = got
+        left = self.zpeer_counts.get(uid, 1) - 1
+        if left > 0:
+            self.zpeer_counts[uid] = left
+        else:
+            self.zpeer_counts.pop(uid, None)
+        self.zpeers_nonadmin -= not admin
+
+    def _clear_zpeers(self) -> None:
+        self.zpeers.clear()
+        self.zpeer_counts.clear()
+        self.zpeers_nonadmin = 0
 
     # ---------------------------------------------------------------- adoption
     def _adopt(self, fds: dict[str, int], state: dict | None) -> None:
@@ -602,126 +619,8 @@ class Daemon:
 
     # ----------------------------------------------------------------- upgrade
     def upgrade(self) -> dict:
-        """Start a successor daemon with our arguments and hand it every job, as one
-        transaction: the successor receives the state and every fd over a private socket,
-        adopts them and confirms; only then does this daemon let go of the runtime folder.
-        On any failure the successor is stopped and this daemon stays in charge."""
-        if self.store.kind == "none":
-            raise errors.BackendError("this daemon runs with --fd-store none: an upgrade would lose every job")
-        self._write_state_now()
-        if not self.state.healthy:
-            raise errors.BackendError(f"upgrade refused: the state file cannot be written ({self.state.last_error}); "
-                                      "this daemon stays in charge")
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        argv = [a for a in self.cfg.argv if a != "--takeover"]
-        env = {k: v for k, v in os.environ.items() if k not in ("WATCHDOG_PID", "LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES")}
-        env[HANDOVER_ENV] = str(theirs.fileno())
-        try:
-            proc = subprocess.Popen(
-                runtime.python_command("a2ad.tools.cli", "serve", *argv, "--takeover"),
-                stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True, pass_fds=[theirs.fileno()], env=env,
-            )
-        except OSError as exc:
-            ours.close()
-            theirs.close()
-            raise errors.BackendError(f"upgrade failed: the successor could not be started: {exc}; this daemon stays in charge") from None
-        theirs.close()
-        fds = self.registry.all_fds()
-        try:
-            fdpass.send_named_fds(ours, fds, timeout=30.0)
-            answer = self._await_successor(ours, proc)
-            expected = sorted(self.registry.jobs)
-            if not isinstance(answer, dict) or not answer.get("ok"):
-                why = answer.get("message", "no reason given") if isinstance(answer, dict) else "a bad answer"
-                raise errors.BackendError(f"the successor refused the handover: {why}")
-            if sorted(answer.get("jobs", [])) != expected:
-                missing = sorted(set(expected) - set(answer.get("jobs", [])))
-                raise errors.BackendError(f"the successor adopted {len(answer.get('jobs', []))} of {len(expected)} jobs "
-                                          f"(missing {missing[:10]})")
-            fdpass.send_frame(ours, {"op": "go"}, timeout=5.0)
-        except (errors.A2ADError, OSError, TimeoutError) as exc:
-            msg = getattr(exc, "message", None) or str(exc)
-            try:
-                fdpass.send_frame(ours, {"op": "abort"}, timeout=1.0)
-            except (OSError, TimeoutError, errors.A2ADError):
-                pass
-            ours.close()
-            _stop_process(proc)
-            log.error("upgrade failed, this daemon (pid %d) stays in charge: %s", os.getpid(), msg)
-            raise errors.BackendError(f"upgrade failed: {msg}; the old daemon (pid {os.getpid()}) stays in charge") from None
-        ours.close()
-        if os.environ.get("NOTIFY_SOCKET"):
-            sdnotify.notify(f"MAINPID={proc.pid}")  # before the successor's READY=1 and watchdog
-        log.info("upgrade: successor daemon (pid %d) holds all %d job(s); handing over", proc.pid, len(fds))
-        self.handover = True
-        self.stopping = True
-        return {"successor_pid": proc.pid, "jobs": sorted(self.registry.jobs)}
-
-    def _await_successor(self, sock: socket.socket, proc: subprocess.Popen) -> object:
-        end = time.monotonic() + HANDOVER_TIMEOUT
-        sock.setblocking(False)
-        while True:
-            now = time.monotonic()
-            if now >= end:
-                raise errors.BackendError(f"the successor (pid {proc.pid}) did not confirm within {HANDOVER_TIMEOUT:g} s")
-            if proc.poll() is not None:
-                raise errors.BackendError(f"the successor (pid {proc.pid}) exited with {proc.returncode} before confirming")
-            import select
-
-            readable, _, _ = select.select([sock], [], [], min(0.2, end - now))
-            self.notifier.tick(self)  # the watchdog keeps being fed while we wait
-            if self.domain is not None:
-                self.domain.tick(time.monotonic())  # and the peers keep hearing this node
-            if readable:
-                answer, extra = fdpass.recv_frame(sock, timeout=max(0.1, end - time.monotonic()))
-                fdpass.close_all(extra)
-                return answer
-
-    def _handover_socket(self) -> socket.socket | None:
-        raw = os.environ.pop(HANDOVER_ENV, None)
-        if not raw:
-            return None
-        try:
-            sock = socket.socket(fileno=int(raw))
-        except (ValueError, OSError) as exc:
-            raise errors.BackendError(f"bad upgrade handover socket {raw!r}: {exc}") from None
-        sock.set_inheritable(False)
-        return sock
-
-    def _receive_handover(self, sock: socket.socket) -> None:
-        """The successor's side of an upgrade: receive the fds, adopt every job from them and
-        the state file, confirm, and wait for the predecessor's go (then it lets go of the
-        folder and we take it). Nothing is dropped from the store before the go."""
-        try:
-            fds = fdpass.recv_named_fds(sock, timeout=30.0)
-            store_fds = {}
-            try:
-                store_fds = self.store.load()
-            except Exception as exc:
-                log.warning("upgrade: the fd store could not be read (%s); using the handed-over fds", exc)
-            for name, fd in store_fds.items():  # the handed-over fds win
-                if name in fds:
-                    os.close(fd)
-                else:
-                    fds[name] = fd
-            state = persist.load(self.cfg.runtime_dir)
-            keep_store = self.store
-            self.store = self.registry.store = NullStore()  # no drops until we are in charge
-            try:
-                self._adopt(fds, state)
-            finally:
-                self.store = self.registry.store = keep_store
-            fdpass.send_frame(sock, {"ok": True, "jobs": sorted(self.registry.jobs), "pid": os.getpid()}, timeout=5.0)
-            answer, extra = fdpass.recv_frame(sock, timeout=HANDOVER_TIMEOUT)
-            fdpass.close_all(extra)
-        except (errors.A2ADError, OSError, TimeoutError) as exc:
-            raise errors.BackendError(f"upgrade handover failed: {getattr(exc, 'message', None) or exc}") from None
-        finally:
-            sock.close()
-        if not isinstance(answer, dict) or answer.get("op") != "go":
-            raise errors.BackendError("the predecessor called the upgrade off")
-        for name, fd in self.registry.all_fds().items():  # the store now follows us
-            self.store.put(name, fd)
+        """Start a successor daemon and hand it every job (upgrade.py)."""
+        return upgrade.upgrade(self)
 
     # --------------------------------------------------------------- teardown
     def shutdown(self, fatal: bool = False) -> None:
@@ -816,7 +715,7 @@ class Daemon:
                 "; kept in the reserve" if self.state.in_reserve else
                 f"; the reserve fails too: {self.state.reserve_error}" if self.state.reserve_error else ""),
             "limits": {
-                "open_files": self.nofile[0],
+                **self.fds.describe(),
                 "held_joins_per_uid": self.cfg.max_held_joins_per_uid,
                 "jobs_per_uid": self.cfg.max_jobs_per_uid,
                 "fds_per_uid": self.cfg.max_fds_per_uid,
@@ -832,7 +731,7 @@ class Daemon:
                 "max": round(lat[-1] * 1e3, 3) if lat else None,
                 "last": round(self.registry.rendezvous_latencies[-1] * 1e3, 3) if lat else None,
             },
-            "open_fds": _count_fds(),
+            "open_fds": count_fds(),
             "domain": self.domain_status(brief=True),
         }
 
@@ -863,16 +762,6 @@ def _zmq_peer(frame: zmq.Frame) -> tuple[int, int, int] | None:
         return None
 
 
-def _stop_process(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-
-
 def _keeper_info(runtime_dir: Path) -> tuple[int | None, float | None]:
     """(pid, linger) of the fd keeper serving ``runtime_dir``, asked on a connection of its
     own; (None, None) when it does not answer within a second."""
@@ -894,9 +783,3 @@ def _keeper_info(runtime_dir: Path) -> tuple[int | None, float | None]:
     pid = reply.get("pid")
     return (pid if isinstance(pid, int) else None), reply.get("linger")
 
-
-def _count_fds() -> int:
-    try:
-        return len(os.listdir("/proc/self/fd"))
-    except OSError:
-        return -1
