@@ -30,7 +30,7 @@ import threading
 
 import torch
 
-from .kernel_timing import TwoGpuJob
+from .kernel_timing import TwoGpuJob, sleep_cycles_per_us
 
 
 class FlashInferOneGpuJob:
@@ -56,14 +56,7 @@ class FlashInferOneGpuJob:
         self.streams = [torch.cuda.Stream() for _ in range(ep)]
         l2 = int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or (50 << 20))
         self.flush = [torch.empty(2 * l2, dtype=torch.uint8, device="cuda:0")] * ep
-        torch.cuda._sleep(1000)
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        torch.cuda._sleep(4_000_000)
-        b.record()
-        b.synchronize()
-        self.cycles_per_us = 4_000_000 / max(a.elapsed_time(b) * 1e3, 1.0)
+        self.cycles_per_us = sleep_cycles_per_us([0])
         self.offsets = [0] * ep
 
     def close(self) -> None:

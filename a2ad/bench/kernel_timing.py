@@ -38,6 +38,24 @@ from a2ad.control import ControlBlock
 TIMING_ENV = "A2AD_KERNEL_TIMING"
 
 
+def sleep_cycles_per_us(devices: list[int]) -> float:
+    """GPU sleep cycles per us (to queue replays behind a known delay), measured on the first
+    of ``devices``. The sleep kernel runs once on each first: its first launch loads it, and
+    that time would count as sleep (every later sleep would then be too short to cover the
+    queueing)."""
+    for d in devices:
+        with torch.cuda.device(d):
+            torch.cuda._sleep(1000)
+            torch.cuda.synchronize()
+    with torch.cuda.device(devices[0]):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(4_000_000)
+        b.record()
+        b.synchronize()
+        return 4_000_000 / max(a.elapsed_time(b) * 1e3, 1.0)
+
+
 class TwoGpuJob:
     """One job of two ranks, rank r on cuda:r (both on cuda:0 with ``one_gpu``), each with its
     stream, CudaPlane and L2 flush buffer."""
@@ -104,20 +122,7 @@ class TwoGpuJob:
                 self.planes.append(CudaPlane(att, timeout, sm_budget=budget))
                 initialize_row(self.ws[r], r, self.aux)
                 torch.cuda.synchronize()
-        # GPU sleep cycles per us (to queue the replays behind a known delay). The sleep kernel
-        # runs once first: its first launch loads it, and that time would count as sleep
-        # (every later sleep would then be too short to cover the queueing).
-        for d in sorted(set(self.devs)):
-            with torch.cuda.device(d):
-                torch.cuda._sleep(1000)
-                torch.cuda.synchronize()
-        with torch.cuda.device(0):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            torch.cuda._sleep(4_000_000)
-            b.record()
-            b.synchronize()
-            self.cycles_per_us = 4_000_000 / max(a.elapsed_time(b) * 1e3, 1.0)
+        self.cycles_per_us = sleep_cycles_per_us(sorted(set(self.devs)))
 
     def close(self) -> None:
         from a2ad import cuda_driver as cd
