@@ -505,7 +505,7 @@ def node_serve(rank, ep, runtime_dir, shm, job, policy, shared, results, seed):
         results.put((rank, "attached", _now(), a2a.generation))
         g = torch.Generator().manual_seed(seed)
         full = (1 << ep) - 1
-        degraded_seen = False
+        degraded_seen = 0
         while True:
             t = int(torch.randint(1, MAX_T + 1, (1,), generator=g))
             experts = torch.rand(t, EXPERTS, generator=g).argsort(dim=1)[:, :TOP_K].to(torch.int32)
@@ -533,8 +533,8 @@ def node_serve(rank, ep, runtime_dir, shm, job, policy, shared, results, seed):
                 lost = reference.lost_tokens(reference.route(experts, EXPERTS, ep), L.mask_ranks(counted))
                 if not torch.equal(a2a.last_round_degraded, lost):
                     raise AssertionError(f"rank {rank} round {rnd}: indicator differs from the reference")
-            if counted != full and not degraded_seen:
-                degraded_seen = True
+            if counted != full and counted != degraded_seen:  # every new degraded view, in order
+                degraded_seen = counted
                 results.put((rank, "degraded", _now(), L.mask_ranks(counted)))
             shared["done"][rank] += 1
             shared["round"][rank] = rnd
@@ -622,7 +622,13 @@ def test_kill9_of_a_node_then_it_rejoins_with_replacements(cluster, policy, coor
             what = "raised PeerLost"
         else:
             seen = grp.expect("degraded", survivors, timeout=30)
-            assert all(v == survivors for _, v in seen.values()), seen
+            # a lost node's ranks are marked dead one at a time (mirror.remote_node_lost), so a
+            # rank may count a round between the two: every view on the way keeps every survivor,
+            # and the time that counts is when a rank's view is the survivors alone
+            for r in survivors:
+                while seen[r][1] != survivors:
+                    assert set(survivors) <= set(seen[r][1]), (r, seen)
+                    seen[r] = grp.expect("degraded", [r], timeout=30)[r]
             what = "served on without ranks 4 and 5"
             grp.wait_rounds(survivors, 20)
         delays = {r: t - t_kill for r, (t, _) in seen.items()}
