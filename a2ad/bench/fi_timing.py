@@ -20,7 +20,6 @@ or an extracted FlashInfer archive on ``PYTHONPATH`` (benchmarks/README.md says 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import queue
@@ -85,21 +84,10 @@ class FlashInferOneGpuJob:
             self.comb[r], self.T, self.workspace, self.metainfo[r], self.T, r, self.ep_size, self.top_k,
             self.offsets[r], False, use_low_precision=self.low_precision)
 
-    def on(self, r: int) -> contextlib.ExitStack:
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.device(0))
-        stack.enter_context(torch.cuda.stream(self.streams[r]))
-        return stack
-
-    def sync(self) -> None:
-        torch.cuda.synchronize(0)
-
-    def eager_round(self) -> None:
-        for fn in (self.d, self.c):
-            for r in range(self.ep_size):
-                with self.on(r):
-                    fn(r)
-        self.sync()
+    # rank r's stream current, synchronize, one eager round: TwoGpuJob's own (devs are all 0)
+    on = TwoGpuJob.on
+    sync = TwoGpuJob.sync
+    eager_round = TwoGpuJob.eager_round
 
     def time(self, rounds: int = 50, chunks: int = 12, flush: bool = True) -> dict:
         return TwoGpuJob.time(self, 0, rounds=rounds, chunks=chunks, flush=flush)
