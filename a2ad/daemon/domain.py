@@ -86,6 +86,8 @@ BATCH = 256
 #: Outgoing messages queued per peer link while its connection stands.
 LINK_HWM = 4096
 PEER_CONNECTING, PEER_UP, PEER_DOWN = "connecting", "up", "down"
+#: The message types counted by name (``messages_by_type``); anything else counts as "other".
+MESSAGE_TYPES = ("hb", "job", "sync", "decide", "refuse", "refuse_rank", "prepare", "prepared", "release", "destroy")
 #: Seconds the domain gate has to say READY; backoff between restarts of a gate that died.
 GATE_START_TIMEOUT = 15.0
 GATE_BACKOFF = (0.5, 30.0)
@@ -359,6 +361,11 @@ class Domain:
         self._gate_base = {"refused_connections": 0, "zap_requests": 0, "shed_connections": 0}
         self.log_level = logging.getLevelName(logging.getLogger("a2ad").getEffectiveLevel()).lower()
         self.counters = {"refused_connections": 0, "bad_messages": 0, "zap_requests": 0}
+        #: messages sent to / taken from all peers, by type (heartbeats included)
+        self.by_type = {"sent": dict.fromkeys(MESSAGE_TYPES + ("other",), 0),
+                        "received": dict.fromkeys(MESSAGE_TYPES + ("other",), 0)}
+        self.bytes_by_type = {"sent": dict.fromkeys(MESSAGE_TYPES + ("other",), 0),
+                              "received": dict.fromkeys(MESSAGE_TYPES + ("other",), 0)}
         self._next_beat = 0.0
         self._ratelog = _RateLog()
 
@@ -573,6 +580,10 @@ class Domain:
                 p.resync_due = True
             return False
         p.counters["heartbeats_sent" if heartbeat else "messages_sent"] += 1
+        t = msg.get("t")
+        t = t if t in MESSAGE_TYPES else "other"
+        self.by_type["sent"][t] += 1
+        self.bytes_by_type["sent"][t] += len(data)
         return True
 
     def broadcast(self, msg: dict) -> None:
@@ -651,7 +662,11 @@ class Domain:
             return
         if not self._heard(p, msg):
             return
-        if msg["t"] == "hb":
+        t = msg["t"]
+        kind = t if t in MESSAGE_TYPES else "other"
+        self.by_type["received"][kind] += 1
+        self.bytes_by_type["received"][kind] += len(data)
+        if t == "hb":
             p.counters["heartbeats_received"] += 1
             return
         p.counters["messages_received"] += 1
@@ -754,6 +769,8 @@ class Domain:
             "nodes": [{"name": self.node, "address": self.me.address, "state": "self", "state_for_s": round(now - self.started, 3)}]
             + [p.summary(now) for p in self.peers.values()],
             "name_collisions": sorted(p.name for p in self.peers.values() if p.collision is not None),
+            "messages_by_type": {k: dict(v) for k, v in self.by_type.items()},
+            "bytes_by_type": {k: dict(v) for k, v in self.bytes_by_type.items()},
             **self.counters,
             "gate": {
                 "pid": self.gate.pid if self.gate is not None else None,

@@ -226,6 +226,18 @@ class DaemonCollector:
             for p in peers:
                 fam.add_metric([p["name"]], p[key])
             yield fam
+        for way in ("sent", "received"):
+            fam = CounterMetricFamily(f"a2ad_domain_messages_{way}_by_type",
+                                      f"Domain messages {way} (all peers together; heartbeats are type hb), by type.",
+                                      labels=["type"])
+            for t, n in st["messages_by_type"][way].items():
+                fam.add_metric([t], n)
+            yield fam
+            fam = CounterMetricFamily(f"a2ad_domain_bytes_{way}_by_type",
+                                      f"Bytes of domain messages {way} (msgpack, before CURVE), by type.", labels=["type"])
+            for t, n in st["bytes_by_type"][way].items():
+                fam.add_metric([t], n)
+            yield fam
         refused = CounterMetricFamily("a2ad_domain_refused_connections",
                                       "Connections to this node refused: a key that is not a node's of the domain.")
         refused.add_metric([], st["refused_connections"])
