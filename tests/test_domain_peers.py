@@ -165,6 +165,28 @@ def _rank(rank: int, size: int, handle: bytes, state: int = L.RANK_JOINING, wait
                  "handle_error": None}, **over)
 
 
+def _report_of(c: Cluster, node: str, job: str, pred=lambda info: True, timeout: float = 15.0) -> dict:
+    """What ``node``'s report of ``job`` holds (its job-wide fields, its daemon instance and
+    report number), read from its job_info: a node that neither coordinates a job nor holds
+    rows of it is sent no reports of it, so the test's node cannot read them off the wire."""
+    def ready():
+        try:
+            info = c.daemons[node].request("job_info", job=job)
+        except errors.NoSuchJob:
+            return None
+        return info if info["domain"]["report"] is not None and pred(info) else None
+
+    info = wait_for(ready, timeout, f"node {node}'s report of job {job}")
+    dom = info["domain"]
+    return {"ep_size": info["ep_size"], "spec": info["spec"], "owner_uid": info["owner_uid"], "backend": "host",
+            "row_stride": info["row_stride"], "size_per_rank": info["size_per_rank"], "confirmed": not dom["tentative"],
+            "generation": info["generation"], "rendezvous_count": dom["rendezvous_count"],
+            "needs_rearm": info["state"] == "needs-rearm", "abort": 0, "abort_rank": -1,
+            "boot": bytes.fromhex(dom["report"][0]), "seq": dom["report"][1],
+            "ranks": [{"rank": r["rank"], "state": r["state"], "handle": os.urandom(32)} for r in info["ranks"]
+                      if r.get("node") == node]}
+
+
 def _peer(c: Cluster, node: str, peer: str) -> dict:
     return {x["name"]: x for x in c.domain(node)["nodes"]}[peer]
 
@@ -249,8 +271,11 @@ def test_decide_prepare_release_from_a_non_coordinator_are_refused(cluster):
     try:
         wait_for(lambda: c.states("a")["c"] == "up", 10, "the test's node c up for a")
         th = _attach_in_thread(job, 0, 2, c.dirs["a"], got, timeout=6)
-        rep = fake.report_of(job)
+        rep = _report_of(c, "a", job)
         assert c.daemons["a"].request("job_info", job=job)["domain"]["coordinator"] == "b"
+        # c neither coordinates the job nor holds rows of it: a sends it no report of it
+        with pytest.raises(AssertionError, match="did not receive"):
+            fake.report_of(job, timeout=1.0)
         decision = {k: rep[k] for k in ("ep_size", "spec", "owner_uid", "backend", "row_stride")}
         decision["spec"] = dict(decision["spec"], top_k=2)
         fake.send("decide", job=job, decision=decision)
@@ -299,7 +324,7 @@ def test_a_node_is_believed_only_about_its_own_ranks(cluster, monkeypatch):
         for th in ths:
             th.join(30)
         assert all(not isinstance(got[r], Exception) for r in (0, 1)), got
-        rep = fake.report_of(job, pred=lambda m: any(r["state"] == L.RANK_ATTACHED for r in m["ranks"]))
+        rep = _report_of(c, "a", job, pred=lambda i: all(r["state"] == "attached" for r in i["ranks"]))
         size = rep["row_stride"]
         claims = [_rank(r, size, os.urandom(32), state=L.RANK_ATTACHED, waiting=None) for r in (0, 1)]
         fake.send("job", job=job, seq=1, gone=False, **_body(rep), ranks=claims)

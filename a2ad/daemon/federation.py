@@ -308,6 +308,7 @@ def _check_table(table, job, nodes) -> None:
               f"bad release table: rank {r}'s row size {rec.get('size')!r:.30} (the job's rows hold "
               f"{job.size_per_rank}-{job.row_stride} bytes)")
         _need(_handle(rec.get("handle")), f"bad release table: rank {r}'s handle")
+        _need(rec.get("pid") is None or _int(rec["pid"], 1, 2**31 - 1), f"bad release table: rank {r}'s pid")
         _need(rec.get("handle_type") is None or _printable(rec["handle_type"], MAX_HANDLE_TYPE),
               f"bad release table: rank {r}'s handle type")
 
@@ -342,6 +343,12 @@ class Federation:
         self.jobs: dict[str, FedJob] = {}
         self._sent: dict[str, dict] = {}
         self._seq: dict[str, int] = {}
+        #: job -> the peer key (``_peer_key``) of the report its other holders last heard
+        self._peer_keys: dict[str, tuple] = {}
+        #: job -> the coordinator this daemon last sent its report to
+        self._coord_of: dict[str, str] = {}
+        #: job -> the peers that may hold a report of it from this daemon (a "gone" goes to them)
+        self._told: dict[str, set[str]] = {}
         self._inbox: list[dict] = []
         self._coord_dirty: set[str] = set()
         self._force_sync = True
@@ -552,24 +559,88 @@ class Federation:
         for name in [n for n in self._sent if n not in self.reg.jobs or not self.reg.jobs[n].domain]:
             self._publish(name, None)
             changed = True
+        self._follow_coordinators()
         return changed
 
+    @staticmethod
+    def _peer_key(body: dict) -> tuple:
+        """What of a report the job's other holders need to hear about (the coordinator hears
+        every report): which of this node's ranks are live, dead or gone, their rows, and an
+        abort word that starts here (a rank of this node's, or an operator's). Not news for
+        them: a rank's held request, joining becoming attached (the release that did it
+        reached them too), the generation and the abort word of a re-arm (its prepare reached
+        them), an abort word taken over from another node's report (they take it over from
+        that report themselves) and needs_rearm (it follows a rank state they hear of)."""
+        own = {rec["rank"] for rec in body["ranks"]}
+        r = body["abort_rank"]
+        abort = (body["abort"], r) if body["abort"] and (r < 0 or r in own) else None
+        ranks = tuple((rec["rank"], -1 if rec["state"] in _LIVE else rec["state"], rec["pid"], rec["deaths"],
+                       rec["device"], rec["size"], rec["handle"]) for rec in body["ranks"])
+        return (body["ep_size"], body["backend"], body["row_stride"], body["owner_uid"], abort, ranks)
+
+    def holders(self, name: str) -> set[str]:
+        """The other nodes that hold rows of job ``name``, as far as this daemon knows: those
+        whose reports it keeps and those its copy of the job places ranks on (the release
+        table names every one)."""
+        out: set[str] = set()
+        job = self.reg.jobs.get(name)
+        if job is not None:
+            out.update(s.node for s in job.slots if s.node is not None)
+        fj = self.jobs.get(name)
+        if fj is not None:
+            out.update(n for n in fj.views if n not in fj.lost)
+        out.discard(self.node)
+        return out
+
+    def _send_report(self, node: str, msg: dict) -> None:
+        if self.bus.state(node) != PEER_DOWN or self.bus.peers[node].connected:
+            self.bus.send(node, msg)
+        self._told.setdefault(msg["job"], set()).add(node)
+
     def _publish(self, name: str, body: dict | None) -> None:
+        """Number and send this daemon's report of ``name``: to the job's coordinator always,
+        to the job's other holders when its peer key changed (``_peer_key``); a "gone" to
+        every node that may keep a report of it."""
         seq = self._seq[name] = self._seq.get(name, 0) + 1
         msg = {"t": "job", "job": name, "seq": seq, "gone": body is None, **(body or {})}
+        coord = self.coordinator(name)
         if body is None:
             self._sent.pop(name, None)
+            targets = self._told.pop(name, set()) | self.holders(name) | {coord}
+            self._peer_keys.pop(name, None)
+            self._coord_of.pop(name, None)
         else:
             self._sent[name] = body
+            targets = {coord}
+            key = self._peer_key(body)
+            if key != self._peer_keys.get(name):
+                self._peer_keys[name] = key
+                targets |= self.holders(name)
+            self._coord_of[name] = coord
         self.counters["reports_sent"] += 1
-        self.bus.broadcast(msg)
+        for n in sorted(targets - {self.node}):
+            self._send_report(n, msg)
+        if body is None:
+            self._told.pop(name, None)
         self._take_report(self.node, self.bus.boot, msg)
 
-    def on_resync(self, node: str) -> None:
-        """Send ``node`` every report of this daemon, then the list of its jobs (jobs it does
-        not list are gone from here)."""
+    def _follow_coordinators(self) -> None:
+        """A job whose coordinator changed (as this daemon sees the domain) gets this daemon's
+        current report at once: it may have heard only this node's changes that were news
+        for every holder."""
         for name, body in self._sent.items():
-            self.bus.send(node, {"t": "job", "job": name, "seq": self._seq[name], "gone": False, **body})
+            coord = self.coordinator(name)
+            if coord != self._coord_of.get(name):
+                self._coord_of[name] = coord
+                if coord != self.node:
+                    self._send_report(coord, {"t": "job", "job": name, "seq": self._seq[name], "gone": False, **body})
+
+    def on_resync(self, node: str) -> None:
+        """Send ``node`` this daemon's report of every job it holds rows of or coordinates,
+        then the list of this daemon's jobs (jobs it does not list are gone from here)."""
+        for name, body in self._sent.items():
+            if node == self.coordinator(name) or node in self.holders(name):
+                self._send_report(node, {"t": "job", "job": name, "seq": self._seq[name], "gone": False, **body})
         self.bus.send(node, {"t": "sync", "jobs": sorted(self._sent)})
         for fj in self.jobs.values():  # what a coordinator told the node may have been lost with the link
             fj.decide_sent.pop(node, None)
@@ -580,11 +651,12 @@ class Federation:
     # -------------------------------------------------------------- the bus's calls
     def on_peer_up(self, node: str, restarted: bool) -> None:
         self._coord_dirty.update(self.jobs)  # the coordinator of some jobs may have changed
+        self._force_sync = True
 
     def on_peer_lost(self, node: str, why: str) -> None:
         self.counters["nodes_lost"] += 1
         for fj in self.jobs.values():
-            if node in fj.views:
+            if node in fj.views or node in self.holders(fj.name):
                 fj.lost.add(node)
         for job in list(self.reg.jobs.values()):  # re-adopted jobs too, whose reports of it never came
             if job.domain and any(s.node == node for s in job.slots):
@@ -598,6 +670,7 @@ class Federation:
         self._held.pop(node, None)
         self._held_bytes.pop(node, None)
         self._coord_dirty.update(self.jobs)
+        self._force_sync = True  # jobs it coordinated have another coordinator now
 
     def on_message(self, node: str, msg: dict) -> None:
         t = msg["t"]
@@ -772,6 +845,8 @@ class Federation:
             if why is None:
                 self.reg.domain_prepare(job, gen, rearm)
                 job.fed_attempt = attempt
+                # what the prepare changed is no news for the job's other holders (it reached them too)
+                self._peer_keys[name] = self._peer_key(self._report(job))
                 self.sync_local()  # the report as prepared goes out before the answer
         self._send(node, {"t": "prepared", "job": name, "attempt": attempt, "ok": why is None, "why": why,
                           "seq": [self.bus.boot, self._seq.get(name, 0)]})
@@ -957,7 +1032,7 @@ class Federation:
         count = max(views[n]["rendezvous_count"] for n in nodes) + (
             1 if any(rec["waiting"] == "join" for _, rec in recs.values()) else 0)
         table = [{"rank": r, "node": n, "device": rec["device"], "size": rec["size"], "handle_type": rec["handle_type"],
-                  "handle": rec["handle"]} for r, (n, rec) in sorted(recs.items())]
+                  "handle": rec["handle"], "pid": rec["pid"]} for r, (n, rec) in sorted(recs.items())]
         fj.attempt = Attempt(id=secrets.randbits(62), generation=generation, rearm=rearm, nodes=nodes, seqs=seqs, table=table,
                              rendezvous_count=count, started=now)
         prepare = {"t": "prepare", "job": fj.name, "attempt": fj.attempt.id, "generation": generation, "rearm": rearm,
@@ -1009,9 +1084,13 @@ class Federation:
         fj = self.jobs.get(name)
         return {
             "coordinator": self.coordinator(name),
-            "nodes": sorted(fj.views) if fj is not None else [],
+            "nodes": sorted((self.holders(name) - (fj.lost if fj is not None else set()))
+                            | ({self.node} if fj is not None and self.node in fj.views else set())),
             "lost_nodes": sorted(fj.lost) if fj is not None else [],
             "tentative": fj is not None and name in self.reg.jobs and not self.reg.jobs[name].confirmed,
+            "rendezvous_count": self.reg.jobs[name].rendezvous_count if name in self.reg.jobs else None,
+            # this node's latest report of the job: its daemon instance and number
+            "report": [self.bus.boot.hex(), self._seq[name]] if name in self._sent else None,
         }
 
     def status(self) -> dict:

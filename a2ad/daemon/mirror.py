@@ -148,6 +148,14 @@ class Mirror:
                 slot.remote = dict(slot.remote or {}, size=rec.get("size"), handle=rec.get("handle"),
                                    handle_type=rec.get("handle_type"))
                 slot.device = rec.get("device")
+                if rec.get("pid") is not None:
+                    slot.pid = rec["pid"]
+                # released with the others by its own daemon: its node reports it only when that
+                # is news for every holder (federation.Federation._peer_key)
+                slot.remote_waiting = None
+                if slot.state == L.RANK_JOINING:
+                    job.set_rank_state(slot, L.RANK_ATTACHED)
+                    slot.attaches += 1
         now = time.monotonic()
         for slot in job.recovering():
             self._reply(slot.recovering, {"generation": job.generation})
