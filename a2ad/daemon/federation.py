@@ -146,6 +146,20 @@ class FedJob:
     last_join_at: float = 0.0
     #: the report numbers the latest released rendezvous was decided on (no second one on them)
     released_on: dict | None = None
+    # --- what the coordinator keeps between its passes over the job, so that a report costs
+    # it work for that report's ranks only (``Federation._coordinate``)
+    #: node -> (report number, decision, _differs of its report against that decision)
+    diffs: dict[str, tuple] = field(default_factory=dict)
+    #: rank -> the nodes whose reports (of the decided spec) hold it, in ``order``
+    claims: dict[int, list[str]] = field(default_factory=dict)
+    #: node -> the ranks its report (of the decided spec) holds
+    claimed: dict[str, set[int]] = field(default_factory=dict)
+    #: node -> (live ranks, ranks waiting and not released yet) of its report; their sums
+    counts: dict[str, tuple[int, int]] = field(default_factory=dict)
+    live_total: int = 0
+    wait_total: int = 0
+    #: whether claims, claimed and counts follow the views (else the next pass rebuilds them)
+    cache_ok: bool = False
 
 
 def coordinator_order(job: str, nodes) -> list[str]:
@@ -350,7 +364,9 @@ class Federation:
         #: job -> the peers that may hold a report of it from this daemon (a "gone" goes to them)
         self._told: dict[str, set[str]] = {}
         self._inbox: list[dict] = []
-        self._coord_dirty: set[str] = set()
+        #: job -> the nodes whose reports changed since the coordinator's last pass over it
+        #: (None: look at everything again)
+        self._coord_dirty: dict[str, set[str] | None] = {}
         self._force_sync = True
         self._next_force = 0.0
         self._order_cache: dict[str, list[str]] = {}
@@ -526,6 +542,7 @@ class Federation:
             fj.order.remove(node)
         fj.decide_sent.pop(node, None)
         fj.refused.pop(node, None)
+        fj.diffs.pop(node, None)
         fj.rank_refused = {k for k in fj.rank_refused if k[1] != node}
         self._unhold(node, fj.name)
 
@@ -646,11 +663,11 @@ class Federation:
             fj.decide_sent.pop(node, None)
             fj.refused.pop(node, None)
             fj.rank_refused = {k for k in fj.rank_refused if k[1] != node}
-        self._coord_dirty.update(self.jobs)
+        self._mark_all()
 
     # -------------------------------------------------------------- the bus's calls
     def on_peer_up(self, node: str, restarted: bool) -> None:
-        self._coord_dirty.update(self.jobs)  # the coordinator of some jobs may have changed
+        self._mark_all()  # the coordinator of some jobs may have changed
         self._force_sync = True
 
     def on_peer_lost(self, node: str, why: str) -> None:
@@ -669,7 +686,7 @@ class Federation:
                 self._gc(fj)
         self._held.pop(node, None)
         self._held_bytes.pop(node, None)
-        self._coord_dirty.update(self.jobs)
+        self._mark_all()
         self._force_sync = True  # jobs it coordinated have another coordinator now
 
     def on_message(self, node: str, msg: dict) -> None:
@@ -722,7 +739,7 @@ class Federation:
                     self._mirror(job, node, None, why_gone=f"node {node} no longer holds the job")
                 else:
                     self._mirror(job, node, msg)
-        self._coord_dirty.add(name)
+        self._mark(name, node)
         self._gc(fj)
 
     def _gc(self, fj: FedJob) -> None:
@@ -744,7 +761,7 @@ class Federation:
                 job = self.reg.jobs.get(fj.name)
                 if job is not None and job.domain:
                     self._mirror(job, node, None, why_gone=f"node {node} no longer holds the job")
-                self._coord_dirty.add(fj.name)
+                self._mark(fj.name)
                 self._gc(fj)
 
     def _on_decide(self, node: str, msg: dict) -> None:
@@ -863,7 +880,7 @@ class Federation:
                       msg.get("why"))
             fj.attempt = None
             fj.retry_at = time.monotonic() + RETRY_DELAY
-            self._coord_dirty.add(name)
+            self._mark(name)
             return
         a.prepared.add(node)
         seq = msg.get("seq")
@@ -873,6 +890,8 @@ class Federation:
             return
         fj.attempt = None
         fj.released_on = a.after
+        if fj.decided is not None:
+            self._count(fj, fj.decided, None)  # what waited is released now
         release = {"t": "release", "job": name, "attempt": a.id, "generation": a.generation,
                    "rendezvous_count": a.rendezvous_count, "table": a.table}
         for n in sorted(a.nodes):
@@ -925,24 +944,63 @@ class Federation:
         if kind != "spec" or node != self.node:  # a refusal this node raised itself is handled already
             self._inbox.append(msg)
 
-    def _coordinate(self, fj: FedJob, now: float) -> None:
+    def _mark(self, name: str, node: str | None = None) -> None:
+        """The coordinator is to look at job ``name`` again: at ``node``'s report only, or
+        (None) at everything."""
+        if node is None:
+            self._coord_dirty[name] = None
+        elif name not in self._coord_dirty:
+            self._coord_dirty[name] = {node}
+        elif self._coord_dirty[name] is not None:
+            self._coord_dirty[name].add(node)
+
+    def _mark_all(self) -> None:
+        for name in self.jobs:
+            self._coord_dirty[name] = None
+
+    def _diff(self, fj: FedJob, n: str, d: dict):
+        """``_differs(d, node n's report)``, computed once per report and decision."""
+        seq = fj.seqs.get(n)
+        c = fj.diffs.get(n)
+        if c is not None and c[0] == seq and c[1] is d:
+            return c[2]
+        r = _differs(d, fj.views[n])
+        fj.diffs[n] = (seq, d, r)
+        return r
+
+    def _good(self, fj: FedJob, n: str, d: dict) -> bool:
+        return n in fj.views and n not in fj.lost and self._diff(fj, n, d) is None
+
+    def _coordinate(self, fj: FedJob, now: float, changed: set[str] | None = None) -> None:
+        """The coordinator's pass over job ``fj`` after reports of the nodes in ``changed``
+        (None: after anything else). A pass over a few nodes' reports costs work for their
+        ranks only: the decision, refusals and placement are checked for them, and the
+        rendezvous is looked at (one pass over the job) only once every rank can be present."""
         if self.coordinator(fj.name) != self.node:
             fj.attempt = None
-            return
-        views = {n: v for n, v in fj.views.items() if n not in fj.lost}
-        if not views:
+            fj.cache_ok = False
             return
         d = fj.decided
-        if d is not None and not any(_differs(d, v) is None for v in views.values()):
+        if d is not None and not any(self._good(fj, n, d) for n in fj.views):
             d = None  # nobody holds the decided job any more: the next report decides anew
         if d is None:
+            views = {n: v for n, v in fj.views.items() if n not in fj.lost}
+            if not views:
+                return
             first = next((v for n in fj.order for v in [views.get(n)] if v is not None and v["confirmed"]), None)
             if first is None:
                 first = next(views[n] for n in fj.order if n in views)
             d = fj.decided = _decision(first)
-        good: dict[str, dict] = {}
-        for n, v in views.items():
-            diff = _differs(d, v)
+            changed = None
+        if not fj.cache_ok:
+            changed = None
+        if changed is None:
+            nodes = [n for n in fj.views if n not in fj.lost]
+        else:
+            nodes = [n for n in changed if n in fj.views and n not in fj.lost]
+        for n in nodes:
+            v = fj.views[n]
+            diff = self._diff(fj, n, d)
             if diff is not None:
                 key = (fj.seqs.get(n), diff[:2])
                 if fj.refused.get(n) != key:
@@ -955,20 +1013,55 @@ class Federation:
                     else:
                         self._broadcast_refusal(fj.name, kind, fld, a, b, n, d, to=n)
                 continue
-            good[n] = v
             if not v["confirmed"] and fj.decide_sent.get(n) != fj.seqs.get(n):
                 fj.decide_sent[n] = fj.seqs.get(n)
                 self._send(n, {"t": "decide", "job": fj.name, "decision": d})
-        # placement: a rank's row stays with the first node that reported it
-        fj.rank_refused = {k for k in fj.rank_refused if fj.seqs.get(k[1]) == k[2]}  # only the current reports'
-        holders: dict[int, list[str]] = {}
-        for n in fj.order:
-            v = fj.views.get(n)
-            if v is None or _differs(d, v) is not None:
+        self._place(fj, d, changed)
+        self._count(fj, d, changed)
+        fj.cache_ok = True
+        self._rendezvous(fj, d, now)
+
+    def _place(self, fj: FedJob, d: dict, changed: set[str] | None) -> None:
+        """A rank's row stays with the first node that reported it; another node's join of it
+        is refused. Looks at the ranks of the ``changed`` nodes' reports (None: all)."""
+        if fj.rank_refused:
+            fj.rank_refused = {k for k in fj.rank_refused if fj.seqs.get(k[1]) == k[2]}  # only the current reports'
+        if changed is None:
+            fj.claims, fj.claimed = {}, {}
+            for n in fj.order:
+                if not self._good(fj, n, d):
+                    continue
+                rs = {rec["rank"] for rec in fj.views[n]["ranks"]}
+                fj.claimed[n] = rs
+                for r in rs:
+                    fj.claims.setdefault(r, []).append(n)
+            affected = set(fj.claims) | set(fj.placement)
+        else:
+            affected = set()
+            pos = None
+            for n in changed:
+                old = fj.claimed.pop(n, set())
+                new = {rec["rank"] for rec in fj.views[n]["ranks"]} if self._good(fj, n, d) else set()
+                for r in old - new:
+                    ns = fj.claims.get(r)
+                    if ns is not None and n in ns:
+                        ns.remove(n)
+                        if not ns:
+                            del fj.claims[r]
+                for r in new - old:
+                    ns = fj.claims.setdefault(r, [])
+                    ns.append(n)
+                    if len(ns) > 1:
+                        pos = pos or {x: i for i, x in enumerate(fj.order)}
+                        ns.sort(key=lambda x: pos.get(x, len(pos)))
+                if new:
+                    fj.claimed[n] = new
+                affected |= old | new
+        for r in affected:
+            ns = fj.claims.get(r)
+            if not ns:
+                fj.placement.pop(r, None)
                 continue
-            for rec in v["ranks"]:
-                holders.setdefault(rec["rank"], []).append(n)
-        for r, ns in holders.items():
             keep = fj.placement.get(r)
             if keep not in ns:
                 attached = [n for n in ns if _ranks(fj.views[n])[r]["state"] == L.RANK_ATTACHED]
@@ -980,11 +1073,37 @@ class Federation:
                     fj.rank_refused.add(key)
                     log.warning("job %s: rank %d is held on node %s; node %s's join of it is refused", fj.name, r, keep, n)
                     self._send(n, {"t": "refuse_rank", "job": fj.name, "rank": r, "holder": keep})
-        for r in [r for r in fj.placement if r not in holders]:
-            del fj.placement[r]
-        self._rendezvous(fj, d, good, now)
 
-    def _rendezvous(self, fj: FedJob, d: dict, views: dict[str, dict], now: float) -> None:
+    def _count(self, fj: FedJob, d: dict, changed: set[str] | None) -> None:
+        """Per node, its live ranks and its ranks that wait and were not released on that very
+        report; their sums tell whether a rendezvous can be due at all."""
+        released = fj.released_on or {}
+
+        def of(n):
+            if not self._good(fj, n, d):
+                return (0, 0)
+            rel = released.get(n) == [fj.seqs[n][0], fj.seqs[n][1]]
+            live = wait = 0
+            for rec in fj.views[n]["ranks"]:
+                if rec["state"] in _LIVE:
+                    live += 1
+                    if rec["waiting"] and not rel:
+                        wait += 1
+            return (live, wait)
+
+        if changed is None:
+            fj.counts = {n: of(n) for n in fj.views}
+            fj.live_total = sum(c[0] for c in fj.counts.values())
+            fj.wait_total = sum(c[1] for c in fj.counts.values())
+            return
+        for n in changed:
+            old = fj.counts.pop(n, (0, 0))
+            new = of(n) if n in fj.views else (0, 0)
+            fj.counts[n] = new
+            fj.live_total += new[0] - old[0]
+            fj.wait_total += new[1] - old[1]
+
+    def _rendezvous(self, fj: FedJob, d: dict, now: float) -> None:
         a = fj.attempt
         if a is not None:
             if now - a.started < PREPARE_TIMEOUT:
@@ -995,12 +1114,15 @@ class Federation:
             fj.attempt = None
         if now < fj.retry_at:
             return
+        if fj.live_total < d["ep_size"] or fj.wait_total <= 0:
+            return  # a rank is missing, or none waits: nothing to do (the counts tell without a pass)
+        views = {n: v for n, v in fj.views.items() if n not in fj.lost and self._diff(fj, n, d) is None}
+        by_rank = {n: _ranks(v) for n, v in views.items()}
         recs: dict[int, tuple[str, dict]] = {}
         released = fj.released_on or {}
         for r in range(d["ep_size"]):
             n = fj.placement.get(r)
-            v = views.get(n) if n is not None else None
-            rec = _ranks(v).get(r) if v is not None else None
+            rec = by_rank[n].get(r) if n in by_rank else None
             if rec is None or rec["state"] not in _LIVE:
                 return  # a rank is missing
             if rec["waiting"] and released.get(n) == [fj.seqs[n][0], fj.seqs[n][1]]:
@@ -1056,12 +1178,12 @@ class Federation:
                     self.on_message(self.node, dict(msg, boot=self.bus.boot))
                 except (KeyError, TypeError, ValueError, IndexError, AttributeError, errors.A2ADError) as exc:
                     log.error("domain: this node's own %r message could not be used: %s", msg.get("t"), exc)
-            dirty, self._coord_dirty = self._coord_dirty, set()
+            dirty, self._coord_dirty = self._coord_dirty, {}
             now = time.monotonic()
             for name in sorted(dirty):
                 fj = self.jobs.get(name)
                 if fj is not None:
-                    self._coordinate(fj, now)
+                    self._coordinate(fj, now, dirty[name])
 
     def tick(self, now: float) -> None:
         for fj in self.jobs.values():
@@ -1069,7 +1191,7 @@ class Federation:
                     fj.retry_at and now >= fj.retry_at):
                 if fj.retry_at and now >= fj.retry_at:
                     fj.retry_at = 0.0
-                self._coord_dirty.add(fj.name)
+                self._mark(fj.name)
         if now >= self._next_force:  # a full comparison now and then, whatever marked the registry
             self._next_force = now + self.bus.cfg.heartbeat_interval
             self._force_sync = True
