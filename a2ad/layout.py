@@ -153,16 +153,21 @@ SLOT_PULL_WORK = 4
 SLOT_BAD_EXPERT = 6
 #: The round whose dispatch saw a peer pass another runtime_max_tokens_per_rank.
 SLOT_RT_MISMATCH = 8
-#: Degraded mode. Slots 10-11, one u64: the round's view (the effective mask its dispatch
-#: prologue read); slot 12: the round it is for (-1: the prologue gave up, the round does
-#: not run). Slots 14-15, one u64: the ranks whose combine flags the combine's poller saw
-#: (what every pulling block counts); slot 16: the round it is for.
+#: Degraded mode. Slots 10-17, MASK_WORDS u64 words (a rank mask, rank q bit q & 63 of word
+#: q >> 6): the round's view (the effective mask its dispatch prologue read); slot 18: the
+#: round it is for (-1: the prologue gave up, the round does not run). Slots 20-27, MASK_WORDS
+#: u64 words: the ranks whose combine flags the combine's poller saw (what every pulling
+#: block counts); slot 28: the round it is for. A job of ep_size <= 64 uses only the first
+#: word of each (its kernels keep one-word masks).
 SLOT_VIEW = 10
-SLOT_VIEW_ROUND = 12
-SLOT_COMBINE_SEEN = 14
-SLOT_COMBINE_SEEN_ROUND = 16
+SLOT_VIEW_ROUND = SLOT_VIEW + 2 * MASK_WORDS
+SLOT_COMBINE_SEEN = 20
+SLOT_COMBINE_SEEN_ROUND = SLOT_COMBINE_SEEN + 2 * MASK_WORDS
 #: The claim that elects the single writer of this rank's status record.
 SLOT_STATUS_CLAIM = BLOCK_COUNTER_SLOTS - 1
+assert SLOT_VIEW % 2 == 0 and SLOT_COMBINE_SEEN % 2 == 0  # u64 words (BLOCK_COUNTERS is 128-aligned)
+assert SLOT_RT_MISMATCH < SLOT_VIEW and SLOT_VIEW_ROUND < SLOT_COMBINE_SEEN
+assert SLOT_COMBINE_SEEN_ROUND < SLOT_STATUS_CLAIM
 #: int32 words of a dispatch's payload descriptor (:func:`payload_spec`): [0] payload count,
 #: [1..6] bytes per token of payload i, [7] dtype codes (4 bits per payload, 0: not given),
 #: [8] eplb_stats_num_experts, [9..11] zero.

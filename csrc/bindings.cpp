@@ -1,8 +1,20 @@
 // Torch binding of the a2ad kernels: the only file that includes torch.
 //
-// Registers the ops of namespace `a2ad` (torch.ops.a2ad.*). Tensors are checked
-// here, with messages naming the argument; the kernels get raw pointers and
-// the offsets that a2ad/layout.py computed.
+// Registers the ops of namespace `a2ad` (torch.ops.a2ad.*). The kernels get raw pointers
+// and the offsets that a2ad/layout.py computed.
+//
+// Checks. The Python front end (client/frontend.py) is the validation boundary: it checks
+// every argument a caller passes and raises InputError naming it. What this file checks in
+// every build is what keeps a call that bypasses the front end (torch.ops.a2ad.* or the
+// module's functions called directly) from reading or writing outside its tensors, the
+// workspace rows or the parameter arrays: devices, dtypes that fix element sizes, shapes and
+// contiguity of the tensors the kernels index, rt <= max_num_tokens and T <= rt (the routing
+// arrays and slot tables are sized for max_num_tokens), every region inside a row, the word
+// counts of the masks; each is a few integer compares per call. Conditions that only make a
+// result wrong, not unsafe, and that the front end already raises (a payload with no bytes
+// per token, hidden 0, an id that does not fit int32, payload_in_workspace with another
+// tensor) are debug checks (A2AD_DEBUG_CHECK: compiled in with A2AD_DEBUG_CHECKS, which the
+// JIT build sets under A2AD_DEBUG=1); the launchers' own checks are debug asserts likewise.
 //
 // Everything that is fixed for a rank of a job (the workspace, the aux offsets, the
 // control block, timeouts, the SM budget) is checked once by `make_plan`, which
@@ -82,6 +94,14 @@ template <typename... A>
   do {                             \
     if (!(cond)) fail(__VA_ARGS__); \
   } while (0)
+
+#ifdef A2AD_DEBUG_CHECKS
+#define A2AD_DEBUG_CHECK(cond, ...) A2AD_CHECK(cond, __VA_ARGS__)
+#else
+#define A2AD_DEBUG_CHECK(cond, ...) \
+  do {                              \
+  } while (0)
+#endif
 
 #define A2AD_CHECK_CUDA(expr, what)                                                              \
   do {                                                                                           \
@@ -217,8 +237,8 @@ struct Plan {
   int num_experts;
   int sm_budget;
   int diag;
-  uint64_t* seen_out;  // degraded mode: host-mapped u64 where combine leaves the ranks it counted
-  uint64_t* seen_dev;  // ... and a device u64 with the same (for the model, on the stream)
+  uint64_t* seen_out;  // degraded mode: kMaskWords host-mapped u64 where combine leaves the ranks it counted
+  uint64_t* seen_dev;  // ... and kMaskWords device u64 with the same (for the model, on the stream)
   a2ad::AuxOffsets aux;
   a2ad::Control ctl;
 };
@@ -257,9 +277,11 @@ int64_t make_plan(const Tensor& workspace, int64_t ep_rank, int64_t ep_size, int
   p.ctl = make_control(control, ep_rank, timeout_ns);
   p.ctl.degrade = degrade;
   A2AD_CHECK(!degrade || (seen_out != 0 && seen_out % 8 == 0),
-             "a2ad: a degrade plan needs seen_out, an 8-aligned device pointer of host-mapped memory");
+             "a2ad: a degrade plan needs seen_out, an 8-aligned device pointer of host-mapped memory (",
+             a2ad::kMaskWords, " u64 words)");
   p.seen_out = reinterpret_cast<uint64_t*>(static_cast<uintptr_t>(seen_out));
-  A2AD_CHECK(seen_dev % 8 == 0, "a2ad: seen_dev must be an 8-aligned device pointer (or 0)");
+  A2AD_CHECK(seen_dev % 8 == 0, "a2ad: seen_dev must be an 8-aligned device pointer of ", a2ad::kMaskWords,
+             " u64 words (or 0)");
   p.seen_dev = reinterpret_cast<uint64_t*>(static_cast<uintptr_t>(seen_dev));
   std::lock_guard<std::mutex> lock(g_plans_mutex);
   const int64_t id = g_next_plan++;
@@ -300,21 +322,29 @@ a2ad::Workspace plan_workspace(const Plan& p, const Tensor& ws) {
 
 // --- ops -------------------------------------------------------------------------
 
-// The caller's active-rank mask: a device int64 [1] (read by the kernels, so graphs replay
-// its current value) or a CPU one (its value now); value -1 (all bits) when none.
-void caller_mask_args(const std::optional<Tensor>& mask, int64_t value, const Tensor& ws, const int64_t** ptr,
-                      uint64_t* out_value) {
-  *ptr = nullptr;
-  *out_value = static_cast<uint64_t>(value);
+// The caller's active-rank mask: a contiguous int64 tensor of n words, 1 <= n <= MASK_WORDS
+// (rank q: bit q & 63 of word q >> 6; words past n count as zero), on the workspace's device
+// (read by the kernels, so graphs replay its current value) or on the CPU (its value now);
+// `value` is ANDed into word 0 (ranks 0-63; -1: all bits).
+void caller_mask_args(const std::optional<Tensor>& mask, int64_t value, const Tensor& ws, a2ad::CallerMask* out) {
+  out->ptr = nullptr;
+  out->words = 0;
+  out->value[0] = static_cast<uint64_t>(value);
+  for (int i = 1; i < a2ad::kMaskWords; ++i) out->value[i] = ~0ull;
   if (!mask.has_value()) return;
   const Tensor& m = *mask;
-  A2AD_CHECK(m.scalar_type() == at::kLong && m.numel() == 1, "a2ad: active_rank_mask must be an int64 [1] tensor, got ",
+  A2AD_CHECK(m.scalar_type() == at::kLong && m.dim() == 1 && m.numel() >= 1 && m.numel() <= a2ad::kMaskWords &&
+                 m.is_contiguous(),
+             "a2ad: active_rank_mask must be a contiguous int64 tensor of 1 to ", a2ad::kMaskWords, " words, got ",
              m.scalar_type(), " ", m.sizes());
+  const int n = static_cast<int>(m.numel());
   if (m.is_cuda()) {
     check_same_device(m, ws, "active_rank_mask");
-    *ptr = m.data_ptr<int64_t>();
+    out->ptr = m.data_ptr<int64_t>();
+    out->words = n;
   } else {
-    *out_value &= static_cast<uint64_t>(m.item<int64_t>());
+    const int64_t* w = m.data_ptr<int64_t>();
+    for (int i = 0; i < a2ad::kMaskWords; ++i) out->value[i] &= i < n ? static_cast<uint64_t>(w[i]) : 0ull;
   }
 }
 
@@ -360,7 +390,7 @@ void dispatch_cuda(const Tensor& experts, TensorList payloads, Tensor& workspace
     A2AD_CHECK(t.is_contiguous(), "a2ad: input_payloads[", i, "] must be contiguous");
     int64_t nb = t.element_size();  // bytes per token
     for (int64_t d = 1; d < t.dim(); ++d) nb *= t.size(d);
-    A2AD_CHECK(nb > 0, "a2ad: input_payloads[", i, "] has 0 bytes per token");
+    A2AD_DEBUG_CHECK(nb > 0, "a2ad: input_payloads[", i, "] has 0 bytes per token");
     const int64_t off = payload_offsets[i];
     A2AD_CHECK(off >= pl.aux.block_counters && off + pl.ep_size * rt * nb <= workspace.size(1), "a2ad: input_payloads[", i,
                "] region [", off, ", +", pl.ep_size * rt * nb, ") does not fit a row of ", workspace.size(1), " bytes");
@@ -404,7 +434,7 @@ void dispatch_cuda(const Tensor& experts, TensorList payloads, Tensor& workspace
       p.eplb_out = o.data_ptr<int32_t>();
     }
   }
-  caller_mask_args(caller_mask, caller_mask_value, workspace, &p.caller_mask, &p.caller_mask_value);
+  caller_mask_args(caller_mask, caller_mask_value, workspace, &p.caller_mask);
   A2AD_CHECK_CUDA(a2ad::launch_dispatch(p, current_stream(workspace)), "dispatch launch");
 }
 
@@ -417,7 +447,8 @@ void sanitize_cuda(Tensor& recv_ids, const Tensor& workspace, int64_t plan, int6
               "a2ad: recv_ids must be [ep_size=", pl.ep_size, ", runtime_max_tokens_per_rank=", rt, ", top_k], got ",
               recv_ids.sizes());
   A2AD_CHECK(recv_ids.size(2) >= 1, "a2ad: recv_ids has no expert columns");
-  A2AD_CHECK(invalid_id >= INT32_MIN && invalid_id <= INT32_MAX, "a2ad: invalid_token_expert_id does not fit int32");
+  A2AD_DEBUG_CHECK(invalid_id >= INT32_MIN && invalid_id <= INT32_MAX,
+                   "a2ad: invalid_token_expert_id does not fit int32");
   a2ad::SanitizeParams p{};
   p.ws = plan_workspace(pl, workspace);
   p.aux = pl.aux;
@@ -451,7 +482,7 @@ Tensor combine_cuda(const Tensor& payload, Tensor& workspace, int64_t plan, int6
               "a2ad: payload must be [ep_size=", pl.ep_size, ", runtime_max_tokens_per_rank=", rt, ", hidden], got ",
               payload.sizes());
   const int64_t hidden = payload.size(2);
-  A2AD_CHECK(hidden >= 1, "a2ad: payload has hidden size 0");
+  A2AD_DEBUG_CHECK(hidden >= 1, "a2ad: payload has hidden size 0");
   A2AD_CHECK(local_num_tokens >= 0 && local_num_tokens <= rt, "a2ad: local_num_tokens must be in [0, ", rt,
               "], got ", local_num_tokens);
   if (low_precision) {
@@ -468,13 +499,16 @@ Tensor combine_cuda(const Tensor& payload, Tensor& workspace, int64_t plan, int6
              "a2ad: combine region [", combine_offset, ", +", region, ") does not fit a row of ", workspace.size(1),
              " bytes");
   A2AD_CHECK(payload.is_contiguous(), "a2ad: payload must be contiguous [ep_size, rt, hidden]");
+#ifdef A2AD_DEBUG_CHECKS
+  // (another tensor is never read: the kernel reads the region, inside the workspace)
   if (payload_in_workspace && !low_precision) {  // (low precision: the region is the FP8 one; the client checks)
     const auto* expect = static_cast<const uint8_t*>(workspace.data_ptr()) + pl.ep_rank * workspace.stride(0) +
                          combine_offset;
-    A2AD_CHECK(static_cast<const uint8_t*>(payload.data_ptr()) == expect,
-                "a2ad: payload_in_workspace=True but payload is not this rank's combine region "
-                "(use get_combine_payload_tensor_in_workspace)");
+    A2AD_DEBUG_CHECK(static_cast<const uint8_t*>(payload.data_ptr()) == expect,
+                     "a2ad: payload_in_workspace=True but payload is not this rank's combine region "
+                     "(use get_combine_payload_tensor_in_workspace)");
   }
+#endif
   Tensor out;
   if (output.has_value()) {
     out = *output;
@@ -504,7 +538,7 @@ Tensor combine_cuda(const Tensor& payload, Tensor& workspace, int64_t plan, int6
   p.combine_offset = combine_offset;
   p.low_precision = low_precision;
   p.spec = static_cast<uint32_t>(spec);
-  caller_mask_args(caller_mask, caller_mask_value, workspace, &p.caller_mask, &p.caller_mask_value);
+  caller_mask_args(caller_mask, caller_mask_value, workspace, &p.caller_mask);
   if (pl.ctl.degrade) {
     A2AD_CHECK(degraded.has_value(), "a2ad: a degrade job's combine needs the degraded tensor");
     const Tensor& d = *degraded;

@@ -16,6 +16,10 @@ namespace a2ad {
 constexpr int kMaxPayloads = layout::MAX_PAYLOADS;
 constexpr int kMaxTopK = layout::MAX_TOP_K;  // checked against top_k; the stride is passed
 constexpr int kMaxEpSize = layout::MAX_EP_SIZE;
+// u64 words of a rank mask (rank q: bit q & 63 of word q >> 6). Kernels of a job with
+// ep_size <= 64 keep one-word masks.
+constexpr int kMaskWords = layout::MASK_WORDS;
+static_assert(kMaskWords * 64 == kMaxEpSize, "a mask word per 64 ranks");
 
 // Diagnostics: stages of dispatch switched off to time the others. They break the
 // protocol's guarantees (every bit but kDiagDoubleFence may deliver wrong or stale data),
@@ -82,6 +86,15 @@ struct LaunchLimits {
   int sm_budget;
 };
 
+// The caller's active-rank mask: a device tensor of `words` u64 words (may be null; words
+// past `words` count as zero: they hold no rank below ep_size) ANDed with kMaskWords words
+// given at launch (all ones: none).
+struct CallerMask {
+  const int64_t* ptr;
+  int words;
+  uint64_t value[kMaskWords];
+};
+
 struct DispatchParams {
   Workspace ws;
   AuxOffsets aux;
@@ -107,10 +120,8 @@ struct DispatchParams {
   int32_t* eplb_out;
   int eplb_experts;
   int64_t eplb_offset;
-  // The caller's active-rank mask, ANDed with the job's: a device word (may be null) and a
-  // value given at launch (~0: none).
-  const int64_t* caller_mask;
-  uint64_t caller_mask_value;
+  // The caller's active-rank mask, ANDed with the job's.
+  CallerMask caller_mask;
 };
 
 struct SanitizeParams {
@@ -143,9 +154,10 @@ struct CombineParams {
   int64_t combine_offset;     // row-relative start of region [ep_size, rt, hidden]
   int overlap_stage_blocks;   // set by launch_combine: > 0 stages slice by slice with this many blocks
   // Degraded mode only (ctl.degrade): per token, 1 when it lost at least one expert's
-  // contribution ([local_num_tokens], device); the ranks the combine counted, as a
-  // host-mapped u64 (read by the host once the stream ran) and as a device u64 (for the
-  // model, on the stream). All may be null otherwise.
+  // contribution ([local_num_tokens], device); the ranks the combine counted, as
+  // kMaskWords host-mapped u64 words (read by the host once the stream ran) and as
+  // kMaskWords device u64 words (for the model, on the stream; a job of ep_size <= 64
+  // writes only the first word of each). All may be null otherwise.
   uint8_t* degraded;
   uint64_t* seen_out;
   uint64_t* seen_dev;
@@ -155,8 +167,7 @@ struct CombineParams {
   // FP8_BLOCK elements (layout.fp8_row_bytes per row, region at combine_offset); this
   // rank's own rows are read from the payload.
   bool low_precision;
-  const int64_t* caller_mask;
-  uint64_t caller_mask_value;
+  CallerMask caller_mask;
 };
 
 struct InitializeParams {
