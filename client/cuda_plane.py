@@ -39,29 +39,9 @@ _compiling = torch.compiler.is_compiling
 
 
 def aux_offsets(aux: L.AuxLayout) -> list[int]:
-    """The ``aux`` list of the ops, in the order csrc/bindings.cpp documents."""
-    return [
-        aux.flag_val,
-        aux.local_token_counter,
-        aux.send_counters,
-        aux.recv_counters,
-        aux.dispatch_completion_flags,
-        aux.combine_completion_flags,
-        aux.topk_target_ranks,
-        aux.topk_send_indices,
-        aux.block_counters,
-        L.MAX_TOP_K,
-        L.BLOCK_COUNTER_SLOTS,
-        aux.slot_tokens,
-        aux.max_num_tokens,
-        aux.combine_slice_flags,
-        aux.combine_slices,
-        L.COMBINE_SLICE_ROWS,
-        aux.recv_rts,
-        aux.dispatch_ready,
-        aux.recv_specs,
-        aux.combine_ready,
-    ]
+    """The ``aux`` list of the ops (``make_plan``): ``layout.aux_plan``, in the order of
+    ``layout.AUX_PLAN_FIELDS``, from which csrc/layout.h's ``AuxOffsets`` is generated."""
+    return L.aux_plan(aux)
 
 
 #: Diagnostic bits (csrc/moe_a2a.cuh kDiag*), TIMING ONLY: all but DIAG_DOUBLE_FENCE break

@@ -109,16 +109,6 @@ template <typename... A>
     A2AD_CHECK(err_ == cudaSuccess, "a2ad: ", what, " failed: ", cudaGetErrorString(err_));     \
   } while (0)
 
-// aux: [flag_val, local_token_counter, send_counters, recv_counters,
-//       dispatch_completion_flags, combine_completion_flags, topk_target_ranks,
-//       topk_send_indices, block_counters, topk_stride (MAX_TOP_K),
-//       block_counter_slots (BLOCK_COUNTER_SLOTS), slot_tokens, max_num_tokens,
-//       combine_slice_flags, combine_slices, combine_slice_rows (COMBINE_SLICE_ROWS),
-//       recv_rts, dispatch_ready, recv_specs, combine_ready]
-// The two constants in it are checked against layout.h, so that a build from other
-// sources than the Python package's is refused rather than run with another layout.
-constexpr size_t kAuxFields = 20;
-
 void check_workspace(const Tensor& ws, int64_t ep_rank, int64_t ep_size) {
   A2AD_CHECK(ws.is_cuda(), "a2ad: workspace must be a CUDA tensor, got device ", ws.device());
   A2AD_CHECK(ws.scalar_type() == at::kByte, "a2ad: workspace must be uint8, got ", ws.scalar_type());
@@ -146,59 +136,60 @@ a2ad::Workspace make_workspace(const Tensor& ws, int64_t ep_rank, int64_t ep_siz
   return w;
 }
 
+// aux: layout::AUX_PLAN_FIELD_COUNT values, in the order of a2ad/layout.py's AUX_PLAN_FIELDS
+// (the index of each is layout::AUX_<NAME>): the offsets and sizes of layout::AuxOffsets and
+// the constants block_counter_slots and combine_slice_rows, which are checked against
+// layout.h so that a build from other sources than the Python package's is refused rather
+// than run with another layout.
 a2ad::AuxOffsets make_aux(IntArrayRef aux, const Tensor& ws, int64_t ep_size) {
-  A2AD_CHECK(aux.size() == kAuxFields, "a2ad: aux must hold ", kAuxFields, " values, got ", aux.size());
+  namespace L = a2ad::layout;
+  A2AD_CHECK(aux.size() == static_cast<size_t>(L::AUX_PLAN_FIELD_COUNT), "a2ad: aux must hold ",
+             L::AUX_PLAN_FIELD_COUNT, " values (layout.aux_plan), got ", aux.size());
   const int64_t row = ws.size(1);
-  for (size_t i = 0; i < 9; ++i) {
-    A2AD_CHECK(aux[i] >= 0 && aux[i] % 4 == 0 && aux[i] + 4 <= row, "a2ad: aux offset ", i, " (", aux[i],
-                ") is not an aligned offset inside a row of ", row, " bytes");
+  auto name = [](int i) { return L::AUX_PLAN_FIELD_NAMES[i]; };
+  // 4-aligned int32 fields at the start of the row (counters of ep_size entries, the routing arrays)
+  for (int i : {L::AUX_FLAG_VAL, L::AUX_LOCAL_TOKEN_COUNTER, L::AUX_SEND_COUNTERS, L::AUX_RECV_COUNTERS,
+                L::AUX_DISPATCH_COMPLETION_FLAGS, L::AUX_COMBINE_COMPLETION_FLAGS, L::AUX_TOPK_TARGET_RANKS,
+                L::AUX_TOPK_SEND_INDICES, L::AUX_BLOCK_COUNTERS}) {
+    A2AD_CHECK(aux[i] >= 0 && aux[i] % 4 == 0 && aux[i] + 4 <= row, "a2ad: aux ", name(i), " (", aux[i],
+               ") is not an aligned offset inside a row of ", row, " bytes");
   }
-  for (size_t i : {2, 3, 4, 5}) {
-    A2AD_CHECK(aux[i] + 4 * ep_size <= row, "a2ad: aux field ", i, " of ", ep_size, " counters overruns the row");
+  for (int i : {L::AUX_SEND_COUNTERS, L::AUX_RECV_COUNTERS, L::AUX_DISPATCH_COMPLETION_FLAGS,
+                L::AUX_COMBINE_COMPLETION_FLAGS}) {
+    A2AD_CHECK(aux[i] + 4 * ep_size <= row, "a2ad: aux ", name(i), " of ", ep_size, " counters overruns the row");
   }
-  A2AD_CHECK(aux[9] >= 1 && aux[9] <= 1024, "a2ad: aux topk_stride must be in [1, 1024], got ", aux[9]);
-  A2AD_CHECK(aux[10] == a2ad::layout::BLOCK_COUNTER_SLOTS, "a2ad: aux block_counter_slots is ", aux[10],
-             " but the kernels were built for ", a2ad::layout::BLOCK_COUNTER_SLOTS, " (stale build?)");
-  A2AD_CHECK(aux[8] + 4 * aux[10] <= row, "a2ad: aux block counters overrun the row");
-  A2AD_CHECK(aux[12] >= 1 && aux[12] <= INT32_MAX, "a2ad: aux max_num_tokens must be >= 1, got ", aux[12]);
-  A2AD_CHECK(aux[15] == a2ad::layout::COMBINE_SLICE_ROWS, "a2ad: aux combine_slice_rows is ", aux[15],
-             " but the kernels were built for ", a2ad::layout::COMBINE_SLICE_ROWS, " (stale build?)");
-  A2AD_CHECK(aux[14] >= (aux[12] + aux[15] - 1) / aux[15],
-             "a2ad: aux combine_slices (", aux[14], ") is too few for max_num_tokens ", aux[12]);
-  for (size_t i : {11, 13}) {
-    A2AD_CHECK(aux[i] >= 0 && aux[i] % 4 == 0, "a2ad: aux offset ", i, " (", aux[i], ") is not 4-aligned");
+  const int64_t stride = aux[L::AUX_TOPK_STRIDE], slots = aux[L::AUX_BLOCK_COUNTER_SLOTS];
+  const int64_t mnt = aux[L::AUX_MAX_NUM_TOKENS], nslices = aux[L::AUX_COMBINE_SLICES];
+  const int64_t slice_rows = aux[L::AUX_COMBINE_SLICE_ROWS];
+  A2AD_CHECK(stride >= 1 && stride <= 1024, "a2ad: aux topk_stride must be in [1, 1024], got ", stride);
+  A2AD_CHECK(slots == L::BLOCK_COUNTER_SLOTS, "a2ad: aux block_counter_slots is ", slots,
+             " but the kernels were built for ", L::BLOCK_COUNTER_SLOTS, " (stale build?)");
+  A2AD_CHECK(aux[L::AUX_BLOCK_COUNTERS] + 4 * slots <= row, "a2ad: aux block counters overrun the row");
+  A2AD_CHECK(mnt >= 1 && mnt <= INT32_MAX, "a2ad: aux max_num_tokens must be >= 1, got ", mnt);
+  A2AD_CHECK(slice_rows == L::COMBINE_SLICE_ROWS, "a2ad: aux combine_slice_rows is ", slice_rows,
+             " but the kernels were built for ", L::COMBINE_SLICE_ROWS, " (stale build?)");
+  A2AD_CHECK(nslices >= (mnt + slice_rows - 1) / slice_rows && nslices <= INT32_MAX, "a2ad: aux combine_slices (",
+             nslices, ") is too few for max_num_tokens ", mnt);
+  for (int i : {L::AUX_SLOT_TOKENS, L::AUX_COMBINE_SLICE_FLAGS}) {
+    A2AD_CHECK(aux[i] >= 0 && aux[i] % 4 == 0, "a2ad: aux ", name(i), " (", aux[i], ") is not 4-aligned");
   }
-  A2AD_CHECK(aux[11] + 4 * ep_size * aux[12] <= row, "a2ad: aux slot_tokens overruns the row");
-  A2AD_CHECK(aux[13] % 8 == 0 && aux[13] + 8 * ep_size * aux[14] <= row,
+  A2AD_CHECK(aux[L::AUX_SLOT_TOKENS] + 4 * ep_size * mnt <= row, "a2ad: aux slot_tokens overruns the row");
+  const int64_t sf = aux[L::AUX_COMBINE_SLICE_FLAGS];
+  A2AD_CHECK(sf % 8 == 0 && sf + 8 * ep_size * nslices <= row,
              "a2ad: aux combine_slice_flags are not 8-aligned or overrun the row");
-  A2AD_CHECK(aux[18] >= 0 && aux[18] % 16 == 0 && aux[18] + 4 * a2ad::layout::SPEC_WORDS * ep_size <= row,
-             "a2ad: aux recv_specs (", aux[18], ") is not a 16-aligned field inside the row");
-  A2AD_CHECK(aux[19] >= 0 && aux[19] % 8 == 0 && aux[19] + 8 * ep_size <= row,
-             "a2ad: aux combine_ready (", aux[19], ") is not an 8-aligned field inside the row");
-  A2AD_CHECK(aux[16] >= 0 && aux[16] % 4 == 0 && aux[16] + 4 * ep_size <= row,
-             "a2ad: aux recv_rts (", aux[16], ") is not an aligned field inside the row");
-  A2AD_CHECK(aux[17] >= 0 && aux[17] % 8 == 0 && aux[17] + 8 * ep_size <= row,
-             "a2ad: aux dispatch_ready (", aux[17], ") is not an 8-aligned field inside the row");
-  a2ad::AuxOffsets a;
-  a.flag_val = aux[0];
-  a.local_token_counter = aux[1];
-  a.send_counters = aux[2];
-  a.recv_counters = aux[3];
-  a.dispatch_completion_flags = aux[4];
-  a.combine_completion_flags = aux[5];
-  a.topk_target_ranks = aux[6];
-  a.topk_send_indices = aux[7];
-  a.block_counters = aux[8];
-  a.topk_stride = static_cast<int>(aux[9]);
-  a.slot_tokens = aux[11];
-  a.max_num_tokens = static_cast<int>(aux[12]);
-  a.combine_slice_flags = aux[13];
-  a.combine_slices = static_cast<int>(aux[14]);
-  a.recv_rts = aux[16];
-  a.dispatch_ready = aux[17];
-  a.recv_specs = aux[18];
-  a.combine_ready = aux[19];
-  return a;
+  const int64_t specs = aux[L::AUX_RECV_SPECS];
+  A2AD_CHECK(specs >= 0 && specs % 16 == 0 && specs + 4 * L::SPEC_WORDS * ep_size <= row, "a2ad: aux recv_specs (",
+             specs, ") is not a 16-aligned field inside the row");
+  const int64_t cready = aux[L::AUX_COMBINE_READY];
+  A2AD_CHECK(cready >= 0 && cready % 8 == 0 && cready + 8 * ep_size <= row, "a2ad: aux combine_ready (", cready,
+             ") is not an 8-aligned field inside the row");
+  const int64_t rts = aux[L::AUX_RECV_RTS];
+  A2AD_CHECK(rts >= 0 && rts % 4 == 0 && rts + 4 * ep_size <= row, "a2ad: aux recv_rts (", rts,
+             ") is not an aligned field inside the row");
+  const int64_t dready = aux[L::AUX_DISPATCH_READY];
+  A2AD_CHECK(dready >= 0 && dready % 8 == 0 && dready + 8 * ep_size <= row, "a2ad: aux dispatch_ready (", dready,
+             ") is not an 8-aligned field inside the row");
+  return L::aux_offsets_from(aux);
 }
 
 void check_topk_rows(const a2ad::AuxOffsets& a, const Tensor& ws, int64_t tokens) {

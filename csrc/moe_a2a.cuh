@@ -46,28 +46,9 @@ struct Workspace {
   int ep_size;
 };
 
-// Row-relative byte offsets of the aux fields (layout.AuxLayout), plus the
-// row stride (in int32 elements) of the [max_num_tokens, MAX_TOP_K] arrays.
-struct AuxOffsets {
-  int64_t flag_val;
-  int64_t local_token_counter;
-  int64_t send_counters;
-  int64_t recv_counters;
-  int64_t dispatch_completion_flags;
-  int64_t combine_completion_flags;
-  int64_t topk_target_ranks;
-  int64_t topk_send_indices;
-  int64_t block_counters;     // [BLOCK_COUNTER_SLOTS] int32, slots layout::SLOT_*
-  int topk_stride;            // layout.MAX_TOP_K
-  int64_t slot_tokens;        // [ep_size, max_num_tokens] int32: token sent to (target, slot)
-  int max_num_tokens;         // the job's max_num_tokens (row stride of slot_tokens)
-  int64_t combine_slice_flags;  // [ep_size, combine_slices] int32, written by the targets
-  int combine_slices;         // ceil(max_num_tokens / COMBINE_SLICE_ROWS)
-  int64_t recv_rts;           // [ep_size] int32, written by source s: its runtime_max_tokens_per_rank
-  int64_t dispatch_ready;     // [ep_size] uint64, written by source s: (high << 32) | round (ready_word)
-  int64_t recv_specs;         // [ep_size, SPEC_WORDS] int32, written by source s: its payload descriptor
-  int64_t combine_ready;      // [ep_size] uint64, written by target t: (combine spec << 32) | round
-};
+// Row-relative byte offsets of the aux fields (layout.AuxLayout) and the sizes the kernels
+// index them with: the struct generated from layout.AUX_PLAN_FIELDS into layout.h.
+using AuxOffsets = layout::AuxOffsets;
 
 // The job's control block as the kernels see it (host memory registered for GPU
 // access). Offsets inside it are layout::CB_* and this rank's records.
