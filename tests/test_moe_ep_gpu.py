@@ -111,7 +111,7 @@ def test_moe_ep_matches_flashinfer_moe_alltoall_on_one_gpu(daemon_factory, tmp_p
     d = daemon_factory("--grace", "1", backend="cuda")
     failed = []
     try:
-        a2ad = _run_a2ad(ep, "cuda", d.runtime_dir, tmp_path, hidden, timeout=180.0)
+        a2ad = _run_a2ad(ep, "cuda", d.runtime_dir, tmp_path, hidden, timeout=240.0)
     except AssertionError as exc:
         a2ad = None
         failed.append(f"a2ad side: {exc}")
