@@ -20,6 +20,7 @@ from . import errors, layout as L
 _U32 = struct.Struct("<I")
 _I32 = struct.Struct("<i")
 _U64 = struct.Struct("<Q")
+_MASK = struct.Struct(f"<{L.MASK_WORDS}Q")
 
 
 @dataclass(frozen=True)
@@ -100,12 +101,17 @@ class ControlBlock:
         self._set(_U32, L.CB_EP_SIZE, ep_size)
         self._set(_I32, L.CB_ABORT_RANK, -1)
         self._set(_U32, L.CB_POLICY, policy)
-        self._set(_U64, L.CB_ACTIVE_MASK, L.full_mask(ep_size))
+        _MASK.pack_into(self._mv, L.CB_ACTIVE_MASK, *L.mask_words(L.full_mask(ep_size)))
         self._set(_U32, L.CB_MAGIC, L.CONTROL_MAGIC)
 
     @property
     def valid(self) -> bool:
         return self._get(_U32, L.CB_MAGIC) == L.CONTROL_MAGIC and self._get(_U32, L.CB_VERSION) == L.CONTROL_VERSION
+
+    @property
+    def version(self) -> int:
+        """The layout version the block was written with (CB_VERSION)."""
+        return self._get(_U32, L.CB_VERSION)
 
     @property
     def ep_size(self) -> int:
@@ -148,8 +154,20 @@ class ControlBlock:
 
     @property
     def active_mask(self) -> int:
-        """Bit q set: the daemon counts rank q as a live member of the job."""
-        return self._get(_U64, L.CB_ACTIVE_MASK)
+        """Bit q set: the daemon counts rank q as a live member of the job (all MASK_WORDS
+        words read, least significant first)."""
+        return L.mask_from_words(_MASK.unpack_from(self._mv, L.CB_ACTIVE_MASK))
+
+    def active_word(self, word: int) -> int:
+        """Word ``word`` of the active mask alone (ranks 64 * word .. 64 * word + 63): what a
+        reader needing one rank's bit reads."""
+        if not 0 <= word < L.MASK_WORDS:
+            raise ValueError(f"mask word must be in [0, {L.MASK_WORDS}), got {word}")
+        return self._get(_U64, L.CB_ACTIVE_MASK + 8 * word)
+
+    def rank_active(self, rank: int) -> bool:
+        """Whether bit ``rank`` of the active mask is set (reads word rank >> 6 only)."""
+        return bool(self.active_word(rank >> 6) >> (rank & 63) & 1)
 
     @property
     def mask_generation(self) -> int:
@@ -163,8 +181,10 @@ class ControlBlock:
     def set_active_mask(self, mask: int, ep_size: int, now_ns: int) -> bool:
         """Publish a new active mask (the daemon): the mask first, then its generation, so a
         reader that sees the new generation sees the new mask; the degraded-since time starts
-        when the mask loses its first bit and is 0 again once it is full. Returns whether the
-        mask changed."""
+        when the mask loses its first bit and is 0 again once it is full. Only the words that
+        change are written (a reader may see them torn, which equals seeing the bits change
+        one at a time). Returns whether the mask changed."""
+        new_words = L.mask_words(mask)
         old = self.active_mask
         if mask == old:
             return False
@@ -173,7 +193,9 @@ class ControlBlock:
             self._set(_U64, L.CB_DEGRADED_SINCE_NS, 0)
         elif old == full or self.degraded_since_ns == 0:
             self._set(_U64, L.CB_DEGRADED_SINCE_NS, max(1, now_ns))
-        self._set(_U64, L.CB_ACTIVE_MASK, mask)
+        for i, (w_old, w_new) in enumerate(zip(L.mask_words(old), new_words)):
+            if w_old != w_new:
+                self._set(_U64, L.CB_ACTIVE_MASK + 8 * i, w_new)
         self._set(_U64, L.CB_MASK_GENERATION, self.mask_generation + 1)
         return True
 

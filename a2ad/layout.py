@@ -76,39 +76,49 @@ Control block
 One per job, ``CONTROL_BLOCK_SIZE`` bytes of shared host memory (registered for
 GPU access on the CUDA backend)::
 
-    0    u32  magic              CONTROL_MAGIC
-    4    u32  layout version     CONTROL_VERSION
-    8    u64  generation         bumped by every job-wide re-arm
-    16   u32  abort word         0, or an ABORT_* reason; set by the daemon
-    20   i32  abort rank         the rank whose loss caused the abort, or -1
-    24   u32  ep_size
-    28   u32  peer-loss policy   POLICY_RAISE (0) or POLICY_DEGRADE (1), set at creation; the
-                                 active-rank fields below mean something only for POLICY_DEGRADE
-                                 (a raise job's ranks are all active until it is aborted)
-    32   u64  active mask        bit q set: the daemon counts rank q as a live member; cleared
-                                 when q dies or leaves, set again when a replacement attached
-    40   u64  mask generation    bumped by the daemon with every change of the active mask
-    48   u64  degraded since     CLOCK_MONOTONIC ns at which the mask lost its first bit, 0
-                                 while every bit is set
-    64   u32  rank state [64]    RANK_* values, maintained by the daemon
-    512  status record [64]      one per rank, STATUS_RECORD_SIZE bytes each, written by that
-                                 rank's own kernels/host waits when a wait fails:
-                                 +0 u32 code (STATUS_*), +4 i32 peer, +8 u32 round,
-                                 +12 u32 phase (PHASE_*), +16 u64 waited ns
-    2560 input record [64]       one per rank, INPUT_RECORD_SIZE bytes each, written by that
-                                 rank's dispatch (or combine) kernel when its input was wrong
-                                 (the round still completed for every rank): +0 u32 code
-                                 (INPUT_*), +4 i32 index (the token, or the peer; for a spec
-                                 mismatch ``peer | field << 8``, field a SPEC_FIELD_* value),
-                                 +8 i32 value (the expert id, or the peer's value), +12 u32
-                                 round. The client raises InputError and clears it.
-    3584 i32  admit round [64]   per rank: the first round it takes part in (0 for the ranks of a
-                                 full rendezvous), ADMIT_JOINED while a replacement waits for its
-                                 first dispatch, ADMIT_READY once that dispatch asks to be let in
-                                 (written by the daemon, the replacement and the lowest active
-                                 rank in turn; docs/PROTOCOL.md, "Degraded mode")
-    3840 i32  input own [64]     per rank: with a spec mismatch in its input record, this rank's
-                                 own value of the field (the record holds the peer's)
+    0     u32  magic              CONTROL_MAGIC
+    4     u32  layout version     CONTROL_VERSION
+    8     u64  generation         bumped by every job-wide re-arm
+    16    u32  abort word         0, or an ABORT_* reason; set by the daemon
+    20    i32  abort rank         the rank whose loss caused the abort, or -1
+    24    u32  ep_size
+    28    u32  peer-loss policy   POLICY_RAISE (0) or POLICY_DEGRADE (1), set at creation; the
+                                  active-rank fields below mean something only for POLICY_DEGRADE
+                                  (a raise job's ranks are all active until it is aborted)
+    32    u64  active mask [MASK_WORDS]
+                                  rank q is bit (q & 63) of word (q >> 6): set while the daemon
+                                  counts rank q as a live member; cleared when q dies or leaves,
+                                  set again when a replacement attached. The daemon writes the
+                                  words that change, then bumps the mask generation; a reader may
+                                  see one update's words torn, which is the same as seeing its
+                                  bits change one at a time (every wait re-reads its peer's bit)
+    64    u64  mask generation    bumped by the daemon with every change of the active mask
+    72    u64  degraded since     CLOCK_MONOTONIC ns at which the mask lost its first bit, 0
+                                  while every bit is set
+    128   u32  rank state [MAX_EP_SIZE]   RANK_* values, maintained by the daemon
+    1152  status record [MAX_EP_SIZE]     one per rank, STATUS_RECORD_SIZE bytes each, written by that
+                                  rank's own kernels/host waits when a wait fails:
+                                  +0 u32 code (STATUS_*), +4 i32 peer, +8 u32 round,
+                                  +12 u32 phase (PHASE_*), +16 u64 waited ns
+    9344  input record [MAX_EP_SIZE]      one per rank, INPUT_RECORD_SIZE bytes each, written by that
+                                  rank's dispatch (or combine) kernel when its input was wrong
+                                  (the round still completed for every rank): +0 u32 code
+                                  (INPUT_*), +4 i32 index (the token, or the peer; for a spec
+                                  mismatch ``peer | field << 8``, field a SPEC_FIELD_* value),
+                                  +8 i32 value (the expert id, or the peer's value), +12 u32
+                                  round. The client raises InputError and clears it.
+    13440 i32  admit round [MAX_EP_SIZE]  per rank: the first round it takes part in (0 for the ranks
+                                  of a full rendezvous), ADMIT_JOINED while a replacement waits for
+                                  its first dispatch, ADMIT_READY once that dispatch asks to be let
+                                  in (written by the daemon, the replacement and the lowest active
+                                  rank in turn; docs/PROTOCOL.md, "Degraded mode")
+    14464 i32  input own [MAX_EP_SIZE]    per rank: with a spec mismatch in its input record, this
+                                  rank's own value of the field (the record holds the peer's)
+
+(offsets at MAX_EP_SIZE = 256, MASK_WORDS = 4; CONTROL_BLOCK_SIZE is 16384, four pages).
+Version 1 of the block (ep_size <= 64: one mask word at 32, 4096 bytes) is not read by this
+version: ``ControlBlock.valid`` is false for it and the daemon refuses to adopt such a job
+(a2ad/daemon/persist.py).
 
 Rank q takes part in round R when its mask bit is set and ``0 <= admit round[q] <= R``
 (:func:`effective_mask`); every wait on a peer also ends when the peer's bit is cleared.
@@ -121,7 +131,9 @@ from dataclasses import dataclass
 #: Largest top_k the layout has room for (FlashInfer's MoeAlltoAll limit).
 MAX_TOP_K = 22
 #: Largest ep_size a job may have.
-MAX_EP_SIZE = 64
+MAX_EP_SIZE = 256
+#: u64 words of a rank mask (rank q is bit (q & 63) of word (q >> 6), words little endian).
+MASK_WORDS = MAX_EP_SIZE // 64
 #: Most payloads one dispatch may carry.
 MAX_PAYLOADS = 6
 ALIGN = 128
@@ -141,16 +153,21 @@ SLOT_PULL_WORK = 4
 SLOT_BAD_EXPERT = 6
 #: The round whose dispatch saw a peer pass another runtime_max_tokens_per_rank.
 SLOT_RT_MISMATCH = 8
-#: Degraded mode. Slots 10-11, one u64: the round's view (the effective mask its dispatch
-#: prologue read); slot 12: the round it is for (-1: the prologue gave up, the round does
-#: not run). Slots 14-15, one u64: the ranks whose combine flags the combine's poller saw
-#: (what every pulling block counts); slot 16: the round it is for.
+#: Degraded mode. Slots 10-17, MASK_WORDS u64 words (a rank mask, rank q bit q & 63 of word
+#: q >> 6): the round's view (the effective mask its dispatch prologue read); slot 18: the
+#: round it is for (-1: the prologue gave up, the round does not run). Slots 20-27, MASK_WORDS
+#: u64 words: the ranks whose combine flags the combine's poller saw (what every pulling
+#: block counts); slot 28: the round it is for. A job of ep_size <= 64 uses only the first
+#: word of each (its kernels keep one-word masks).
 SLOT_VIEW = 10
-SLOT_VIEW_ROUND = 12
-SLOT_COMBINE_SEEN = 14
-SLOT_COMBINE_SEEN_ROUND = 16
+SLOT_VIEW_ROUND = SLOT_VIEW + 2 * MASK_WORDS
+SLOT_COMBINE_SEEN = 20
+SLOT_COMBINE_SEEN_ROUND = SLOT_COMBINE_SEEN + 2 * MASK_WORDS
 #: The claim that elects the single writer of this rank's status record.
 SLOT_STATUS_CLAIM = BLOCK_COUNTER_SLOTS - 1
+assert SLOT_VIEW % 2 == 0 and SLOT_COMBINE_SEEN % 2 == 0  # u64 words (BLOCK_COUNTERS is 128-aligned)
+assert SLOT_RT_MISMATCH < SLOT_VIEW and SLOT_VIEW_ROUND < SLOT_COMBINE_SEEN
+assert SLOT_COMBINE_SEEN_ROUND < SLOT_STATUS_CLAIM
 #: int32 words of a dispatch's payload descriptor (:func:`payload_spec`): [0] payload count,
 #: [1..6] bytes per token of payload i, [7] dtype codes (4 bits per payload, 0: not given),
 #: [8] eplb_stats_num_experts, [9..11] zero.
@@ -250,6 +267,47 @@ class AuxLayout:
             self.payload_data,
             self.block_counters,
         ]
+
+
+#: The aux values of a CUDA plan (the ``aux`` list of csrc/bindings.cpp's ``make_plan``), in
+#: order: ``(name, C type, what)``. The value of a field is the :class:`AuxLayout` attribute of
+#: its name, or, for the names in :data:`AUX_PLAN_CONSTANTS`, this module's constant. The
+#: fields with a C type are those of the kernels' ``layout::AuxOffsets`` (csrc/layout.h is
+#: generated from this tuple, with an index constant ``AUX_<NAME>`` per value); those without
+#: one are constants the binding checks against the build (a build from other sources than
+#: this module's is refused).
+AUX_PLAN_FIELDS = (
+    ("flag_val", "int64_t", "FLAG_VAL: this rank's round"),
+    ("local_token_counter", "int64_t", "LOCAL_TOKEN_COUNTER"),
+    ("send_counters", "int64_t", "[ep_size] int32: tokens sent to each target"),
+    ("recv_counters", "int64_t", "[ep_size] int32, written by source s: tokens s sent here"),
+    ("dispatch_completion_flags", "int64_t", "[ep_size] int32, written by source s: its round"),
+    ("combine_completion_flags", "int64_t", "[ep_size] int32, written by target t: its round"),
+    ("topk_target_ranks", "int64_t", "[max_num_tokens, MAX_TOP_K] int32: target of (t, k)"),
+    ("topk_send_indices", "int64_t", "[max_num_tokens, MAX_TOP_K] int32: slot of (t, k) there"),
+    ("block_counters", "int64_t", "[BLOCK_COUNTER_SLOTS] int32, slots layout::SLOT_*"),
+    ("topk_stride", "int", "row stride (int32 elements) of the [max_num_tokens, MAX_TOP_K] arrays"),
+    ("block_counter_slots", None, "BLOCK_COUNTER_SLOTS"),
+    ("slot_tokens", "int64_t", "[ep_size, max_num_tokens] int32: token sent to (target, slot)"),
+    ("max_num_tokens", "int", "the job's max_num_tokens (row stride of slot_tokens)"),
+    ("combine_slice_flags", "int64_t", "[ep_size, combine_slices] u64, written by the targets"),
+    ("combine_slices", "int", "ceil(max_num_tokens / COMBINE_SLICE_ROWS)"),
+    ("combine_slice_rows", None, "COMBINE_SLICE_ROWS"),
+    ("recv_rts", "int64_t", "[ep_size] int32, written by source s: its runtime_max_tokens_per_rank"),
+    ("dispatch_ready", "int64_t", "[ep_size] u64, written by source s: (high << 32) | round"),
+    ("recv_specs", "int64_t", "[ep_size, SPEC_WORDS] int32, written by source s: its payload descriptor"),
+    ("combine_ready", "int64_t", "[ep_size] u64, written by target t: (combine spec << 32) | round"),
+)
+#: The values of :data:`AUX_PLAN_FIELDS` that are this module's constants (name -> constant).
+AUX_PLAN_CONSTANTS = {"topk_stride": "MAX_TOP_K", "block_counter_slots": "BLOCK_COUNTER_SLOTS",
+                      "combine_slice_rows": "COMBINE_SLICE_ROWS"}
+
+
+def aux_plan(aux: AuxLayout) -> list[int]:
+    """The ``aux`` list of a CUDA plan: :data:`AUX_PLAN_FIELDS`' values for ``aux``, in order."""
+    g = globals()
+    return [int(g[AUX_PLAN_CONSTANTS[name]]) if name in AUX_PLAN_CONSTANTS else int(getattr(aux, name))
+            for name, _, _ in AUX_PLAN_FIELDS]
 
 
 def combine_slices(max_num_tokens: int) -> int:
@@ -601,9 +659,10 @@ def experts_of_rank(rank: int, num_experts: int, ep_size: int) -> range:
 # ---------------------------------------------------------------------------
 # Control block
 # ---------------------------------------------------------------------------
-CONTROL_BLOCK_SIZE = 4096
+CONTROL_BLOCK_SIZE = 16384
 CONTROL_MAGIC = 0xA2AD0C71
-CONTROL_VERSION = 1
+#: 1: ep_size <= 64 (one mask word, 4096 bytes); 2: ep_size <= 256 (MASK_WORDS mask words).
+CONTROL_VERSION = 2
 CB_MAGIC = 0
 CB_VERSION = 4
 CB_GENERATION = 8
@@ -611,11 +670,12 @@ CB_ABORT = 16
 CB_ABORT_RANK = 20
 CB_EP_SIZE = 24
 CB_POLICY = 28
+#: [MASK_WORDS] u64.
 CB_ACTIVE_MASK = 32
-CB_MASK_GENERATION = 40
-CB_DEGRADED_SINCE_NS = 48
-CB_RANK_STATE = 64
-CB_STATUS = 512
+CB_MASK_GENERATION = CB_ACTIVE_MASK + 8 * MASK_WORDS
+CB_DEGRADED_SINCE_NS = CB_MASK_GENERATION + 8
+CB_RANK_STATE = 128
+CB_STATUS = CB_RANK_STATE + 4 * MAX_EP_SIZE
 STATUS_RECORD_SIZE = 32
 STATUS_CODE = 0
 STATUS_PEER = 4
@@ -708,9 +768,11 @@ PHASE_DISPATCH = 1
 PHASE_COMBINE = 2
 PHASE_NAMES = {PHASE_DISPATCH: "dispatch", PHASE_COMBINE: "combine"}
 
+assert MASK_WORDS * 64 == MAX_EP_SIZE
 assert CB_INPUT_OWN + 4 * MAX_EP_SIZE <= CONTROL_BLOCK_SIZE
 assert CB_RANK_STATE + 4 * MAX_EP_SIZE <= CB_STATUS
 assert CB_DEGRADED_SINCE_NS + 8 <= CB_RANK_STATE
+assert CONTROL_BLOCK_SIZE % 4096 == 0
 
 
 def status_offset(rank: int) -> int:
@@ -749,7 +811,103 @@ def effective_mask(active_mask: int, admit_rounds, round: int) -> int:
 
 def mask_ranks(mask: int) -> list[int]:
     """The ranks whose bits are set in ``mask``, ascending."""
-    return [q for q in range(mask.bit_length()) if mask >> q & 1]
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
+
+
+MASK_BYTES = 8 * MASK_WORDS
+
+
+def _check_mask(mask) -> int:
+    if isinstance(mask, bool) or not isinstance(mask, int):
+        raise TypeError(f"a rank mask must be an int, got {type(mask).__name__}")
+    if mask < 0:
+        raise ValueError(f"a rank mask must be >= 0, got {mask}")
+    if mask >> MAX_EP_SIZE:
+        raise ValueError(
+            f"rank mask {mask:#x} has bits above rank {MAX_EP_SIZE - 1} (MAX_EP_SIZE={MAX_EP_SIZE})"
+        )
+    return mask
+
+
+def mask_words(mask: int, n: int = MASK_WORDS) -> list[int]:
+    """``mask`` as ``n`` u64 words, least significant first (rank q: bit q & 63 of word q >> 6).
+    Raises ValueError when it has a bit above the ``n`` words."""
+    _check_mask(mask)
+    if mask >> (64 * n):
+        raise ValueError(f"rank mask {mask:#x} does not fit {n} u64 word(s) (ranks 0-{64 * n - 1})")
+    return [(mask >> (64 * i)) & 0xFFFFFFFFFFFFFFFF for i in range(n)]
+
+
+def mask_from_words(words) -> int:
+    """The inverse of :func:`mask_words`: u64 (or two's complement int64) words, least
+    significant first."""
+    out = 0
+    for i, w in enumerate(words):
+        out |= (int(w) & 0xFFFFFFFFFFFFFFFF) << (64 * i)
+    return out
+
+
+def mask_to_bytes(mask: int) -> bytes:
+    """``mask`` as MASK_BYTES (MASK_WORDS u64 words) little-endian bytes: how a mask crosses a
+    socket (msgpack carries at most 64-bit ints)."""
+    return _check_mask(mask).to_bytes(MASK_BYTES, "little")
+
+
+def mask_from_bytes(data) -> int:
+    """The mask that :func:`mask_to_bytes` wrote. Accepts 8 to MASK_BYTES bytes, a whole
+    number of u64 words (a shorter mask leaves the high words zero)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"a rank mask in bytes must be bytes, got {type(data).__name__}")
+    n = len(data)
+    if n == 0 or n % 8 or n > MASK_BYTES:
+        raise ValueError(f"a rank mask in bytes must be 8 to {MASK_BYTES} bytes in whole u64 words, got {n}")
+    return int.from_bytes(bytes(data), "little")
+
+
+def format_ranks(mask: int) -> str:
+    """The ranks of ``mask`` as a list of ascending ranges, e.g. ``0-63,65,70-255``; ``none``
+    for an empty mask."""
+    if mask < 0:
+        raise ValueError(f"a rank mask must be >= 0, got {mask}")
+    parts = []
+    q = 0
+    while mask >> q:
+        if not mask >> q & 1:
+            # skip the run of zeros: the lowest set bit at or above q
+            rest = mask >> q
+            q += (rest & -rest).bit_length() - 1
+            continue
+        start = q
+        rest = ~(mask >> q)  # lowest zero bit at or above q
+        q += (rest & -rest).bit_length() - 1
+        parts.append(str(start) if q - 1 == start else f"{start}-{q - 1}")
+    return ",".join(parts) if parts else "none"
+
+
+def parse_ranks(text: str) -> int:
+    """The mask of a rank list written by :func:`format_ranks` (``0-63,65``; ``none`` or an
+    empty string: no rank). Raises ValueError naming the bad part."""
+    text = text.strip()
+    if text in ("", "none"):
+        return 0
+    mask = 0
+    for part in text.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        try:
+            a = int(lo)
+            b = int(hi) if sep else a
+        except ValueError:
+            raise ValueError(f"bad rank range {part!r} in {text!r}: expected N or N-M") from None
+        if not 0 <= a <= b < MAX_EP_SIZE:
+            raise ValueError(f"bad rank range {part!r} in {text!r}: ranks must be in [0, {MAX_EP_SIZE - 1}], low first")
+        mask |= ((1 << (b - a + 1)) - 1) << a
+    return mask
 
 
 # ---------------------------------------------------------------------------
@@ -759,6 +917,7 @@ def mask_ranks(mask: int) -> list[int]:
 C_HEADER_CONSTANTS = (
     "MAX_TOP_K",
     "MAX_EP_SIZE",
+    "MASK_WORDS",
     "MAX_PAYLOADS",
     "BLOCK_COUNTER_SLOTS",
     "COMBINE_SLICE_ROWS",
@@ -812,6 +971,7 @@ C_HEADER_CONSTANTS = (
     "POLICY_DEGRADE",
     "CB_ACTIVE_MASK",
     "CB_MASK_GENERATION",
+    "CONTROL_BLOCK_SIZE",
     "CB_ADMIT_ROUND",
     "ADMIT_JOINED",
     "ADMIT_READY",
@@ -820,19 +980,48 @@ C_HEADER_CONSTANTS = (
 C_HEADER_PATH = "csrc/layout.h"
 
 
+def _c_aux_plan() -> list[str]:
+    """The aux plan's part of csrc/layout.h: an index per value, the struct and its filler."""
+    lines = ["", "// The aux list of a CUDA plan (AUX_PLAN_FIELDS): the index of each value."]
+    lines += [f"constexpr int AUX_{name.upper()} = {i};" for i, (name, _, _) in enumerate(AUX_PLAN_FIELDS)]
+    lines += [f"constexpr int AUX_PLAN_FIELD_COUNT = {len(AUX_PLAN_FIELDS)};",
+              "inline constexpr const char* AUX_PLAN_FIELD_NAMES[] = {",
+              *[f'    "{name}",' for name, _, _ in AUX_PLAN_FIELDS],
+              "};",
+              "",
+              "// The aux fields as the kernels see them: row-relative byte offsets and the sizes they",
+              "// need (the values of the aux list that are not constants).",
+              "struct AuxOffsets {"]
+    lines += [f"  {ctype} {name};  // {what}" for name, ctype, what in AUX_PLAN_FIELDS if ctype]
+    lines += ["};",
+              "",
+              "// The struct from an aux list (anything indexable by AUX_*, checked by the caller).",
+              "template <typename List>",
+              "inline AuxOffsets aux_offsets_from(const List& v) {",
+              "  AuxOffsets a;"]
+    lines += [f"  a.{name} = static_cast<{ctype}>(v[AUX_{name.upper()}]);" for name, ctype, _ in AUX_PLAN_FIELDS
+              if ctype]
+    lines += ["  return a;", "}"]
+    return lines
+
+
 def c_header() -> str:
-    """The text of csrc/layout.h: :data:`C_HEADER_CONSTANTS` as ``constexpr`` values."""
+    """The text of csrc/layout.h: :data:`C_HEADER_CONSTANTS` as ``constexpr`` values and the
+    aux plan (:data:`AUX_PLAN_FIELDS`) as index constants and a struct."""
     g = globals()
     lines = [
         "// Generated from a2ad/layout.py by `python -m a2ad.layout > csrc/layout.h`; do not edit.",
         "// The constants the kernels share with Python (tests/test_layout.py checks this file is current).",
         "#pragma once",
         "",
+        "#include <stdint.h>",
+        "",
         "namespace a2ad {",
         "namespace layout {",
         "",
     ]
     lines += [f"constexpr int {name} = {int(g[name])};" for name in C_HEADER_CONSTANTS]
+    lines += _c_aux_plan()
     lines += ["", "}  // namespace layout", "}  // namespace a2ad", ""]
     return "\n".join(lines)
 

@@ -24,7 +24,7 @@ def test_aux_fields_are_aligned_and_disjoint():
     assert aux.aux_data_size == aux.payload_data + L.ALIGN_SLACK
 
 
-@pytest.mark.parametrize("ep,tokens", [(1, 1), (2, 7), (8, 4096), (64, 33)])
+@pytest.mark.parametrize("ep,tokens", [(1, 1), (2, 7), (8, 4096), (64, 33), (256, 9)])
 @pytest.mark.parametrize("widths", [[14400], [1, 3, 5, 7, 11, 13], [16] * 6, [4097, 2]])
 def test_any_payload_set_fits_the_size_formula(ep, tokens, widths):
     comb = 2 * 7
@@ -86,10 +86,103 @@ def test_generated_c_header_is_current():
     assert path.read_text() == L.c_header(), "csrc/layout.h is stale: run `python -m a2ad.layout > csrc/layout.h`"
 
 
+def test_aux_plan_is_the_generated_struct_of_the_kernels():
+    """The aux list of a CUDA plan comes from one definition (layout.AUX_PLAN_FIELDS): its values
+    are the AuxLayout fields and constants of those names, and csrc/layout.h holds an index per
+    value and the kernels' AuxOffsets with exactly the fields that are not constants, in order."""
+    import re
+
+    from a2ad import layout as L
+
+    names = [name for name, _, _ in L.AUX_PLAN_FIELDS]
+    assert len(set(names)) == len(names)
+    assert set(L.AUX_PLAN_CONSTANTS) == {name for name, ctype, _ in L.AUX_PLAN_FIELDS if ctype != "int64_t"} - {
+        "max_num_tokens", "combine_slices"}
+    for ep, mt in ((1, 1), (8, 4096), (256, 3)):
+        aux = L.aux_layout(ep, mt)
+        values = L.aux_plan(aux)
+        assert len(values) == len(names)
+        for name, v in zip(names, values):
+            want = getattr(L, L.AUX_PLAN_CONSTANTS[name]) if name in L.AUX_PLAN_CONSTANTS else getattr(aux, name)
+            assert v == want, name
+    header = L.c_header()
+    for i, name in enumerate(names):
+        assert f"constexpr int AUX_{name.upper()} = {i};" in header
+    struct = re.search(r"struct AuxOffsets \{\n(.*?)\n\};", header, re.S).group(1)
+    fields = [re.match(r"\s*(\w+) (\w+);", line).groups() for line in struct.splitlines()]
+    assert fields == [(ctype, name) for name, ctype, _ in L.AUX_PLAN_FIELDS if ctype]
+    assert {name for _, name in fields} == set(names) - {"block_counter_slots", "combine_slice_rows"}
+
+
 def test_dispatch_ready_is_an_aligned_u64_field_before_the_payloads():
     from a2ad import layout as L
 
-    for ep, mt in ((1, 1), (2, 256), (8, 4096), (64, 17)):
+    for ep, mt in ((1, 1), (2, 256), (8, 4096), (64, 17), (256, 3)):
         aux = L.aux_layout(ep, mt)
         assert aux.dispatch_ready % 8 == 0 and aux.dispatch_ready >= aux.recv_rts + 4 * ep
         assert aux.dispatch_ready + 8 * ep <= aux.payload_data
+
+
+def test_masks_cross_as_words_and_bytes_of_any_width():
+    """A rank mask is MASK_WORDS little-endian u64 words (rank q: bit q & 63 of word q >> 6);
+    it crosses a socket as MASK_BYTES bytes and is shown as a rank list."""
+    assert L.MAX_EP_SIZE == 256 and L.MASK_WORDS == 4 and L.MASK_BYTES == 32
+    m = L.full_mask(64) | 1 << 65 | (L.full_mask(256) ^ L.full_mask(70))
+    assert L.format_ranks(m) == "0-63,65,70-255"
+    assert L.parse_ranks("0-63,65,70-255") == m
+    assert L.format_ranks(0) == "none" and L.parse_ranks("none") == 0
+    assert L.format_ranks(1 << 255) == "255" and L.format_ranks(0b1011) == "0-1,3"
+    b = L.mask_to_bytes(m)
+    assert len(b) == 32 and L.mask_from_bytes(b) == m
+    assert b[8] == 0b11000010 and b[:8] == b"\xff" * 8  # word 1: rank 65 is bit 1, ranks 70.. bits 6..
+    assert L.mask_words(1 << 200) == [0, 0, 0, 1 << 8]
+    assert L.mask_from_words([-1, 0, 0, 0]) == L.full_mask(64)  # int64 words read as u64
+    assert L.mask_from_bytes(L.mask_to_bytes(5)[:8]) == 5  # a one-word mask
+    assert L.mask_ranks(m)[63:66] == [63, 65, 70] and len(L.mask_ranks(m)) == 64 + 1 + 186
+    with pytest.raises(ValueError, match="MAX_EP_SIZE"):
+        L.mask_to_bytes(1 << 256)
+    with pytest.raises(ValueError, match="u64 word"):
+        L.mask_words(1 << 64, 1)
+    with pytest.raises(ValueError, match="whole u64 words"):
+        L.mask_from_bytes(b"\x01\x02\x03")
+    with pytest.raises(ValueError, match="bad rank range"):
+        L.parse_ranks("3-1")
+    with pytest.raises(ValueError, match="bad rank range"):
+        L.parse_ranks("0-256")
+
+
+def test_control_block_holds_a_mask_of_256_ranks():
+    """The control block's active mask has MASK_WORDS words; only changed words are written,
+    then the mask generation; every per-rank array has MAX_EP_SIZE entries."""
+    from a2ad.control import ControlBlock
+
+    assert L.CB_MASK_GENERATION == L.CB_ACTIVE_MASK + 8 * L.MASK_WORDS
+    assert L.CB_INPUT_OWN + 4 * L.MAX_EP_SIZE <= L.CONTROL_BLOCK_SIZE
+    assert L.CONTROL_VERSION >= 2
+    buf = bytearray(L.CONTROL_BLOCK_SIZE)
+    cb = ControlBlock(buf)
+    cb.initialize(256, L.POLICY_DEGRADE)
+    assert cb.valid and cb.version == L.CONTROL_VERSION and cb.ep_size == 256
+    assert cb.active_mask == L.full_mask(256) and cb.degraded_since_ns == 0
+    assert buf[L.CB_ACTIVE_MASK:L.CB_MASK_GENERATION] == b"\xff" * 32
+    lost = L.full_mask(256) & ~(1 << 200)
+    assert cb.set_active_mask(lost, 256, now_ns=123)
+    assert cb.active_mask == lost and cb.mask_generation == 1 and cb.degraded_since_ns == 123
+    assert not cb.rank_active(200) and cb.rank_active(199) and cb.rank_active(0)
+    assert cb.active_word(3) == L.mask_words(lost)[3] and cb.active_word(0) == (1 << 64) - 1
+    # a 64-rank job keeps words 1-3 zero
+    cb.initialize(64)
+    assert cb.active_mask == L.full_mask(64) and cb.active_word(1) == 0
+    cb.initialize(256)
+    for q in (0, 63, 64, 255):
+        cb.set_admit_round(q, 7)
+        cb.set_rank_state(q, L.RANK_ATTACHED)
+        cb.record_status(q, L.STATUS_TIMEOUT, q ^ 1, 3, L.PHASE_DISPATCH, 9)
+    rounds = cb.admit_rounds(256)
+    assert len(rounds) == 256 and rounds[255] == 7 and rounds[254] == 0
+    assert cb.rank_state(255) == L.RANK_ATTACHED and cb.status(255).peer == 254
+    assert cb.effective_mask(256, 6) == L.full_mask(256) & ~(1 | 1 << 63 | 1 << 64 | 1 << 255)
+    # a block of the previous layout version is not valid for this one
+    struct_ver = (1).to_bytes(4, "little")
+    buf[L.CB_VERSION:L.CB_VERSION + 4] = struct_ver
+    assert not cb.valid and cb.version == 1

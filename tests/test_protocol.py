@@ -79,7 +79,7 @@ def test_malformed_frames_are_rejected(data, exc):
         ({"ep_rank": 4}, "ep_rank"),  # == ep_size
         ({"ep_rank": True}, "ep_rank"),  # bools are not integers here
         ({"ep_size": 0}, "ep_size"),
-        ({"ep_size": 65}, "ep_size"),
+        ({"ep_size": 257}, "ep_size"),  # > MAX_EP_SIZE
         ({"ep_size": 2.0}, "ep_size"),
         ({"pid": 0}, "pid"),
         ({"device": ""}, "device"),
