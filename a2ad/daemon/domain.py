@@ -562,16 +562,30 @@ class Domain:
     def send(self, node: str, msg: dict, heartbeat: bool = False) -> bool:
         """Queue one message to ``node`` without blocking; False (and a resync owed) when the
         link cannot take it now."""
-        p = self.peers[node]
+        data = self._encode(msg)
+        return data is not None and self._send_bytes(self.peers[node], data, msg.get("t"), heartbeat)
+
+    def send_many(self, nodes, msg: dict) -> None:
+        """The same message to each of ``nodes``, encoded once (a release table to every node
+        of a job costs one encoding, not one per node)."""
+        data = self._encode(msg)
+        if data is not None:
+            for node in nodes:
+                self._send_bytes(self.peers[node], data, msg.get("t"), False)
+
+    def _encode(self, msg: dict) -> bytes | None:
         env = {"v": DOMAIN_PROTOCOL, "dom": self.cfg.name, "from": self.node, "boot": self.boot, **msg}
         try:
             data = msgpack.packb(env, use_bin_type=True)
         except Exception as exc:  # a bug: never a crash of the loop
             log.error("domain: could not encode a %r message: %s", msg.get("t"), exc)
-            return False
+            return None
         if len(data) > MAX_MESSAGE:
             log.error("domain: a %r message of %d bytes is over the %d-byte limit; not sent", msg.get("t"), len(data), MAX_MESSAGE)
-            return False
+            return None
+        return data
+
+    def _send_bytes(self, p: Peer, data: bytes, t, heartbeat: bool) -> bool:
         try:
             p.dealer.send(data, zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -580,7 +594,6 @@ class Domain:
                 p.resync_due = True
             return False
         p.counters["heartbeats_sent" if heartbeat else "messages_sent"] += 1
-        t = msg.get("t")
         t = t if t in MESSAGE_TYPES else "other"
         self.by_type["sent"][t] += 1
         self.bytes_by_type["sent"][t] += len(data)

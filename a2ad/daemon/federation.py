@@ -488,16 +488,18 @@ class Federation:
                           "this node's" if owner == self.node else f"node {owner}'s")
         return out
 
-    def _mirror(self, job, node: str, view: dict | None, why_gone: str = "") -> None:
+    def _mirror(self, job, node: str, view: dict | None, why_gone: str = "", known: set[int] | None = None) -> None:
         """Mirror ``node``'s report ``view`` of ``job`` into the registry's copy (None: the node
-        holds the job no more); ranks it let go of may then be another node's."""
+        holds the job no more); ranks it let go of may then be another node's. ``known``: the
+        ranks of its previous report (what the mirror looks at besides the new one's)."""
         if view is None:
-            self.reg.apply_remote(job, node, None, why_gone=why_gone)
+            cleared = self.reg.apply_remote(job, node, None, why_gone=why_gone, known=known)
         else:
-            self.reg.apply_remote(job, node, self._believed(job, node, _ranks(view)), _fields(view))
+            cleared = self.reg.apply_remote(job, node, self._believed(job, node, _ranks(view)), _fields(view),
+                                            known=known)
         fj = self.jobs.get(job.name)
-        if fj is None:
-            return
+        if fj is None or (known is not None and not cleared):
+            return  # no slot was let go of: no other node's report can hold one now
         for n in list(fj.order):
             v = fj.views.get(n)
             if n in (node, self.node) or n in fj.lost or v is None or not self._same_job(job, v):
@@ -735,10 +737,11 @@ class Federation:
         if node != self.node:
             job = self.reg.jobs.get(name)
             if job is not None and job.domain:
+                known = {rec["rank"] for rec in old["ranks"]} if old is not None and self._same_job(job, old) else None
                 if msg["gone"] or not self._same_job(job, msg):
-                    self._mirror(job, node, None, why_gone=f"node {node} no longer holds the job")
+                    self._mirror(job, node, None, why_gone=f"node {node} no longer holds the job", known=known)
                 else:
-                    self._mirror(job, node, msg)
+                    self._mirror(job, node, msg, known=known)
         self._mark(name, node)
         self._gc(fj)
 
@@ -894,8 +897,7 @@ class Federation:
             self._count(fj, fj.decided, None)  # what waited is released now
         release = {"t": "release", "job": name, "attempt": a.id, "generation": a.generation,
                    "rendezvous_count": a.rendezvous_count, "table": a.table}
-        for n in sorted(a.nodes):
-            self._send(n, release)
+        self._send_many(a.nodes, release)
         latency = time.monotonic() - (fj.last_join_at or a.started)
         self.coordinated.append(latency)
         del self.coordinated[:-1000]
@@ -932,6 +934,12 @@ class Federation:
             self._inbox.append(msg)
         else:
             self.bus.send(node, msg)
+
+    def _send_many(self, nodes, msg: dict) -> None:
+        others = sorted(n for n in nodes if n != self.node)
+        if len(others) != len(nodes):
+            self._inbox.append(msg)
+        self.bus.send_many(others, msg)
 
     def _broadcast_refusal(self, name, kind, fld, a, b, node, decided: dict | None, to: str | None = None,
                            message: str | None = None) -> None:
@@ -1159,8 +1167,7 @@ class Federation:
                              rendezvous_count=count, started=now)
         prepare = {"t": "prepare", "job": fj.name, "attempt": fj.attempt.id, "generation": generation, "rearm": rearm,
                    "seqs": fj.attempt.seqs}
-        for n in sorted(nodes):
-            self._send(n, prepare)
+        self._send_many(nodes, prepare)
 
     # --------------------------------------------------------------- the loop's calls
     def flush(self, reports: bool = True) -> None:

@@ -32,7 +32,7 @@ class Mirror:
     """The Registry's copy of other nodes' ranks and its steps of a domain rendezvous."""
 
     def apply_remote(self, job: Job, node: str, ranks: dict[int, dict] | None, fields: dict | None = None,
-                     why_gone: str = "") -> None:
+                     why_gone: str = "", known: set[int] | None = None) -> bool:
         """Mirror what ``node`` reports about ``job`` (federation.py): ``ranks`` maps every
         rank whose row that node holds to its record (state, held request, pid, device,
         row); None or a missing rank: the node holds it no more. ``fields``: the node's
@@ -40,16 +40,20 @@ class Mirror:
         re-arm need of the same generation is taken over. State changes go through the
         job's policy as local ones do (``_lose``), unless the report is of an older
         generation than this daemon's copy (it reached here after the re-arm that dealt with
-        what it says: the mirror follows it, nothing more)."""
+        what it says: the mirror follows it, nothing more). ``known``: the ranks of that node's
+        previous report (only they can have gone; None: every slot is looked at). Returns
+        whether a slot was let go of (another node's report may hold it then)."""
         ranks = ranks or {}
         effects = fields is None or fields.get("generation", 0) >= job.generation
-        for slot in job.slots:
+        cleared = False
+        maybe_gone = job.slots if known is None else [job.slots[r] for r in known - ranks.keys() if 0 <= r < job.ep_size]
+        for slot in maybe_gone:
             if slot.node == node and slot.rank not in ranks:
                 if slot.live:
                     slot.remote_waiting = None
                     self._remote_state(job, slot, L.RANK_DEAD, why_gone or f"node {node} no longer holds it")
                 slot.clear_remote()
-                self.dirty = True
+                self.dirty = cleared = True
         for r, rec in ranks.items():
             if not 0 <= r < job.ep_size:
                 continue
@@ -88,12 +92,13 @@ class Mirror:
             if fields.get("needs_rearm") and not job.needs_rearm and job.rendezvous_count > 0:
                 job.needs_rearm = True
                 self.dirty = True
-        if job.live_ranks():
-            if job.grace_deadline is not None:
+        if job.grace_deadline is not None:
+            if job.live_ranks():
                 job.grace_deadline = None
                 self.dirty = True
-        elif job.grace_deadline is None:
+        elif not any(s.live for s in job.slots):
             self._start_grace(job)
+        return cleared
 
     def _remote_state(self, job: Job, slot: RankSlot, state: int, why: str, effects: bool = True) -> None:
         old = slot.state
