@@ -100,6 +100,11 @@ def serve_rank(rank, ep, runtime_dir, shm, job, policy, shared, results, seed, h
                 break
             time.sleep(0.002)
         results.put((rank, "done", _now(), shared["done"][rank]))
+        # close once every rank is done: a rank that leaves while another is still in the
+        # last round's combine would make that one raise PeerLeft
+        end = time.monotonic() + 120
+        while not shared["closing"].value and time.monotonic() < end:
+            time.sleep(0.01)
         a2a.close()
     except BaseException as exc:  # noqa: BLE001 - everything goes to the parent
         import traceback
@@ -133,7 +138,8 @@ class Group(RankReports):
         super().__init__(self.ctx)
         self.ep, self.job, self.policy, self.shm = ep, job, policy, str(shm)
         self.shared = {"done": self.ctx.Array("l", ep, lock=False), "round": self.ctx.Array("l", ep, lock=False),
-                       "stop": self.ctx.Value("l", 0, lock=False), "go": self.ctx.Value("l", 0, lock=False)}
+                       "stop": self.ctx.Value("l", 0, lock=False), "go": self.ctx.Value("l", 0, lock=False),
+                       "closing": self.ctx.Value("l", 0, lock=False)}
         self.procs: dict[str, mp.Process] = {}
         self.ranks: dict[str, list[int]] = {}
 
@@ -151,8 +157,14 @@ class Group(RankReports):
 
     def stop_after(self, rounds: int, timeout: float = 120.0) -> int:
         """Every rank stops ``rounds`` rounds after the furthest one; their verified rounds in all."""
-        self.shared["stop"].value = max(self.shared["round"][r] for r in range(self.ep)) + rounds
-        done = self.expect("done", range(self.ep), timeout=timeout)
+        return self.stop_ranks(range(self.ep), rounds, timeout)
+
+    def stop_ranks(self, ranks, rounds: int, timeout: float = 120.0) -> int:
+        """``ranks`` stop ``rounds`` rounds after the furthest of them and close together."""
+        ranks = list(ranks)
+        self.shared["stop"].value = max(self.shared["round"][r] for r in ranks) + rounds
+        done = self.expect("done", ranks, timeout=timeout)
+        self.shared["closing"].value = 1
         return sum(v for _, v in done.values())
 
     def close(self):
