@@ -26,7 +26,7 @@ from a2ad import layout as L
 from _domain_scale import Group, ScaleCluster, _now, diff_counts, job_coordinated_by, lost_seen_at, placement, summarize
 from helpers import wait_for
 
-HB_INTERVAL, HB_MISSES = 0.5, 6  # lost after 3 s of silence: reliable with many daemons on 2 loaded CPUs
+HB_INTERVAL, HB_MISSES = 0.5, 10  # lost after 5 s of silence: reliable with many daemons on 2 loaded CPUs
 LOSS_BOUND = HB_INTERVAL * HB_MISSES
 #: what the docs state a loss costs to be seen: the bound, one heartbeat (the check runs at
 #: every heartbeat), a hop; plus the scheduling slack of 2 loaded CPUs
@@ -194,7 +194,11 @@ def _scale_run(cluster, n_nodes: int, per_node: int, policy: str, rounds: int = 
         if os.environ.get("SCALE_DEBUG"):
             print(rdv["per_node"])
         check_bounds(n_nodes, ep, idle, rdv, per_node)
+        ev = c.link_events(names)
         grp.wait_rounds(range(ep), rounds, timeout=180)
+        lost_meanwhile = c.link_events(names)["losses"] - ev["losses"]
+        assert not lost_meanwhile, (f"{lost_meanwhile} peer loss(es) counted while every daemon ran: this machine's "
+                                    f"CPUs were starved past the {LOSS_BOUND} s loss bound")
         # kill -9 of one node, daemon and ranks (not the coordinator: a raise job's recover
         # then also runs with the same one)
         victim = names[n_nodes // 2]
@@ -227,12 +231,21 @@ def _scale_run(cluster, n_nodes: int, per_node: int, policy: str, rounds: int = 
         # the node comes back, re-adopts the job; a replacement of its ranks joins through it
         t_restart = _now()
         c.start(victim)
+        t_started = _now()
         c.wait_all_up(names)
+        t_up = _now()
         grp.start(victim + "-r", lost, c.dirs[victim], seed=77)
         att = grp.expect("attached", lost, timeout=120)
+        raised = {}
         if policy == "degrade":  # across nodes the replacement comes in through a job-wide re-arm
-            grp.expect("lost", survivors, timeout=60)
+            raised = grp.expect("lost", survivors, timeout=60)
         rec = grp.expect("recovered", survivors, timeout=120)
+        starts = [t for (r, kind, t, _) in grp.backlog if kind == "start" and r in lost]
+        print(f"[{policy}] after the restart: daemon answering {t_started - t_restart:.1f} s, every daemon seeing it up "
+              f"{t_up - t_restart:.1f} s, the replacement ranks attaching from {min(starts or [t_up]) - t_restart:.1f} s"
+              + (f", survivors raising PeerLost {min(t for t, _ in raised.values()) - t_restart:.1f}-"
+                 f"{max(t for t, _ in raised.values()) - t_restart:.1f} s" if raised else "")
+              + f", all attached or recovered {max(t for t, _ in list(att.values()) + list(rec.values())) - t_restart:.1f} s")
         gens = {v for _, v in att.values()} | {v for _, v in rec.values()}
         assert len(gens) == 1 and gens.pop() >= 1, (att, rec)
         t_back = max(t for t, _ in list(att.values()) + list(rec.values()))
