@@ -6,7 +6,8 @@ shared-memory name, in a per-test folder).
 
 - a 6-rank job over 3 daemons runs 100 rounds checked against client/reference.py;
 - a spec mismatch across nodes is refused on every node, naming the field and both values;
-  simultaneous first joins with different specs agree on one winner;
+  simultaneous first joins with different specs agree on one winner; a rank joined on two
+  nodes stays with the first (RankTaken on the other);
 - a daemon with another domain key cannot join the domain (refused and logged on both
   sides; its messages never reach the registry), and a peer's key that is not a node's is
   refused by the ZAP handler; hostile messages from a node are dropped and logged;
@@ -894,3 +895,37 @@ def test_a_rank_death_reaches_every_node_one_hop_after_its_own(cluster):
         grp.expect("done", range(ep), timeout=60)
     finally:
         grp.close()
+
+
+def test_a_rank_joined_on_two_nodes_stays_with_the_first(cluster, monkeypatch):
+    """Rank 1 joins on node b, then again on node a: the job's coordinator (node c, which
+    holds no rank) keeps it on b, a's join ends in RankTaken naming b, and the job's
+    rendezvous runs with rank 0 on a and rank 1 on b."""
+    c = cluster(["a", "b", "c"])
+    for n in "abc":
+        c.start(n)
+    c.wait_up("abc")
+    monkeypatch.setenv(protocol.SHM_DIR_ENV, str(c.shm))
+    job = _job_coordinated_by("c", "twice")
+    got: dict = {}
+    first: dict = {}
+    th_b = _attach_in_thread(job, 1, 2, c.dirs["b"], first)
+    wait_for(lambda: job in c.domain("c")["federation"]["coordinating"], 10, "c holding b's report of rank 1")
+    th_a = _attach_in_thread(job, 1, 2, c.dirs["a"], got)
+    th_a.join(30)
+    exc = got[1]
+    assert isinstance(exc, errors.RankTaken) and "held on node b" in exc.message, exc
+    th0 = _attach_in_thread(job, 0, 2, c.dirs["a"], got)
+    th0.join(30)
+    th_b.join(30)
+    try:
+        assert not isinstance(got[0], Exception) and not isinstance(first[1], Exception), (got, first)
+        got[0].workspace[1, 4096] = 11
+        assert int(first[1].workspace[1, 4096]) == 11
+        info = c.daemons["a"].request("job_info", job=job)
+        assert [(r["state"], r["node"]) for r in info["ranks"]] == [("attached", "a"), ("attached", "b")], info["ranks"]
+        print(f"\na second join of rank 1, on node a: {exc.message}")
+    finally:
+        for a in (got.get(0), first.get(1)):
+            if a is not None and not isinstance(a, Exception):
+                a.close()

@@ -7,12 +7,15 @@ allocates the rank's row and holds its join. The daemons then share what they ho
 - **Reports.** Whenever a daemon's part of a domain job changes (a rank joins, attaches,
   dies, leaves, waits in a recover; the abort word, the generation), it sends its *report*
   of the job (``job`` message: the spec, its rows with their fabric handles, each local
-  rank's state and held request) to every peer, at once and numbered. Every daemon keeps
-  the latest report of every node per job (``FedJob.views``) and mirrors the other nodes'
-  ranks into its own copy of the job (``Registry.apply_remote``), where a remote rank's
-  death or departure goes through the job's policy exactly as a local one does: the abort
-  word (raise) or the active mask (degrade) of this node's control block. So a rank death
-  reaches the ranks of every node one hop after its own daemon saw it.
+  rank's state and held request), at once and numbered, to the job's coordinator, and to
+  the job's other holders when it is news for them (``Federation._peer_key``: a rank's
+  liveness, its row, an abort word that starts on this node); nodes without rows of the
+  job hear nothing of it. Every daemon keeps the latest report it got from each node per
+  job (``FedJob.views``) and mirrors the other nodes' ranks into its own copy of the job
+  (``Registry.apply_remote``; a release marks the ranks it released attached), where a
+  remote rank's death or departure goes through the job's policy exactly as a local one
+  does: the abort word (raise) or the active mask (degrade) of this node's control block.
+  So a rank death reaches the ranks of every node one hop after its own daemon saw it.
 - **A coordinator per job.** The job's coordinator is the first node, in an order picked
   by rendezvous hashing of the job's name over the configured nodes, that this daemon does
   not count as down. Every daemon computes the same order; while views of who is down
@@ -35,7 +38,13 @@ allocates the rank's row and holds its join. The daemons then share what they ho
   or a prepare that times out, makes the coordinator try again from newer reports.
 - **Lost nodes.** When the domain link counts a peer lost (heartbeats), that node's live
   ranks count as dead in every job: raise jobs set the abort word (ABORT_PEER_LOST),
-  degrade jobs clear their bits. A node that comes back sends all its reports again.
+  degrade jobs clear their bits. A node that comes back sends its reports again to the
+  nodes that hold rows of its jobs or coordinate them, and they to it; a daemon whose view
+  of a job's coordinator changed sends the new one its current report.
+- **Work.** The coordinator's pass after a report looks at that report's ranks only (the
+  decision, refusals, placement and live/waiting counts are kept between passes); one
+  pass over the whole job builds a prepare once the counts say every rank can be present.
+  docs/DOMAIN.md, "Scale", states the message bounds.
 - A job whose ranks all attach to one node never leaves that node except for its reports;
   with its coordinator elsewhere, agreement costs one ``decide`` and the two rendezvous
   steps.
