@@ -384,6 +384,9 @@ def test_144_nodes_one_real_coordinator_and_simulated_peers(cluster, monkeypatch
         print(f"\n[144 nodes] idle, the real node n000: {rate} per second; CPU {idle_cpu * 100:.1f}% of one core (its domain gate, which runs CURVE: {gate_cpu * 100:.1f}%) "
               f"(heartbeat every {HB_INTERVAL} s); the domain in all: {n_nodes} x {n_nodes - 1} / {HB_INTERVAL} = "
               f"{n_nodes * (n_nodes - 1) / HB_INTERVAL:.0f} heartbeats per second, nothing else")
+        hb_bytes = idle["bytes_sent"]["hb"] / max(1, idle["sent"]["hb"])
+        print(f"[144 nodes] a heartbeat: {hb_bytes:.0f} bytes of msgpack (the envelope only; CURVE adds 33)")
+        assert hb_bytes <= 100, hb_bytes
         assert set(rate["sent"]) == {"hb"} and set(rate["received"]) == {"hb"}, rate
         assert rate["sent"]["hb"] <= 1.3 * (n_nodes - 1) / HB_INTERVAL, rate
         # the rendezvous: n000's 4 ranks wait, then the simulated nodes' joins arrive
