@@ -184,6 +184,7 @@ def _scale_run(cluster, n_nodes: int, per_node: int, policy: str, rounds: int = 
     c.start_all(names)
     c.wait_all_up(names)
     idle = _idle(c, names)
+    _small_job_is_heard_by_its_nodes_only(c, names)
     place = placement(ep, names)
     job = job_coordinated_by(names[0], f"scale-{policy}", names)
     grp = Group(ep, job, policy, c.shm)
@@ -257,6 +258,40 @@ def _scale_run(cluster, n_nodes: int, per_node: int, policy: str, rounds: int = 
     finally:
         grp.close()
     return idle, rdv
+
+
+def _small_job_is_heard_by_its_nodes_only(c: ScaleCluster, names) -> None:
+    """A job of 2 ranks on 2 of the nodes (one its coordinator): the other nodes take no
+    message about it."""
+    from test_domain import _attach_in_thread
+
+    a, b = names[1], names[2]
+    job = job_coordinated_by(a, "small", names)
+    before = c.counts(names)
+    got: dict = {}
+    old = os.environ.get("A2AD_SHM_DIR")
+    os.environ["A2AD_SHM_DIR"] = str(c.shm)
+    try:
+        ths = [_attach_in_thread(job, 0, 2, c.dirs[a], got), _attach_in_thread(job, 1, 2, c.dirs[b], got)]
+        for th in ths:
+            th.join(60)
+        assert all(not isinstance(got.get(r), (Exception, type(None))) for r in (0, 1)), got
+        time.sleep(2 * HB_INTERVAL)
+        d = diff_counts(before, c.counts(names))
+    finally:
+        for v in got.values():
+            if hasattr(v, "close"):
+                v.close()
+        if old is None:
+            os.environ.pop("A2AD_SHM_DIR", None)
+        else:
+            os.environ["A2AD_SHM_DIR"] = old
+    others = {n: {t: v for t, v in d[n]["received"].items() if v and t != "hb"} for n in names if n not in (a, b)}
+    mine = {n: sum(v for t, v in d[n]["received"].items() if t != "hb") for n in (a, b)}
+    print(f"[small job] 2 ranks on nodes {a} (its coordinator) and {b}: they took {mine} job messages; the other "
+          f"{len(others)} nodes took none")
+    assert not any(others.values()), others
+    assert all(mine.values()), mine
 
 
 @pytest.mark.parametrize("policy", ["degrade", "raise"])
