@@ -79,9 +79,10 @@ def _wide_mask_summary_problem(ep: int) -> str | None:
     return None
 
 
-def _rendezvous(c: ScaleCluster, grp: Group, names, place, job) -> dict:
-    """Start every node's ranks, the last rank held back; once the job's coordinator sees
-    the other ranks waiting, let it go. Returns the figures (and checks the message bounds)."""
+def _rendezvous(c: ScaleCluster, grp: Group, names, place, job, started=(), timeout: float = 120) -> dict:
+    """Start every node's ranks (but those in ``started``, whose process runs already), the
+    last rank held back; once the job's coordinator sees the other ranks waiting, let it go.
+    Returns the figures: times, and the messages by type of every daemon meanwhile."""
     ep = len(place)
     coord = job_coordinated_by_name(job, names)
     last = ep - 1
@@ -89,15 +90,16 @@ def _rendezvous(c: ScaleCluster, grp: Group, names, place, job) -> dict:
     ev0 = c.link_events(names)
     t0 = _now()
     for n in names:
-        grp.start(n, [r for r in range(ep) if place[r] == n], c.dirs[n], seed=names.index(n) + 1, hold=last)
+        grp.start(n, [r for r in range(ep) if place[r] == n and r not in started], c.dirs[n], seed=names.index(n) + 1,
+                  hold=last)
 
     def waiting():
         info = c.daemons[coord].request("job_info", job=job) if job in _jobs(c, coord) else None
         return info is not None and sum(1 for q in info["ranks"] if q["state"] == "joining") == ep - 1
 
-    wait_for(waiting, 120, f"the coordinator {coord} to see {ep - 1} ranks waiting", interval=0.05)
+    wait_for(waiting, timeout, f"the coordinator {coord} to see {ep - 1} ranks waiting", interval=0.05)
     grp.shared["go"].value = 1
-    att = grp.expect("attached", range(ep), timeout=120)
+    att = grp.expect("attached", range(ep), timeout=timeout)
     start = grp.expect("start", [last], timeout=5)[last][0]
     client_ms = (max(t for t, _ in att.values()) - start) * 1e3
     time.sleep(2 * HB_INTERVAL)  # the reports after the release
@@ -191,9 +193,6 @@ def _scale_run(cluster, n_nodes: int, per_node: int, policy: str, rounds: int = 
     try:
         rdv = _rendezvous(c, grp, names, place, job)
         _print_figures(f"{policy}", n_nodes, ep, idle, rdv)
-        import os
-        if os.environ.get("SCALE_DEBUG"):
-            print(rdv["per_node"])
         check_bounds(n_nodes, ep, idle, rdv, per_node)
         ev = c.link_events(names)
         grp.wait_rounds(range(ep), rounds, timeout=180)
@@ -326,8 +325,7 @@ def test_ep256_over_4_daemons(cluster, policy):
     try:
         # the victim's process first; _rendezvous starts the rest (the victim's node without it)
         grp.start("victim", [victim], c.dirs[place[victim]], seed=5)
-        place_rest = dict(place)
-        rdv = _rendezvous_256(c, grp, names, place_rest, job, victim)
+        rdv = _rendezvous(c, grp, names, place, job, started=(victim,), timeout=180)
         _print_figures(f"ep256 {policy}", n_nodes, ep, idle, rdv)
         check_bounds(n_nodes, ep, idle, rdv, ep // n_nodes)
         grp.wait_rounds(range(ep), 10, timeout=300)
@@ -348,33 +346,6 @@ def test_ep256_over_4_daemons(cluster, policy):
         assert total >= 15 * len(survivors), total
     finally:
         grp.close()
-
-
-def _rendezvous_256(c, grp, names, place, job, victim):
-    ep = len(place)
-    coord = job_coordinated_by_name(job, names)
-    last = ep - 1
-    before = c.counts(names)
-    t0 = _now()
-    for n in names:
-        grp.start(n, [r for r in range(ep) if place[r] == n and r != victim], c.dirs[n], seed=names.index(n) + 1, hold=last)
-
-    def waiting():
-        info = c.daemons[coord].request("job_info", job=job) if job in _jobs(c, coord) else None
-        return info is not None and sum(1 for q in info["ranks"] if q["state"] == "joining") == ep - 1
-
-    wait_for(waiting, 180, f"the coordinator {coord} to see {ep - 1} ranks waiting", interval=0.1)
-    grp.shared["go"].value = 1
-    att = grp.expect("attached", range(ep), timeout=180)
-    start = grp.expect("start", [last], timeout=5)[last][0]
-    client_ms = (max(t for t, _ in att.values()) - start) * 1e3
-    time.sleep(2 * HB_INTERVAL)
-    d = diff_counts(before, c.counts(names))
-    span = _now() - t0
-    jobmsgs = {n: {k: {t: v for t, v in kv.items() if t != "hb"} for k, kv in x.items()} for n, x in d.items()}
-    return {"client_ms": client_ms, "coord_ms": c.domain(coord)["federation"]["coordinated_rendezvous_ms"]["last"],
-            "daemon_ms": c.daemons[place[last]].request("status")["rendezvous_latency_ms"]["last"], "coord": coord,
-            "span_s": span, "job_messages": summarize(jobmsgs), "all_rate": summarize(d, span), "per_node": jobmsgs}
 
 
 # ====================================== 144 nodes: one real daemon, 143 simulated ones
@@ -475,7 +446,7 @@ def test_144_nodes_one_real_coordinator_and_simulated_peers(cluster, monkeypatch
         b = rendezvous_bound(holders + 1, ep, len(real))
         assert sum(job_sent.values()) <= b["coordinator_sent"] and sum(job_recv.values()) <= b["coordinator_received"], b
         # every real rank maps a simulated node's row: a byte written shows up in its file
-        r_fake, node_fake = ranks[fakes[0]][0], fakes[0]
+        r_fake = ranks[fakes[0]][0]
         got[0].workspace[r_fake, 4096] = 0x5A
         row = c.shm / ("a2ad-" + sim.jobs[job]["handles"][r_fake].hex())
         with open(row, "rb") as f:
