@@ -98,12 +98,21 @@ def test_moe_ep_harness_on_the_host_backend(daemon_factory, tmp_path):
 # ---------------------------------------------------------------------------
 # GPU: a2ad's moe_ep communication against FlashInfer's MoeAlltoAll
 # ---------------------------------------------------------------------------
-def _flashinfer_or_skip():
+def _flashinfer_or_skip() -> None:
+    """Skip (with the reason) unless FlashInfer's MoeAlltoAll imports; tried in a child with a
+    time limit, so that this process stays without FlashInfer and CUDA."""
+    import subprocess
+    import sys
+
+    code = "import flashinfer.comm.trtllm_moe_alltoall as m; print(m.__file__)"
     try:
-        from flashinfer.comm import trtllm_moe_alltoall as fim
-    except Exception as exc:  # not installed, or its import fails on this machine
-        pytest.skip(f"FlashInfer is not importable: {type(exc).__name__}: {exc}")
-    return fim
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("importing flashinfer.comm.trtllm_moe_alltoall took more than 120 s") from None
+    if p.returncode != 0:
+        last = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
+        pytest.skip(f"FlashInfer is not importable: {last}")
+    cases.log("test", f"FlashInfer importable: {p.stdout.strip()}")
 
 
 #: time limits (s): the FlashInfer child, the a2ad rank processes, the a2ad extension's load
@@ -152,8 +161,9 @@ def _a2ad_extension_ready() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("ep,hidden", [(2, 7168), (4, 2880)])
 def test_moe_ep_matches_flashinfer_moe_alltoall_on_one_gpu(daemon_factory, tmp_path, ep, hidden):
-    _flashinfer_or_skip()
     log = cases.log
+    log("test", f"ep {ep}, hidden {hidden}: checking that FlashInfer imports")
+    _flashinfer_or_skip()
     failed = []
     log("test", f"ep {ep}, hidden {hidden}: FlashInfer side (limit {FI_LIMIT:.0f} s)")
     try:
