@@ -355,9 +355,10 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def test_144_nodes_one_real_coordinator_and_simulated_peers(cluster, monkeypatch):
-    """A domain of 144 nodes: node n000 is a real daemon and the job's coordinator, the
-    other 143 are simulated (tests/_domain_sim.py) over the real CURVE links. Printed and
+@pytest.mark.parametrize("n_nodes", [36, 144])
+def test_nodes_one_real_coordinator_and_simulated_peers(cluster, monkeypatch, n_nodes):
+    """A domain of 36 or 144 nodes: node n000 is a real daemon and the job's coordinator,
+    the others are simulated (tests/_domain_sim.py) over the real CURVE links. Printed and
     checked: n000's messages per second at idle (heartbeats, one per peer per interval each
     way), a rendezvous of 4 real ranks on n000 with ranks on the simulated nodes (messages by
     type at the coordinator, its CPU time, the time from the simulated joins to every real
@@ -366,7 +367,6 @@ def test_144_nodes_one_real_coordinator_and_simulated_peers(cluster, monkeypatch
     from a2ad.daemon import domain as D
     from _domain_sim import SimNodes
 
-    n_nodes = 144
     names = [f"n{i:03d}" for i in range(n_nodes)]
     ep = min(L.MAX_EP_SIZE, 256)
     c = cluster(names)
@@ -375,7 +375,7 @@ def test_144_nodes_one_real_coordinator_and_simulated_peers(cluster, monkeypatch
     got: dict = {}
     try:
         c.start("n000")
-        wait_for(lambda: all(s in ("up", "self") for s in c.states("n000").values()), 60, "n000 to see all 143 up",
+        wait_for(lambda: all(s in ("up", "self") for s in c.states("n000").values()), 60, "n000 to see every peer up",
                  interval=0.2)
         time.sleep(3 * HB_INTERVAL)
         pid, gate = c.daemons["n000"].pid, c.domain("n000")["gate"]["pid"]
@@ -387,11 +387,12 @@ def test_144_nodes_one_real_coordinator_and_simulated_peers(cluster, monkeypatch
         idle_cpu = (cpu_b - cpu_a) / secs
         gate_cpu = (gate_b - gate_a) / secs
         rate = {k: {t: round(v / secs, 1) for t, v in kv.items() if v} for k, kv in idle.items() if k != "bytes_sent"}
-        print(f"\n[144 nodes] idle, the real node n000: {rate} per second; CPU {idle_cpu * 100:.1f}% of one core (its domain gate, which runs CURVE: {gate_cpu * 100:.1f}%) "
+        print(f"\n[{n_nodes} nodes] idle, the real node n000: {rate} per second; CPU {idle_cpu * 100:.1f}% of one core "
+              f"(its domain gate, which runs CURVE: {gate_cpu * 100:.1f}%) "
               f"(heartbeat every {HB_INTERVAL} s); the domain in all: {n_nodes} x {n_nodes - 1} / {HB_INTERVAL} = "
               f"{n_nodes * (n_nodes - 1) / HB_INTERVAL:.0f} heartbeats per second, nothing else")
         hb_bytes = idle["bytes_sent"]["hb"] / max(1, idle["sent"]["hb"])
-        print(f"[144 nodes] a heartbeat: {hb_bytes:.0f} bytes of msgpack (the envelope only; CURVE adds 33)")
+        print(f"[{n_nodes} nodes] a heartbeat: {hb_bytes:.0f} bytes of msgpack (the envelope only; CURVE adds 33)")
         assert hb_bytes <= 100, hb_bytes
         assert set(rate["sent"]) == {"hb"} and set(rate["received"]) == {"hb"}, rate
         assert rate["sent"]["hb"] <= 1.3 * (n_nodes - 1) / HB_INTERVAL, rate
@@ -435,7 +436,7 @@ def test_144_nodes_one_real_coordinator_and_simulated_peers(cluster, monkeypatch
         fed = c.domain("n000")["federation"]
         coord_ms = fed["coordinated_rendezvous_ms"]["last"]
         holders = len(ranks)
-        print(f"[144 nodes] rendezvous of {ep} ranks on {holders + 1} of the {n_nodes} nodes (4 real ranks on n000, the "
+        print(f"[{n_nodes} nodes] rendezvous of {ep} ranks on {holders + 1} of the {n_nodes} nodes (4 real ranks on n000, the "
               f"job's coordinator): the simulated joins -> every real rank attached {client_ms:.0f} ms; coordinator's "
               f"last join -> release sent {coord_ms} ms; coordinator CPU for the job {cpu_ms:.0f} ms; its job messages: "
               f"sent {job_sent}, received {job_recv} (all of the job's messages in the domain: the other nodes send "
@@ -453,11 +454,11 @@ def test_144_nodes_one_real_coordinator_and_simulated_peers(cluster, monkeypatch
             f.seek(4096)
             assert f.read(1) == b"\x5a"
         # a silent node: n000 counts it lost within the bound
-        victim = "n077"
+        victim = names[n_nodes // 2]
         t_kill = _now()
         sim.silent.add(victim)
         seen = lost_seen_at(c, ["n000"], victim, SEEN_BOUND + 5)["n000"]
-        print(f"[144 nodes] simulated node {victim} went silent: n000 counted it lost {(seen - t_kill) * 1e3:.0f} ms later "
+        print(f"[{n_nodes} nodes] simulated node {victim} went silent: n000 counted it lost {(seen - t_kill) * 1e3:.0f} ms later "
               f"(lost after {LOSS_BOUND} s of silence)")
         assert seen - t_kill < SEEN_BOUND, seen - t_kill
     finally:
