@@ -218,7 +218,7 @@ class ScaleCluster(Cluster):
 
     def link_events(self, names) -> dict:
         """Peer losses, ups and failed sends, summed over the daemons of ``names``."""
-        out = {"losses": 0, "ups": 0, "send_drops": 0, "handshake_failures": 0, "gate_restarts": 0,
+        out = {"losses": 0, "ups": 0, "connects": 0, "send_drops": 0, "handshake_failures": 0, "gate_restarts": 0,
                "shed_connections": 0}
         for n in names:
             st = self.domain(n)

@@ -154,11 +154,16 @@ def check_bounds(n_nodes: int, ep: int, idle: dict, rdv: dict, coord_ranks: int)
     assert set(idle["by_type"]) <= {"hb"}, idle
     assert idle["busiest_node_sent"] <= 1.3 * peers / HB_INTERVAL, idle
     assert idle["total_sent"] <= 1.3 * n_nodes * peers / HB_INTERVAL, idle
-    # one rendezvous of a job on every node: linear in the nodes, in all and at the coordinator
+    # one rendezvous of a job on every node: linear in the nodes, in all and at the coordinator;
+    # a link that connected again meanwhile (a loaded machine) costs a resync: a sync and the
+    # reports of the two jobs the test ran, from each end
     b = rendezvous_bound(n_nodes, ep, coord_ranks)
     j = rdv["job_messages"]
-    assert j["total_sent"] <= b["total"], (j, b, rdv.get("link_events"))
-    assert j["busiest_node_sent"] <= b["coordinator_sent"] and j["busiest_node_received"] <= b["coordinator_received"], (j, b)
+    ev = rdv.get("link_events") or {}
+    resyncs = ev.get("connects", 0) + ev.get("ups", 0)
+    assert j["total_sent"] <= b["total"] + 3 * resyncs, (j, b, ev)
+    assert j["busiest_node_sent"] <= b["coordinator_sent"] + 3 * resyncs, (j, b, ev)
+    assert j["busiest_node_received"] <= b["coordinator_received"] + 3 * resyncs, (j, b, ev)
 
 
 def _print_figures(label, n_nodes, ep, idle, rdv):

@@ -279,7 +279,7 @@ class Peer:
     collision: bytes | None = None
     counters: dict = field(default_factory=lambda: {
         "heartbeats_received": 0, "heartbeats_sent": 0, "messages_received": 0, "messages_sent": 0,
-        "bad_messages": 0, "send_drops": 0, "losses": 0, "ups": 0, "handshake_failures": 0,
+        "bad_messages": 0, "send_drops": 0, "losses": 0, "ups": 0, "connects": 0, "handshake_failures": 0,
         "name_collisions": 0, "collision_drops": 0,
     })
 
@@ -547,6 +547,7 @@ class Domain:
             e = ev["event"]
             if e == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 p.connected = True
+                p.counters["connects"] += 1
                 p.resync_due = True  # whatever was dropped while it was down is sent again
             elif e == zmq.EVENT_DISCONNECTED:
                 p.connected = False

@@ -219,6 +219,7 @@ class DaemonCollector:
             ("send_drops", "Messages to the peer the link could not take (a full resend follows)."),
             ("losses", "Times the peer was counted lost (silent past the heartbeat bound)."),
             ("handshake_failures", "Failed handshakes of this daemon's connection to the peer."),
+            ("connects", "Handshakes of this daemon's connection to the peer that succeeded (each owes it a resync)."),
             ("name_collisions", "Times a second daemon was heard running as the peer's node name."),
             ("collision_drops", "Messages dropped from a second daemon running as the peer's node name."),
         ):
