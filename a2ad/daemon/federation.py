@@ -189,6 +189,22 @@ def _fields(view: dict) -> dict:
     return {k: view[k] for k in ("generation", "abort", "abort_rank", "needs_rearm")}
 
 
+def _only_attaching(old: dict, new: dict) -> bool:
+    """Whether report body ``new`` differs from ``old`` only in ranks that attached after
+    their joins were answered (joining -> attached, no request held before or after)."""
+    if len(old["ranks"]) != len(new["ranks"]) or any(old[k] != new[k] for k in old if k != "ranks"):
+        return False
+    for a, b in zip(old["ranks"], new["ranks"]):
+        if a == b:
+            continue
+        if not (a["state"] == L.RANK_JOINING and b["state"] == L.RANK_ATTACHED and a["waiting"] is None
+                and b["waiting"] is None):
+            return False
+        if any(a[k] != b[k] for k in a if k not in ("state", "attaches")):
+            return False
+    return True
+
+
 def _differs(decided: dict, view: dict) -> tuple[str, str, object, object] | None:
     """(kind, field, the job's value, the other value) of the first difference, or None."""
     if view["ep_size"] != decided["ep_size"]:
@@ -574,14 +590,20 @@ class Federation:
                 "generation": job.generation, "rendezvous_count": job.rendezvous_count, "needs_rearm": job.needs_rearm,
                 "abort": cb.abort_word, "abort_rank": cb.abort_rank, "ranks": ranks}
 
-    def sync_local(self) -> bool:
-        """Send the report of every domain job whose part here changed; True if one did."""
+    def sync_local(self, force: bool = True) -> bool:
+        """Send the report of every domain job whose part here changed; True if one did.
+        Without ``force``, a change that is only ranks attaching (after the release that
+        answered their joins) waits for the next forced pass (every heartbeat interval, or
+        a prepare): the attaches of many ranks then share one report."""
         changed = False
         for name, job in list(self.reg.jobs.items()):
             if not job.domain or job.freed:
                 continue
             body = self._report(job)
-            if body != self._sent.get(name):
+            sent = self._sent.get(name)
+            if body != sent:
+                if not force and sent is not None and _only_attaching(sent, body):
+                    continue
                 self._publish(name, body)
                 changed = True
         for name in [n for n in self._sent if n not in self.reg.jobs or not self.reg.jobs[n].domain]:
@@ -856,8 +878,7 @@ class Federation:
         elif job is None or not job.domain:
             why = "no such job here"
         else:
-            if self.reg.dirty or self._force_sync:
-                self.sync_local()  # the number compared below must be that of the current state
+            self.sync_local()  # the number compared below must be that of the current state
             fj = self.jobs.get(name)
             mine = seqs.get(self.node)
             if not (isinstance(mine, list) and len(mine) == 2 and mine[0] == self.bus.boot and mine[1] == self._seq.get(name)):
@@ -1184,8 +1205,8 @@ class Federation:
         (``reports=False``: not the reports yet, more requests of the same batch follow)."""
         for _ in range(16):
             if reports and (self.reg.dirty or self._force_sync):
-                self._force_sync = False
-                self.sync_local()
+                force, self._force_sync = self._force_sync, False
+                self.sync_local(force)
             if not self._inbox and not self._coord_dirty:
                 return
             inbox, self._inbox = self._inbox, []
