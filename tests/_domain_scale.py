@@ -149,6 +149,20 @@ class Group(RankReports):
         p.start()
         self.procs[key], self.ranks[key] = p, list(ranks)
 
+    def expect(self, what, ranks, timeout=90.0) -> dict:
+        """RankReports.expect; on a timeout the message also says what the missing ranks did
+        report meanwhile (their latest reports)."""
+        try:
+            return super().expect(what, ranks, timeout)
+        except AssertionError as exc:
+            self.drain()
+            said = {}
+            for r, kind, t, v in self.backlog:
+                said.setdefault(r, []).append((kind, round(t, 3), str(v)[:120]))
+            missing = [r for r in ranks if not any(k == what for k, _, _ in said.get(r, []))]
+            raise AssertionError(f"{exc}; what ranks {missing[:8]} reported meanwhile: "
+                                 f"{ {r: said.get(r, [])[-4:] for r in missing[:8]} }") from None
+
     def kill(self, key):
         os.kill(self.procs[key].pid, signal.SIGKILL)
         self.procs[key].join(10)
