@@ -777,7 +777,7 @@ def redeem_ticket(client: DaemonClient, ticket: bytes, nfds: int, timeout: float
             raise errors.DaemonUnavailable(f"cannot connect to {client.fd_path}: {exc}") from None
         fdpass.send_frame(sock, {"v": protocol.PROTOCOL_VERSION, "ticket": ticket})
         try:
-            answer, fds = fdpass.recv_frame(sock, timeout=timeout)
+            answer, fds = fdpass.recv_frame_fds(sock, timeout=timeout)
         except (TimeoutError, ConnectionError, OSError) as exc:
             raise errors.DaemonUnavailable(f"no answer to the ticket from {client.fd_path}: {exc}") from None
         if not isinstance(answer, dict) or not answer.get("ok"):

@@ -465,8 +465,8 @@ def _refusals(socks: list[socket.socket], timeout: float = 5.0) -> tuple[int, di
 @pytest.mark.slow
 def test_two_thousand_silent_fd_connections(daemon_factory):
     """2,000 connections to fd.sock that never send a ticket. With the default per-uid
-    handshake cap (64) the daemon holds 64 and refuses the rest with a clean limit_exceeded
-    frame -- and, while those 64 are held, the same uid's own redeem is refused the same way
+    handshake cap (320) the daemon holds 320 and refuses the rest with a clean limit_exceeded
+    frame -- and, while those 320 are held, the same uid's own redeem is refused the same way
     (the cap has no admin exemption). With the cap raised it holds all 2,000 and a normal
     attach works meanwhile. Closing them brings the daemon's fds back."""
     n = 2000

@@ -124,7 +124,7 @@ def serve(rank, ep, runtime_dir, job, shared, results, seed, hang=None, pace=0.0
             done = _now()
             rnd = int(flag) - 1
             counted = _bits(a2a.last_round_active_ranks)
-            assert int(a2a.last_round_active_mask) == counted
+            assert L.mask_from_words(a2a.last_round_active_mask.tolist()) == counted
             sent_mask = a2a._plane.dispatch_mask
             # the reference: only the ranks the combine counted contribute
             lost = check_round(rank, rnd, experts, hidden, out, a2a.last_round_degraded, counted, ep, EXPERTS)
@@ -277,9 +277,10 @@ def test_kill9_degrades_then_replacement_rejoins_while_serving(daemon_factory, g
     out = ctl(daemon.runtime_dir, "job", job)
     assert out.returncode == 0, out.stderr
     print("\n" + out.stdout.strip())
-    assert "policy  degrade" in out.stdout and "active  ranks 0,1,3 of 4" in out.stdout and "degraded for" in out.stdout
+    assert "policy  degrade" in out.stdout and "active  ranks 0-1,3 of 4 (mask 0xb," in out.stdout and "degraded for" in out.stdout
     js = json.loads(ctl(daemon.runtime_dir, "--json", "job", job).stdout)
     assert js["active_ranks"] == [0, 1, 3] and js["active_mask"] == 0b1011 and js["mask_generation"] == 1
+    assert js["active_mask_hex"] == "0xb" and L.mask_from_bytes(info["active_mask"]) == 0b1011
     text = daemon.request("metrics")["text"]
     assert metric(text, "a2ad_job_active_ranks", job) == 3
     assert metric(text, "a2ad_job_active_mask", job) == 0b1011
@@ -346,22 +347,24 @@ def test_the_daemon_keeps_its_own_active_mask(daemon_factory, groups):
     grp.wait_dropped(2, (0, 1))
     grp.wait_rounds([0, 1], 20, what="rounds without rank 2")
     info = daemon.request("job_info", job=job)
-    assert info["active_mask"] == 0b011 and info["mask_generation"] == 1 and info["mask_restores"] == 0, info
+    assert L.mask_from_bytes(info["active_mask"]) == 0b011 and info["mask_generation"] == 1, info
+    assert info["mask_restores"] == 0, info
     grp.shared["scribble"].value = 0b111
     grp.shared["scribbles"].value = 1
     grp.expect("scribbled", [0])
     wait_for(lambda: daemon.request("job_info", job=job)["mask_restores"] == 1, 10, "the copy put back")
     grp.wait_rounds([0, 1], 20, what="rounds after the copy was put back")
     info = daemon.request("job_info", job=job)
-    assert info["active_mask"] == 0b011 and info["active_ranks"] == [0, 1], info
+    assert L.mask_from_bytes(info["active_mask"]) == 0b011 and info["active_ranks"] == [0, 1], info
     grp.shared["scribbles"].value = 2
     grp.expect("scribbled", [0])
     grp.kill(1)
-    wait_for(lambda: daemon.request("job_info", job=job)["active_mask"] == 0b001, 10, "the daemon dropping rank 1")
+    wait_for(lambda: L.mask_from_bytes(daemon.request("job_info", job=job)["active_mask"]) == 0b001, 10,
+             "the daemon dropping rank 1")
     wait_for(lambda: grp.shared["mask"][0] == 0b001, 30, "rank 0 counting itself alone")
     grp.wait_rounds([0], 20, what="rounds of rank 0 alone")
     info = daemon.request("job_info", job=job)
-    assert info["active_mask"] == 0b001 and info["active_ranks"] == [0], info
+    assert L.mask_from_bytes(info["active_mask"]) == 0b001 and info["active_ranks"] == [0], info
     assert info["ranks"][1]["state"] == "dead" and info["ranks"][2]["state"] == "dead"
     out = ctl(daemon.runtime_dir, "job", job)
     assert out.returncode == 0 and "put back" in out.stdout, out.stdout + out.stderr
