@@ -473,3 +473,45 @@ def test_ep256_raise_recover_and_caller_mask_above_64(daemon_factory, groups):
     print(f"\nep {EP} raise job: rendezvous {client_ms:.0f} ms client side, {daemon_ms} ms daemon side; rank {victim} "
           f"killed: PeerLost on all {EP - 1} survivors within {lost_ms:.0f} ms; replacement join -> every rank "
           f"re-armed {rearm_ms:.0f} ms; 2 rounds with the callers' mask {L.format_ranks(masked)} verified")
+
+
+def test_engine_hooks_read_mask_words_above_64():
+    """The serving engines' views of the mask (vLLM's query_active_mask, SGLang's active_ranks:
+    a2ad.integrations._status.RankStatus) read every mask word of the control block: ranks 70,
+    130 and 255 cleared show as masked, the others (0-63 included) as serving, and the abort
+    word's rank is masked too."""
+    import mmap
+
+    import torch
+
+    from a2ad.control import ControlBlock
+    from a2ad.integrations._status import RankStatus
+
+    mm = mmap.mmap(-1, L.CONTROL_BLOCK_SIZE)
+    cb = ControlBlock(mm)
+    cb.initialize(EP, L.POLICY_DEGRADE)
+
+    class Att:  # what RankStatus reads of an attachment: its rank, the job, its control block
+        ep_rank, ep_size = 3, EP
+        workspace = torch.zeros(1, dtype=torch.uint8)
+        spec = {"on_peer_loss": "degrade"}
+        control = cb
+
+    class A2A:
+        attachment = Att()
+
+    st = RankStatus(A2A())
+    try:
+        assert st.masked().tolist() == [0] * EP and not bool(st.fault())
+        st.rebaseline()
+        lost = sum(1 << q for q in EXCLUDED)
+        cb.set_active_mask(L.full_mask(EP) & ~lost, EP, time.monotonic_ns())
+        masked = st.masked()
+        assert masked.shape == (EP,) and masked.dtype == torch.int32
+        assert [q for q in range(EP) if masked[q]] == list(EXCLUDED)
+        assert st.active().sum().item() == EP - len(EXCLUDED) and bool(st.fault())
+        cb.set_abort(L.ABORT_PEER_LOST, 200)
+        assert [q for q in range(EP) if st.masked()[q]] == [70, 130, 200, 255]
+    finally:
+        st.close()
+        cb.close()
