@@ -623,7 +623,7 @@ def _idle_dealers(rt, n: int) -> tuple[zmq.Context, list]:
 @pytest.mark.slow
 def test_two_thousand_idle_ctl_peers(daemon):
     """2,000 DEALER sockets connected to ctl.sock that never send. The per-uid ctl-connection
-    cap (256 by default, --max-ctl-connections-per-uid) does not apply here: root and the
+    cap (320 by default, --max-ctl-connections-per-uid) does not apply here: root and the
     daemon's own uid are admins, never capped, and these tests run as the daemon's uid. So the
     daemon holds all 2,000; it keeps serving, and its fds come back when they leave. (The
     same flood against a daemon with a 1,024 open-file limit is the next test.)"""

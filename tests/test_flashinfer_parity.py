@@ -131,7 +131,8 @@ def flashinfer_user(rank, ep, runtime_dir, store, rounds, seed0):
                 _check_received(rank, saved, received[rank])
                 assert torch.equal(out, combined[rank]), f"rank {rank} round {rnd}: combine differs"
             mask = moe_a2a_active_rank_mask(range(ep), ep)
-            assert mask.dtype == torch.uint64 and mask.shape == (1,) and int(mask.view(torch.int64)) == (1 << ep) - 1
+            assert mask.dtype == torch.uint64 and mask.shape == (L.MASK_WORDS,)  # FlashInfer's is [1]: up to 64 ranks
+            assert L.mask_from_words(mask.view(torch.int64).tolist()) == (1 << ep) - 1
             return moe_a2a.attachment.job
         finally:
             moe_a2a.close()

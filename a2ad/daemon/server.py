@@ -84,7 +84,8 @@ class Config:
     #: None: half the per-daemon memory limit
     max_bytes_per_uid: int | None = None
     max_handshakes_per_uid: int = DEFAULT_HANDSHAKES_PER_UID
-    max_zmq_peers_per_uid: int = 256
+    #: every rank of an attached job keeps its ctl.sock connection: an ep_size 256 job plus room
+    max_zmq_peers_per_uid: int = DEFAULT_HANDSHAKES_PER_UID
     #: The domain config file (TOML) of a multi-node NVLink domain, and this node's name in it.
     domain: str | None = None
     node: str | None = None
