@@ -813,8 +813,21 @@ def _row_handles(reply: dict) -> list:
     return out
 
 
+def _check_control_handle(reply: dict) -> None:
+    """Refuse a daemon whose control block has another size than this client's layout (a
+    daemon of control-block layout version 1: one mask word, 4096 bytes), before anything is
+    mapped: mapping 16 KiB of a 4 KiB block would fault."""
+    size = next((h.get("size") for h in reply["handles"] if isinstance(h, dict) and h.get("kind") == "control"), None)
+    if size != L.CONTROL_BLOCK_SIZE:
+        raise errors.ProtocolError(
+            f"the daemon's control block is {size} bytes; this client's layout (version {L.CONTROL_VERSION}, ep_size "
+            f"up to {L.MAX_EP_SIZE}) needs {L.CONTROL_BLOCK_SIZE}: the daemon is of another a2ad release (version "
+            "skew); run a client and a daemon of one release")
+
+
 def _redeem(client: DaemonClient, reply: dict, aux: L.AuxLayout, tdev: torch.device) -> _Shared:
     ep_size = reply["ep_size"]
+    _check_control_handle(reply)
     wanted = _row_handles(reply)
     nfds = sum(1 for h in wanted if h is True) + 1
     sock, fds = redeem_ticket(client, reply["ticket"], nfds, 10.0)
@@ -834,6 +847,10 @@ def _redeem(client: DaemonClient, reply: dict, aux: L.AuxLayout, tdev: torch.dev
             mapping = CudaMapping(rows, size, stride, tdev.index)
         cb_fd = _own_control_fd(fds[-1])
         control = ControlBlock.map_fd(cb_fd if cb_fd >= 0 else fds[-1])
+        if not control.valid:
+            raise errors.ProtocolError(
+                f"the job's control block has layout version {control.version}; this client reads version "
+                f"{L.CONTROL_VERSION}: the daemon is of another a2ad release (version skew)")
         watch = cb_fd >= 0 and _cb.mark_rank(cb_fd) and _cb.job_held(cb_fd) is True
         att = _Shared(
             job=reply["job"],

@@ -515,3 +515,15 @@ def test_engine_hooks_read_mask_words_above_64():
     finally:
         st.close()
         cb.close()
+
+
+def test_a_client_refuses_a_daemon_of_the_previous_layout():
+    """A daemon of control-block layout version 1 hands out a 4096-byte block: this client
+    refuses its join reply before mapping anything (16 KiB of a 4 KiB file would fault),
+    naming both sizes and its own layout version."""
+    from a2ad.client.attach import _check_control_handle
+
+    with pytest.raises(errors.ProtocolError, match=r"4096 bytes; this client's layout \(version 2, ep_size up to 256\) "
+                                                   r"needs 16384.*version skew"):
+        _check_control_handle({"handles": [{"kind": "workspace", "rank": 0}, {"kind": "control", "size": 4096}]})
+    _check_control_handle({"handles": [{"kind": "control", "size": L.CONTROL_BLOCK_SIZE}]})
