@@ -153,16 +153,21 @@ SLOT_PULL_WORK = 4
 SLOT_BAD_EXPERT = 6
 #: The round whose dispatch saw a peer pass another runtime_max_tokens_per_rank.
 SLOT_RT_MISMATCH = 8
-#: Degraded mode. Slots 10-11, one u64: the round's view (the effective mask its dispatch
-#: prologue read); slot 12: the round it is for (-1: the prologue gave up, the round does
-#: not run). Slots 14-15, one u64: the ranks whose combine flags the combine's poller saw
-#: (what every pulling block counts); slot 16: the round it is for.
+#: Degraded mode. Slots 10-17, MASK_WORDS u64 words (a rank mask, rank q bit q & 63 of word
+#: q >> 6): the round's view (the effective mask its dispatch prologue read); slot 18: the
+#: round it is for (-1: the prologue gave up, the round does not run). Slots 20-27, MASK_WORDS
+#: u64 words: the ranks whose combine flags the combine's poller saw (what every pulling
+#: block counts); slot 28: the round it is for. A job of ep_size <= 64 uses only the first
+#: word of each (its kernels keep one-word masks).
 SLOT_VIEW = 10
-SLOT_VIEW_ROUND = 12
-SLOT_COMBINE_SEEN = 14
-SLOT_COMBINE_SEEN_ROUND = 16
+SLOT_VIEW_ROUND = SLOT_VIEW + 2 * MASK_WORDS
+SLOT_COMBINE_SEEN = 20
+SLOT_COMBINE_SEEN_ROUND = SLOT_COMBINE_SEEN + 2 * MASK_WORDS
 #: The claim that elects the single writer of this rank's status record.
 SLOT_STATUS_CLAIM = BLOCK_COUNTER_SLOTS - 1
+assert SLOT_VIEW % 2 == 0 and SLOT_COMBINE_SEEN % 2 == 0  # u64 words (BLOCK_COUNTERS is 128-aligned)
+assert SLOT_RT_MISMATCH < SLOT_VIEW and SLOT_VIEW_ROUND < SLOT_COMBINE_SEEN
+assert SLOT_COMBINE_SEEN_ROUND < SLOT_STATUS_CLAIM
 #: int32 words of a dispatch's payload descriptor (:func:`payload_spec`): [0] payload count,
 #: [1..6] bytes per token of payload i, [7] dtype codes (4 bits per payload, 0: not given),
 #: [8] eplb_stats_num_experts, [9..11] zero.
@@ -262,6 +267,47 @@ class AuxLayout:
             self.payload_data,
             self.block_counters,
         ]
+
+
+#: The aux values of a CUDA plan (the ``aux`` list of csrc/bindings.cpp's ``make_plan``), in
+#: order: ``(name, C type, what)``. The value of a field is the :class:`AuxLayout` attribute of
+#: its name, or, for the names in :data:`AUX_PLAN_CONSTANTS`, this module's constant. The
+#: fields with a C type are those of the kernels' ``layout::AuxOffsets`` (csrc/layout.h is
+#: generated from this tuple, with an index constant ``AUX_<NAME>`` per value); those without
+#: one are constants the binding checks against the build (a build from other sources than
+#: this module's is refused).
+AUX_PLAN_FIELDS = (
+    ("flag_val", "int64_t", "FLAG_VAL: this rank's round"),
+    ("local_token_counter", "int64_t", "LOCAL_TOKEN_COUNTER"),
+    ("send_counters", "int64_t", "[ep_size] int32: tokens sent to each target"),
+    ("recv_counters", "int64_t", "[ep_size] int32, written by source s: tokens s sent here"),
+    ("dispatch_completion_flags", "int64_t", "[ep_size] int32, written by source s: its round"),
+    ("combine_completion_flags", "int64_t", "[ep_size] int32, written by target t: its round"),
+    ("topk_target_ranks", "int64_t", "[max_num_tokens, MAX_TOP_K] int32: target of (t, k)"),
+    ("topk_send_indices", "int64_t", "[max_num_tokens, MAX_TOP_K] int32: slot of (t, k) there"),
+    ("block_counters", "int64_t", "[BLOCK_COUNTER_SLOTS] int32, slots layout::SLOT_*"),
+    ("topk_stride", "int", "row stride (int32 elements) of the [max_num_tokens, MAX_TOP_K] arrays"),
+    ("block_counter_slots", None, "BLOCK_COUNTER_SLOTS"),
+    ("slot_tokens", "int64_t", "[ep_size, max_num_tokens] int32: token sent to (target, slot)"),
+    ("max_num_tokens", "int", "the job's max_num_tokens (row stride of slot_tokens)"),
+    ("combine_slice_flags", "int64_t", "[ep_size, combine_slices] u64, written by the targets"),
+    ("combine_slices", "int", "ceil(max_num_tokens / COMBINE_SLICE_ROWS)"),
+    ("combine_slice_rows", None, "COMBINE_SLICE_ROWS"),
+    ("recv_rts", "int64_t", "[ep_size] int32, written by source s: its runtime_max_tokens_per_rank"),
+    ("dispatch_ready", "int64_t", "[ep_size] u64, written by source s: (high << 32) | round"),
+    ("recv_specs", "int64_t", "[ep_size, SPEC_WORDS] int32, written by source s: its payload descriptor"),
+    ("combine_ready", "int64_t", "[ep_size] u64, written by target t: (combine spec << 32) | round"),
+)
+#: The values of :data:`AUX_PLAN_FIELDS` that are this module's constants (name -> constant).
+AUX_PLAN_CONSTANTS = {"topk_stride": "MAX_TOP_K", "block_counter_slots": "BLOCK_COUNTER_SLOTS",
+                      "combine_slice_rows": "COMBINE_SLICE_ROWS"}
+
+
+def aux_plan(aux: AuxLayout) -> list[int]:
+    """The ``aux`` list of a CUDA plan: :data:`AUX_PLAN_FIELDS`' values for ``aux``, in order."""
+    g = globals()
+    return [int(g[AUX_PLAN_CONSTANTS[name]]) if name in AUX_PLAN_CONSTANTS else int(getattr(aux, name))
+            for name, _, _ in AUX_PLAN_FIELDS]
 
 
 def combine_slices(max_num_tokens: int) -> int:
@@ -934,19 +980,48 @@ C_HEADER_CONSTANTS = (
 C_HEADER_PATH = "csrc/layout.h"
 
 
+def _c_aux_plan() -> list[str]:
+    """The aux plan's part of csrc/layout.h: an index per value, the struct and its filler."""
+    lines = ["", "// The aux list of a CUDA plan (AUX_PLAN_FIELDS): the index of each value."]
+    lines += [f"constexpr int AUX_{name.upper()} = {i};" for i, (name, _, _) in enumerate(AUX_PLAN_FIELDS)]
+    lines += [f"constexpr int AUX_PLAN_FIELD_COUNT = {len(AUX_PLAN_FIELDS)};",
+              "inline constexpr const char* AUX_PLAN_FIELD_NAMES[] = {",
+              *[f'    "{name}",' for name, _, _ in AUX_PLAN_FIELDS],
+              "};",
+              "",
+              "// The aux fields as the kernels see them: row-relative byte offsets and the sizes they",
+              "// need (the values of the aux list that are not constants).",
+              "struct AuxOffsets {"]
+    lines += [f"  {ctype} {name};  // {what}" for name, ctype, what in AUX_PLAN_FIELDS if ctype]
+    lines += ["};",
+              "",
+              "// The struct from an aux list (anything indexable by AUX_*, checked by the caller).",
+              "template <typename List>",
+              "inline AuxOffsets aux_offsets_from(const List& v) {",
+              "  AuxOffsets a;"]
+    lines += [f"  a.{name} = static_cast<{ctype}>(v[AUX_{name.upper()}]);" for name, ctype, _ in AUX_PLAN_FIELDS
+              if ctype]
+    lines += ["  return a;", "}"]
+    return lines
+
+
 def c_header() -> str:
-    """The text of csrc/layout.h: :data:`C_HEADER_CONSTANTS` as ``constexpr`` values."""
+    """The text of csrc/layout.h: :data:`C_HEADER_CONSTANTS` as ``constexpr`` values and the
+    aux plan (:data:`AUX_PLAN_FIELDS`) as index constants and a struct."""
     g = globals()
     lines = [
         "// Generated from a2ad/layout.py by `python -m a2ad.layout > csrc/layout.h`; do not edit.",
         "// The constants the kernels share with Python (tests/test_layout.py checks this file is current).",
         "#pragma once",
         "",
+        "#include <stdint.h>",
+        "",
         "namespace a2ad {",
         "namespace layout {",
         "",
     ]
     lines += [f"constexpr int {name} = {int(g[name])};" for name in C_HEADER_CONSTANTS]
+    lines += _c_aux_plan()
     lines += ["", "}  // namespace layout", "}  // namespace a2ad", ""]
     return "\n".join(lines)
 

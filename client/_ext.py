@@ -17,6 +17,9 @@ Environment:
 - ``A2AD_KERNEL_TIMING=1``: build (and load) the timing build instead, compiled with
   ``-DA2AD_KERNEL_TIMING``: the only build whose plans accept kernel diagnostics
   (``CudaPlane.diag``). For the kernel timing harness, never for serving.
+- ``A2AD_DEBUG=1``: build (and load) the debug build, compiled with ``-DA2AD_DEBUG_CHECKS``:
+  the binding and the launchers check again what the Python front end already checked
+  (csrc/bindings.cpp, "Checks"); a failed launcher check prints its condition.
 """
 
 from __future__ import annotations
@@ -205,7 +208,17 @@ def timing_build() -> bool:
     return os.environ.get("A2AD_KERNEL_TIMING", "").strip().lower() not in ("", "0", "no", "false")
 
 
-def build_hash(src: Path, arch: str, timing: bool = False) -> str:
+def debug_build() -> bool:
+    """Whether ``A2AD_DEBUG`` asks for the debug build (the binding's and launchers' debug checks compiled in)."""
+    return os.environ.get("A2AD_DEBUG", "").strip().lower() not in ("", "0", "no", "false")
+
+
+def build_defines(timing: bool = False, debug: bool = False) -> list[str]:
+    """The preprocessor defines of a build."""
+    return (["-DA2AD_KERNEL_TIMING"] if timing else []) + (["-DA2AD_DEBUG_CHECKS"] if debug else [])
+
+
+def build_hash(src: Path, arch: str, timing: bool = False, debug: bool = False) -> str:
     """Hash of everything the built library depends on (*arch*: the comma-separated target list)."""
     import torch
 
@@ -217,6 +230,8 @@ def build_hash(src: Path, arch: str, timing: bool = False) -> str:
     h.update(f"torch={torch.__version__};cuda={torch.version.cuda};arch={arch};py={sys.version_info[:2]}".encode())
     if timing:
         h.update(b";timing")
+    if debug:
+        h.update(b";debug")
     return h.hexdigest()[:16]
 
 
@@ -273,8 +288,9 @@ def _build_and_load(
         raise errors.BuildError(f"A2AD_CUDA_ARCH: {exc}") from None
     arch = ",".join(archs)
     timing = timing_build()
-    digest = build_hash(src, arch, timing)
-    defines = ["-DA2AD_KERNEL_TIMING"] if timing else []
+    debug = debug_build()
+    digest = build_hash(src, arch, timing, debug)
+    defines = build_defines(timing, debug)
     out = build_dir(digest, root)
     name = f"a2ad_ext_{digest}"
     fresh = not (out.is_dir() and any(out.glob(f"{name}*.so")))
@@ -283,7 +299,8 @@ def _build_and_load(
         if problems:
             raise errors.BuildError("cannot build the a2ad CUDA extension:\n" + "\n".join(f"  - {p}" for p in problems),
                                     arch=arch)
-        log(f"building the a2ad CUDA extension{' (timing build)' if timing else ''} for {arch} (torch {torch.__version__}, CUDA {torch.version.cuda}) "
+        kind = "".join(f" ({k} build)" for k, on in (("timing", timing), ("debug", debug)) if on)
+        log(f"building the a2ad CUDA extension{kind} for {arch} (torch {torch.__version__}, CUDA {torch.version.cuda}) "
             f"from {src} into {out}; this takes about a minute ...")
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()

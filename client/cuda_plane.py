@@ -39,29 +39,9 @@ _compiling = torch.compiler.is_compiling
 
 
 def aux_offsets(aux: L.AuxLayout) -> list[int]:
-    """The ``aux`` list of the ops, in the order csrc/bindings.cpp documents."""
-    return [
-        aux.flag_val,
-        aux.local_token_counter,
-        aux.send_counters,
-        aux.recv_counters,
-        aux.dispatch_completion_flags,
-        aux.combine_completion_flags,
-        aux.topk_target_ranks,
-        aux.topk_send_indices,
-        aux.block_counters,
-        L.MAX_TOP_K,
-        L.BLOCK_COUNTER_SLOTS,
-        aux.slot_tokens,
-        aux.max_num_tokens,
-        aux.combine_slice_flags,
-        aux.combine_slices,
-        L.COMBINE_SLICE_ROWS,
-        aux.recv_rts,
-        aux.dispatch_ready,
-        aux.recv_specs,
-        aux.combine_ready,
-    ]
+    """The ``aux`` list of the ops (``make_plan``): ``layout.aux_plan``, in the order of
+    ``layout.AUX_PLAN_FIELDS``, from which csrc/layout.h's ``AuxOffsets`` is generated."""
+    return L.aux_plan(aux)
 
 
 #: Diagnostic bits (csrc/moe_a2a.cuh kDiag*), TIMING ONLY: all but DIAG_DOUBLE_FENCE break
@@ -151,7 +131,7 @@ class CudaPlane(Plane):
         self._seen_page: mmap.mmap | None = None
         self._seen_host: int | None = None
         self._seen_dev = 0
-        #: degraded mode: the ranks the last combine counted, on the device (int64 [1])
+        #: degraded mode: the ranks the last combine counted, on the device (int64 [MASK_WORDS])
         self._seen_tensor: torch.Tensor | None = None
         self.plan: int | None = None
         host = att.control.address()
@@ -161,12 +141,12 @@ class CudaPlane(Plane):
         self._registered: int | None = host
         try:
             if self.degrade:
-                # one host-mapped word: the ranks the last combine counted, read without a sync
+                # MASK_WORDS host-mapped words: the ranks the last combine counted, read without a sync
                 self._seen_page = mmap.mmap(-1, mmap.PAGESIZE)
                 self._seen_host = ctypes.addressof(ctypes.c_char.from_buffer(self._seen_page))
                 with torch.cuda.device(att.workspace.device):
                     self._seen_dev = int(self._ops.host_register(self._seen_host, mmap.PAGESIZE))
-                self._seen_tensor = torch.zeros(1, dtype=torch.int64, device=att.workspace.device)
+                self._seen_tensor = torch.zeros(L.MASK_WORDS, dtype=torch.int64, device=att.workspace.device)
             self._make_plan()
         except BaseException:
             self.close()
@@ -231,8 +211,10 @@ class CudaPlane(Plane):
         moves no data and :meth:`check_input` raises InputError on every rank).
         ``eplb_local_stats`` (int32 ``[pl.eplb_stats_num_experts]``, device) goes to every
         rank; ``eplb_gathered`` (int32 ``[ep_size, E]``, device) is filled on the stream.
-        ``caller_mask``: int64 ``[1]`` (bit r: rank r takes part), read by the kernel when it
-        is on the device (graphs replay its current value), its value now when on the CPU.
+        ``caller_mask``: a contiguous int64 tensor of n words, ``ceil(ep_size / 64) <= n <=
+        MASK_WORDS`` (rank r: bit r & 63 of word r >> 6; words past n count as zero), read by
+        the kernel when it is on the device (graphs replay its current value), its value now
+        when on the CPU.
         """
         if num_experts != self.num_experts:
             raise errors.InputError(f"num_experts {num_experts} differs from the job's {self.num_experts}")
@@ -316,11 +298,12 @@ class CudaPlane(Plane):
         stream (read it after synchronizing for the one just queued)."""
         if not self._combined or self._seen_page is None:
             return None
-        return struct.unpack_from("<Q", self._seen_page, 0)[0]
+        return L.mask_from_words(struct.unpack_from(f"<{L.MASK_WORDS}Q", self._seen_page, 0))
 
     def round_mask_tensor(self) -> torch.Tensor | None:
-        """The same mask as :meth:`round_mask`, as an int64 ``[1]`` tensor on the device that the
-        last combine wrote on the stream: a model may use it without a sync."""
+        """The same mask as :meth:`round_mask`, as an int64 ``[MASK_WORDS]`` tensor on the device
+        (rank q: bit q & 63 of word q >> 6) that the last combine wrote on the stream: a model may
+        use it without a sync."""
         return self._seen_tensor if self._combined else None
 
     # --- failures -----------------------------------------------------------------

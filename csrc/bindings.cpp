@@ -1,8 +1,20 @@
 // Torch binding of the a2ad kernels: the only file that includes torch.
 //
-// Registers the ops of namespace `a2ad` (torch.ops.a2ad.*). Tensors are checked
-// here, with messages naming the argument; the kernels get raw pointers and
-// the offsets that a2ad/layout.py computed.
+// Registers the ops of namespace `a2ad` (torch.ops.a2ad.*). The kernels get raw pointers
+// and the offsets that a2ad/layout.py computed.
+//
+// Checks. The Python front end (client/frontend.py) is the validation boundary: it checks
+// every argument a caller passes and raises InputError naming it. What this file checks in
+// every build is what keeps a call that bypasses the front end (torch.ops.a2ad.* or the
+// module's functions called directly) from reading or writing outside its tensors, the
+// workspace rows or the parameter arrays: devices, dtypes that fix element sizes, shapes and
+// contiguity of the tensors the kernels index, rt <= max_num_tokens and T <= rt (the routing
+// arrays and slot tables are sized for max_num_tokens), every region inside a row, the word
+// counts of the masks; each is a few integer compares per call. Conditions that only make a
+// result wrong, not unsafe, and that the front end already raises (a payload with no bytes
+// per token, hidden 0, an id that does not fit int32, payload_in_workspace with another
+// tensor) are debug checks (A2AD_DEBUG_CHECK: compiled in with A2AD_DEBUG_CHECKS, which the
+// JIT build sets under A2AD_DEBUG=1); the launchers' own checks are debug asserts likewise.
 //
 // Everything that is fixed for a rank of a job (the workspace, the aux offsets, the
 // control block, timeouts, the SM budget) is checked once by `make_plan`, which
@@ -83,21 +95,19 @@ template <typename... A>
     if (!(cond)) fail(__VA_ARGS__); \
   } while (0)
 
+#ifdef A2AD_DEBUG_CHECKS
+#define A2AD_DEBUG_CHECK(cond, ...) A2AD_CHECK(cond, __VA_ARGS__)
+#else
+#define A2AD_DEBUG_CHECK(cond, ...) \
+  do {                              \
+  } while (0)
+#endif
+
 #define A2AD_CHECK_CUDA(expr, what)                                                              \
   do {                                                                                           \
     cudaError_t err_ = (expr);                                                                   \
     A2AD_CHECK(err_ == cudaSuccess, "a2ad: ", what, " failed: ", cudaGetErrorString(err_));     \
   } while (0)
-
-// aux: [flag_val, local_token_counter, send_counters, recv_counters,
-//       dispatch_completion_flags, combine_completion_flags, topk_target_ranks,
-//       topk_send_indices, block_counters, topk_stride (MAX_TOP_K),
-//       block_counter_slots (BLOCK_COUNTER_SLOTS), slot_tokens, max_num_tokens,
-//       combine_slice_flags, combine_slices, combine_slice_rows (COMBINE_SLICE_ROWS),
-//       recv_rts, dispatch_ready, recv_specs, combine_ready]
-// The two constants in it are checked against layout.h, so that a build from other
-// sources than the Python package's is refused rather than run with another layout.
-constexpr size_t kAuxFields = 20;
 
 void check_workspace(const Tensor& ws, int64_t ep_rank, int64_t ep_size) {
   A2AD_CHECK(ws.is_cuda(), "a2ad: workspace must be a CUDA tensor, got device ", ws.device());
@@ -126,59 +136,60 @@ a2ad::Workspace make_workspace(const Tensor& ws, int64_t ep_rank, int64_t ep_siz
   return w;
 }
 
+// aux: layout::AUX_PLAN_FIELD_COUNT values, in the order of a2ad/layout.py's AUX_PLAN_FIELDS
+// (the index of each is layout::AUX_<NAME>): the offsets and sizes of layout::AuxOffsets and
+// the constants block_counter_slots and combine_slice_rows, which are checked against
+// layout.h so that a build from other sources than the Python package's is refused rather
+// than run with another layout.
 a2ad::AuxOffsets make_aux(IntArrayRef aux, const Tensor& ws, int64_t ep_size) {
-  A2AD_CHECK(aux.size() == kAuxFields, "a2ad: aux must hold ", kAuxFields, " values, got ", aux.size());
+  namespace L = a2ad::layout;
+  A2AD_CHECK(aux.size() == static_cast<size_t>(L::AUX_PLAN_FIELD_COUNT), "a2ad: aux must hold ",
+             L::AUX_PLAN_FIELD_COUNT, " values (layout.aux_plan), got ", aux.size());
   const int64_t row = ws.size(1);
-  for (size_t i = 0; i < 9; ++i) {
-    A2AD_CHECK(aux[i] >= 0 && aux[i] % 4 == 0 && aux[i] + 4 <= row, "a2ad: aux offset ", i, " (", aux[i],
-                ") is not an aligned offset inside a row of ", row, " bytes");
+  auto name = [](int i) { return L::AUX_PLAN_FIELD_NAMES[i]; };
+  // 4-aligned int32 fields at the start of the row (counters of ep_size entries, the routing arrays)
+  for (int i : {L::AUX_FLAG_VAL, L::AUX_LOCAL_TOKEN_COUNTER, L::AUX_SEND_COUNTERS, L::AUX_RECV_COUNTERS,
+                L::AUX_DISPATCH_COMPLETION_FLAGS, L::AUX_COMBINE_COMPLETION_FLAGS, L::AUX_TOPK_TARGET_RANKS,
+                L::AUX_TOPK_SEND_INDICES, L::AUX_BLOCK_COUNTERS}) {
+    A2AD_CHECK(aux[i] >= 0 && aux[i] % 4 == 0 && aux[i] + 4 <= row, "a2ad: aux ", name(i), " (", aux[i],
+               ") is not an aligned offset inside a row of ", row, " bytes");
   }
-  for (size_t i : {2, 3, 4, 5}) {
-    A2AD_CHECK(aux[i] + 4 * ep_size <= row, "a2ad: aux field ", i, " of ", ep_size, " counters overruns the row");
+  for (int i : {L::AUX_SEND_COUNTERS, L::AUX_RECV_COUNTERS, L::AUX_DISPATCH_COMPLETION_FLAGS,
+                L::AUX_COMBINE_COMPLETION_FLAGS}) {
+    A2AD_CHECK(aux[i] + 4 * ep_size <= row, "a2ad: aux ", name(i), " of ", ep_size, " counters overruns the row");
   }
-  A2AD_CHECK(aux[9] >= 1 && aux[9] <= 1024, "a2ad: aux topk_stride must be in [1, 1024], got ", aux[9]);
-  A2AD_CHECK(aux[10] == a2ad::layout::BLOCK_COUNTER_SLOTS, "a2ad: aux block_counter_slots is ", aux[10],
-             " but the kernels were built for ", a2ad::layout::BLOCK_COUNTER_SLOTS, " (stale build?)");
-  A2AD_CHECK(aux[8] + 4 * aux[10] <= row, "a2ad: aux block counters overrun the row");
-  A2AD_CHECK(aux[12] >= 1 && aux[12] <= INT32_MAX, "a2ad: aux max_num_tokens must be >= 1, got ", aux[12]);
-  A2AD_CHECK(aux[15] == a2ad::layout::COMBINE_SLICE_ROWS, "a2ad: aux combine_slice_rows is ", aux[15],
-             " but the kernels were built for ", a2ad::layout::COMBINE_SLICE_ROWS, " (stale build?)");
-  A2AD_CHECK(aux[14] >= (aux[12] + aux[15] - 1) / aux[15],
-             "a2ad: aux combine_slices (", aux[14], ") is too few for max_num_tokens ", aux[12]);
-  for (size_t i : {11, 13}) {
-    A2AD_CHECK(aux[i] >= 0 && aux[i] % 4 == 0, "a2ad: aux offset ", i, " (", aux[i], ") is not 4-aligned");
+  const int64_t stride = aux[L::AUX_TOPK_STRIDE], slots = aux[L::AUX_BLOCK_COUNTER_SLOTS];
+  const int64_t mnt = aux[L::AUX_MAX_NUM_TOKENS], nslices = aux[L::AUX_COMBINE_SLICES];
+  const int64_t slice_rows = aux[L::AUX_COMBINE_SLICE_ROWS];
+  A2AD_CHECK(stride >= 1 && stride <= 1024, "a2ad: aux topk_stride must be in [1, 1024], got ", stride);
+  A2AD_CHECK(slots == L::BLOCK_COUNTER_SLOTS, "a2ad: aux block_counter_slots is ", slots,
+             " but the kernels were built for ", L::BLOCK_COUNTER_SLOTS, " (stale build?)");
+  A2AD_CHECK(aux[L::AUX_BLOCK_COUNTERS] + 4 * slots <= row, "a2ad: aux block counters overrun the row");
+  A2AD_CHECK(mnt >= 1 && mnt <= INT32_MAX, "a2ad: aux max_num_tokens must be >= 1, got ", mnt);
+  A2AD_CHECK(slice_rows == L::COMBINE_SLICE_ROWS, "a2ad: aux combine_slice_rows is ", slice_rows,
+             " but the kernels were built for ", L::COMBINE_SLICE_ROWS, " (stale build?)");
+  A2AD_CHECK(nslices >= (mnt + slice_rows - 1) / slice_rows && nslices <= INT32_MAX, "a2ad: aux combine_slices (",
+             nslices, ") is too few for max_num_tokens ", mnt);
+  for (int i : {L::AUX_SLOT_TOKENS, L::AUX_COMBINE_SLICE_FLAGS}) {
+    A2AD_CHECK(aux[i] >= 0 && aux[i] % 4 == 0, "a2ad: aux ", name(i), " (", aux[i], ") is not 4-aligned");
   }
-  A2AD_CHECK(aux[11] + 4 * ep_size * aux[12] <= row, "a2ad: aux slot_tokens overruns the row");
-  A2AD_CHECK(aux[13] % 8 == 0 && aux[13] + 8 * ep_size * aux[14] <= row,
+  A2AD_CHECK(aux[L::AUX_SLOT_TOKENS] + 4 * ep_size * mnt <= row, "a2ad: aux slot_tokens overruns the row");
+  const int64_t sf = aux[L::AUX_COMBINE_SLICE_FLAGS];
+  A2AD_CHECK(sf % 8 == 0 && sf + 8 * ep_size * nslices <= row,
              "a2ad: aux combine_slice_flags are not 8-aligned or overrun the row");
-  A2AD_CHECK(aux[18] >= 0 && aux[18] % 16 == 0 && aux[18] + 4 * a2ad::layout::SPEC_WORDS * ep_size <= row,
-             "a2ad: aux recv_specs (", aux[18], ") is not a 16-aligned field inside the row");
-  A2AD_CHECK(aux[19] >= 0 && aux[19] % 8 == 0 && aux[19] + 8 * ep_size <= row,
-             "a2ad: aux combine_ready (", aux[19], ") is not an 8-aligned field inside the row");
-  A2AD_CHECK(aux[16] >= 0 && aux[16] % 4 == 0 && aux[16] + 4 * ep_size <= row,
-             "a2ad: aux recv_rts (", aux[16], ") is not an aligned field inside the row");
-  A2AD_CHECK(aux[17] >= 0 && aux[17] % 8 == 0 && aux[17] + 8 * ep_size <= row,
-             "a2ad: aux dispatch_ready (", aux[17], ") is not an 8-aligned field inside the row");
-  a2ad::AuxOffsets a;
-  a.flag_val = aux[0];
-  a.local_token_counter = aux[1];
-  a.send_counters = aux[2];
-  a.recv_counters = aux[3];
-  a.dispatch_completion_flags = aux[4];
-  a.combine_completion_flags = aux[5];
-  a.topk_target_ranks = aux[6];
-  a.topk_send_indices = aux[7];
-  a.block_counters = aux[8];
-  a.topk_stride = static_cast<int>(aux[9]);
-  a.slot_tokens = aux[11];
-  a.max_num_tokens = static_cast<int>(aux[12]);
-  a.combine_slice_flags = aux[13];
-  a.combine_slices = static_cast<int>(aux[14]);
-  a.recv_rts = aux[16];
-  a.dispatch_ready = aux[17];
-  a.recv_specs = aux[18];
-  a.combine_ready = aux[19];
-  return a;
+  const int64_t specs = aux[L::AUX_RECV_SPECS];
+  A2AD_CHECK(specs >= 0 && specs % 16 == 0 && specs + 4 * L::SPEC_WORDS * ep_size <= row, "a2ad: aux recv_specs (",
+             specs, ") is not a 16-aligned field inside the row");
+  const int64_t cready = aux[L::AUX_COMBINE_READY];
+  A2AD_CHECK(cready >= 0 && cready % 8 == 0 && cready + 8 * ep_size <= row, "a2ad: aux combine_ready (", cready,
+             ") is not an 8-aligned field inside the row");
+  const int64_t rts = aux[L::AUX_RECV_RTS];
+  A2AD_CHECK(rts >= 0 && rts % 4 == 0 && rts + 4 * ep_size <= row, "a2ad: aux recv_rts (", rts,
+             ") is not an aligned field inside the row");
+  const int64_t dready = aux[L::AUX_DISPATCH_READY];
+  A2AD_CHECK(dready >= 0 && dready % 8 == 0 && dready + 8 * ep_size <= row, "a2ad: aux dispatch_ready (", dready,
+             ") is not an 8-aligned field inside the row");
+  return L::aux_offsets_from(aux);
 }
 
 void check_topk_rows(const a2ad::AuxOffsets& a, const Tensor& ws, int64_t tokens) {
@@ -217,8 +228,8 @@ struct Plan {
   int num_experts;
   int sm_budget;
   int diag;
-  uint64_t* seen_out;  // degraded mode: host-mapped u64 where combine leaves the ranks it counted
-  uint64_t* seen_dev;  // ... and a device u64 with the same (for the model, on the stream)
+  uint64_t* seen_out;  // degraded mode: kMaskWords host-mapped u64 where combine leaves the ranks it counted
+  uint64_t* seen_dev;  // ... and kMaskWords device u64 with the same (for the model, on the stream)
   a2ad::AuxOffsets aux;
   a2ad::Control ctl;
 };
@@ -257,9 +268,11 @@ int64_t make_plan(const Tensor& workspace, int64_t ep_rank, int64_t ep_size, int
   p.ctl = make_control(control, ep_rank, timeout_ns);
   p.ctl.degrade = degrade;
   A2AD_CHECK(!degrade || (seen_out != 0 && seen_out % 8 == 0),
-             "a2ad: a degrade plan needs seen_out, an 8-aligned device pointer of host-mapped memory");
+             "a2ad: a degrade plan needs seen_out, an 8-aligned device pointer of host-mapped memory (",
+             a2ad::kMaskWords, " u64 words)");
   p.seen_out = reinterpret_cast<uint64_t*>(static_cast<uintptr_t>(seen_out));
-  A2AD_CHECK(seen_dev % 8 == 0, "a2ad: seen_dev must be an 8-aligned device pointer (or 0)");
+  A2AD_CHECK(seen_dev % 8 == 0, "a2ad: seen_dev must be an 8-aligned device pointer of ", a2ad::kMaskWords,
+             " u64 words (or 0)");
   p.seen_dev = reinterpret_cast<uint64_t*>(static_cast<uintptr_t>(seen_dev));
   std::lock_guard<std::mutex> lock(g_plans_mutex);
   const int64_t id = g_next_plan++;
@@ -300,21 +313,29 @@ a2ad::Workspace plan_workspace(const Plan& p, const Tensor& ws) {
 
 // --- ops -------------------------------------------------------------------------
 
-// The caller's active-rank mask: a device int64 [1] (read by the kernels, so graphs replay
-// its current value) or a CPU one (its value now); value -1 (all bits) when none.
-void caller_mask_args(const std::optional<Tensor>& mask, int64_t value, const Tensor& ws, const int64_t** ptr,
-                      uint64_t* out_value) {
-  *ptr = nullptr;
-  *out_value = static_cast<uint64_t>(value);
+// The caller's active-rank mask: a contiguous int64 tensor of n words, 1 <= n <= MASK_WORDS
+// (rank q: bit q & 63 of word q >> 6; words past n count as zero), on the workspace's device
+// (read by the kernels, so graphs replay its current value) or on the CPU (its value now);
+// `value` is ANDed into word 0 (ranks 0-63; -1: all bits).
+void caller_mask_args(const std::optional<Tensor>& mask, int64_t value, const Tensor& ws, a2ad::CallerMask* out) {
+  out->ptr = nullptr;
+  out->words = 0;
+  out->value[0] = static_cast<uint64_t>(value);
+  for (int i = 1; i < a2ad::kMaskWords; ++i) out->value[i] = ~0ull;
   if (!mask.has_value()) return;
   const Tensor& m = *mask;
-  A2AD_CHECK(m.scalar_type() == at::kLong && m.numel() == 1, "a2ad: active_rank_mask must be an int64 [1] tensor, got ",
+  A2AD_CHECK(m.scalar_type() == at::kLong && m.dim() == 1 && m.numel() >= 1 && m.numel() <= a2ad::kMaskWords &&
+                 m.is_contiguous(),
+             "a2ad: active_rank_mask must be a contiguous int64 tensor of 1 to ", a2ad::kMaskWords, " words, got ",
              m.scalar_type(), " ", m.sizes());
+  const int n = static_cast<int>(m.numel());
   if (m.is_cuda()) {
     check_same_device(m, ws, "active_rank_mask");
-    *ptr = m.data_ptr<int64_t>();
+    out->ptr = m.data_ptr<int64_t>();
+    out->words = n;
   } else {
-    *out_value &= static_cast<uint64_t>(m.item<int64_t>());
+    const int64_t* w = m.data_ptr<int64_t>();
+    for (int i = 0; i < a2ad::kMaskWords; ++i) out->value[i] &= i < n ? static_cast<uint64_t>(w[i]) : 0ull;
   }
 }
 
@@ -360,7 +381,7 @@ void dispatch_cuda(const Tensor& experts, TensorList payloads, Tensor& workspace
     A2AD_CHECK(t.is_contiguous(), "a2ad: input_payloads[", i, "] must be contiguous");
     int64_t nb = t.element_size();  // bytes per token
     for (int64_t d = 1; d < t.dim(); ++d) nb *= t.size(d);
-    A2AD_CHECK(nb > 0, "a2ad: input_payloads[", i, "] has 0 bytes per token");
+    A2AD_DEBUG_CHECK(nb > 0, "a2ad: input_payloads[", i, "] has 0 bytes per token");
     const int64_t off = payload_offsets[i];
     A2AD_CHECK(off >= pl.aux.block_counters && off + pl.ep_size * rt * nb <= workspace.size(1), "a2ad: input_payloads[", i,
                "] region [", off, ", +", pl.ep_size * rt * nb, ") does not fit a row of ", workspace.size(1), " bytes");
@@ -404,7 +425,7 @@ void dispatch_cuda(const Tensor& experts, TensorList payloads, Tensor& workspace
       p.eplb_out = o.data_ptr<int32_t>();
     }
   }
-  caller_mask_args(caller_mask, caller_mask_value, workspace, &p.caller_mask, &p.caller_mask_value);
+  caller_mask_args(caller_mask, caller_mask_value, workspace, &p.caller_mask);
   A2AD_CHECK_CUDA(a2ad::launch_dispatch(p, current_stream(workspace)), "dispatch launch");
 }
 
@@ -417,7 +438,8 @@ void sanitize_cuda(Tensor& recv_ids, const Tensor& workspace, int64_t plan, int6
               "a2ad: recv_ids must be [ep_size=", pl.ep_size, ", runtime_max_tokens_per_rank=", rt, ", top_k], got ",
               recv_ids.sizes());
   A2AD_CHECK(recv_ids.size(2) >= 1, "a2ad: recv_ids has no expert columns");
-  A2AD_CHECK(invalid_id >= INT32_MIN && invalid_id <= INT32_MAX, "a2ad: invalid_token_expert_id does not fit int32");
+  A2AD_DEBUG_CHECK(invalid_id >= INT32_MIN && invalid_id <= INT32_MAX,
+                   "a2ad: invalid_token_expert_id does not fit int32");
   a2ad::SanitizeParams p{};
   p.ws = plan_workspace(pl, workspace);
   p.aux = pl.aux;
@@ -451,7 +473,7 @@ Tensor combine_cuda(const Tensor& payload, Tensor& workspace, int64_t plan, int6
               "a2ad: payload must be [ep_size=", pl.ep_size, ", runtime_max_tokens_per_rank=", rt, ", hidden], got ",
               payload.sizes());
   const int64_t hidden = payload.size(2);
-  A2AD_CHECK(hidden >= 1, "a2ad: payload has hidden size 0");
+  A2AD_DEBUG_CHECK(hidden >= 1, "a2ad: payload has hidden size 0");
   A2AD_CHECK(local_num_tokens >= 0 && local_num_tokens <= rt, "a2ad: local_num_tokens must be in [0, ", rt,
               "], got ", local_num_tokens);
   if (low_precision) {
@@ -468,13 +490,16 @@ Tensor combine_cuda(const Tensor& payload, Tensor& workspace, int64_t plan, int6
              "a2ad: combine region [", combine_offset, ", +", region, ") does not fit a row of ", workspace.size(1),
              " bytes");
   A2AD_CHECK(payload.is_contiguous(), "a2ad: payload must be contiguous [ep_size, rt, hidden]");
+#ifdef A2AD_DEBUG_CHECKS
+  // (another tensor is never read: the kernel reads the region, inside the workspace)
   if (payload_in_workspace && !low_precision) {  // (low precision: the region is the FP8 one; the client checks)
     const auto* expect = static_cast<const uint8_t*>(workspace.data_ptr()) + pl.ep_rank * workspace.stride(0) +
                          combine_offset;
-    A2AD_CHECK(static_cast<const uint8_t*>(payload.data_ptr()) == expect,
-                "a2ad: payload_in_workspace=True but payload is not this rank's combine region "
-                "(use get_combine_payload_tensor_in_workspace)");
+    A2AD_DEBUG_CHECK(static_cast<const uint8_t*>(payload.data_ptr()) == expect,
+                     "a2ad: payload_in_workspace=True but payload is not this rank's combine region "
+                     "(use get_combine_payload_tensor_in_workspace)");
   }
+#endif
   Tensor out;
   if (output.has_value()) {
     out = *output;
@@ -504,7 +529,7 @@ Tensor combine_cuda(const Tensor& payload, Tensor& workspace, int64_t plan, int6
   p.combine_offset = combine_offset;
   p.low_precision = low_precision;
   p.spec = static_cast<uint32_t>(spec);
-  caller_mask_args(caller_mask, caller_mask_value, workspace, &p.caller_mask, &p.caller_mask_value);
+  caller_mask_args(caller_mask, caller_mask_value, workspace, &p.caller_mask);
   if (pl.ctl.degrade) {
     A2AD_CHECK(degraded.has_value(), "a2ad: a degrade job's combine needs the degraded tensor");
     const Tensor& d = *degraded;

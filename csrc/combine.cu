@@ -14,6 +14,7 @@ namespace {
 using namespace dev;
 
 constexpr int kThreads = 256;
+static_assert(kThreads >= kMaxEpSize, "block_wait and the per-peer steps take a thread per rank");
 // Pull: 16-byte vectors per lane per item and the sends whose loads are in flight
 // together (vector path), and scalar elements per lane and sends (the unaligned path).
 constexpr int kPullVecs = 4;
@@ -321,26 +322,28 @@ __device__ __forceinline__ void token_sends(const CombineParams& p, int t, int l
 
 // Degraded mode: only targets in `seen` count; the token's indicator (written once, by
 // the warp of its first chunk) says whether some (t, k) had its target outside it.
-__device__ __forceinline__ void count_seen(const CombineParams& p, int t, uint32_t c, int routed, uint64_t seen,
-                                           int* target, int lane) {
-  const bool lost = routed >= 0 && (seen >> routed & 1) == 0;
+template <int W>
+__device__ __forceinline__ void count_seen(const CombineParams& p, int t, uint32_t c, int routed,
+                                           const RankMask<W>& seen, int* target, int lane) {
+  const bool lost = routed >= 0 && !seen.has(routed);
   const bool any_lost = __any_sync(kFullMask, lost);
-  if (*target >= 0 && (seen >> *target & 1) == 0) *target = -1;
+  if (*target >= 0 && !seen.has(*target)) *target = -1;
   if (c == 0 && lane == 0) p.degraded[t] = any_lost ? 1 : 0;
 }
 
 // Degraded mode, a pulling block that is not the poller: wait until the poller posted
 // the ranks whose combine flags it saw (what every block counts), or gave up.
+template <int W>
 __device__ bool wait_seen(const CombineParams& p, int* block_counters, int round, int* give_up, int* claim,
-                          uint64_t* seen) {
+                          RankMask<W>* seen) {
   __shared__ int s_ok;
-  __shared__ unsigned long long s_seen;
+  __shared__ unsigned long long s_seen[W];
   if (threadIdx.x == 0) {
     const int* posted = block_counters + layout::SLOT_COMBINE_SEEN_ROUND;
     const uint64_t t0 = global_timer_ns();
     for (;;) {
       if (ld_acquire_gpu(posted) == round) {
-        s_seen = *reinterpret_cast<volatile unsigned long long*>(block_counters + layout::SLOT_COMBINE_SEEN);
+        RankMask<W>::load(block_counters + layout::SLOT_COMBINE_SEEN).store(s_seen);
         s_ok = 1;
         break;
       }
@@ -361,7 +364,7 @@ __device__ bool wait_seen(const CombineParams& p, int* block_counters, int round
     }
   }
   __syncthreads();
-  *seen = s_seen;
+  *seen = shared_mask<W>(s_seen);
   return s_ok != 0;
 }
 
@@ -572,15 +575,17 @@ __device__ __forceinline__ void stage_rows(const CombineParams& p, const int* re
 // input wrong (`dispatch_mismatch`): that record is the round's report, and the client
 // may already have raised and cleared it (a second record would be raised by the next,
 // correct, round); nor over a record of the dispatch not yet raised.
-__device__ __forceinline__ void combine_waited(const CombineParams& p, uint8_t* my_row, int round, uint64_t view,
-                                               uint64_t seen, uint64_t bad, bool dispatch_mismatch) {
+template <int W>
+__device__ __forceinline__ void combine_waited(const CombineParams& p, uint8_t* my_row, int round,
+                                               const RankMask<W>& view, const RankMask<W>& seen,
+                                               const RankMask<W>& bad, bool dispatch_mismatch) {
   const int q = threadIdx.x;
-  if (q < p.ws.ep_size && (view >> q & 1) && (seen >> q & 1)) {
+  if (q < p.ws.ep_size && view.has(q) && seen.has(q)) {
     at<int>(my_row, p.aux.combine_completion_flags)[q] = round;
   }
   const int64_t rec = layout::CB_INPUT + (int64_t)p.ctl.ep_rank * layout::INPUT_RECORD_SIZE + layout::INPUT_CODE;
-  if (bad != 0 && !dispatch_mismatch && threadIdx.x == 0 && *cb_field<uint32_t>(p.ctl, rec) == layout::INPUT_OK) {
-    const int peer = __ffsll(static_cast<long long>(bad)) - 1;
+  if (bad.any() && !dispatch_mismatch && threadIdx.x == 0 && *cb_field<uint32_t>(p.ctl, rec) == layout::INPUT_OK) {
+    const int peer = bad.lowest();
     const uint64_t w = *reinterpret_cast<const volatile unsigned long long*>(
         at<uint64_t>(my_row, p.aux.combine_ready) + peer);
     write_input(p.ctl, layout::INPUT_COMBINE_MISMATCH, peer | (layout::SPEC_FIELD_COMBINE << 8),
@@ -598,8 +603,10 @@ __device__ __forceinline__ void combine_waited(const CombineParams& p, uint8_t* 
 // counter in the order (tokens with no remote send) then (target q, slot s,
 // chunk): the order in which q stages, so pullers rarely wait; each item waits
 // for its rows' slices. Only the last block waits for the whole-region flags.
-template <typename T, bool kVec, bool kFp8>
+// W: the words of a rank mask (1 when ep_size <= 64).
+template <typename T, bool kVec, bool kFp8, int W>
 __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p) {
+  constexpr int kRanks = 64 * W;  // the most ranks this instantiation serves
   wait_prior_grid();
   const int me = p.ws.ep_rank, ep = p.ws.ep_size;
   uint8_t* my_row = row_of(p.ws, me);
@@ -609,12 +616,12 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   const int* recv = at<int>(my_row, p.aux.recv_counters);
   // Degraded mode: the round's view (its prologue's); a round that did not run here is
   // not combined either (the host raises what the prologue recorded).
-  uint64_t view = ~0ull;
+  RankMask<W> view = RankMask<W>::all();
   if (p.ctl.degrade) {
     if (ld_volatile(block_counters + layout::SLOT_VIEW_ROUND) != round) return;
-    view = *reinterpret_cast<volatile unsigned long long*>(block_counters + layout::SLOT_VIEW);
+    view = RankMask<W>::load(block_counters + layout::SLOT_VIEW);
   }
-  view = with_caller_mask(view, p.caller_mask, p.caller_mask_value, ep, p.ctl.degrade);
+  view = with_caller_mask<W>(view, p.caller_mask, ep, p.ctl.degrade);
   // The dispatch of this round saw a peer pass another rt: the regions do not line up, so
   // nothing is pulled and the output is zeros; the flags still go round so that every rank
   // completes the round (every rank saw the mismatch).
@@ -632,7 +639,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
     }
   }
   // Overlapped: this rank's send counts, as positions (read before arriving: the last block zeroes them).
-  __shared__ int s_pos[kMaxEpSize + 1];
+  __shared__ int s_pos[kRanks + 1];
   if (overlap && threadIdx.x == 0) {
     const int* send = at<int>(my_row, p.aux.send_counters);
     int acc = 0;
@@ -661,7 +668,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   if (last) {
     const int q = threadIdx.x;
     if (q < ep) {
-      if (view >> q & 1) {
+      if (view.has(q)) {
         st_release_sys_u64(at<uint64_t>(row_of(p.ws, q), p.aux.combine_ready + 8 * (int64_t)me), combine_word(p, round));
       }
       // The next dispatch counts from zero (it cannot zero them itself before its atomics).
@@ -707,10 +714,10 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
     token_sends(p, first_t, lane, &first_target, &first_slot, &first_routed);
   }
   int unused = 0;
-  uint64_t seen = ~0ull, bad = 0;
+  RankMask<W> seen = RankMask<W>::all(), bad = RankMask<W>::none();
   const CombineFlags flags{at<uint64_t>(my_row, p.aux.combine_ready), round};
   if (!p.ctl.degrade) {
-    if ((last || !overlap) && !block_wait(flags, ep, round, p.ctl, layout::PHASE_COMBINE, /*poller=*/last, claim,
+    if ((last || !overlap) && !block_wait<W>(flags, ep, round, p.ctl, layout::PHASE_COMBINE, /*poller=*/last, claim,
                                           give_up, &unused, view, &seen, &bad, static_cast<int>(p.spec))) {
       return;
     }
@@ -719,19 +726,19 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
     // Degraded mode (never overlapped): the poller alone waits, letting go of a peer whose
     // bit is cleared, and posts whose flags it saw; every block counts exactly those (a
     // target whose combine descriptor differs is not counted).
-    if (!block_wait(flags, ep, round, p.ctl, layout::PHASE_COMBINE, /*poller=*/true, claim, give_up, &unused, view,
+    if (!block_wait<W>(flags, ep, round, p.ctl, layout::PHASE_COMBINE, /*poller=*/true, claim, give_up, &unused, view,
                     &seen, &bad, static_cast<int>(p.spec))) {
       return;
     }
     combine_waited(p, my_row, round, view, seen, bad, mismatch);
-    seen &= ~bad;
+    seen = seen.without(bad);
     if (threadIdx.x == 0) {
-      *reinterpret_cast<volatile unsigned long long*>(block_counters + layout::SLOT_COMBINE_SEEN) = seen;
+      seen.store(block_counters + layout::SLOT_COMBINE_SEEN);
       st_release_gpu(block_counters + layout::SLOT_COMBINE_SEEN_ROUND, round);
-      if (p.seen_out != nullptr) *reinterpret_cast<volatile uint64_t*>(p.seen_out) = seen;
-      if (p.seen_dev != nullptr) *p.seen_dev = seen;
+      if (p.seen_out != nullptr) seen.store(p.seen_out);
+      if (p.seen_dev != nullptr) seen.store(p.seen_dev);
     }
-  } else if (!wait_seen(p, block_counters, round, give_up, claim, &seen)) {
+  } else if (!wait_seen<W>(p, block_counters, round, give_up, claim, &seen)) {
     return;
   }
 
@@ -744,8 +751,8 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
       const uint32_t c = item % chunks;
       int target = first_target, slot = first_slot, routed = first_routed;
       if (t != first_t) token_sends(p, t, lane, &target, &slot, &routed);
-      if (p.ctl.degrade) count_seen(p, t, c, routed, seen, &target, lane);
-      if (bad != 0 && target >= 0 && (bad >> target & 1)) target = -1;  // never read from a target that disagreed
+      if (p.ctl.degrade) count_seen<W>(p, t, c, routed, seen, &target, lane);
+      if (bad.any() && target >= 0 && bad.has(target)) target = -1;  // never read from a target that disagreed
       if constexpr (kFp8) {
         pull_item_fp8(p, t, c, g, lane, target, slot);
       } else {
@@ -775,14 +782,14 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
     }
     const uint32_t pos = (item - ntok) / chunks, c = (item - ntok) % chunks;
     int q = 0;  // the target whose slot range holds pos: the last q with s_pos[q] <= pos
-    for (int b = kMaxEpSize; b > 0; b >>= 1) {
+    for (int b = kRanks; b > 0; b >>= 1) {
       if (q + b < ep && static_cast<uint32_t>(s_pos[q + b]) <= pos) q += b;
     }
     t = slot_tokens[(int64_t)q * p.aux.max_num_tokens + (pos - s_pos[q])];
     if (t < 0 || t >= p.local_num_tokens) continue;  // never written this round: cannot happen
     token_sends(p, t, lane, &target, &slot);
     // The token's item belongs to its lowest remote target; the others skip it.
-    const int primary = __reduce_min_sync(kFullMask, target >= 0 && target != me ? target : kMaxEpSize);
+    const int primary = __reduce_min_sync(kFullMask, target >= 0 && target != me ? target : kRanks);
     if (primary != q) continue;
     int ok = 1;
     if (target >= 0 && target != me) ok = wait_slice(p, my_row, target, slot, round, give_up, claim);
@@ -793,13 +800,14 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
 }
 
 
-template <typename T, bool kVec, bool kFp8 = false>
+template <typename T, bool kVec, bool kFp8, int W>
 cudaError_t launch_typed(const CombineParams& p, cudaStream_t stream) {
-  const void* fn = reinterpret_cast<const void*>(&combine_kernel<T, kVec, kFp8>);
+  const void* fn = reinterpret_cast<const void*>(&combine_kernel<T, kVec, kFp8, W>);
   int resident = 0;
   cudaError_t err = launch::resident_blocks(fn, kThreads, p.lim, &resident);
   if (err != cudaSuccess) return err;
   const PullGeometry g = pull_geometry<T, kVec>(p.hidden);
+  // (32-bit item indices; the front end bounds T and hidden far below this)
   if ((int64_t)p.local_num_tokens * (g.chunks + 1) >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
   const int64_t row_bytes = p.hidden * (int64_t)sizeof(T);
   const int64_t pull_blocks = launch::ceil_div((int64_t)p.local_num_tokens * g.chunks, kThreads / 32);
@@ -815,57 +823,67 @@ cudaError_t launch_typed(const CombineParams& p, cudaStream_t stream) {
       row_bytes >= kOverlapMinRowBytes) {
     q.overlap_stage_blocks = grid / kOverlapStageShare < 1 ? 1 : grid / kOverlapStageShare;
   }
-  return launch::overlapped(combine_kernel<T, kVec, kFp8>, grid, kThreads, stream, q);
+  return launch::overlapped(combine_kernel<T, kVec, kFp8, W>, grid, kThreads, stream, q);
 }
 
-}  // namespace
-
-cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream) {
-  if (!launch::valid_workspace(p.ws) || !launch::valid_aux(p.aux) || !launch::valid_control(p.ctl)) {
-    return cudaErrorInvalidValue;
-  }
-  if (p.top_k < 1 || p.top_k > kMaxTopK || p.top_k > p.aux.topk_stride || p.hidden < 1 || p.rt < 1 ||
-      p.local_num_tokens < 0 || p.local_num_tokens > p.rt || (p.local_num_tokens > 0 && p.out == nullptr) ||
-      (!p.payload_in_workspace && p.payload == nullptr) ||
-      (p.ctl.degrade && p.local_num_tokens > 0 && p.degraded == nullptr)) {
-    return cudaErrorInvalidValue;
-  }
+// The instantiation of the dtype and the alignment (the binding checked the low precision
+// combine's needs; a debug build asserts them again).
+template <int W>
+cudaError_t launch_words(const CombineParams& p, cudaStream_t stream) {
   const int elem = p.dtype == DType::kFloat32 ? 4 : 2;
   const int64_t row_bytes = p.hidden * elem;
   const bool vec = row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(p.ws.base + p.combine_offset) % 16 == 0 && p.ws.row_stride % 16 == 0 &&
                    (!self_from_payload(p) || reinterpret_cast<uintptr_t>(p.payload) % 16 == 0);
   if (p.low_precision) {
-    // bf16 rows, whole scale blocks, 16-byte vectors everywhere (the binding checks them)
-    const int64_t row8 = (p.hidden + p.hidden / layout::FP8_BLOCK + 15) / 16 * 16;
-    if (p.dtype != DType::kBFloat16 || p.hidden % layout::FP8_BLOCK != 0 || !vec ||
-        reinterpret_cast<uintptr_t>(p.payload) % 16 != 0 || row8 % 16 != 0) {
-      return cudaErrorInvalidValue;
-    }
-    return launch_typed<__nv_bfloat16, true, true>(p, stream);
+    // bf16 rows, whole scale blocks, 16-byte vectors everywhere
+    A2AD_DEBUG_ASSERT(p.dtype == DType::kBFloat16 && p.hidden % layout::FP8_BLOCK == 0);
+    A2AD_DEBUG_ASSERT(reinterpret_cast<uintptr_t>(p.payload) % 16 == 0);
+    if (!vec) return cudaErrorInvalidValue;  // the FP8 kernel has no unaligned path
+    return launch_typed<__nv_bfloat16, true, true, W>(p, stream);
   }
   switch (p.dtype) {
     case DType::kFloat32:
-      return vec ? launch_typed<float, true>(p, stream) : launch_typed<float, false>(p, stream);
+      return vec ? launch_typed<float, true, false, W>(p, stream) : launch_typed<float, false, false, W>(p, stream);
     case DType::kFloat16:
-      return vec ? launch_typed<__half, true>(p, stream) : launch_typed<__half, false>(p, stream);
+      return vec ? launch_typed<__half, true, false, W>(p, stream) : launch_typed<__half, false, false, W>(p, stream);
     case DType::kBFloat16:
-      return vec ? launch_typed<__nv_bfloat16, true>(p, stream) : launch_typed<__nv_bfloat16, false>(p, stream);
+      return vec ? launch_typed<__nv_bfloat16, true, false, W>(p, stream)
+                 : launch_typed<__nv_bfloat16, false, false, W>(p, stream);
   }
   return cudaErrorInvalidValue;
 }
 
+}  // namespace
+
+// The binding checked the arguments (csrc/bindings.cpp, behind the Python front end); the
+// checks here are debug asserts (A2AD_DEBUG_CHECKS), except the rank count the mask words
+// depend on.
+cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream) {
+  A2AD_DEBUG_ASSERT(launch::valid_workspace(p.ws) && launch::valid_aux(p.aux) && launch::valid_control(p.ctl));
+  A2AD_DEBUG_ASSERT(p.top_k >= 1 && p.top_k <= kMaxTopK && p.top_k <= p.aux.topk_stride);
+  A2AD_DEBUG_ASSERT(p.hidden >= 1 && p.rt >= 1 && p.rt <= p.aux.max_num_tokens);
+  A2AD_DEBUG_ASSERT(p.local_num_tokens >= 0 && p.local_num_tokens <= p.rt);
+  A2AD_DEBUG_ASSERT(p.local_num_tokens == 0 || p.out != nullptr);
+  A2AD_DEBUG_ASSERT(p.payload_in_workspace || p.payload != nullptr);
+  A2AD_DEBUG_ASSERT(!p.ctl.degrade || p.local_num_tokens == 0 || p.degraded != nullptr);
+  if (p.ws.ep_size < 1 || p.ws.ep_size > kMaxEpSize) return cudaErrorInvalidValue;
+  // One-word masks up to 64 ranks: a job of that size runs the code of a plain u64.
+  return p.ws.ep_size <= 64 ? launch_words<1>(p, stream) : launch_words<kMaskWords>(p, stream);
+}
+
 cudaError_t load_combine_kernels() {
   // every instantiation launch_combine may pick
-  const void* fns[] = {
-      reinterpret_cast<const void*>(&combine_kernel<float, true, false>),
-      reinterpret_cast<const void*>(&combine_kernel<float, false, false>),
-      reinterpret_cast<const void*>(&combine_kernel<__half, true, false>),
-      reinterpret_cast<const void*>(&combine_kernel<__half, false, false>),
-      reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, false>),
-      reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, false, false>),
-      reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, true>),
-  };
+#define A2AD_COMBINE_KERNELS(W)                                                   \
+  reinterpret_cast<const void*>(&combine_kernel<float, true, false, W>),          \
+      reinterpret_cast<const void*>(&combine_kernel<float, false, false, W>),     \
+      reinterpret_cast<const void*>(&combine_kernel<__half, true, false, W>),     \
+      reinterpret_cast<const void*>(&combine_kernel<__half, false, false, W>),    \
+      reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, false, W>),  \
+      reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, false, false, W>), \
+      reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, true, W>)
+  const void* fns[] = {A2AD_COMBINE_KERNELS(1), A2AD_COMBINE_KERNELS(kMaskWords)};
+#undef A2AD_COMBINE_KERNELS
   cudaFuncAttributes a;
   for (const void* fn : fns) {
     const cudaError_t err = cudaFuncGetAttributes(&a, fn);

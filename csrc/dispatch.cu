@@ -10,6 +10,8 @@ namespace {
 using namespace dev;
 
 constexpr int kThreads = 256;
+static_assert(kThreads >= kMaxEpSize, "block_wait and the per-peer steps take a thread per rank");
+static_assert(kMaxEpSize <= 256, "a spec mismatch's input record packs the peer in 8 bits (peer | field << 8)");
 constexpr int kWarps = kThreads / 32;
 // Tokens routed per block step (one routing warp each).
 constexpr int kTileMax = kWarps;
@@ -168,9 +170,12 @@ struct ReadyWords {
 // payload, chunk) items, kBatch at a time per warp; warps that route nothing take the
 // first items and load them before the routing is done. No block waits on another: the last
 // block to arrive publishes one ready word per peer and is the only one that waits.
+// W: the words of a rank mask (1 when ep_size <= 64).
+template <int W>
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams p) {
+  constexpr int kRanks = 64 * W;  // the most ranks this instantiation serves
   __shared__ TileRouting tr;
-  __shared__ int s_count[kMaxEpSize];
+  __shared__ int s_count[kRanks];
   wait_prior_grid();
   if (diag(p, kDiagNoop)) return;
   const int me = p.ws.ep_rank, ep = p.ws.ep_size;
@@ -185,12 +190,12 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
   const int round = ld_volatile(at<int>(my_row, p.aux.flag_val));
   // Degraded mode: the ranks of this round, as the prologue read them; a round whose
   // prologue gave up (or found this rank gone) does not run here.
-  uint64_t view = ~0ull;
+  RankMask<W> view = RankMask<W>::all();
   if (p.ctl.degrade) {
     if (ld_volatile(block_counters + layout::SLOT_VIEW_ROUND) != round) return;
-    view = *reinterpret_cast<volatile unsigned long long*>(block_counters + layout::SLOT_VIEW);
+    view = RankMask<W>::load(block_counters + layout::SLOT_VIEW);
   }
-  view = with_caller_mask(view, p.caller_mask, p.caller_mask_value, ep, p.ctl.degrade);
+  view = with_caller_mask<W>(view, p.caller_mask, ep, p.ctl.degrade);
   // A one-block launch numbers its sends in shared memory (no global atomics).
   const bool one_block = gridDim.x == 1;
   // The words this launch's atomics and its last block hit: fetched into L2 now, while
@@ -204,12 +209,12 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
   const bool compact = rt_in_ready_word(mnt);
   if (blockIdx.x == 0) {
     const int q = threadIdx.x;
-    if (!compact && q < ep && (view >> q & 1)) {
+    if (!compact && q < ep && view.has(q)) {
       // Every peer checks this rank's rt against its own; the fence (or release) before
       // the ready word covers this store. (Compact: the ready word carries rt.)
       *reinterpret_cast<volatile int*>(row_of(p.ws, q) + p.aux.recv_rts + 4 * (int64_t)me) = p.rt;
     }
-    if (q < ep && (view >> q & 1)) {
+    if (q < ep && view.has(q)) {
       // The payload descriptor: every peer compares it with its own after the wait (the
       // fence or release before the ready word covers these stores).
       uint4* d = reinterpret_cast<uint4*>(row_of(p.ws, q) + p.aux.recv_specs + 4 * layout::SPEC_WORDS * (int64_t)me);
@@ -223,7 +228,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
       const int E = p.eplb_experts;
       for (int i = threadIdx.x; i < ep * E; i += blockDim.x) {
         const int tq = i / E, e = i - tq * E;
-        if (view >> tq & 1) {
+        if (view.has(tq)) {
           at<int32_t>(row_of(p.ws, tq), p.eplb_offset)[(int64_t)me * E + e] = p.eplb_local[e];
         }
       }
@@ -272,7 +277,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
       // The first (t, k) of each target; in degraded mode one whose target is not in the
       // round's view is dropped: TOPK_TARGET_RANKS keeps the target, no slot, nothing sent.
       const bool first_k = target >= 0 && __ffs(same) - 1 == lane;
-      const bool is_send = first_k && (view >> target & 1);
+      const bool is_send = first_k && view.has(target);
       int slot = -1;
       if (is_send) slot = one_block ? atomicAdd(s_count + target, 1) : atomicAdd(send_counters + target, 1);
       if (is_send && slot < p.rt) slot_tokens[(int64_t)target * p.aux.max_num_tokens + slot] = t;
@@ -311,7 +316,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
   // Last block: every send is numbered and every payload store of the grid is visible.
   // One release store per peer carries the count and the round.
   const int q = threadIdx.x;
-  if (q < ep && (view >> q & 1)) {
+  if (q < ep && view.has(q)) {
     int count;
     if (one_block) {
       count = s_count[q];        // this block numbered every send (arrive_last synchronized the block)
@@ -328,23 +333,23 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
   const unsigned long long bad_inv = threadIdx.x == 0 ? take_bad_expert(block_counters) : 0;
   // Only this block waits, so it is the poller (no other block needs telling).
   int count = 0;
-  uint64_t seen = ~0ull;  // degraded mode: the sources whose ready word came
-  if (!block_wait(ReadyWords{at<uint64_t>(my_row, p.aux.dispatch_ready), round}, ep, round, p.ctl,
+  RankMask<W> seen = RankMask<W>::all();  // degraded mode: the sources whose ready word came
+  if (!block_wait<W>(ReadyWords{at<uint64_t>(my_row, p.aux.dispatch_ready), round}, ep, round, p.ctl,
                   layout::PHASE_DISPATCH, /*poller=*/true, block_counters + layout::SLOT_STATUS_CLAIM,
                   block_counters + layout::SLOT_DISPATCH_GIVE_UP, &count, view, &seen)) {
     return;
   }
   // Thread q now holds what peer q sent here; the protocol's per-source fields get it.
   __shared__ int s_peer, s_spec_peer;
-  __shared__ int s_rts[kMaxEpSize];
-  __shared__ int s_field[kMaxEpSize], s_own[kMaxEpSize], s_theirs[kMaxEpSize];
+  __shared__ int s_rts[kRanks];
+  __shared__ int s_field[kRanks], s_own[kRanks], s_theirs[kRanks];
   if (threadIdx.x == 0) {
-    s_peer = kMaxEpSize;
-    s_spec_peer = kMaxEpSize;
+    s_peer = kRanks;
+    s_spec_peer = kRanks;
   }
   __syncthreads();
   if (q < ep) {
-    if (seen >> q & 1) {
+    if (seen.has(q)) {
       int r;
       if (compact) {
         const uint32_t high = static_cast<uint32_t>(count), m1 = static_cast<uint32_t>(mnt) + 1;
@@ -391,10 +396,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
   // What was wrong with the input, without stopping the round: a peer that passed another
   // rt wins over a bad expert id; the combine of a round with such a peer moves no data.
   if (threadIdx.x == 0) {
-    if (s_peer < kMaxEpSize) {
+    if (s_peer < kRanks) {
       block_counters[layout::SLOT_RT_MISMATCH] = round;
       write_input(p.ctl, layout::INPUT_RT_MISMATCH, s_peer, s_rts[s_peer], round);
-    } else if (s_spec_peer < kMaxEpSize) {
+    } else if (s_spec_peer < kRanks) {
       const int b = s_spec_peer;
       block_counters[layout::SLOT_RT_MISMATCH] = round;  // the combine of the round moves nothing
       write_input(p.ctl, layout::INPUT_SPEC_MISMATCH, b | (s_field[b] << 8), s_theirs[b], round, s_own[b]);
@@ -410,43 +415,58 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
     const int32_t* region = at<int32_t>(my_row, p.eplb_offset);
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
       const int src = i / p.eplb_experts;
-      p.eplb_out[i] = (seen >> src & 1) ? ld_volatile(region + i) : 0;
+      p.eplb_out[i] = seen.has(src) ? ld_volatile(region + i) : 0;
     }
   }
 }
 
 // ---------------------------------------------------------------------------
-// Degraded mode: the round's prologue (one block of kPrologueThreads, before dispatch)
+// Degraded mode: the round's prologue (one block, one thread per rank it serves, before dispatch)
 // ---------------------------------------------------------------------------
-constexpr int kPrologueThreads = 64;  // one thread per rank (kMaxEpSize)
-static_assert(kPrologueThreads >= kMaxEpSize, "a prologue thread per rank");
+template <int W>
+constexpr int prologue_threads() { return 64 * W; }  // one thread per rank (64 * W >= ep_size)
 
 __device__ __forceinline__ volatile int* admit_round(const Control& c, int q) {
   return reinterpret_cast<volatile int*>(c.block + layout::CB_ADMIT_ROUND + 4 * (int64_t)q);
+}
+
+// The job's active mask (host memory), each word with acquire.
+template <int W>
+__device__ __forceinline__ RankMask<W> read_active(const Control& c) {
+  RankMask<W> m;
+#pragma unroll
+  for (int i = 0; i < W; ++i) {
+    m.w[i] = ld_acquire_sys_u64(reinterpret_cast<const uint64_t*>(c.block + layout::CB_ACTIVE_MASK) + i);
+  }
+  return m;
 }
 
 // The ranks of `round` (the effective mask): bit q set in CB_ACTIVE_MASK and
 // 0 <= CB_ADMIT_ROUND[q] <= round. The mask is read first (once, by thread 0), then the
 // admit rounds, one thread per rank; the daemon writes a replacement's admit round
 // before its bit. *active gets the mask read. Every thread of the block must call it.
-__device__ uint64_t effective_mask(const Control& c, int ep, int round, uint64_t* active) {
-  __shared__ unsigned long long s_active, s_eff;
+template <int W>
+__device__ RankMask<W> effective_mask(const Control& c, int ep, int round, RankMask<W>* active) {
+  __shared__ unsigned long long s_active[W], s_eff[W];
   if (threadIdx.x == 0) {
-    s_active = ld_acquire_sys_u64(reinterpret_cast<const uint64_t*>(c.block + layout::CB_ACTIVE_MASK));
-    s_eff = 0;
+    const RankMask<W> a = read_active<W>(c);
+#pragma unroll
+    for (int i = 0; i < W; ++i) {
+      s_active[i] = a.w[i];
+      s_eff[i] = 0;
+    }
   }
   __syncthreads();
   const int q = threadIdx.x;
-  if (q < ep && (s_active >> q & 1)) {
-    const int a = *admit_round(c, q);
-    if (a >= 0 && a <= round) atomicOr(&s_eff, 1ull << q);
+  const RankMask<W> a = shared_mask<W>(s_active);
+  if (q < ep && a.has(q)) {
+    const int r = *admit_round(c, q);
+    if (r >= 0 && r <= round) shared_set<W>(s_eff, q);
   }
   __syncthreads();
-  *active = s_active;
-  return s_eff;
+  *active = a;
+  return shared_mask<W>(s_eff);
 }
-
-__device__ __forceinline__ int lowest(uint64_t m) { return m ? __ffsll(static_cast<long long>(m)) - 1 : -1; }
 
 // Before the round: a replacement's first dispatch asks to be let in and waits for the
 // round the lowest active rank picks (E), then for every other rank of E to have
@@ -455,15 +475,16 @@ __device__ __forceinline__ int lowest(uint64_t m) { return m ? __ffsll(static_ca
 // round; the lowest rank of the view lets in, from R + 1, the replacements that asked.
 // The view and its round go to SLOT_VIEW / SLOT_VIEW_ROUND (-1: the round does not run)
 // for the dispatch and combine kernels. Every wait is bounded and ends on the abort word.
-__global__ void __launch_bounds__(kPrologueThreads) prologue_kernel(const DispatchParams p) {
+template <int W>
+__global__ void __launch_bounds__(prologue_threads<W>()) prologue_kernel(const DispatchParams p) {
   const int me = p.ws.ep_rank, ep = p.ws.ep_size;
   const Control& c = p.ctl;
   uint8_t* my_row = row_of(p.ws, me);
   int* flag_val = at<int>(my_row, p.aux.flag_val);
   int* block_counters = at<int>(my_row, p.aux.block_counters);
   __shared__ int s_round, s_admit, s_fail;
-  __shared__ unsigned long long s_lagging;
-  uint64_t active = 0;
+  __shared__ unsigned long long s_lagging[W];
+  RankMask<W> active = RankMask<W>::none();
   if (threadIdx.x == 0) {
     s_round = ld_volatile(flag_val);
     s_admit = *admit_round(c, me);
@@ -480,30 +501,35 @@ __global__ void __launch_bounds__(kPrologueThreads) prologue_kernel(const Dispat
       __syncthreads();
       if (threadIdx.x == 0) {
         s_admit = *admit_round(c, me);
-        s_lagging = 0;
+#pragma unroll
+        for (int i = 0; i < W; ++i) s_lagging[i] = 0;
       }
       __syncthreads();
       const int admit = s_admit;
       int peer;
       if (admit >= 0) {
-        const uint64_t eff = effective_mask(c, ep, admit, &active);
+        const RankMask<W> eff = effective_mask<W>(c, ep, admit, &active);
         const int q = threadIdx.x;
-        if (q < ep && q != me && (eff >> q & 1) && ld_acquire_sys(at<int>(row_of(p.ws, q), p.aux.flag_val)) < admit) {
-          atomicOr(&s_lagging, 1ull << q);
+        if (q < ep && q != me && eff.has(q) && ld_acquire_sys(at<int>(row_of(p.ws, q), p.aux.flag_val)) < admit) {
+          shared_set<W>(s_lagging, q);
         }
         __syncthreads();
-        if (s_lagging == 0) {
+        const RankMask<W> lagging = shared_mask<W>(s_lagging);
+        if (!lagging.any()) {
           if (threadIdx.x == 0) {
             *reinterpret_cast<volatile int*>(flag_val) = admit;
             s_round = admit;
           }
           break;
         }
-        peer = lowest(s_lagging);
+        peer = lagging.lowest();
       } else {
-        uint64_t m = 0;
-        if (threadIdx.x == 0) m = ld_acquire_sys_u64(reinterpret_cast<const uint64_t*>(c.block + layout::CB_ACTIVE_MASK));
-        peer = lowest(m & ~(1ull << me));  // a guess at whom it waits for: some active rank
+        peer = -1;
+        if (threadIdx.x == 0) {
+          RankMask<W> m = read_active<W>(c);
+          m.clear(me);
+          peer = m.lowest();  // a guess at whom it waits for: some active rank
+        }
       }
       if (threadIdx.x == 0) {
         const uint64_t waited = global_timer_ns() - t0;
@@ -527,47 +553,39 @@ __global__ void __launch_bounds__(kPrologueThreads) prologue_kernel(const Dispat
     return;
   }
   const int round = s_round;
-  const uint64_t eff = effective_mask(c, ep, round, &active);
+  const RankMask<W> eff = effective_mask<W>(c, ep, round, &active);
   if (threadIdx.x == 0) {
-    if ((eff >> me & 1) == 0) {
+    if (!eff.has(me)) {
       if (atomicCAS(block_counters + layout::SLOT_STATUS_CLAIM, 0, 1) == 0) {
         write_status(c, layout::STATUS_NOT_ACTIVE, me, round, layout::PHASE_DISPATCH, 0);
       }
       block_counters[layout::SLOT_VIEW_ROUND] = -1;
       return;
     }
-    if (lowest(eff) == me) {
+    if (eff.lowest() == me) {
       // Let in from R + 1 the replacements that asked. Nobody can have started R + 1: it
       // needs this rank's combine flag of R, written after these stores are visible.
-      for (uint64_t m = active & ~eff; m != 0; m &= m - 1) {
-        const int q = lowest(m);
+      RankMask<W> m = active.without(eff);
+      for (int q = m.lowest(); q >= 0; q = m.lowest()) {
+        m.clear(q);
         if (q < ep && *admit_round(c, q) == layout::ADMIT_READY) *admit_round(c, q) = round + 1;
       }
       __threadfence_system();
     }
-    *reinterpret_cast<volatile unsigned long long*>(block_counters + layout::SLOT_VIEW) = eff;
+    eff.store(block_counters + layout::SLOT_VIEW);
     block_counters[layout::SLOT_VIEW_ROUND] = round;
   }
 }
 
 }  // namespace
 
-cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
-  if (!launch::valid_workspace(p.ws) || !launch::valid_aux(p.aux) || !launch::valid_control(p.ctl)) {
-    return cudaErrorInvalidValue;
-  }
-  if (p.top_k < 1 || p.top_k > kMaxTopK || p.top_k > p.aux.topk_stride || p.num_experts < p.ws.ep_size ||
-      p.local_num_tokens < 0 || p.local_num_tokens > p.rt || p.rt > p.aux.max_num_tokens || p.num_payloads < 0 ||
-      p.num_payloads > kMaxPayloads ||
-      (p.local_num_tokens > 0 && p.experts == nullptr) || (p.diag != 0 && !kTimingBuild)) {
-    return cudaErrorInvalidValue;
-  }
-  for (int i = 0; i < p.num_payloads; ++i) {
-    if (p.payload_bytes[i] <= 0 || (p.local_num_tokens > 0 && p.payload[i] == nullptr)) return cudaErrorInvalidValue;
-  }
-  if (p.eplb_experts < 0 || (p.eplb_experts > 0 && p.eplb_local == nullptr)) return cudaErrorInvalidValue;
+namespace {
+
+template <int W>
+cudaError_t launch_words(const DispatchParams& p, cudaStream_t stream) {
   int resident = 0;
-  cudaError_t err = launch::resident_blocks(reinterpret_cast<const void*>(&dispatch_kernel), kThreads, p.lim, &resident);
+  cudaError_t err =
+      launch::resident_blocks(reinterpret_cast<const void*>(&dispatch_kernel<W>), kThreads, p.lim, &resident);
   if (err != cudaSuccess) return err;
   // Tokens per block step: as few as fill the SMs (small T spreads each token over a
   // whole block), at most one routing warp per token.
@@ -576,17 +594,51 @@ cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
   q.tile_tokens = static_cast<int>(tile < 1 ? 1 : tile > kTileMax ? kTileMax : tile);
   const int grid = launch::clamp_grid(launch::ceil_div(p.local_num_tokens, q.tile_tokens), resident);
   if (p.ctl.degrade) {
-    prologue_kernel<<<1, kPrologueThreads, 0, stream>>>(q);
+    prologue_kernel<W><<<1, prologue_threads<W>(), 0, stream>>>(q);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
-  return launch::overlapped(dispatch_kernel, grid, kThreads, stream, q);
+  return launch::overlapped(dispatch_kernel<W>, grid, kThreads, stream, q);
+}
+
+}  // namespace
+
+// The binding checked the arguments (csrc/bindings.cpp, behind the Python front end); the
+// checks here are debug asserts (A2AD_DEBUG_CHECKS), except what keeps a launch from
+// indexing the parameter arrays out of bounds.
+cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
+  A2AD_DEBUG_ASSERT(launch::valid_workspace(p.ws) && launch::valid_aux(p.aux) && launch::valid_control(p.ctl));
+  A2AD_DEBUG_ASSERT(p.top_k >= 1 && p.top_k <= kMaxTopK && p.top_k <= p.aux.topk_stride);
+  A2AD_DEBUG_ASSERT(p.num_experts >= p.ws.ep_size);
+  A2AD_DEBUG_ASSERT(p.local_num_tokens >= 0 && p.local_num_tokens <= p.rt && p.rt <= p.aux.max_num_tokens);
+  A2AD_DEBUG_ASSERT(p.local_num_tokens == 0 || p.experts != nullptr);
+  A2AD_DEBUG_ASSERT(p.diag == 0 || kTimingBuild);
+  A2AD_DEBUG_ASSERT(p.eplb_experts >= 0 && (p.eplb_experts == 0 || p.eplb_local != nullptr));
+  if (p.num_payloads < 0 || p.num_payloads > kMaxPayloads || p.ws.ep_size < 1 || p.ws.ep_size > kMaxEpSize) {
+    return cudaErrorInvalidValue;  // the parameter arrays and the mask words
+  }
+#ifdef A2AD_DEBUG_CHECKS
+  for (int i = 0; i < p.num_payloads; ++i) {
+    A2AD_DEBUG_ASSERT(p.payload_bytes[i] > 0 && (p.local_num_tokens == 0 || p.payload[i] != nullptr));
+  }
+#endif
+  // One-word masks up to 64 ranks: a job of that size runs the code of a plain u64.
+  return p.ws.ep_size <= 64 ? launch_words<1>(p, stream) : launch_words<kMaskWords>(p, stream);
 }
 
 cudaError_t load_dispatch_kernels() {
+  const void* fns[] = {
+      reinterpret_cast<const void*>(&dispatch_kernel<1>),
+      reinterpret_cast<const void*>(&dispatch_kernel<kMaskWords>),
+      reinterpret_cast<const void*>(&prologue_kernel<1>),
+      reinterpret_cast<const void*>(&prologue_kernel<kMaskWords>),
+  };
   cudaFuncAttributes a;
-  cudaError_t err = cudaFuncGetAttributes(&a, dispatch_kernel);
-  return err != cudaSuccess ? err : cudaFuncGetAttributes(&a, prologue_kernel);
+  for (const void* fn : fns) {
+    const cudaError_t err = cudaFuncGetAttributes(&a, fn);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
 }
 
 }  // namespace a2ad

@@ -1,11 +1,30 @@
 // Host-side launch helpers the kernel files share: occupancy and SM counts (cached),
-// and the checks every launcher makes on its parameters. Implemented in launch.cu.
+// and the parameter checks of the debug build. Implemented in launch.cu.
 #pragma once
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "moe_a2a.cuh"
+
+// Launcher checks of what the binding already checked (csrc/bindings.cpp, itself behind the
+// Python front end, which names the argument): compiled in only with A2AD_DEBUG_CHECKS (the
+// JIT build sets it under A2AD_DEBUG=1), where a failed one prints the condition and the
+// launch returns cudaErrorInvalidValue.
+#ifdef A2AD_DEBUG_CHECKS
+#define A2AD_DEBUG_ASSERT(cond)                                                                   \
+  do {                                                                                            \
+    if (!(cond)) {                                                                                \
+      fprintf(stderr, "a2ad: %s:%d: launch check failed: %s\n", __FILE__, __LINE__, #cond);       \
+      return cudaErrorInvalidValue;                                                               \
+    }                                                                                             \
+  } while (0)
+#else
+#define A2AD_DEBUG_ASSERT(cond) \
+  do {                          \
+  } while (0)
+#endif
 
 namespace a2ad {
 namespace launch {

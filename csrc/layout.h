@@ -2,6 +2,8 @@
 // The constants the kernels share with Python (tests/test_layout.py checks this file is current).
 #pragma once
 
+#include <stdint.h>
+
 namespace a2ad {
 namespace layout {
 
@@ -20,9 +22,9 @@ constexpr int SLOT_PULL_WORK = 4;
 constexpr int SLOT_BAD_EXPERT = 6;
 constexpr int SLOT_RT_MISMATCH = 8;
 constexpr int SLOT_VIEW = 10;
-constexpr int SLOT_VIEW_ROUND = 12;
-constexpr int SLOT_COMBINE_SEEN = 14;
-constexpr int SLOT_COMBINE_SEEN_ROUND = 16;
+constexpr int SLOT_VIEW_ROUND = 18;
+constexpr int SLOT_COMBINE_SEEN = 20;
+constexpr int SLOT_COMBINE_SEEN_ROUND = 28;
 constexpr int SLOT_STATUS_CLAIM = 31;
 constexpr int CB_ABORT = 16;
 constexpr int CB_STATUS = 1152;
@@ -65,6 +67,99 @@ constexpr int CONTROL_BLOCK_SIZE = 16384;
 constexpr int CB_ADMIT_ROUND = 13440;
 constexpr int ADMIT_JOINED = -1;
 constexpr int ADMIT_READY = -2;
+
+// The aux list of a CUDA plan (AUX_PLAN_FIELDS): the index of each value.
+constexpr int AUX_FLAG_VAL = 0;
+constexpr int AUX_LOCAL_TOKEN_COUNTER = 1;
+constexpr int AUX_SEND_COUNTERS = 2;
+constexpr int AUX_RECV_COUNTERS = 3;
+constexpr int AUX_DISPATCH_COMPLETION_FLAGS = 4;
+constexpr int AUX_COMBINE_COMPLETION_FLAGS = 5;
+constexpr int AUX_TOPK_TARGET_RANKS = 6;
+constexpr int AUX_TOPK_SEND_INDICES = 7;
+constexpr int AUX_BLOCK_COUNTERS = 8;
+constexpr int AUX_TOPK_STRIDE = 9;
+constexpr int AUX_BLOCK_COUNTER_SLOTS = 10;
+constexpr int AUX_SLOT_TOKENS = 11;
+constexpr int AUX_MAX_NUM_TOKENS = 12;
+constexpr int AUX_COMBINE_SLICE_FLAGS = 13;
+constexpr int AUX_COMBINE_SLICES = 14;
+constexpr int AUX_COMBINE_SLICE_ROWS = 15;
+constexpr int AUX_RECV_RTS = 16;
+constexpr int AUX_DISPATCH_READY = 17;
+constexpr int AUX_RECV_SPECS = 18;
+constexpr int AUX_COMBINE_READY = 19;
+constexpr int AUX_PLAN_FIELD_COUNT = 20;
+inline constexpr const char* AUX_PLAN_FIELD_NAMES[] = {
+    "flag_val",
+    "local_token_counter",
+    "send_counters",
+    "recv_counters",
+    "dispatch_completion_flags",
+    "combine_completion_flags",
+    "topk_target_ranks",
+    "topk_send_indices",
+    "block_counters",
+    "topk_stride",
+    "block_counter_slots",
+    "slot_tokens",
+    "max_num_tokens",
+    "combine_slice_flags",
+    "combine_slices",
+    "combine_slice_rows",
+    "recv_rts",
+    "dispatch_ready",
+    "recv_specs",
+    "combine_ready",
+};
+
+// The aux fields as the kernels see them: row-relative byte offsets and the sizes they
+// need (the values of the aux list that are not constants).
+struct AuxOffsets {
+  int64_t flag_val;  // FLAG_VAL: this rank's round
+  int64_t local_token_counter;  // LOCAL_TOKEN_COUNTER
+  int64_t send_counters;  // [ep_size] int32: tokens sent to each target
+  int64_t recv_counters;  // [ep_size] int32, written by source s: tokens s sent here
+  int64_t dispatch_completion_flags;  // [ep_size] int32, written by source s: its round
+  int64_t combine_completion_flags;  // [ep_size] int32, written by target t: its round
+  int64_t topk_target_ranks;  // [max_num_tokens, MAX_TOP_K] int32: target of (t, k)
+  int64_t topk_send_indices;  // [max_num_tokens, MAX_TOP_K] int32: slot of (t, k) there
+  int64_t block_counters;  // [BLOCK_COUNTER_SLOTS] int32, slots layout::SLOT_*
+  int topk_stride;  // row stride (int32 elements) of the [max_num_tokens, MAX_TOP_K] arrays
+  int64_t slot_tokens;  // [ep_size, max_num_tokens] int32: token sent to (target, slot)
+  int max_num_tokens;  // the job's max_num_tokens (row stride of slot_tokens)
+  int64_t combine_slice_flags;  // [ep_size, combine_slices] u64, written by the targets
+  int combine_slices;  // ceil(max_num_tokens / COMBINE_SLICE_ROWS)
+  int64_t recv_rts;  // [ep_size] int32, written by source s: its runtime_max_tokens_per_rank
+  int64_t dispatch_ready;  // [ep_size] u64, written by source s: (high << 32) | round
+  int64_t recv_specs;  // [ep_size, SPEC_WORDS] int32, written by source s: its payload descriptor
+  int64_t combine_ready;  // [ep_size] u64, written by target t: (combine spec << 32) | round
+};
+
+// The struct from an aux list (anything indexable by AUX_*, checked by the caller).
+template <typename List>
+inline AuxOffsets aux_offsets_from(const List& v) {
+  AuxOffsets a;
+  a.flag_val = static_cast<int64_t>(v[AUX_FLAG_VAL]);
+  a.local_token_counter = static_cast<int64_t>(v[AUX_LOCAL_TOKEN_COUNTER]);
+  a.send_counters = static_cast<int64_t>(v[AUX_SEND_COUNTERS]);
+  a.recv_counters = static_cast<int64_t>(v[AUX_RECV_COUNTERS]);
+  a.dispatch_completion_flags = static_cast<int64_t>(v[AUX_DISPATCH_COMPLETION_FLAGS]);
+  a.combine_completion_flags = static_cast<int64_t>(v[AUX_COMBINE_COMPLETION_FLAGS]);
+  a.topk_target_ranks = static_cast<int64_t>(v[AUX_TOPK_TARGET_RANKS]);
+  a.topk_send_indices = static_cast<int64_t>(v[AUX_TOPK_SEND_INDICES]);
+  a.block_counters = static_cast<int64_t>(v[AUX_BLOCK_COUNTERS]);
+  a.topk_stride = static_cast<int>(v[AUX_TOPK_STRIDE]);
+  a.slot_tokens = static_cast<int64_t>(v[AUX_SLOT_TOKENS]);
+  a.max_num_tokens = static_cast<int>(v[AUX_MAX_NUM_TOKENS]);
+  a.combine_slice_flags = static_cast<int64_t>(v[AUX_COMBINE_SLICE_FLAGS]);
+  a.combine_slices = static_cast<int>(v[AUX_COMBINE_SLICES]);
+  a.recv_rts = static_cast<int64_t>(v[AUX_RECV_RTS]);
+  a.dispatch_ready = static_cast<int64_t>(v[AUX_DISPATCH_READY]);
+  a.recv_specs = static_cast<int64_t>(v[AUX_RECV_SPECS]);
+  a.combine_ready = static_cast<int64_t>(v[AUX_COMBINE_READY]);
+  return a;
+}
 
 }  // namespace layout
 }  // namespace a2ad

@@ -16,6 +16,10 @@ namespace a2ad {
 constexpr int kMaxPayloads = layout::MAX_PAYLOADS;
 constexpr int kMaxTopK = layout::MAX_TOP_K;  // checked against top_k; the stride is passed
 constexpr int kMaxEpSize = layout::MAX_EP_SIZE;
+// u64 words of a rank mask (rank q: bit q & 63 of word q >> 6). Kernels of a job with
+// ep_size <= 64 keep one-word masks.
+constexpr int kMaskWords = layout::MASK_WORDS;
+static_assert(kMaskWords * 64 == kMaxEpSize, "a mask word per 64 ranks");
 
 // Diagnostics: stages of dispatch switched off to time the others. They break the
 // protocol's guarantees (every bit but kDiagDoubleFence may deliver wrong or stale data),
@@ -42,28 +46,9 @@ struct Workspace {
   int ep_size;
 };
 
-// Row-relative byte offsets of the aux fields (layout.AuxLayout), plus the
-// row stride (in int32 elements) of the [max_num_tokens, MAX_TOP_K] arrays.
-struct AuxOffsets {
-  int64_t flag_val;
-  int64_t local_token_counter;
-  int64_t send_counters;
-  int64_t recv_counters;
-  int64_t dispatch_completion_flags;
-  int64_t combine_completion_flags;
-  int64_t topk_target_ranks;
-  int64_t topk_send_indices;
-  int64_t block_counters;     // [BLOCK_COUNTER_SLOTS] int32, slots layout::SLOT_*
-  int topk_stride;            // layout.MAX_TOP_K
-  int64_t slot_tokens;        // [ep_size, max_num_tokens] int32: token sent to (target, slot)
-  int max_num_tokens;         // the job's max_num_tokens (row stride of slot_tokens)
-  int64_t combine_slice_flags;  // [ep_size, combine_slices] int32, written by the targets
-  int combine_slices;         // ceil(max_num_tokens / COMBINE_SLICE_ROWS)
-  int64_t recv_rts;           // [ep_size] int32, written by source s: its runtime_max_tokens_per_rank
-  int64_t dispatch_ready;     // [ep_size] uint64, written by source s: (high << 32) | round (ready_word)
-  int64_t recv_specs;         // [ep_size, SPEC_WORDS] int32, written by source s: its payload descriptor
-  int64_t combine_ready;      // [ep_size] uint64, written by target t: (combine spec << 32) | round
-};
+// Row-relative byte offsets of the aux fields (layout.AuxLayout) and the sizes the kernels
+// index them with: the struct generated from layout.AUX_PLAN_FIELDS into layout.h.
+using AuxOffsets = layout::AuxOffsets;
 
 // The job's control block as the kernels see it (host memory registered for GPU
 // access). Offsets inside it are layout::CB_* and this rank's records.
@@ -80,6 +65,15 @@ struct Control {
 // split the SMs between them.
 struct LaunchLimits {
   int sm_budget;
+};
+
+// The caller's active-rank mask: a device tensor of `words` u64 words (may be null; words
+// past `words` count as zero: they hold no rank below ep_size) ANDed with kMaskWords words
+// given at launch (all ones: none).
+struct CallerMask {
+  const int64_t* ptr;
+  int words;
+  uint64_t value[kMaskWords];
 };
 
 struct DispatchParams {
@@ -107,10 +101,8 @@ struct DispatchParams {
   int32_t* eplb_out;
   int eplb_experts;
   int64_t eplb_offset;
-  // The caller's active-rank mask, ANDed with the job's: a device word (may be null) and a
-  // value given at launch (~0: none).
-  const int64_t* caller_mask;
-  uint64_t caller_mask_value;
+  // The caller's active-rank mask, ANDed with the job's.
+  CallerMask caller_mask;
 };
 
 struct SanitizeParams {
@@ -143,9 +135,10 @@ struct CombineParams {
   int64_t combine_offset;     // row-relative start of region [ep_size, rt, hidden]
   int overlap_stage_blocks;   // set by launch_combine: > 0 stages slice by slice with this many blocks
   // Degraded mode only (ctl.degrade): per token, 1 when it lost at least one expert's
-  // contribution ([local_num_tokens], device); the ranks the combine counted, as a
-  // host-mapped u64 (read by the host once the stream ran) and as a device u64 (for the
-  // model, on the stream). All may be null otherwise.
+  // contribution ([local_num_tokens], device); the ranks the combine counted, as
+  // kMaskWords host-mapped u64 words (read by the host once the stream ran) and as
+  // kMaskWords device u64 words (for the model, on the stream; a job of ep_size <= 64
+  // writes only the first word of each). All may be null otherwise.
   uint8_t* degraded;
   uint64_t* seen_out;
   uint64_t* seen_dev;
@@ -155,8 +148,7 @@ struct CombineParams {
   // FP8_BLOCK elements (layout.fp8_row_bytes per row, region at combine_offset); this
   // rank's own rows are read from the payload.
   bool low_precision;
-  const int64_t* caller_mask;
-  uint64_t caller_mask_value;
+  CallerMask caller_mask;
 };
 
 struct InitializeParams {

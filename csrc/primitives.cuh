@@ -184,22 +184,151 @@ struct ReadyProbe {
   }
 };
 
-// The round's view with the caller's active-rank mask ANDed in (~0: every rank, as
+// ---------------------------------------------------------------------------
+// Rank masks
+// ---------------------------------------------------------------------------
+// A set of ranks as W little-endian u64 words: rank q is bit (q & 63) of word (q >> 6).
+// The kernels take W as a template parameter, chosen at launch from ep_size: 1 up to 64
+// ranks (then every operation is the one of a plain u64), kMaskWords above. Indices are
+// compile-time constants in every loop, so a mask stays in registers.
+template <int W>
+struct RankMask {
+  static_assert(W >= 1 && W <= kMaskWords, "mask words");
+  uint64_t w[W];
+
+  __host__ __device__ __forceinline__ static RankMask all() {
+    RankMask m;
+#pragma unroll
+    for (int i = 0; i < W; ++i) m.w[i] = ~0ull;
+    return m;
+  }
+  __host__ __device__ __forceinline__ static RankMask none() {
+    RankMask m;
+#pragma unroll
+    for (int i = 0; i < W; ++i) m.w[i] = 0;
+    return m;
+  }
+  // The word holding rank q (0 <= q < 64 * W).
+  __device__ __forceinline__ uint64_t word_of(int q) const {
+    if constexpr (W == 1) {
+      return w[0];
+    } else {
+      // (an OR of masked words, not a select: a select chain is folded into an indexed
+      //  load, which puts the mask in local memory)
+      const int k = q >> 6;
+      uint64_t x = 0;
+#pragma unroll
+      for (int i = 0; i < W; ++i) x |= w[i] & (0ull - static_cast<uint64_t>(k == i));
+      return x;
+    }
+  }
+  // Whether rank q (0 <= q < 64 * W) is in the set.
+  __device__ __forceinline__ bool has(int q) const {
+    if constexpr (W == 1) return (w[0] >> q & 1) != 0;
+    return (word_of(q) >> (q & 63) & 1) != 0;
+  }
+  __device__ __forceinline__ bool is_all() const {
+    bool a = true;
+#pragma unroll
+    for (int i = 0; i < W; ++i) a = a && w[i] == ~0ull;
+    return a;
+  }
+  __device__ __forceinline__ bool any() const {
+    uint64_t o = 0;
+#pragma unroll
+    for (int i = 0; i < W; ++i) o |= w[i];
+    return o != 0;
+  }
+  // The lowest rank in the set, -1 when it is empty.
+  __device__ __forceinline__ int lowest() const {
+    int r = -1;
+#pragma unroll
+    for (int i = W - 1; i >= 0; --i) {
+      if (w[i] != 0) r = 64 * i + __ffsll(static_cast<long long>(w[i])) - 1;
+    }
+    return r;
+  }
+  __device__ __forceinline__ void clear(int q) {
+    const int k = q >> 6;
+    const uint64_t bit = 1ull << (q & 63);
+#pragma unroll
+    for (int i = 0; i < W; ++i) w[i] &= ~(bit & (0ull - static_cast<uint64_t>(k == i)));
+  }
+  __device__ __forceinline__ RankMask operator&(const RankMask& o) const {
+    RankMask m;
+#pragma unroll
+    for (int i = 0; i < W; ++i) m.w[i] = w[i] & o.w[i];
+    return m;
+  }
+  __device__ __forceinline__ RankMask without(const RankMask& o) const {
+    RankMask m;
+#pragma unroll
+    for (int i = 0; i < W; ++i) m.w[i] = w[i] & ~o.w[i];
+    return m;
+  }
+  // Read from / written to W u64 words of memory (volatile: another kernel's or thread's).
+  __device__ __forceinline__ static RankMask load(const void* p) {
+    RankMask m;
+    const volatile unsigned long long* v = reinterpret_cast<const volatile unsigned long long*>(p);
+#pragma unroll
+    for (int i = 0; i < W; ++i) m.w[i] = v[i];
+    return m;
+  }
+  __device__ __forceinline__ void store(void* p) const {
+    volatile unsigned long long* v = reinterpret_cast<volatile unsigned long long*>(p);
+#pragma unroll
+    for (int i = 0; i < W; ++i) v[i] = w[i];
+  }
+};
+
+// Shared-memory words a block gathers a mask in (atomicOr of one rank's bit at a time).
+template <int W>
+__device__ __forceinline__ void shared_set(unsigned long long* s, int q) {
+  if constexpr (W == 1) {
+    atomicOr(s, 1ull << q);
+  } else {
+    atomicOr(s + (q >> 6), 1ull << (q & 63));
+  }
+}
+
+template <int W>
+__device__ __forceinline__ RankMask<W> shared_mask(const unsigned long long* s) {
+  RankMask<W> m;
+#pragma unroll
+  for (int i = 0; i < W; ++i) m.w[i] = s[i];
+  return m;
+}
+
+// The round's view with the caller's active-rank mask ANDed in (all ones: every rank, as
 // without a mask in a job without degraded mode).
-__device__ __forceinline__ uint64_t with_caller_mask(uint64_t view, const int64_t* mask, uint64_t value, int ep,
-                                                     bool degrade) {
-  uint64_t m = value;
-  if (mask != nullptr) m &= static_cast<uint64_t>(*reinterpret_cast<const volatile int64_t*>(mask));
-  if (m == ~0ull) return view;
-  view &= m;
-  const uint64_t full = ep >= 64 ? ~0ull : (1ull << ep) - 1;
-  if (!degrade && (view & full) == full) view = ~0ull;  // every rank: the plain path
+template <int W>
+__device__ __forceinline__ RankMask<W> with_caller_mask(RankMask<W> view, const CallerMask& cm, int ep, bool degrade) {
+  RankMask<W> m;
+#pragma unroll
+  for (int i = 0; i < W; ++i) {
+    m.w[i] = cm.value[i];
+    if (cm.ptr != nullptr) {
+      m.w[i] &= i < cm.words ? static_cast<uint64_t>(reinterpret_cast<const volatile int64_t*>(cm.ptr)[i]) : 0ull;
+    }
+  }
+  if (m.is_all()) return view;
+  view = view & m;
+  bool every = !degrade;
+#pragma unroll
+  for (int i = 0; i < W; ++i) {
+    const int n = ep - 64 * i;  // ranks of word i
+    const uint64_t full = n >= 64 ? ~0ull : n <= 0 ? 0ull : (1ull << n) - 1;
+    every = every && (view.w[i] & full) == full;
+  }
+  if (every) view = RankMask<W>::all();  // every rank: the plain path
   return view;
 }
 
-// The job's active mask (degraded mode; host memory).
-__device__ __forceinline__ uint64_t active_mask(const Control& c) {
-  return ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(c.block + layout::CB_ACTIVE_MASK));
+// Word (q >> 6) of the job's active mask: the one holding rank q's bit (degraded mode;
+// host memory). The daemon may change the words of one update one at a time: a reader of
+// one rank's bit reads only its word.
+__device__ __forceinline__ uint64_t active_word(const Control& c, int q) {
+  return ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(c.block + layout::CB_ACTIVE_MASK) + (q >> 6));
 }
 
 // Spin until the probe is ready (acquire), the deadline passes, or the wait is
@@ -226,7 +355,7 @@ __device__ __forceinline__ int spin_wait(const Probe& probe, int round, const Co
     if (poller) {
       if (it % kAbortPollEvery == kAbortPollEvery - 1) {
         if (ld_relaxed_sys_u32(abort_word) != 0) return kWaitAborted;
-        if (watch >= 0 && (active_mask(c) >> watch & 1) == 0) return kWaitLeft;
+        if (watch >= 0 && (active_word(c, watch) >> (watch & 63) & 1) == 0) return kWaitLeft;
       }
     } else {
       if (ld_volatile(give_up) == round) return kWaitStopped;
@@ -249,42 +378,46 @@ __device__ inline void give_up_wait(const Control& c, int result, int peer, int 
   }
 }
 
-// Threads [0, ep_size) of the block each wait for peer q's probe (probe_of(q)).
+// Threads [0, ep_size) of the block each wait for peer q's probe (probe_of(q)); the
+// block must have at least ep_size threads (every launch that waits has kMaxEpSize).
 // Returns true (in every thread) when the wait completed; `value` gets what the probe
-// read (the count of a ready word). Degraded mode (`view` != ~0, the poller only): only
-// the peers of the view are waited for, a peer whose bit is cleared meanwhile is let go,
-// and *seen gets (in every thread) the peers whose probe was ready (otherwise: all ones).
-// With `bad` (combine): *bad gets (in every thread) the peers whose probe value differs
-// from `expect` (their descriptor is not this rank's).
-template <typename ProbeOf>
-__device__ __forceinline__ bool block_wait(ProbeOf probe_of, int ep_size, int round, const Control& c, uint32_t phase, bool poller,
-                           int* claim, int* give_up, int* value, uint64_t view = ~0ull, uint64_t* seen = nullptr,
-                           uint64_t* bad = nullptr, int expect = 0) {
+// read (the count of a ready word). Degraded mode (`view` not all ones, the poller only):
+// only the peers of the view are waited for, a peer whose bit is cleared meanwhile is let
+// go, and *seen gets (in every thread) the peers whose probe was ready (otherwise: all
+// ones). With `bad` (combine): *bad gets (in every thread) the peers whose probe value
+// differs from `expect` (their descriptor is not this rank's).
+template <int W, typename ProbeOf>
+__device__ __forceinline__ bool block_wait(ProbeOf probe_of, int ep_size, int round, const Control& c, uint32_t phase,
+                                           bool poller, int* claim, int* give_up, int* value, const RankMask<W>& view,
+                                           RankMask<W>* seen = nullptr, RankMask<W>* bad = nullptr, int expect = 0) {
   __shared__ int s_stop;
-  __shared__ unsigned long long s_seen, s_bad;
+  __shared__ unsigned long long s_seen[W], s_bad[W];
   volatile int* stop = &s_stop;
   if (threadIdx.x == 0) {
     *stop = 0;
-    s_seen = 0;
-    s_bad = 0;
+#pragma unroll
+    for (int i = 0; i < W; ++i) {
+      s_seen[i] = 0;
+      s_bad[i] = 0;
+    }
   }
   __syncthreads();
   const int q = threadIdx.x;
-  const bool degrade = view != ~0ull;
-  if (q < ep_size && (view >> q & 1)) {
+  const bool degrade = !view.is_all();
+  if (q < ep_size && view.has(q)) {
     uint64_t waited = 0;
     const int r = spin_wait(probe_of(q), round, c, poller, give_up, stop, &waited, value, degrade && c.degrade ? q : -1);
     if (r == kWaitOk) {
-      if (degrade) atomicOr(&s_seen, 1ull << q);
-      if (bad != nullptr && *value != expect) atomicOr(&s_bad, 1ull << q);
+      if (degrade) shared_set<W>(s_seen, q);
+      if (bad != nullptr && *value != expect) shared_set<W>(s_bad, q);
     } else if (r != kWaitLeft) {
       *stop = 1;
       if (r != kWaitStopped) give_up_wait(c, r, q, round, phase, waited, claim, give_up);
     }
   }
   __syncthreads();
-  if (seen != nullptr) *seen = degrade ? s_seen : ~0ull;
-  if (bad != nullptr) *bad = s_bad;
+  if (seen != nullptr) *seen = degrade ? shared_mask<W>(s_seen) : RankMask<W>::all();
+  if (bad != nullptr) *bad = shared_mask<W>(s_bad);
   return *stop == 0;
 }
 

@@ -38,8 +38,10 @@ __global__ void __launch_bounds__(kThreads) initialize_kernel(const InitializePa
 
 }  // namespace
 
+// The binding checked the arguments; the checks here are debug asserts (A2AD_DEBUG_CHECKS),
+// except the kernels' 32-bit indices and the row's alignment, which keep them in bounds.
 cudaError_t launch_sanitize(const SanitizeParams& p, cudaStream_t stream) {
-  if (!launch::valid_workspace(p.ws) || p.ids == nullptr || p.rt < 1 || p.top_k < 1) return cudaErrorInvalidValue;
+  A2AD_DEBUG_ASSERT(launch::valid_workspace(p.ws) && p.ids != nullptr && p.rt >= 1 && p.top_k >= 1);
   const int64_t n = (int64_t)p.ws.ep_size * p.rt * p.top_k;
   if (n >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
   sanitize_kernel<<<launch::clamp_grid(launch::ceil_div(n, kThreads), kMaxGrid), kThreads, 0, stream>>>(p);
@@ -47,10 +49,9 @@ cudaError_t launch_sanitize(const SanitizeParams& p, cudaStream_t stream) {
 }
 
 cudaError_t launch_initialize(const InitializeParams& p, cudaStream_t stream) {
-  if (p.row == nullptr || p.aux_bytes < 4 || p.aux_bytes % 4 != 0 || p.flag_val < 0 || p.flag_val % 4 != 0 ||
-      p.flag_val >= p.aux_bytes || reinterpret_cast<uintptr_t>(p.row) % 4 != 0) {
-    return cudaErrorInvalidValue;
-  }
+  A2AD_DEBUG_ASSERT(p.row != nullptr && p.aux_bytes >= 4 && p.aux_bytes % 4 == 0);
+  A2AD_DEBUG_ASSERT(p.flag_val >= 0 && p.flag_val % 4 == 0 && p.flag_val < p.aux_bytes);
+  if (reinterpret_cast<uintptr_t>(p.row) % 4 != 0) return cudaErrorInvalidValue;  // int32 stores
   initialize_kernel<<<launch::clamp_grid(launch::ceil_div(p.aux_bytes / 4, kThreads), kMaxGrid), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }

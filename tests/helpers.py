@@ -6,6 +6,7 @@ from __future__ import annotations
 import array
 import multiprocessing as mp
 import os
+import signal
 import socket
 import subprocess
 import threading
@@ -37,6 +38,21 @@ class DaemonProcess(DaemonLauncher):
         if was_running and self.stopped_by == "sigkill":
             raise AssertionError(f"daemon did not stop on SIGTERM within {timeout} s:\n{self.log_tail(60)}")
         return rc
+
+
+def end_daemon(d: DaemonLauncher, runtime_dir: Path, timeout: float = 15.0) -> None:
+    """End a test's daemon whatever state the test left it in (SIGTERM, then SIGKILL after
+    ``timeout``), and reap the fd keeper of its runtime folder: for ``finally`` blocks."""
+    try:
+        if d.proc is not None and d.proc.poll() is None:
+            d.proc.send_signal(signal.SIGTERM)
+            try:
+                d.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                d.proc.kill()
+                d.proc.wait(10)
+    finally:
+        reap_keeper(runtime_dir)
 
 
 def fd_count(pid: int) -> int:

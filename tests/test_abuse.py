@@ -31,7 +31,7 @@ import zmq
 
 from a2ad import errors, fdpass, protocol, runtime
 from a2ad.connection import DaemonClient
-from helpers import REPO, DaemonProcess, reap_keeper, rss_kib, settled_fd_count, wait_for
+from helpers import REPO, DaemonProcess, end_daemon, reap_keeper, rss_kib, settled_fd_count, wait_for
 
 SPEC = dict(max_num_tokens=16, top_k=2, num_experts=8, dispatch_bytes_per_token=64, combine_bytes_per_token=64)
 
@@ -203,15 +203,8 @@ def _limited_daemon(*args: str, nofile: int = 1024):
         yield d
     finally:
         try:
-            if d.proc is not None and d.proc.poll() is None:
-                d.proc.send_signal(signal.SIGTERM)
-                try:
-                    d.proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    d.proc.kill()
-                    d.proc.wait(10)
+            end_daemon(d, rt, timeout=10)
         finally:
-            reap_keeper(rt)
             shutil.rmtree(rt, ignore_errors=True)
 
 

@@ -976,3 +976,7 @@ def test_kernel_timing_plan_runs_the_diagnostics_at_each_asked_t():
         r = subprocess.run([sys.executable, "-m", "a2ad.bench.kernel_timing", "--tokens", bad],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and "--tokens" in r.stderr, (bad, r.stderr)
+    for bad in ("1", "0", str(L.MAX_EP_SIZE + 1)):
+        r = subprocess.run([sys.executable, "-m", "a2ad.bench.kernel_timing", "--one-gpu", "--ep", bad],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "--ep" in r.stderr, (bad, r.stderr)

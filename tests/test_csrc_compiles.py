@@ -28,11 +28,12 @@ KERNEL_FILES = [n for n in SOURCES if n.endswith(".cu")]
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("timing", [False, True], ids=["production", "timing-build"])
-def test_kernels_compile_for_sm90(tmp_path, timing):
-    """Every kernel file compiles with plain nvcc, the production build and the timing build
-    (diagnostics compiled in) alike; neither spills registers in dispatch or combine."""
-    defines = ["-DA2AD_KERNEL_TIMING"] if timing else []
+@pytest.mark.parametrize("defines", [[], ["-DA2AD_KERNEL_TIMING"], ["-DA2AD_DEBUG_CHECKS"]],
+                         ids=["production", "timing-build", "debug-build"])
+def test_kernels_compile_for_sm90(tmp_path, defines):
+    """Every kernel file compiles with plain nvcc, the production build, the timing build
+    (diagnostics compiled in) and the debug build (the launchers' checks compiled in) alike;
+    none spills registers in dispatch or combine."""
     cmd = ["nvcc", "-arch=sm_90", "-std=c++17", "-O3", "-Xptxas", "-v", *TORCH_NVCC_FLAGS, *defines, "-c",
            *[str(CSRC / n) for n in KERNEL_FILES]]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=str(tmp_path))

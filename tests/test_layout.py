@@ -86,6 +86,34 @@ def test_generated_c_header_is_current():
     assert path.read_text() == L.c_header(), "csrc/layout.h is stale: run `python -m a2ad.layout > csrc/layout.h`"
 
 
+def test_aux_plan_is_the_generated_struct_of_the_kernels():
+    """The aux list of a CUDA plan comes from one definition (layout.AUX_PLAN_FIELDS): its values
+    are the AuxLayout fields and constants of those names, and csrc/layout.h holds an index per
+    value and the kernels' AuxOffsets with exactly the fields that are not constants, in order."""
+    import re
+
+    from a2ad import layout as L
+
+    names = [name for name, _, _ in L.AUX_PLAN_FIELDS]
+    assert len(set(names)) == len(names)
+    assert set(L.AUX_PLAN_CONSTANTS) == {name for name, ctype, _ in L.AUX_PLAN_FIELDS if ctype != "int64_t"} - {
+        "max_num_tokens", "combine_slices"}
+    for ep, mt in ((1, 1), (8, 4096), (256, 3)):
+        aux = L.aux_layout(ep, mt)
+        values = L.aux_plan(aux)
+        assert len(values) == len(names)
+        for name, v in zip(names, values):
+            want = getattr(L, L.AUX_PLAN_CONSTANTS[name]) if name in L.AUX_PLAN_CONSTANTS else getattr(aux, name)
+            assert v == want, name
+    header = L.c_header()
+    for i, name in enumerate(names):
+        assert f"constexpr int AUX_{name.upper()} = {i};" in header
+    struct = re.search(r"struct AuxOffsets \{\n(.*?)\n\};", header, re.S).group(1)
+    fields = [re.match(r"\s*(\w+) (\w+);", line).groups() for line in struct.splitlines()]
+    assert fields == [(ctype, name) for name, ctype, _ in L.AUX_PLAN_FIELDS if ctype]
+    assert {name for _, name in fields} == set(names) - {"block_counter_slots", "combine_slice_rows"}
+
+
 def test_dispatch_ready_is_an_aligned_u64_field_before_the_payloads():
     from a2ad import layout as L
 

@@ -36,7 +36,7 @@ import pytest
 
 from a2ad import runtime
 from a2ad.connection import DaemonClient
-from helpers import REPO, DaemonProcess, fd_count, reap_keeper, settled_fd_count, wait_for
+from helpers import REPO, DaemonProcess, end_daemon, fd_count, reap_keeper, settled_fd_count, wait_for
 from test_domain import write_domain
 from test_abuse import _alive, _assert_serves
 from test_hardening import Holder, _stop_pid_daemon
@@ -65,16 +65,7 @@ def _daemon(rt: Path, *args: str, nofile: int | None = None, env: dict | None = 
         d.start(timeout=30)
         yield d
     finally:
-        try:
-            if d.proc is not None and d.proc.poll() is None:
-                d.proc.send_signal(signal.SIGTERM)
-                try:
-                    d.proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    d.proc.kill()
-                    d.proc.wait(10)
-        finally:
-            reap_keeper(rt)
+        end_daemon(d, rt)
 
 
 @contextlib.contextmanager

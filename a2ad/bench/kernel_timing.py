@@ -13,7 +13,8 @@ of their combine times.
 ``--one-gpu`` puts both ranks on cuda:0 instead (one device buffer holds both rows, each rank
 gets a third of the SMs, as the kernel tests do): no NVLink, so it shows what a change
 costs or saves on the GPU itself (launches, atomics, fences, kernel boundaries), not the
-figures a2ad-bench reports.
+figures a2ad-bench reports. ``--ep N`` runs N ranks instead of two (N GPUs, or all on cuda:0
+with ``--one-gpu``, each with 1/(N+1) of the SMs).
 
 The diagnostics (``CudaPlane.diag``, the ``DIAG_*`` bits of a2ad.client.cuda_plane) take
 parts of dispatch away to show what each part costs. They exist only in the timing build
@@ -57,16 +58,17 @@ def sleep_cycles_per_us(devices: list[int]) -> float:
 
 
 class TwoGpuJob:
-    """One job of two ranks, rank r on cuda:r (both on cuda:0 with ``one_gpu``), each with its
-    stream, CudaPlane and L2 flush buffer."""
+    """One job of ``ep`` ranks (two by default), rank r on cuda:r (all on cuda:0 with
+    ``one_gpu``), each with its stream, CudaPlane and L2 flush buffer."""
 
     def __init__(self, max_tokens: int, top_k: int, num_experts: int, hidden: int, timeout: float = 2.0,
-                 one_gpu: bool = False):
+                 one_gpu: bool = False, ep: int = 2):
         from a2ad import cuda_driver as cd
         from a2ad.client.cuda_map import CudaMapping
         from a2ad.client.cuda_plane import CudaPlane, initialize_row, sm_count
 
-        ep = 2
+        if ep < 2:
+            raise ValueError(f"ep must be at least 2, got {ep}")
         self.ep_size, self.top_k, self.num_experts, self.hidden = ep, top_k, num_experts, hidden
         self.one_gpu = one_gpu
         self.low_precision = False  # the FP8 combine (rows labelled "fp8 combine")
@@ -78,7 +80,7 @@ class TwoGpuJob:
         budget = 0
         if one_gpu:
             # one buffer, row q at q * row_stride (as the kernel tests); the SMs split so that
-            # both ranks' grids are resident together (combine sizes its grid to be co-resident)
+            # every rank's grid is resident together (combine sizes its grid to be co-resident)
             self.row_stride = L.pad_up(self.size, 1 << 16)
             self._buf = torch.zeros(ep * self.row_stride, dtype=torch.uint8, device="cuda:0")
             self.ws = [self._buf.as_strided((ep, self.size), (self.row_stride, 1))] * ep
@@ -303,7 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--low-precision", action="store_true",
                    help="also time the FP8 combine (low_precision=True) at each T, beside the bf16 combine")
     p.add_argument("--one-gpu", action="store_true",
-                   help="both ranks on cuda:0, a third of the SMs each (no NVLink: the on-GPU costs only)")
+                   help="every rank on cuda:0, 1/(ep+1) of the SMs each (no NVLink: the on-GPU costs only)")
+    p.add_argument("--ep", type=int, default=2,
+                   help="ranks in the job (default 2): one GPU each, or all on cuda:0 with --one-gpu")
     return p
 
 
@@ -326,11 +330,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from a2ad.client import cuda_plane as cp
 
-    if torch.cuda.device_count() < (1 if args.one_gpu else 2):
-        print("timing needs 2 GPUs (or --one-gpu and 1)")
+    if not 2 <= args.ep <= L.MAX_EP_SIZE:
+        parser.error(f"--ep: in [2, {L.MAX_EP_SIZE}], got {args.ep}")
+    if torch.cuda.device_count() < (1 if args.one_gpu else args.ep):
+        print(f"timing needs {args.ep} GPUs (or --one-gpu and 1)")
         return 1
     flush = not args.no_l2_flush
-    job = TwoGpuJob(4096, args.top_k, args.num_experts, args.hidden, one_gpu=args.one_gpu)
+    job = TwoGpuJob(4096, args.top_k, args.num_experts, args.hidden, one_gpu=args.one_gpu, ep=args.ep)
     rows, cur_T = [], None
     try:
         for label, T, dg in plan(cp, tokens, diags=not args.no_diags, low_precision=args.low_precision):
@@ -351,8 +357,8 @@ def main(argv: list[str] | None = None) -> int:
                   + ("  STARVED" if r["starved"] else ""), flush=True)
     finally:
         job.close()
-    where = "both on cuda:0 (--one-gpu)" if args.one_gpu else "on cuda:0 / cuda:1"
-    print(f"\nhidden {args.hidden}, top_k {args.top_k}, {args.num_experts} experts, 2 ranks {where}")
+    where = "all on cuda:0 (--one-gpu)" if args.one_gpu else f"on cuda:0 .. cuda:{args.ep - 1}"
+    print(f"\nhidden {args.hidden}, top_k {args.top_k}, {args.num_experts} experts, {args.ep} ranks {where}")
     print("\n| stage | T | diag | L2 flush | dispatch us (p10-p90) | combine us (p10-p90) |")
     print("| --- | --: | --: | --: | --: | --: |")
     for label, T, dg, r in rows:
