@@ -44,6 +44,11 @@ PROGRESS_QUERY_WAIT = 1.0
 #: on the data path; lease renewals back off from this up to RENEW_BACKOFF_MAX.
 LEASE_CHECK_EVERY = 0.5
 RENEW_BACKOFF_MAX = 8.0
+#: Seconds a renewal waits for the daemon's answer on fd.sock once it presented its ticket.
+#: Longer than the request's own wait: the daemon may already have made that connection the
+#: rank's lease, so a client that gave up and closed it would be taken for dead (a daemon that
+#: re-adopts a job of 256 ranks answers 256 renewals at once).
+RENEW_REDEEM_TIMEOUT = 5.0
 
 
 def _device_of(backend: str, device) -> tuple[str, torch.device]:
@@ -220,7 +225,7 @@ class _Shared:
             reply = self._client.request(
                 "renew", wait=timeout, job=self.job, ep_rank=self.ep_rank, lease=self._lease, pid=os.getpid()
             )
-            sock, fds = redeem_ticket(self._client, reply["ticket"], 0, timeout)
+            sock, fds = redeem_ticket(self._client, reply["ticket"], 0, max(timeout, RENEW_REDEEM_TIMEOUT))
             fdpass.close_all(fds)
             if self._lease_sock is not None:
                 self._lease_sock.close()

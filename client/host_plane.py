@@ -555,21 +555,22 @@ class HostPlane(Plane):
         degrade = self.degrade
         while True:
             pending = (flags != rnd).nonzero()
-            if pending.numel() and view != self._full:  # a caller's mask: only the round's ranks
-                left = _bits(pending) & view
-                pending = torch.tensor([[(left & -left).bit_length() - 1]]) if left else pending[:0]
-            if pending.numel() == 0:
+            waiting = _bits(pending) & view if pending.numel() else 0  # only the round's ranks
+            if not waiting:
                 return view
             if degrade:
-                missing = _bits(pending) & view
-                peer = cb.first_effective(missing, rnd)  # the lowest still in the mask: wait on it
+                peer = cb.first_effective(waiting, rnd)  # the lowest still in the mask: wait on it
                 if peer < 0:
-                    return view & ~missing
-                pending = torch.tensor([[peer]])
+                    # every rank still waited for left the mask; one may have published its flag,
+                    # finished the round and left between the two reads above: what it published
+                    # is complete, so a second look counts it
+                    late = (flags != rnd).nonzero()
+                    return view & ~(waiting & _bits(late)) if late.numel() else view
+            else:
+                peer = (waiting & -waiting).bit_length() - 1
             code = patience.give_up(cb)
             if code is None:
                 continue
-            peer = int(pending[0, 0])
             cb.record_status(self.ep_rank, code, peer, rnd, phase, patience.waited_ns)
             self.att.control.raise_for(self.ep_rank, self.att.job)
 

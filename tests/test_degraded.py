@@ -572,3 +572,42 @@ def test_on_peer_loss_in_the_spec():
         protocol.parse_request(protocol.encode_request(
             "join", 1, job="j", ep_rank=0, ep_size=2, spec={**spec, "on_peer_loss": "retry"}, pid=1, device="host"))
     assert ei.value.details["field"] == "spec.on_peer_loss"
+
+
+def test_a_degraded_wait_counts_exactly_the_flags_it_saw():
+    """The host plane's wait in a degraded view (rank 1 already gone): rank 2 leaves the mask
+    while rank 3, still in it, has not published; the wait goes on for rank 3 (and times out
+    naming it) instead of counting it unseen. And a rank that publishes its flag, finishes and
+    leaves between the wait's read of the flags and its read of the mask is counted: what it
+    published is complete."""
+    import torch
+
+    from a2ad.client import local
+    from a2ad.client.host_plane import HostPlane
+
+    ep, rnd = 4, 5
+    ws = torch.zeros(ep, L.workspace_size_per_rank(ep, 4, 64, 64), dtype=torch.uint8)
+    shared = local._Shared(ws, ep)
+    cb = shared.control
+    cb.initialize(ep, L.POLICY_DEGRADE)
+    att = local.LocalAttachment(ws, 0, ep, 4, L.aux_layout(ep, 4), shared, 0).spec_for(2, 8)
+    att.spec["on_peer_loss"] = "degrade"
+    plane = HostPlane(att, timeout=0.3)
+    flags = plane._combine_flags[0]  # row 0: one flag per source
+    flags.fill_(rnd - 1)
+    flags[0] = rnd
+    view = 0b1101  # ranks 0, 2, 3: rank 1 left before this round
+    cb.set_active_mask(0b1001, ep, time.monotonic_ns())  # rank 2 left too; rank 3 is still in the mask
+    with pytest.raises(errors.PeerTimeout) as exc:
+        plane._wait(flags, rnd, L.PHASE_COMBINE, view)
+    assert exc.value.details["peer"] == 3
+    cb.clear_status(0)
+    real = cb.first_effective
+
+    def publish_and_leave(mask, round):  # rank 3 publishes, finishes its round and leaves, right now
+        flags[3] = rnd
+        cb.set_active_mask(0b0001, ep, time.monotonic_ns())
+        return real(mask, round)
+
+    cb.first_effective = publish_and_leave
+    assert plane._wait(flags, rnd, L.PHASE_COMBINE, view) == 0b1001  # rank 3 counted, rank 2 not
