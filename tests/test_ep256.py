@@ -69,9 +69,9 @@ def rank_thread(rank, runtime_dir, job, policy, shared, results, seed):
     """One rank: attach, then run verified rounds while the next round is below
     ``shared['stop']``; once ``shared['final']`` is set, a rank at the stop round reports its
     records ``(round, time, ranks counted, caller mask used)`` and closes. A raise job's rank
-    that gets PeerLost calls recover() and goes on. A rank whose first round is not bounded by
-    the stop round while ``shared['first_sets_stop']`` is set, and then sets the stop round that
-    many rounds after it (a replacement). Every call passes an active_rank_mask of MASK_WORDS
+    that gets PeerLost calls recover() and goes on. While ``shared['first_sets_stop']`` is set,
+    a rank's first round is not held back by the stop round, and that rank then sets the stop
+    round that many rounds after its first (a replacement). Every call passes an active_rank_mask of MASK_WORDS
     words: all ones, or from round ``shared['mask_from']`` on all ranks but EXCLUDED (which
     then run no more rounds)."""
     try:
