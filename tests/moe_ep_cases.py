@@ -16,6 +16,10 @@ kernels compute it), from copies of the received rows taken before combine."""
 from __future__ import annotations
 
 import contextlib
+import faulthandler
+import os
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -57,6 +61,19 @@ def expert(recv: list[torch.Tensor], rank: int, ep: int) -> torch.Tensor:
     return ref.toy_expert(recv[0], recv[1], recv[2], rank, NUM_EXPERTS, ep)
 
 
+def log(who: str, msg: str) -> None:
+    """A progress line on stderr, at once (children inherit the test's stderr)."""
+    print(f"[moe_ep {time.strftime('%H:%M:%S')} {who}] {msg}", file=sys.stderr, flush=True)
+
+
+def start_child(who: str, limit: float) -> None:
+    """First thing in a child: say where it runs, and dump every thread's stack shortly before
+    the parent's time limit (then a hang shows where it is, even inside a C call)."""
+    env = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "A2AD_EXT_DIR", "FLASHINFER_WORKSPACE_BASE")}
+    log(who, f"started, pid {os.getpid()}, {env}")
+    faulthandler.dump_traceback_later(max(1.0, limit - 5.0), exit=False, file=sys.stderr)
+
+
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -69,17 +86,26 @@ def _on(stream):
 # ---------------------------------------------------------------------------
 # a2ad: one rank process of the moe_ep communication
 # ---------------------------------------------------------------------------
-def a2ad_rank(rank: int, ep: int, backend: str, runtime_dir: str, pg_file: str, hidden: int, out_dir: str):
+def a2ad_rank(rank: int, ep: int, backend: str, runtime_dir: str, pg_file: str, hidden: int, out_dir: str,
+              limit: float = 300.0):
     """One rank of ``A2adAlltoAll`` (cuda backend: on cuda:0, whatever the rank) through the
     eager rounds and the graph rounds; saves ``a2ad-<rank>.pt``; returns the job name."""
     from integration_cases import init_group
 
     from a2ad.integrations import flashinfer as fi
 
+    who = f"a2ad rank {rank}"
+    start_child(who, limit)
     init_group(rank, ep, pg_file)
+    log(who, "process group joined")
     cuda = backend == "cuda"
     if cuda:
         torch.cuda.set_device(0)
+        from a2ad.client import _ext
+
+        t0 = time.monotonic()
+        _ext.load()
+        log(who, f"CUDA up, a2ad extension loaded in {time.monotonic() - t0:.1f} s")
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
     comm = fi.A2adAlltoAll(
         fi.BootstrapConfig(world_size=ep, rank=rank, device=0 if cuda else None),
@@ -87,10 +113,11 @@ def a2ad_rank(rank: int, ep: int, backend: str, runtime_dir: str, pg_file: str, 
                            invalid_expert_id=INVALID),
         fi.A2adConfig(runtime_dir=runtime_dir, timeout=30.0),
     )
+    log(who, f"joined job {comm.job} on {comm.device}")
     try:
         assert comm.device.type == dev.type, f"the job's workspace is on {comm.device}, expected {dev.type}"
         eager = []
-        for seed, tokens, rt, how in eager_plan(ep):
+        for n, (seed, tokens, rt, how) in enumerate(eager_plan(ep)):
             mine = make_inputs(seed, tokens, hidden)[rank]
             x, ids, w = (t.to(dev) for t in (mine.hidden, mine.experts, mine.scales))
             res = comm.dispatch(x, ids, w, max_tokens_per_rank=rt)
@@ -108,8 +135,10 @@ def a2ad_rank(rank: int, ep: int, backend: str, runtime_dir: str, pg_file: str, 
                 assert out.data_ptr() == dest.data_ptr(), "combine(output=) did not return output"
             else:
                 out = comm.combine(y)
+            log(who, f"eager round {n} ({how}) issued")
             _sync(dev)
             eager.append({"recv": [t.cpu() for t in saved], "out": out.cpu()})
+            log(who, f"eager round {n} done")
 
         tokens, rt = graph_tokens(ep), MAX_TOKENS
         first = make_inputs(GRAPH_SEEDS[0], tokens, hidden)[rank]
@@ -130,8 +159,9 @@ def a2ad_rank(rank: int, ep: int, backend: str, runtime_dir: str, pg_file: str, 
                 kept = step()
             torch.cuda.current_stream(dev).wait_stream(stream)
             _sync(dev)
+            log(who, "graph captured")
         graphed = []
-        for seed in GRAPH_SEEDS:
+        for n, seed in enumerate(GRAPH_SEEDS):
             mine = make_inputs(seed, tokens, hidden)[rank]
             for s, t in zip(s_in, (mine.hidden, mine.experts, mine.scales)):
                 s.copy_(t)
@@ -141,7 +171,9 @@ def a2ad_rank(rank: int, ep: int, backend: str, runtime_dir: str, pg_file: str, 
                 kept = step()
             _sync(dev)
             graphed.append({"recv": [t.cpu() for t in kept], "out": s_out.cpu().clone()})
+            log(who, f"graph round {n} done")
         torch.save({"eager": eager, "graph": graphed, "job": comm.job}, Path(out_dir) / f"a2ad-{rank}.pt")
+        log(who, "finished")
         return comm.job
     finally:
         _sync(dev)
@@ -186,16 +218,20 @@ def flashinfer_alltoalls(fim, ep: int, hidden: int, dev: torch.device):
     return out, ws
 
 
-def flashinfer_ranks(_rank: int, ep: int, hidden: int, out_dir: str, device: str = "cuda"):
+def flashinfer_ranks(_rank: int, ep: int, hidden: int, out_dir: str, device: str = "cuda", limit: float = 300.0):
     """Every rank of FlashInfer's ``MoeAlltoAll`` in this process, each on its own CUDA stream,
     through the same eager and graph rounds as :func:`a2ad_rank`; saves ``flashinfer.pt``."""
+    who = "FlashInfer"
+    start_child(who, limit)
     from flashinfer.comm import trtllm_moe_alltoall as fim
 
+    log(who, f"imported {fim.__file__}")
     cuda = device == "cuda"
     if cuda:
         torch.cuda.set_device(0)
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
     a2as, ws = flashinfer_alltoalls(fim, ep, hidden, dev)
+    log(who, f"{ep} MoeAlltoAll instances on one [{ep}, {ws.shape[1]}] workspace on {dev}")
     streams = [torch.cuda.Stream(dev) if cuda else None for _ in range(ep)]
     main = torch.cuda.current_stream(dev) if cuda else None
     record: dict = {"eager": [], "graph": []}
@@ -217,7 +253,7 @@ def flashinfer_ranks(_rank: int, ep: int, hidden: int, out_dir: str, device: str
             return a2as[r].dispatch(payloads[1], payloads, rt, invalid_token_expert_id=INVALID,
                                     expert_id_payload_index=1)
 
-        for seed, tokens, rt, how in eager_plan(ep):
+        for n, (seed, tokens, rt, how) in enumerate(eager_plan(ep)):
             inputs = make_inputs(seed, tokens, hidden)
             payloads = [[i.hidden.to(dev), i.experts.to(dev), i.scales.to(dev)] for i in inputs]
             fork()
@@ -239,8 +275,10 @@ def flashinfer_ranks(_rank: int, ep: int, hidden: int, out_dir: str, device: str
                         assert outs[r].data_ptr() == dest.data_ptr(), "combine(output=) did not return output"
                     else:
                         outs[r] = a2as[r].combine(y, rt)
+            log(who, f"eager round {n} ({how}) issued")
             join()
             record["eager"].append({r: {"recv": [t.cpu() for t in saved[r]], "out": outs[r].cpu()} for r in range(ep)})
+            log(who, f"eager round {n} done")
 
         tokens, rt = graph_tokens(ep), MAX_TOKENS
         first = make_inputs(GRAPH_SEEDS[0], tokens, hidden)
@@ -266,7 +304,8 @@ def flashinfer_ranks(_rank: int, ep: int, hidden: int, out_dir: str, device: str
                     combine_half(r)
                 graphs.append(g)
             join()
-        for seed in GRAPH_SEEDS:
+            log(who, f"{ep} graphs captured")
+        for n, seed in enumerate(GRAPH_SEEDS):
             inputs = make_inputs(seed, tokens, hidden)
             for r in range(ep):
                 for s, t in zip(s_in[r], (inputs[r].hidden, inputs[r].experts, inputs[r].scales)):
@@ -285,7 +324,9 @@ def flashinfer_ranks(_rank: int, ep: int, hidden: int, out_dir: str, device: str
             join()
             record["graph"].append({r: {"recv": [t.cpu() for t in kept[r]], "out": s_out[r].cpu().clone()}
                                     for r in range(ep)})
+            log(who, f"graph round {n} done")
         torch.save(record, Path(out_dir) / "flashinfer.pt")
+        log(who, "finished")
         return len(record["eager"]) + len(record["graph"])
     finally:
         _sync(dev)

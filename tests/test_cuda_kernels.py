@@ -11,6 +11,7 @@ grid to be co-resident.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import time
 from types import SimpleNamespace
@@ -38,8 +39,37 @@ def _ops():
 # ---------------------------------------------------------------------------
 # An in-process job
 # ---------------------------------------------------------------------------
+#: Streams torch's pool hands out per priority, round-robin (c10's kStreamsPerPool).
+TORCH_POOL_STREAMS = 32
+
+
+def rank_streams(n):
+    """n distinct CUDA streams, one per rank, and a function that destroys those it created.
+
+    Up to TORCH_POOL_STREAMS come from torch's pool. Above that the pool would hand ranks 32
+    apart the same stream, and a rank's kernel waiting for its peer would hold that peer's
+    kernel back behind it on the one stream until the wait timed out; so a wider job gets
+    streams of its own from the driver (non-blocking, as torch's are)."""
+    if n <= TORCH_POOL_STREAMS:
+        return [torch.cuda.Stream() for _ in range(n)], lambda: None
+    torch.cuda.init()
+    lib = ctypes.CDLL("libcuda.so.1")
+    handles = []
+    for _ in range(n):
+        h = ctypes.c_void_p()
+        rc = lib.cuStreamCreate(ctypes.byref(h), 1)  # CU_STREAM_NON_BLOCKING
+        assert rc == 0, f"cuStreamCreate returned {rc}"
+        handles.append(h.value)
+
+    def destroy():
+        for h in handles:
+            lib.cuStreamDestroy_v2(ctypes.c_void_p(h))
+
+    return [torch.cuda.ExternalStream(h) for h in handles], destroy
+
+
 class Job:
-    """``ep_size`` ranks of one job on one GPU, each with its stream and CudaPlane."""
+    """``ep_size`` ranks of one job on one GPU, each with its own stream and CudaPlane."""
 
     def __init__(self, ep_size, max_tokens, top_k, num_experts, dispatch_bytes, combine_bytes, timeout=20.0,
                  on_peer_loss="raise"):
@@ -59,7 +89,7 @@ class Job:
         self.control.initialize(ep_size, L.POLICY_CODES[on_peer_loss])
         self._host = self.control.address()
         self.control_ptr = _ops().host_register(self._host, L.CONTROL_BLOCK_SIZE)
-        self.streams = [torch.cuda.Stream() for _ in range(ep_size)]
+        self.streams, self._destroy_streams = rank_streams(ep_size)
         self.budget = max(1, sm_count() // (ep_size + 1))
         self.planes = [CudaPlane(self.att(r), timeout, sm_budget=self.budget) for r in range(ep_size)]
         for r in range(ep_size):
@@ -87,6 +117,8 @@ class Job:
         torch.cuda.synchronize()
         for p in self.planes:
             p.close()
+        self.streams = []
+        self._destroy_streams()
         _ops().host_unregister(self._host)
         self.control.close()
 

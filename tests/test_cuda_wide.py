@@ -11,9 +11,11 @@ combine's blocks for every peer's flag. On an H200 (132 SMs, compute capability 
   waits (a second one for a moment: its next kernel, queued with programmatic dependent launch,
   or the expert computation between dispatch and combine), so ep_size <= 128 at the very most;
 - blocks: dispatch and combine use up to 128 registers per thread with 256 threads, two blocks
-  per SM, 264 on the device; with ranks of a one-SM budget (the harness gives each rank
-  ``sm_count // (ep_size + 1)``, at least 1) a rank's grid is at most 2 blocks, so 96 ranks
-  wait with at most 192 blocks.
+  per SM, 264 on the device; these tests give every rank a one-SM budget, so a rank's grid
+  is at most 2 blocks and 96 ranks wait with at most 192 blocks;
+- streams: every rank needs a stream of its own; torch's pool has 32 per priority and hands
+  them out round-robin, so the Job of test_cuda_kernels.py takes streams from the driver
+  above 32 ranks (two ranks on one stream would wait for each other, one behind the other).
 
 So the wide tests run ``EP_WIDE`` = 96 ranks (with 32 resident-grid slots and 72 blocks to
 spare for torch's own kernels and the moments two kernels of a rank overlap), and 65 (the
@@ -48,6 +50,15 @@ def _needs_sms(ep):
     sms = sm_count()
     if ep > 64 and sms < MIN_SMS:
         pytest.skip(f"a {ep}-rank job in one process needs >= {MIN_SMS} SMs, this GPU has {sms}")
+
+
+def _one_sm_each(job):
+    """Every rank's grids sized for one SM: ep grids of (blocks per SM) blocks each stay
+    resident together with room left for torch's kernels (the Job's own budget,
+    sm_count // (ep + 1), gives 64 and 65 ranks two SMs each, which would fill the device)."""
+    for p in job.planes:
+        p.sm_budget = 1
+    return job
 
 
 def _inputs(seed, ep, num_experts, tokens=None):
@@ -111,6 +122,8 @@ def _check_round(job, ins, cpu, saved, outs, ranks, num_experts, active=None, wh
                for q, e in enumerate(expected)]
     combined = ref.combine(routings, outputs, active)
     for r in ranks:
+        # a wait that gave up (PeerTimeout naming the peer and the phase) before the data
+        job.planes[r].check()
         problems = ref.dispatch_mismatches([t.cpu() for t in saved[r]], job.recv_counts(r), expected[r])
         assert not problems, f"{what} rank {r}: " + "; ".join(problems[:5])
         out, want = outs[r].cpu(), combined[r]
@@ -131,6 +144,7 @@ def test_wide_job_rounds_match_the_reference(make_job, ep):
     _needs_sms(ep)
     num_experts = 2 * ep
     job = make_job(ep, RT, TOP_K, num_experts, sum(_widths()), 2 * HIDDEN)
+    _one_sm_each(job)
     pl = job.layout(RT, _widths(), 2 * HIDDEN)
     for rnd in range(2):
         ins, cpu, dev = _inputs(100 * ep + rnd, ep, num_experts)
@@ -157,6 +171,7 @@ def test_caller_mask_with_ranks_above_64(make_job, device_mask):
     _needs_sms(EP_WIDE)
     ep, num_experts = EP_WIDE, 2 * EP_WIDE
     job = make_job(ep, RT, TOP_K, num_experts, sum(_widths()), 2 * HIDDEN)
+    _one_sm_each(job)
     pl = job.layout(RT, _widths(), 2 * HIDDEN)
     active = [r for r in range(ep) if r not in LEFT_OUT]
     mask_int = sum(1 << r for r in active)
@@ -213,6 +228,7 @@ def test_degraded_mode_with_lost_ranks_above_64_and_a_replacement(make_job):
     _needs_sms(EP_WIDE)
     ep, num_experts = EP_WIDE, 2 * EP_WIDE
     job = make_job(ep, RT, TOP_K, num_experts, sum(_widths()), 2 * HIDDEN, on_peer_loss="degrade")
+    _one_sm_each(job)
     pl = job.layout(RT, _widths(), 2 * HIDDEN)
     full = L.full_mask(ep)
 

@@ -23,6 +23,9 @@ The host-backend test runs a2ad's half of the same harness on the CPU, against t
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -63,7 +66,8 @@ def _rounds(ep: int, hidden: int):
 
 
 def _run_a2ad(ep, backend, runtime_dir, tmp_path, hidden, timeout=300.0):
-    res = run_group(cases.a2ad_rank, ep, (ep, backend, str(runtime_dir), str(tmp_path / "pg"), hidden, str(tmp_path)),
+    res = run_group(cases.a2ad_rank, ep,
+                    (ep, backend, str(runtime_dir), str(tmp_path / "pg"), hidden, str(tmp_path), timeout),
                     timeout=timeout)
     assert len(set(res.values())) == 1, f"the ranks joined different jobs: {res}"
     return {r: torch.load(tmp_path / f"a2ad-{r}.pt") for r in range(ep)}
@@ -94,35 +98,92 @@ def test_moe_ep_harness_on_the_host_backend(daemon_factory, tmp_path):
 # ---------------------------------------------------------------------------
 # GPU: a2ad's moe_ep communication against FlashInfer's MoeAlltoAll
 # ---------------------------------------------------------------------------
-def _flashinfer_or_skip():
+def _flashinfer_or_skip() -> None:
+    """Skip (with the reason) unless FlashInfer's MoeAlltoAll imports; tried in a child with a
+    time limit, so that this process stays without FlashInfer and CUDA."""
+    import subprocess
+    import sys
+
+    code = "import flashinfer.comm.trtllm_moe_alltoall as m; print(m.__file__)"
     try:
-        from flashinfer.comm import trtllm_moe_alltoall as fim
-    except Exception as exc:  # not installed, or its import fails on this machine
-        pytest.skip(f"FlashInfer is not importable: {type(exc).__name__}: {exc}")
-    return fim
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("importing flashinfer.comm.trtllm_moe_alltoall took more than 120 s") from None
+    if p.returncode != 0:
+        last = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
+        pytest.skip(f"FlashInfer is not importable: {last}")
+    cases.log("test", f"FlashInfer importable: {p.stdout.strip()}")
+
+
+#: time limits (s): the FlashInfer child, the a2ad rank processes, the a2ad extension's load
+#: (a build, when this tree's is not built yet, takes a minute or two)
+FI_LIMIT, A2AD_LIMIT, EXT_LIMIT = 60.0, 90.0, 300.0
+
+_EXT_CHECK = """
+import sys, time
+from a2ad.client import _ext
+src = _ext.csrc_dir()
+out = _ext.build_dir(_ext.build_hash(src, ",".join(_ext.cuda_archs()), _ext.timing_build(), _ext.debug_build()))
+lock = out / "lock"
+built = out.is_dir() and any(out.glob("*.so"))
+print(f"a2ad extension folder {out}: built {built}, lock file {lock.exists()}", file=sys.stderr, flush=True)
+end = time.monotonic() + 20
+while lock.exists() and time.monotonic() < end:
+    time.sleep(0.5)
+if lock.exists():
+    age = time.time() - lock.stat().st_mtime
+    print(f"{lock} is still there (age {age:.0f} s): a build in progress elsewhere, or the lock of a build that "
+          "was killed; torch waits on it forever. Remove it if no build is running.", file=sys.stderr, flush=True)
+    sys.exit(3)
+t0 = time.monotonic()
+_ext.load()
+print(f"a2ad extension loaded in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+"""
+
+
+def _a2ad_extension_ready() -> None:
+    """Build (if needed) and load the a2ad extension once, in a child with a time limit, before
+    the rank processes need it: a lock file left by a killed build would make them wait forever."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])))
+    try:
+        p = subprocess.run([sys.executable, "-c", _EXT_CHECK], timeout=EXT_LIMIT, cwd=str(repo), env=env)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"loading (building) the a2ad extension took more than {EXT_LIMIT:.0f} s") from None
+    assert p.returncode == 0, f"loading the a2ad extension failed (exit {p.returncode}; its output is above)"
 
 
 @pytest.mark.gpu
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(EXT_LIMIT + FI_LIMIT + A2AD_LIMIT + 60)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("ep,hidden", [(2, 7168), (4, 2880)])
 def test_moe_ep_matches_flashinfer_moe_alltoall_on_one_gpu(daemon_factory, tmp_path, ep, hidden):
+    log = cases.log
+    log("test", f"ep {ep}, hidden {hidden}: checking that FlashInfer imports")
     _flashinfer_or_skip()
-    d = daemon_factory("--grace", "1", backend="cuda")
     failed = []
-    try:
-        a2ad = _run_a2ad(ep, "cuda", d.runtime_dir, tmp_path, hidden, timeout=240.0)
-    except AssertionError as exc:
-        a2ad = None
-        failed.append(f"a2ad side: {exc}")
+    log("test", f"ep {ep}, hidden {hidden}: FlashInfer side (limit {FI_LIMIT:.0f} s)")
     try:
         # FlashInfer in a child of its own: a kernel that cannot find its peers traps (a sticky
         # CUDA error) after minutes; the child is killed at the time limit instead
-        run_group(cases.flashinfer_ranks, 1, (ep, hidden, str(tmp_path)), timeout=150.0)
+        run_group(cases.flashinfer_ranks, 1, (ep, hidden, str(tmp_path), "cuda", FI_LIMIT), timeout=FI_LIMIT)
         fi = torch.load(tmp_path / "flashinfer.pt")
     except AssertionError as exc:
         fi = None
         failed.append(f"FlashInfer side: {exc}")
+    log("test", f"FlashInfer side {'failed' if fi is None else 'done'}; the a2ad extension (limit {EXT_LIMIT:.0f} s)")
+    a2ad = None
+    try:
+        _a2ad_extension_ready()
+        d = daemon_factory("--grace", "1", backend="cuda")
+        log("test", f"cuda daemon up; a2ad side, {ep} rank processes (limit {A2AD_LIMIT:.0f} s)")
+        a2ad = _run_a2ad(ep, "cuda", d.runtime_dir, tmp_path, hidden, timeout=A2AD_LIMIT)
+    except AssertionError as exc:
+        failed.append(f"a2ad side: {exc}")
+    log("test", f"a2ad side {'failed' if a2ad is None else 'done'}")
     if failed:  # say how the side that ran compares with the reference, then fail
         for name, got in (("a2ad", a2ad and [a2ad[r] for r in range(ep)]),
                           ("FlashInfer", fi and [{p: [rnd[r] for rnd in fi[p]] for p in fi} for r in range(ep)])):
