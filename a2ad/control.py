@@ -215,6 +215,18 @@ class ControlBlock:
         mask = self.active_mask
         return L.effective_mask(mask, self.admit_rounds(ep_size), round)
 
+    def first_effective(self, mask: int, round: int) -> int:
+        """The lowest rank of ``mask`` that takes part in round ``round`` (its bit set, then
+        its admit round in ``[0, round]``, read in that order as :meth:`effective_mask`
+        reads them), or -1: what a wait needs, reading only the words of the ranks it checks."""
+        while mask:
+            low = mask & -mask
+            q = low.bit_length() - 1
+            if self.rank_active(q) and 0 <= self.admit_round(q) <= round:
+                return q
+            mask ^= low
+        return -1
+
     def admitted_mask(self, ep_size: int, mask: int | None = None) -> int:
         """The ranks active now and admitted to some round (a replacement that waits for its
         first round is not counted). ``mask``: the active mask to start from (the daemon

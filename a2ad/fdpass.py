@@ -4,6 +4,10 @@ msgpack frames (a2ad.protocol). No CUDA, no ZeroMQ: testable anywhere.
 Two layers:
 
 - ``send_frame`` / ``recv_frame``: one frame, with at most ``MAX_FDS`` fds riding along.
+- ``send_frame_fds`` / ``recv_frame_fds``: one frame with any number of fds: the frame
+  (its ``nfds`` key says how many in all) carries the first ``MAX_FDS``, and each
+  continuation frame ``{"v", "more_fds": k}`` the next k (at most ``MAX_FDS``). The fd
+  socket's answer to a ticket uses it: a job of ep_size ranks passes ep_size + 1 fds.
 - ``send_named_fds`` / ``recv_named_fds``: any number of named fds, as a run of frames
   (``BATCH_FDS`` fds and at most ``protocol.FD_FRAME_MAX`` bytes each). Each frame is
   ``{"names": [...], "more": bool, "total": N, ...}`` with exactly ``len(names)`` fds; the
@@ -56,6 +60,39 @@ def send_frame(sock: socket.socket, obj, fds: list[int] | None = None, timeout: 
     sent = socket.send_fds(sock, [data], fds) if fds else sock.send(data)
     if sent < len(data):
         sock.sendall(data[sent:])
+
+
+def send_frame_fds(sock: socket.socket, obj: dict, fds: list[int], timeout: float | None = None) -> None:
+    """Send ``obj`` (which must say ``nfds == len(fds)``) with all of ``fds``: the first
+    MAX_FDS with the frame itself, the rest in continuation frames of at most MAX_FDS."""
+    if obj.get("nfds") != len(fds):
+        raise ValueError(f"the frame must announce nfds={len(fds)}")
+    send_frame(sock, obj, fds[:MAX_FDS], timeout)
+    for i in range(MAX_FDS, len(fds), MAX_FDS):
+        chunk = fds[i : i + MAX_FDS]
+        send_frame(sock, {"v": protocol.PROTOCOL_VERSION, "more_fds": len(chunk)}, chunk, timeout)
+
+
+def recv_frame_fds(sock: socket.socket, timeout: float) -> tuple[object, list[int]]:
+    """Receive a frame sent by :func:`send_frame_fds` and every fd it announced (``nfds``; a
+    frame without it, such as a refusal, comes alone). The caller owns the fds; on any error
+    the fds received so far are closed. ProtocolError for a continuation that does not match."""
+    deadline = time.monotonic() + timeout
+    obj, fds = recv_frame(sock, timeout)
+    try:
+        total = obj.get("nfds") if isinstance(obj, dict) else None
+        if not isinstance(total, int) or isinstance(total, bool) or total <= len(fds):
+            return obj, fds
+        while len(fds) < total:
+            more, got = recv_frame(sock, max(1e-3, deadline - time.monotonic()))
+            fds.extend(got)
+            if not isinstance(more, dict) or more.get("more_fds") != len(got) or not got:
+                raise errors.ProtocolError(
+                    f"expected a continuation frame carrying the next of {total} fds, got {more!r:.100} with {len(got)}")
+        return obj, fds
+    except BaseException:
+        close_all(fds)
+        raise
 
 
 def _recv_exact(sock: socket.socket, n: int, fds: list[int], deadline: float) -> bytes:

@@ -22,8 +22,11 @@ itself and never reaches the daemon's logic.
 
 The companion fd socket (``fd.sock``) speaks length-prefixed msgpack: a 4-byte
 big-endian length, then the map. Its request is ``{"v", "ticket"}``; its reply
-is a reply envelope whose ancillary data carries the file descriptors
-(SCM_RIGHTS), in the order the join reply's ``handles`` list gives.
+is a reply envelope (with ``nfds``: how many fds in all) whose ancillary data carries the
+file descriptors (SCM_RIGHTS), in the order the join reply's ``handles`` list gives. A
+frame carries at most 128 fds (``fdpass.MAX_FDS``; the kernel's cap is 253): past that,
+continuation frames ``{"v", "more_fds": k}`` follow, each with the next k fds
+(``fdpass.send_frame_fds``), so an ep_size 256 job's 257 fds arrive in three frames.
 
 Request types and their fields are in :data:`REQUESTS`; every field is checked
 by :func:`parse_request`, which raises the error class that the reply carries.

@@ -44,6 +44,11 @@ PROGRESS_QUERY_WAIT = 1.0
 #: on the data path; lease renewals back off from this up to RENEW_BACKOFF_MAX.
 LEASE_CHECK_EVERY = 0.5
 RENEW_BACKOFF_MAX = 8.0
+#: Seconds a renewal waits for the daemon's answer on fd.sock once it presented its ticket.
+#: Longer than the request's own wait: the daemon may already have made that connection the
+#: rank's lease, so a client that gave up and closed it would be taken for dead (a daemon that
+#: re-adopts a job of 256 ranks answers 256 renewals at once).
+RENEW_REDEEM_TIMEOUT = 5.0
 
 
 def _device_of(backend: str, device) -> tuple[str, torch.device]:
@@ -220,7 +225,7 @@ class _Shared:
             reply = self._client.request(
                 "renew", wait=timeout, job=self.job, ep_rank=self.ep_rank, lease=self._lease, pid=os.getpid()
             )
-            sock, fds = redeem_ticket(self._client, reply["ticket"], 0, timeout)
+            sock, fds = redeem_ticket(self._client, reply["ticket"], 0, max(timeout, RENEW_REDEEM_TIMEOUT))
             fdpass.close_all(fds)
             if self._lease_sock is not None:
                 self._lease_sock.close()
@@ -777,7 +782,7 @@ def redeem_ticket(client: DaemonClient, ticket: bytes, nfds: int, timeout: float
             raise errors.DaemonUnavailable(f"cannot connect to {client.fd_path}: {exc}") from None
         fdpass.send_frame(sock, {"v": protocol.PROTOCOL_VERSION, "ticket": ticket})
         try:
-            answer, fds = fdpass.recv_frame(sock, timeout=timeout)
+            answer, fds = fdpass.recv_frame_fds(sock, timeout=timeout)
         except (TimeoutError, ConnectionError, OSError) as exc:
             raise errors.DaemonUnavailable(f"no answer to the ticket from {client.fd_path}: {exc}") from None
         if not isinstance(answer, dict) or not answer.get("ok"):
@@ -813,8 +818,21 @@ def _row_handles(reply: dict) -> list:
     return out
 
 
+def _check_control_handle(reply: dict) -> None:
+    """Refuse a daemon whose control block has another size than this client's layout (a
+    daemon of control-block layout version 1: one mask word, 4096 bytes), before anything is
+    mapped: mapping 16 KiB of a 4 KiB block would fault."""
+    size = next((h.get("size") for h in reply["handles"] if isinstance(h, dict) and h.get("kind") == "control"), None)
+    if size != L.CONTROL_BLOCK_SIZE:
+        raise errors.ProtocolError(
+            f"the daemon's control block is {size} bytes; this client's layout (version {L.CONTROL_VERSION}, ep_size "
+            f"up to {L.MAX_EP_SIZE}) needs {L.CONTROL_BLOCK_SIZE}: the daemon is of another a2ad release (version "
+            "skew); run a client and a daemon of one release")
+
+
 def _redeem(client: DaemonClient, reply: dict, aux: L.AuxLayout, tdev: torch.device) -> _Shared:
     ep_size = reply["ep_size"]
+    _check_control_handle(reply)
     wanted = _row_handles(reply)
     nfds = sum(1 for h in wanted if h is True) + 1
     sock, fds = redeem_ticket(client, reply["ticket"], nfds, 10.0)
@@ -834,6 +852,10 @@ def _redeem(client: DaemonClient, reply: dict, aux: L.AuxLayout, tdev: torch.dev
             mapping = CudaMapping(rows, size, stride, tdev.index)
         cb_fd = _own_control_fd(fds[-1])
         control = ControlBlock.map_fd(cb_fd if cb_fd >= 0 else fds[-1])
+        if not control.valid:
+            raise errors.ProtocolError(
+                f"the job's control block has layout version {control.version}; this client reads version "
+                f"{L.CONTROL_VERSION}: the daemon is of another a2ad release (version skew)")
         watch = cb_fd >= 0 and _cb.mark_rank(cb_fd) and _cb.job_held(cb_fd) is True
         att = _Shared(
             job=reply["job"],

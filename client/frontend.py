@@ -77,31 +77,38 @@ def bool_arg(name: str, value) -> bool:
 
 
 def rank_mask_arg(name: str, mask, ep_rank: int, ep_size: int, device: torch.device) -> torch.Tensor:
-    """The caller's active-rank mask as the int64 ``[1]`` bit mask the planes take.
+    """The caller's active-rank mask as the int64 words the planes take.
 
-    Accepts FlashInfer's CPU uint64 ``[1]`` tensor (:func:`moe_a2a_active_rank_mask`) and an
-    int64 ``[1]`` tensor, on the CPU or on this rank's device (a device mask can change
-    between CUDA graph replays). A host mask must keep this rank's own bit and name no
-    rank outside ``[0, ep_size)`` and goes to the plane as it is (its value is taken at the
-    call, also while a CUDA graph is captured); a device mask is not read back (no sync)."""
+    A mask is n u64 words, rank q being bit ``q & 63`` of word ``q >> 6``, with
+    ``ceil(ep_size / 64) <= n <= MASK_WORDS``: FlashInfer's CPU uint64 ``[1]`` tensor for
+    ep_size <= 64, :func:`moe_a2a_active_rank_mask`'s ``[MASK_WORDS]`` one, or an int64
+    tensor of such words, on the CPU or on this rank's device (a device mask can change
+    between CUDA graph replays). A host mask must keep this rank's own bit and name no rank
+    outside ``[0, ep_size)``; it goes to the plane as it is (its value is taken at the call,
+    also while a CUDA graph is captured), an int64 view of the caller's words (no copy); a
+    device mask is not read back (no sync). The plane reads the words it is given, the
+    others count as zero."""
     if not isinstance(mask, torch.Tensor):
         raise errors.InputError(f"{name} must be a torch.Tensor (moe_a2a_active_rank_mask), got "
                                 f"{type(mask).__name__}", argument=name)
-    if mask.dtype not in (torch.uint64, torch.int64) or mask.shape != (1,):
-        raise errors.InputError(f"{name} must be a [1] uint64 (or int64) tensor, got {list(mask.shape)} {mask.dtype}",
-                                argument=name)
+    need = (ep_size + 63) // 64
+    if mask.dtype not in (torch.uint64, torch.int64) or mask.dim() != 1 or not need <= mask.shape[0] <= L.MASK_WORDS:
+        shapes = f"[{need}]" if need == L.MASK_WORDS else f"[{need}] to [{L.MASK_WORDS}]"
+        raise errors.InputError(
+            f"{name} must be a uint64 (or int64) tensor of shape {shapes} for ep_size={ep_size} (rank q: bit q & 63 "
+            f"of word q >> 6), got {list(mask.shape)} {mask.dtype}", argument=name)
     if mask.device.type != "cpu" and mask.device != device:
         raise errors.InputError(f"{name} is on {mask.device}; give it on the CPU or on {device}", argument=name)
     if mask.dtype is torch.uint64:
         mask = mask.view(torch.int64)
     if mask.device.type == "cpu":
-        bits = int(mask[0]) & ((1 << 64) - 1)
+        bits = L.mask_from_words(mask.tolist())
         if not bits >> ep_rank & 1:
             raise errors.InputError(f"{name} must keep this rank's own bit ({ep_rank}) set, got {bits:#x}",
                                     argument=name)
         if bits >> ep_size:
-            raise errors.InputError(f"{name} sets bits of ranks outside [0, ep_size={ep_size}): {bits:#x}",
-                                    argument=name)
+            raise errors.InputError(f"{name} sets bits of ranks outside [0, ep_size={ep_size}): "
+                                    f"{L.format_ranks(bits & ~L.full_mask(ep_size))} ({bits:#x})", argument=name)
     return mask if mask.is_contiguous() else mask.contiguous()
 
 
@@ -335,7 +342,7 @@ class Front:
 
         Returns ``(received views, layout, eplb_gathered or None)``; the views are
         ``[ep_size, rt, elements_per_token]`` of each payload's dtype, backed by this
-        rank's workspace row. ``caller_mask``: an int64 ``[1]`` tensor (rank_mask_arg)."""
+        rank's workspace row. ``caller_mask``: int64 mask words (rank_mask_arg)."""
         att = self.att
         plane = self._plane
         if plane is None:

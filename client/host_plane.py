@@ -102,13 +102,21 @@ def route(experts: torch.Tensor, num_experts: int, ep_size: int, active: torch.T
 
 
 def _caller_bits(caller_mask: torch.Tensor | None, ep_size: int) -> int:
-    """The ranks a caller's active-rank mask (int64 ``[1]``, bit r: rank r) lets take part."""
+    """The ranks a caller's active-rank mask lets take part: int64 words ``[n]``, n <= MASK_WORDS,
+    rank q being bit q & 63 of word q >> 6 (``frontend.rank_mask_arg``); absent words are zero."""
     if caller_mask is None:
         return L.full_mask(ep_size)
-    if caller_mask.numel() != 1 or caller_mask.dtype not in (torch.int64, torch.int32):
-        raise errors.InputError(f"active_rank_mask must be an int64 [1] tensor, got {caller_mask.dtype} "
-                                f"{list(caller_mask.shape)}", argument="active_rank_mask")
-    return int(caller_mask.reshape(()).item()) & L.full_mask(ep_size)
+    if caller_mask.dim() > 1 or not 1 <= caller_mask.numel() <= L.MASK_WORDS or caller_mask.dtype not in (
+            torch.int64, torch.int32):
+        raise errors.InputError(f"active_rank_mask must be an int64 tensor of 1 to {L.MASK_WORDS} words, got "
+                                f"{caller_mask.dtype} {list(caller_mask.shape)}", argument="active_rank_mask")
+    return L.mask_from_words(caller_mask.reshape(-1).tolist()) & L.full_mask(ep_size)
+
+
+def mask_word_tensor(mask: int) -> torch.Tensor:
+    """``mask`` as int64 ``[MASK_WORDS]`` (rank q: bit q & 63 of word q >> 6; a word with bit 63
+    set is negative, two's complement)."""
+    return torch.tensor([w - (1 << 64) if w >> 63 else w for w in L.mask_words(mask)], dtype=torch.int64)
 
 
 def check_fp8_combine(payload: torch.Tensor) -> None:
@@ -233,8 +241,8 @@ class HostPlane(Plane):
         rank naming the field and both values, after the round completed without data.
         ``eplb_local_stats`` (int32 ``[pl.eplb_stats_num_experts]``) goes to every rank;
         ``eplb_gathered`` (int32 ``[ep_size, E]``) receives every rank's (zeros for a rank
-        outside the round). ``caller_mask`` (int64 ``[1]``, bit r: rank r takes part) is
-        ANDed with the job's mask for this round.
+        outside the round). ``caller_mask`` (int64 mask words, rank r: bit r & 63 of word r >> 6)
+        is ANDed with the job's mask for this round.
 
         experts: ``[T, top_k]`` int32, contiguous, ids in ``[0, num_experts)``.
         payloads: ``[T, ...]`` contiguous tensors (``pl.dispatch_bytes_per_token[i]`` bytes
@@ -529,11 +537,11 @@ class HostPlane(Plane):
         return self.combine_mask
 
     def round_mask_tensor(self) -> torch.Tensor | None:
-        """``combine_mask`` as an int64 ``[1]`` tensor (two's complement for rank 63's bit)."""
+        """``combine_mask`` as int64 ``[MASK_WORDS]`` words (:func:`mask_word_tensor`)."""
         m = self.combine_mask
         if m is None:
             return None
-        return torch.tensor([m - (1 << 64) if m >= 1 << 63 else m], dtype=torch.int64)
+        return mask_word_tensor(m)
 
     # --- waits and failures ---------------------------------------------------------
     def _wait(self, flags: torch.Tensor, rnd: int, phase: int, view: int) -> int:
@@ -544,24 +552,25 @@ class HostPlane(Plane):
         others. Bounded by the timeout and abandoned when the abort word is set."""
         cb = self.att.control
         patience = _Patience(self.timeout)
-        degrade, ep = self.degrade, self.ep_size
+        degrade = self.degrade
         while True:
             pending = (flags != rnd).nonzero()
-            if pending.numel() and view != self._full:  # a caller's mask: only the round's ranks
-                left = _bits(pending) & view
-                pending = torch.tensor([[(left & -left).bit_length() - 1]]) if left else pending[:0]
-            if pending.numel() == 0:
+            waiting = _bits(pending) & view if pending.numel() else 0  # only the round's ranks
+            if not waiting:
                 return view
             if degrade:
-                missing = _bits(pending) & view
-                left = missing & cb.effective_mask(ep, rnd)  # those still in the mask: wait on
-                if not left:
-                    return view & ~missing
-                pending = torch.tensor([[(left & -left).bit_length() - 1]])
+                peer = cb.first_effective(waiting, rnd)  # the lowest still in the mask: wait on it
+                if peer < 0:
+                    # every rank still waited for left the mask; one may have published its flag,
+                    # finished the round and left between the two reads above: what it published
+                    # is complete, so a second look counts it
+                    late = (flags != rnd).nonzero()
+                    return view & ~(waiting & _bits(late)) if late.numel() else view
+            else:
+                peer = (waiting & -waiting).bit_length() - 1
             code = patience.give_up(cb)
             if code is None:
                 continue
-            peer = int(pending[0, 0])
             cb.record_status(self.ep_rank, code, peer, rnd, phase, patience.waited_ns)
             self.att.control.raise_for(self.ep_rank, self.att.job)
 

@@ -376,10 +376,11 @@ class MoeAlltoAll:
 
     @property
     def last_round_active_mask(self) -> torch.Tensor | None:
-        """The ranks of :attr:`last_round_active_ranks` as a bit mask in an int64 ``[1]`` tensor
-        on this rank's device (bit q: rank q counted), written by the combine in stream order:
-        a model can tell which of a token's experts counted without a sync,
-        ``(mask >> owner[topk_ids]) & 1``. None before the first combine."""
+        """The ranks of :attr:`last_round_active_ranks` as a bit mask in int64 ``[MASK_WORDS]``
+        words on this rank's device (rank q counted: bit q & 63 of word q >> 6), written by the
+        combine in stream order: a model can tell which of a token's experts counted without a
+        sync, ``(mask[owner >> 6] >> (owner & 63)) & 1`` with ``owner = owner_of[topk_ids]``
+        (int64). None before the first combine."""
         return self._plane.round_mask_tensor() if self._plane is not None else None
 
     @property
@@ -457,8 +458,9 @@ class MoeAlltoAll:
         eplb_local_stats: ``[eplb_stats_num_experts]`` int32, this rank's EPLB statistics,
         gathered from every rank in this round into :attr:`eplb_gathered_stats`.
         active_rank_mask: with ``enable_rank_mask=True``, the ranks to run among
-        (:func:`moe_a2a_active_rank_mask`'s CPU uint64 tensor, or an int64/uint64 ``[1]``
-        tensor on this rank's device, which may change between CUDA graph replays),
+        (:func:`moe_a2a_active_rank_mask`'s CPU uint64 tensor, or an int64/uint64 tensor of
+        ``ceil(ep_size / 64)`` to MASK_WORDS words, rank q being bit q & 63 of word q >> 6, on
+        the CPU or on this rank's device, where it may change between CUDA graph replays),
         combined with the job's own mask; this rank's bit must be set.
         enable_pdl: accepted, no effect.
 

@@ -118,8 +118,10 @@ __all__ = [
     "registered",
 ]
 
-#: Words of the active-rank mask (FlashInfer's MOE_A2A_RANK_MASK_WORDS): one uint64, up to 64 ranks.
-MOE_A2A_RANK_MASK_WORDS = 1
+#: Words of the active-rank mask (FlashInfer's MOE_A2A_RANK_MASK_WORDS): MASK_WORDS uint64 words,
+#: up to MAX_EP_SIZE ranks (rank q: bit q & 63 of word q >> 6). FlashInfer's own one-word mask is
+#: accepted for ep_size <= 64.
+MOE_A2A_RANK_MASK_WORDS = L.MASK_WORDS
 #: FlashInfer backend names a2ad honours (its kernels are a2ad's own whichever is named).
 BACKENDS = ("trtllm",)
 
@@ -484,15 +486,16 @@ def moe_a2a_release(workspace: torch.Tensor, ep_rank: int | None = None) -> None
 
 
 def moe_a2a_active_rank_mask(active_ranks, ep_size: int) -> torch.Tensor:
-    """FlashInfer's helper: a CPU uint64 ``[MOE_A2A_RANK_MASK_WORDS]`` tensor with bit i set for each
-    rank i of ``active_ranks`` (a sequence or 1-D tensor of ranks in ``[0, ep_size)``)."""
+    """FlashInfer's helper: a CPU uint64 ``[MOE_A2A_RANK_MASK_WORDS]`` tensor with bit ``i & 63`` of
+    word ``i >> 6`` set for each rank i of ``active_ranks`` (a sequence or 1-D tensor of ranks in
+    ``[0, ep_size)``)."""
     ep_size = _int_arg("ep_size", ep_size, 1, L.MAX_EP_SIZE)
     mask = 0
     for rank in active_ranks.tolist() if isinstance(active_ranks, torch.Tensor) else active_ranks:
         rank = _int_arg("active_ranks", rank, 0, ep_size - 1)
         mask |= 1 << rank
-    signed = mask - (1 << 64) if mask >> 63 else mask
-    return torch.tensor([signed], dtype=torch.int64).view(torch.uint64)
+    signed = [w - (1 << 64) if w >> 63 else w for w in L.mask_words(mask)]
+    return torch.tensor(signed, dtype=torch.int64).view(torch.uint64)
 
 
 def moe_a2a_dispatch(
@@ -524,7 +527,9 @@ def moe_a2a_dispatch(
     eplb_stats_num_experts]`` int32 (row r: rank r's ``eplb_local_stats``) when
     ``eplb_local_stats`` was given, else None. ``active_rank_mask`` (with
     ``enable_rank_mask=True``): :func:`moe_a2a_active_rank_mask`'s CPU tensor or an int64 /
-    uint64 ``[1]`` tensor on the device, combined with the job's own mask.
+    uint64 tensor of ``ceil(ep_size / 64)`` to MASK_WORDS words on the CPU or the device (rank q:
+    bit q & 63 of word q >> 6; FlashInfer's one-word tensor for ep_size <= 64), combined with
+    the job's own mask.
     ``enable_pdl`` and ``recv_view_cache`` are accepted and have no effect (the views
     are kept by a2ad itself). ``workspace``/``metainfo``: a live MoeAlltoAll's
     ``.workspace`` and ``.metainfo``, or a workspace :func:`moe_a2a_initialize` set up.

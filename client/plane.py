@@ -38,8 +38,9 @@ class Plane(abc.ABC):
         :meth:`check_input` after the call), the round moving no data.
         eplb_local_stats: int32 ``[pl.eplb_stats_num_experts]`` on this rank's device, sent to
         every rank; eplb_gathered: int32 ``[ep_size, E]``, filled by the round (zeros for a
-        rank outside it). caller_mask: int64 ``[1]`` (bit r: rank r takes part this round),
-        on the device or the CPU, ANDed with the job's mask."""
+        rank outside it). caller_mask: int64 ``[n]`` mask words, ``ceil(ep_size / 64) <= n <=
+        MASK_WORDS`` (rank r takes part this round: bit r & 63 of word r >> 6; words past n
+        count as zero), on the device or the CPU, ANDed with the job's mask."""
 
     @abc.abstractmethod
     def sanitize(self, recv_ids: torch.Tensor, rt: int, invalid_id: int) -> None:
@@ -85,8 +86,8 @@ class Plane(abc.ABC):
         return None
 
     def round_mask_tensor(self) -> torch.Tensor | None:
-        """:meth:`round_mask` as an int64 ``[1]`` tensor on this rank's device, written in the
-        stream order of the combine (a model may use it without a sync); None as there."""
+        """:meth:`round_mask` as int64 ``[MASK_WORDS]`` words on this rank's device (rank q: bit
+        q & 63 of word q >> 6), written in the stream order of the combine (a model may use it without a sync); None as there."""
         return None
 
     def close(self) -> None:

@@ -458,8 +458,8 @@ def _refusals(socks: list[socket.socket], timeout: float = 5.0) -> tuple[int, di
 @pytest.mark.slow
 def test_two_thousand_silent_fd_connections(daemon_factory):
     """2,000 connections to fd.sock that never send a ticket. With the default per-uid
-    handshake cap (64) the daemon holds 64 and refuses the rest with a clean limit_exceeded
-    frame -- and, while those 64 are held, the same uid's own redeem is refused the same way
+    handshake cap (320) the daemon holds 320 and refuses the rest with a clean limit_exceeded
+    frame -- and, while those 320 are held, the same uid's own redeem is refused the same way
     (the cap has no admin exemption). With the cap raised it holds all 2,000 and a normal
     attach works meanwhile. Closing them brings the daemon's fds back."""
     n = 2000
@@ -616,7 +616,7 @@ def _idle_dealers(rt, n: int) -> tuple[zmq.Context, list]:
 @pytest.mark.slow
 def test_two_thousand_idle_ctl_peers(daemon):
     """2,000 DEALER sockets connected to ctl.sock that never send. The per-uid ctl-connection
-    cap (256 by default, --max-ctl-connections-per-uid) does not apply here: root and the
+    cap (320 by default, --max-ctl-connections-per-uid) does not apply here: root and the
     daemon's own uid are admins, never capped, and these tests run as the daemon's uid. So the
     daemon holds all 2,000; it keeps serving, and its fds come back when they leave. (The
     same flood against a daemon with a 1,024 open-file limit is the next test.)"""

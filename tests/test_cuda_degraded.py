@@ -309,7 +309,7 @@ def serve_cuda(rank, ep, runtime_dir, job, shared, results, seed, pace=0.0):
             a2a.check()
             rnd = int(flag.item()) - 1
             counted = _bits(a2a.last_round_active_ranks)
-            assert int(a2a.last_round_active_mask.item()) == counted
+            assert L.mask_from_words(a2a.last_round_active_mask.tolist()) == counted
             lost = check_round(rank, rnd, experts, hidden, out.cpu(), a2a.last_round_degraded.cpu(), counted, ep,
                                D_EXPERTS)
             records.append((rnd, done, counted, counted, lost, D_T))

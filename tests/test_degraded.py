@@ -124,7 +124,7 @@ def serve(rank, ep, runtime_dir, job, shared, results, seed, hang=None, pace=0.0
             done = _now()
             rnd = int(flag) - 1
             counted = _bits(a2a.last_round_active_ranks)
-            assert int(a2a.last_round_active_mask) == counted
+            assert L.mask_from_words(a2a.last_round_active_mask.tolist()) == counted
             sent_mask = a2a._plane.dispatch_mask
             # the reference: only the ranks the combine counted contribute
             lost = check_round(rank, rnd, experts, hidden, out, a2a.last_round_degraded, counted, ep, EXPERTS)
@@ -277,9 +277,10 @@ def test_kill9_degrades_then_replacement_rejoins_while_serving(daemon_factory, g
     out = ctl(daemon.runtime_dir, "job", job)
     assert out.returncode == 0, out.stderr
     print("\n" + out.stdout.strip())
-    assert "policy  degrade" in out.stdout and "active  ranks 0,1,3 of 4" in out.stdout and "degraded for" in out.stdout
+    assert "policy  degrade" in out.stdout and "active  ranks 0-1,3 of 4 (mask 0xb," in out.stdout and "degraded for" in out.stdout
     js = json.loads(ctl(daemon.runtime_dir, "--json", "job", job).stdout)
     assert js["active_ranks"] == [0, 1, 3] and js["active_mask"] == 0b1011 and js["mask_generation"] == 1
+    assert js["active_mask_hex"] == "0xb" and L.mask_from_bytes(info["active_mask"]) == 0b1011
     text = daemon.request("metrics")["text"]
     assert metric(text, "a2ad_job_active_ranks", job) == 3
     assert metric(text, "a2ad_job_active_mask", job) == 0b1011
@@ -346,22 +347,24 @@ def test_the_daemon_keeps_its_own_active_mask(daemon_factory, groups):
     grp.wait_dropped(2, (0, 1))
     grp.wait_rounds([0, 1], 20, what="rounds without rank 2")
     info = daemon.request("job_info", job=job)
-    assert info["active_mask"] == 0b011 and info["mask_generation"] == 1 and info["mask_restores"] == 0, info
+    assert L.mask_from_bytes(info["active_mask"]) == 0b011 and info["mask_generation"] == 1, info
+    assert info["mask_restores"] == 0, info
     grp.shared["scribble"].value = 0b111
     grp.shared["scribbles"].value = 1
     grp.expect("scribbled", [0])
     wait_for(lambda: daemon.request("job_info", job=job)["mask_restores"] == 1, 10, "the copy put back")
     grp.wait_rounds([0, 1], 20, what="rounds after the copy was put back")
     info = daemon.request("job_info", job=job)
-    assert info["active_mask"] == 0b011 and info["active_ranks"] == [0, 1], info
+    assert L.mask_from_bytes(info["active_mask"]) == 0b011 and info["active_ranks"] == [0, 1], info
     grp.shared["scribbles"].value = 2
     grp.expect("scribbled", [0])
     grp.kill(1)
-    wait_for(lambda: daemon.request("job_info", job=job)["active_mask"] == 0b001, 10, "the daemon dropping rank 1")
+    wait_for(lambda: L.mask_from_bytes(daemon.request("job_info", job=job)["active_mask"]) == 0b001, 10,
+             "the daemon dropping rank 1")
     wait_for(lambda: grp.shared["mask"][0] == 0b001, 30, "rank 0 counting itself alone")
     grp.wait_rounds([0], 20, what="rounds of rank 0 alone")
     info = daemon.request("job_info", job=job)
-    assert info["active_mask"] == 0b001 and info["active_ranks"] == [0], info
+    assert L.mask_from_bytes(info["active_mask"]) == 0b001 and info["active_ranks"] == [0], info
     assert info["ranks"][1]["state"] == "dead" and info["ranks"][2]["state"] == "dead"
     out = ctl(daemon.runtime_dir, "job", job)
     assert out.returncode == 0 and "put back" in out.stdout, out.stdout + out.stderr
@@ -569,3 +572,42 @@ def test_on_peer_loss_in_the_spec():
         protocol.parse_request(protocol.encode_request(
             "join", 1, job="j", ep_rank=0, ep_size=2, spec={**spec, "on_peer_loss": "retry"}, pid=1, device="host"))
     assert ei.value.details["field"] == "spec.on_peer_loss"
+
+
+def test_a_degraded_wait_counts_exactly_the_flags_it_saw():
+    """The host plane's wait in a degraded view (rank 1 already gone): rank 2 leaves the mask
+    while rank 3, still in it, has not published; the wait goes on for rank 3 (and times out
+    naming it) instead of counting it unseen. And a rank that publishes its flag, finishes and
+    leaves between the wait's read of the flags and its read of the mask is counted: what it
+    published is complete."""
+    import torch
+
+    from a2ad.client import local
+    from a2ad.client.host_plane import HostPlane
+
+    ep, rnd = 4, 5
+    ws = torch.zeros(ep, L.workspace_size_per_rank(ep, 4, 64, 64), dtype=torch.uint8)
+    shared = local._Shared(ws, ep)
+    cb = shared.control
+    cb.initialize(ep, L.POLICY_DEGRADE)
+    att = local.LocalAttachment(ws, 0, ep, 4, L.aux_layout(ep, 4), shared, 0).spec_for(2, 8)
+    att.spec["on_peer_loss"] = "degrade"
+    plane = HostPlane(att, timeout=0.3)
+    flags = plane._combine_flags[0]  # row 0: one flag per source
+    flags.fill_(rnd - 1)
+    flags[0] = rnd
+    view = 0b1101  # ranks 0, 2, 3: rank 1 left before this round
+    cb.set_active_mask(0b1001, ep, time.monotonic_ns())  # rank 2 left too; rank 3 is still in the mask
+    with pytest.raises(errors.PeerTimeout) as exc:
+        plane._wait(flags, rnd, L.PHASE_COMBINE, view)
+    assert exc.value.details["peer"] == 3
+    cb.clear_status(0)
+    real = cb.first_effective
+
+    def publish_and_leave(mask, round):  # rank 3 publishes, finishes its round and leaves, right now
+        flags[3] = rnd
+        cb.set_active_mask(0b0001, ep, time.monotonic_ns())
+        return real(mask, round)
+
+    cb.first_effective = publish_and_leave
+    assert plane._wait(flags, rnd, L.PHASE_COMBINE, view) == 0b1001  # rank 3 counted, rank 2 not

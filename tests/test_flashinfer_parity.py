@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from _helpers_dataplane import dataplane_daemons, job_name, make_job, rank_pool, run_job  # noqa: F401  (fixtures)
-from a2ad import errors
+from a2ad import errors, layout as L
 from dataplane_cases import _assert_combined
 
 HIDDEN = 32
@@ -131,7 +131,8 @@ def flashinfer_user(rank, ep, runtime_dir, store, rounds, seed0):
                 _check_received(rank, saved, received[rank])
                 assert torch.equal(out, combined[rank]), f"rank {rank} round {rnd}: combine differs"
             mask = moe_a2a_active_rank_mask(range(ep), ep)
-            assert mask.dtype == torch.uint64 and mask.shape == (1,) and int(mask.view(torch.int64)) == (1 << ep) - 1
+            assert mask.dtype == torch.uint64 and mask.shape == (L.MASK_WORDS,)  # FlashInfer's is [1]: up to 64 ranks
+            assert L.mask_from_words(mask.view(torch.int64).tolist()) == (1 << ep) - 1
             return moe_a2a.attachment.job
         finally:
             moe_a2a.close()
@@ -579,7 +580,10 @@ def test_active_rank_mask_checks():
             (c.moe_a2a_active_rank_mask([0], 2), {}, "enable_rank_mask"),
             (c.moe_a2a_active_rank_mask([1], 2), {"enable_rank_mask": True}, "own bit"),
             (torch.tensor([0b101], dtype=torch.int64), {"enable_rank_mask": True}, "outside"),
-            (torch.tensor([1, 0], dtype=torch.int64), {"enable_rank_mask": True}, r"\[1\]"),
+            (torch.tensor([1, 0, 0, 0, 0], dtype=torch.int64), {"enable_rank_mask": True}, r"\[1\] to \[4\]"),
+            (torch.tensor([[1]], dtype=torch.int64), {"enable_rank_mask": True}, r"\[1\] to \[4\]"),
+            (torch.tensor([0b101, 0], dtype=torch.int64), {"enable_rank_mask": True}, "outside"),
+            (torch.tensor([1, 1 << 3], dtype=torch.int64), {"enable_rank_mask": True}, "outside"),
             (torch.tensor([1.0]), {"enable_rank_mask": True}, "uint64"),
             ([0], {"enable_rank_mask": True}, "torch.Tensor"),
         ):
@@ -589,7 +593,10 @@ def test_active_rank_mask_checks():
         with pytest.raises(errors.InputError):
             c.moe_a2a_active_rank_mask([2], 2)
         m = c.moe_a2a_active_rank_mask(torch.tensor([0, 2]), 3)
-        assert m.dtype == torch.uint64 and int(m.view(torch.int64)) == 0b101
+        assert m.dtype == torch.uint64 and m.shape == (L.MASK_WORDS,) == (c.MOE_A2A_RANK_MASK_WORDS,)
+        assert m.view(torch.int64).tolist() == [0b101, 0, 0, 0]
+        m = c.moe_a2a_active_rank_mask([0, 63, 64, 200, 255], 256)
+        assert L.mask_from_words(m.view(torch.int64).tolist()) == 1 | 1 << 63 | 1 << 64 | 1 << 200 | 1 << 255
     finally:
         c.moe_a2a_release(ws)
 

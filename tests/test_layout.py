@@ -186,3 +186,25 @@ def test_control_block_holds_a_mask_of_256_ranks():
     struct_ver = (1).to_bytes(4, "little")
     buf[L.CB_VERSION:L.CB_VERSION + 4] = struct_ver
     assert not cb.valid and cb.version == 1
+
+
+def test_sizes_at_ep_256_are_linear_in_ep_size():
+    """What one rank's row needs at ep_size 256 (top_k 8, MoeAlltoAll's payloads for
+    hidden_size), the figures of README.md "Sizes at ep_size 256" (printed with -s): every
+    part grows linearly in ep_size, so four times the ep_size is four times the row, up to
+    the fixed per-rank parts (top-k scratch, flags, alignment)."""
+    table = {(256, 7168): 1883638144, (256, 2880): 759564672, (1024, 7168): 7534483840, (1024, 2880): 3038189952}
+    aux = {256: 395648, 1024: 1513856}
+    for (tokens, hidden), want in table.items():
+        got = L.moe_workspace_size_per_rank(256, 8, tokens, hidden)
+        a = L.aux_data_size(256, tokens)
+        print(f"\nep 256, max_num_tokens {tokens}, hidden {hidden}, top_k 8: row {got} B ({got / 2**20:.1f} MiB), "
+              f"aux {a} B ({a / 2**20:.1f} MiB); ep 64: {L.moe_workspace_size_per_rank(64, 8, tokens, hidden) / 2**20:.1f}"
+              f" MiB; the job's 256 rows {256 * got / 2**30:.1f} GiB")
+        assert got == want and a == aux[tokens]
+        sizes = [L.moe_workspace_size_per_rank(ep, 8, tokens, hidden) for ep in (64, 128, 192, 256)]
+        steps = {b - a for a, b in zip(sizes, sizes[1:])}
+        assert max(steps) - min(steps) <= 3 * L.ALIGN, steps  # the same step for every 64 ranks
+        fixed = 2 * sizes[0] - sizes[1]  # the part that does not grow with ep_size
+        assert 0 <= fixed < 64 * L.ALIGN + 2 * 4 * tokens * L.MAX_TOP_K + L.ALIGN_SLACK, fixed
+    assert L.CONTROL_BLOCK_SIZE == 16384

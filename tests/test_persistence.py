@@ -1078,3 +1078,152 @@ def test_keeper_refill_with_a_failing_fd_list_is_retried(runtime_dir, caplog):
             store.close(clean=True)
         os.close(fd)
         _stop_keeper(runtime_dir, *children)
+
+
+# --------------------------------------------------------------------------- versions
+def test_a_version1_state_file_with_an_int_mask_is_adopted(runtime_dir):
+    """A state file of version 1 (ep_size <= 64: a degrade job's mask as an int) is read by
+    this daemon: the record's mask is the daemon's own, so it wins over the published copy
+    (0b01 recorded while the block holds 0b11: the copy is put back), and the next state file
+    this daemon writes is version 2 with the mask as bytes."""
+    from a2ad import layout as L
+
+    d1 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "30", "--fd-store", "keeper")
+    d2 = None
+    holders: list[subprocess.Popen] = []
+    job = "v1:mask"
+    spec = dict(SPEC, on_peer_loss="degrade")
+    try:
+        d1.start()
+        holders = [subprocess.Popen([sys.executable, "-c", HOLDER, str(runtime_dir), job, str(r), "2", json.dumps(spec)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=str(REPO))
+                   for r in range(2)]
+        wait_attached(*holders)
+        wait_for(lambda: [r["name"] for r in (persist.load(runtime_dir) or {}).get("jobs", [])] == [job], 10,
+                 "the job in the state file")
+        d1.kill9()
+        state = persist.load(runtime_dir)
+        assert state["v"] == persist.STATE_VERSION == 2
+        state["v"] = 1
+        state["jobs"][0]["active_mask"] = 0b01  # what a version-1 daemon wrote: an int
+        state.pop("seq", None)
+        (runtime_dir / STATE_FILE).write_bytes(msgpack.packb(state, use_bin_type=True))
+        reserve = runtime_dir / persist.RESERVE_FILE
+        if reserve.exists():
+            reserve.unlink()  # else its newer copy (version 2) would be taken
+        d2 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "30", "--fd-store", "keeper")
+        d2.log_path = runtime_dir.parent / f"{runtime_dir.name}-daemon2.log"
+        d2.start()
+        info = d2.request("job_info", job=job)
+        assert L.mask_from_bytes(info["active_mask"]) == 0b01 and info["on_peer_loss"] == "degrade", info
+        assert info["mask_restores"] == 1, info  # the published copy (0b11) was put back to the record's value
+        wait_for(lambda: (lambda s: s is not None and s["v"] == 2 and s["jobs"][0]["active_mask"] == L.mask_to_bytes(0b01))(
+            msgpack.unpackb((runtime_dir / STATE_FILE).read_bytes(), raw=False)), 10, "a version-2 state file")
+        assert "moved aside" not in d2.log()
+    finally:
+        release_holders(*holders)
+        if d2 is not None:
+            d2.stop()
+        d1.stop()
+        reap_keeper(runtime_dir)
+
+
+def _v1_control_block() -> int:
+    """A control block as a daemon of layout version 1 left it: 4096 bytes, one mask word."""
+    import struct
+
+    from a2ad import layout as L
+
+    fd = os.memfd_create("a2ad-ctl", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 4096)
+    os.pwrite(fd, struct.pack("<IIQIiII", L.CONTROL_MAGIC, 1, 3, 0, -1, 2, 0), 0)
+    os.pwrite(fd, struct.pack("<Q", 0b11), 32)
+    return fd
+
+
+def test_a_control_block_of_layout_version_1_is_refused_by_name(runtime_dir):
+    """A job kept by the fd store with a control block of the previous layout version (one mask
+    word, 4096 bytes) is not adopted by this daemon: the log names the job, the kept block, its
+    size and both versions; the daemon serves on, and the job's fds are dropped from the
+    store. The same check refuses it in job_from_record directly."""
+    from a2ad import errors, layout as L
+
+    fds: list[int] = []
+    keeper = None
+    d = None
+    job = "old:layout"
+    try:
+        fds = [_v1_control_block(), _memfd(b"row 0"), _memfd(b"row 1")]
+        for f in fds[1:]:
+            os.ftruncate(f, 4096)
+        # job_from_record refuses it before mapping anything
+        with pytest.raises(errors.BackendError) as exc:
+            persist.job_from_record(_record(job), {cb_name(job): fds[0], ws_name(job, 0): fds[1], ws_name(job, 1): fds[2]},
+                                    None, None, set())
+        msg = str(exc.value)
+        assert cb_name(job) in msg and "4096 bytes" in msg and "layout version 1" in msg
+        assert f"reads version {L.CONTROL_VERSION} only" in msg
+        # a restarted daemon finds it in the keeper, with a version-1 state file
+        runtime_dir.chmod(0o700)
+        keeper = _start_keeper(runtime_dir / "keeper.sock")
+        for name, f in ((cb_name(job), fds[0]), (ws_name(job, 0), fds[1]), (ws_name(job, 1), fds[2])):
+            reply, _ = _keeper_call(runtime_dir / "keeper.sock", {"op": "put", "name": name}, [f])
+            assert reply["ok"], reply
+        rec = _record(job)
+        rec["slots"] = [dict(s, pid=None, lease=None) for s in rec["slots"]]
+        (runtime_dir / STATE_FILE).write_bytes(msgpack.packb({"v": 1, "backend": "host", "jobs": [rec]}, use_bin_type=True))
+        d = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "30", "--fd-store", "keeper").start()
+        assert d.request("jobs")["jobs"] == []
+        log = d.log()
+        assert f"could not re-adopt job {job}: its control block (kept as {cb_name(job)}, 4096 bytes) has layout " \
+               f"version 1; this daemon reads version {L.CONTROL_VERSION} only" in log, log[-3000:]
+        wait_for(lambda: _keeper_call(runtime_dir / "keeper.sock", {"op": "ping"})[0]["count"] == 0, 10,
+                 "the old job's fds dropped from the keeper")
+        assert d.stop() == 0
+    finally:
+        _close(fds)
+        if d is not None:
+            d.stop()
+        _stop_keeper(runtime_dir, keeper)
+
+
+def test_a_frame_with_257_fds_arrives_with_continuation_frames():
+    """The fd socket's answer for an ep_size 256 job carries 257 fds: more than one frame may
+    (fdpass.MAX_FDS), so the first frame carries 128 and announces nfds, continuation frames
+    the rest, in order. Up to 128 fds it is one plain frame (what a receiver of one frame
+    reads); a continuation that does not match is a ProtocolError that closes what came."""
+    from a2ad import errors
+
+    _need_fds(800)
+    mine = [_memfd(f"fd {i}".encode()) for i in range(257)]
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    got: list[int] = []
+    try:
+        before = fd_count(os.getpid())
+        t = threading.Thread(target=fdpass.send_frame_fds, args=(a, {"ok": True, "nfds": 257}, mine, 10.0))
+        t.start()
+        obj, got = fdpass.recv_frame_fds(b, timeout=10.0)
+        t.join(10)
+        assert obj == {"ok": True, "nfds": 257} and len(got) == 257
+        assert [_content(f) for f in got] == [f"fd {i}".encode() for i in range(257)]
+        _close(got)
+        got = []
+        # 128 fds: one frame, as a plain recv_frame reads it
+        fdpass.send_frame_fds(a, {"ok": True, "nfds": 128}, mine[:128], 10.0)
+        obj, got = fdpass.recv_frame(b, timeout=10.0)
+        assert obj["nfds"] == 128 and len(got) == 128
+        _close(got)
+        got = []
+        # a continuation frame that carries fewer fds than it says
+        fdpass.send_frame(a, {"ok": True, "nfds": 130}, mine[:128], timeout=5)
+        fdpass.send_frame(a, {"v": 1, "more_fds": 2}, mine[128:129], timeout=5)
+        with pytest.raises(errors.ProtocolError, match="continuation"):
+            fdpass.recv_frame_fds(b, timeout=5.0)
+        assert fd_count(os.getpid()) == before, "the fds of the broken transfer must be closed"
+        with pytest.raises(ValueError, match="nfds"):
+            fdpass.send_frame_fds(a, {"ok": True}, mine[:3])
+    finally:
+        _close(got)
+        _close(mine)
+        a.close()
+        b.close()

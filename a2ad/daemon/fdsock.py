@@ -14,15 +14,18 @@ import os
 import socket
 import time
 
-from a2ad import errors, protocol
+from a2ad import errors, layout as L, protocol
 from a2ad.daemon.auth import Peer
 from a2ad.daemon.registry import Redeemed, Registry
-from a2ad.fdpass import peer_credentials, send_frame
+from a2ad.fdpass import peer_credentials, send_frame_fds
 
 log = logging.getLogger("a2ad")
 
 #: Seconds a new connection has to present its ticket.
 HANDSHAKE_TIMEOUT = 10.0
+#: Default cap on one uid's fd.sock connections that have no lease yet: the ranks of the
+#: largest job redeem their tickets all at once when its rendezvous completes, plus room.
+DEFAULT_HANDSHAKES_PER_UID = L.MAX_EP_SIZE + 64
 
 
 class FdConn:
@@ -43,7 +46,7 @@ class FdConn:
 
 
 class FdSocket:
-    def __init__(self, path: str, registry: Registry, max_handshakes_per_uid: int = 64, backlog: int = 512,
+    def __init__(self, path: str, registry: Registry, max_handshakes_per_uid: int = DEFAULT_HANDSHAKES_PER_UID, backlog: int = 512,
                  fd_ceiling: int | None = None):
         self.registry = registry
         self.max_handshakes_per_uid = max_handshakes_per_uid
@@ -174,8 +177,9 @@ class FdSocket:
     def _deliver(self, conn: FdConn, r: Redeemed) -> None:
         answer = {"v": protocol.PROTOCOL_VERSION, "ok": True, "code": "ok", "message": "", "nfds": len(r.fds)}
         try:
-            # non-blocking: one small frame always fits a live client's empty receive buffer
-            send_frame(conn.sock, answer, r.fds)
+            # non-blocking: the few small frames (fdpass.MAX_FDS fds each) always fit a live
+            # client's empty receive buffer
+            send_frame_fds(conn.sock, answer, r.fds)
         except OSError as exc:  # EPIPE, ECONNRESET, a client that stalled: this connection only
             self.close(conn)
             self.registry.undelivered(r, f"{type(exc).__name__}: {exc}")

@@ -179,6 +179,14 @@ class Job:
             "mask_restores": self.mask_restores,
         }
 
+    def mask_wire(self) -> dict:
+        """:meth:`mask_summary` as a reply carries it: the mask as ``layout.mask_to_bytes``
+        bytes (msgpack carries at most 64-bit ints), the ranks as lists."""
+        m = self.mask_summary()
+        if m["active_mask"] is not None:
+            m["active_mask"] = L.mask_to_bytes(m["active_mask"])
+        return m
+
     @property
     def job_bytes(self) -> int:
         """Bytes this daemon reserves for the job: every row, or in a domain the rows it holds
@@ -241,7 +249,7 @@ class Job:
             "generation": self.generation,
             "rearms": self.rearms,
             "on_peer_loss": self.spec.get("on_peer_loss", protocol.DEFAULT_PEER_LOSS),
-            **self.mask_summary(),
+            **self.mask_wire(),
             "readmits": self.readmits,
             "abort": L.ABORT_NAMES.get(self.control.abort_word, str(self.control.abort_word)),
             "age_s": round(now - self.created_at, 3),

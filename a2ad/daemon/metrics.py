@@ -251,8 +251,13 @@ class DaemonCollector:
                                    "Ranks of a degrade job that serve now (in the active mask and let in).",
                                    labels=["job"])
         mask = GaugeMetricFamily("a2ad_job_active_mask",
-                                 "A degrade job's active-rank mask (bit q: rank q; exact up to 53 ranks).",
+                                 "A degrade job's active-rank mask (bit q: rank q; exact up to 53 ranks: "
+                                 "a2ad_job_active_mask_info holds it at any width).",
                                  labels=["job"])
+        info = GaugeMetricFamily("a2ad_job_active_mask_info",
+                                 "Always 1; labels: a degrade job's active-rank mask in hex (bit q: rank q) and "
+                                 "its ranks as ranges (0-63,65,70-255), exact at any ep_size.",
+                                 labels=["job", "mask", "ranks"])
         gen = GaugeMetricFamily("a2ad_job_mask_generation",
                                 "Changes of a degrade job's active-rank mask since it was created.", labels=["job"])
         since = GaugeMetricFamily("a2ad_job_degraded_seconds",
@@ -270,7 +275,8 @@ class DaemonCollector:
             if id(j) not in named_ids:
                 continue  # counted above, not named
             active.add_metric([j.name], len(m["active_ranks"]))
-            mask.add_metric([j.name], m["active_mask"])
+            mask.add_metric([j.name], float(m["active_mask"]))
+            info.add_metric([j.name, f"{m['active_mask']:#x}", L.format_ranks(m["active_mask"])], 1)
             gen.add_metric([j.name], m["mask_generation"])
             since.add_metric([j.name], m["degraded_s"] or 0.0)
         total = GaugeMetricFamily("a2ad_jobs_serving_degraded",
@@ -279,6 +285,7 @@ class DaemonCollector:
         yield total
         yield active
         yield mask
+        yield info
         yield gen
         yield since
 

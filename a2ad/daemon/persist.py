@@ -19,8 +19,16 @@ needs, besides the fds themselves (kept by an a2ad.daemon.fdstore), to re-adopt 
 - The job's peer-loss policy travels in its spec (``on_peer_loss``; a record without it is a
   job of the default policy); its admit rounds live in the control block, which the fd store
   keeps with the workspaces, so a restarted daemon finds them as they were. The active-rank
-  mask is recorded as the daemon decided it (``active_mask``; the control block holds only a
-  published copy that the job's clients can write); a record without it takes that copy.
+  mask is recorded as the daemon decided it (``active_mask``, ``layout.mask_to_bytes`` bytes:
+  msgpack carries at most 64-bit ints; the control block holds only a published copy that the
+  job's clients can write); a record without it takes that copy.
+- Versions: this daemon writes state version 2 and reads 1 and 2 (version 1, written for jobs
+  of at most 64 ranks, holds the mask as an int). A job whose kept control block has another
+  layout version than this daemon's (``layout.CONTROL_VERSION``; version 1 is the 64-rank
+  block) is not adopted: the log names the job, its fd-store name and both versions, and its
+  ranks, which still map the old block, find that no daemon holds it (JobDestroyed once
+  they see the job orphaned) and must attach again. In an upgrade that makes the successor
+  miss the job, so the upgrade is refused and the old daemon stays in charge.
 - A job of a domain (one that may span nodes) records this node's name and whether the
   domain's decision on its spec had arrived (``domain``); a rank whose row another node
   holds is recorded as that node last reported it (``node``, ``remote``: its row's size and
@@ -55,7 +63,9 @@ from a2ad.runtime import STATE_FILE
 
 log = logging.getLogger("a2ad")
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+#: State versions this daemon reads (1: the mask as an int, ep_size <= 64).
+STATE_VERSIONS = (1, 2)
 RANK_STATES = set(L.RANK_STATE_NAMES)
 #: Bad state files kept aside at most (the oldest go first).
 KEEP_BAD = 5
@@ -96,7 +106,7 @@ def job_record(job) -> dict:
         "rearms": job.rearms,
         "rendezvous_count": job.rendezvous_count,
         "needs_rearm": job.needs_rearm,
-        "active_mask": getattr(job, "active_mask", None),
+        "active_mask": None if getattr(job, "active_mask", None) is None else L.mask_to_bytes(job.active_mask),
         "created_wall": job.created_wall,
         "owner_uid": getattr(job, "owner_uid", None),
         "slots": [_slot_record(s) for s in job.slots],
@@ -124,6 +134,7 @@ def job_from_record(rec: dict, fds: dict[str, int], backend, this_node: str | No
     cfd = fds.get(cb_name(name))
     if cfd is None:
         raise errors.BackendError("its control block was not kept")
+    check_control_version(cfd, name)
     if not memfd.adopt_memfd(cfd, L.CONTROL_BLOCK_SIZE, "control block"):
         log.warning("job %s: its control block cannot be sealed (from an older daemon)", name)
     aux = L.aux_layout(ep_size, rec["spec"]["max_num_tokens"])
@@ -150,7 +161,7 @@ def job_from_record(rec: dict, fds: dict[str, int], backend, this_node: str | No
     job.rendezvous_count = rec.get("rendezvous_count", 0)
     job.needs_rearm = rec.get("needs_rearm", False)
     if rec.get("active_mask") is not None:
-        job.active_mask = rec["active_mask"] & L.full_mask(ep_size)
+        job.active_mask = record_mask(rec["active_mask"]) & L.full_mask(ep_size)
     used.add(cb_name(name))
     try:
         for srec, slot in zip(rec["slots"], job.slots):
@@ -175,6 +186,31 @@ def job_from_record(rec: dict, fds: dict[str, int], backend, this_node: str | No
         control.close()
         raise
     return job
+
+
+def record_mask(v) -> int:
+    """A record's ``active_mask``: bytes (state version 2) or an int (version 1)."""
+    return L.mask_from_bytes(v) if isinstance(v, (bytes, bytearray)) else int(v)
+
+
+def check_control_version(fd: int, job: str) -> None:
+    """Raise BackendError naming the job, its kept control block and both layout versions when
+    the block at ``fd`` was written by a daemon of another layout version (version 1: one mask
+    word, ep_size <= 64, 4096 bytes). A block whose magic is wrong is left to the checks that
+    follow (it is not a control block of any version)."""
+    from a2ad import errors
+    from a2ad.daemon.fdstore import cb_name
+
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:
+        return  # too small for any version: adopt_memfd names the size
+    magic, version = struct.unpack("<II", head)
+    if magic == L.CONTROL_MAGIC and version != L.CONTROL_VERSION:
+        raise errors.BackendError(
+            f"its control block (kept as {cb_name(job)}, {os.fstat(fd).st_size} bytes) has layout version {version}; "
+            f"this daemon reads version {L.CONTROL_VERSION} only (ep_size up to {L.MAX_EP_SIZE}), so the job is not "
+            f"adopted: its ranks still map the old block and must attach again (a new job) once they see it "
+            f"orphaned (a daemon of an a2ad release with control-block version {version} would adopt it)")
 
 
 # --------------------------------------------------------------------------- writing
@@ -364,7 +400,7 @@ def load_reserve(runtime_dir: Path) -> dict | None:
                 obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
             except Exception:
                 continue
-            if (isinstance(obj, dict) and obj.get("v") == STATE_VERSION and isinstance(obj.get("backend"), str)
+            if (isinstance(obj, dict) and obj.get("v") in STATE_VERSIONS and isinstance(obj.get("backend"), str)
                     and isinstance(obj.get("jobs"), list)):
                 obj["seq"] = seq
                 best = obj
@@ -591,8 +627,10 @@ def check_job_record(rec) -> str | None:
             return f"bad {key} {rec[key]!r}"
     if "needs_rearm" in rec and not isinstance(rec["needs_rearm"], bool):
         return f"bad needs_rearm {rec['needs_rearm']!r}"
-    if rec.get("active_mask") is not None and not _is_int(rec["active_mask"]):
-        return f"bad active_mask {rec['active_mask']!r}"
+    am = rec.get("active_mask")
+    if am is not None and not (_is_int(am) or (isinstance(am, bytes) and 8 <= len(am) <= L.MASK_BYTES
+                                                and len(am) % 8 == 0)):
+        return f"bad active_mask {am!r:.80}"
     if "created_wall" in rec and not (
         isinstance(rec["created_wall"], (int, float)) and not isinstance(rec["created_wall"], bool) and math.isfinite(rec["created_wall"])
     ):
@@ -755,8 +793,8 @@ def _load_file(runtime_dir: Path) -> dict | None:
     why = None
     if not isinstance(obj, dict):
         why = f"top level is a {type(obj).__name__}, not a map"
-    elif obj.get("v") != STATE_VERSION:
-        why = f"version {obj.get('v')!r}, expected {STATE_VERSION}"
+    elif obj.get("v") not in STATE_VERSIONS:
+        why = f"version {obj.get('v')!r}, this daemon reads {' or '.join(map(str, STATE_VERSIONS))}"
     elif not isinstance(obj.get("backend"), str):
         why = "no backend name"
     elif not isinstance(obj.get("jobs"), list):

@@ -134,7 +134,7 @@ class LossPolicy:
         slot.readmitting = False
         if self._set_mask(job, active_mask(job) & ~(1 << slot.rank)):
             log.warning("job %s: rank %d (pid %s) %s; the job serves on with ranks %s (mask generation %d)",
-                        job.name, slot.rank, slot.pid, why, L.mask_ranks(cb.admitted_mask(job.ep_size, job.active_mask)),
+                        job.name, slot.rank, slot.pid, why, L.format_ranks(cb.admitted_mask(job.ep_size, job.active_mask)),
                         cb.mask_generation)
         else:
             log.warning("job %s: rank %d (pid %s) %s", job.name, slot.rank, slot.pid, why)

@@ -29,7 +29,7 @@ from a2ad.daemon.auth import Auth, Peer
 from a2ad.daemon.backends import make_backend
 from a2ad.daemon.backends.base import Backend, default_limits
 from a2ad.daemon.fdbudget import FdBudget, count_fds, raise_nofile_limit
-from a2ad.daemon.fdsock import FdSocket
+from a2ad.daemon.fdsock import DEFAULT_HANDSHAKES_PER_UID, FdSocket
 from a2ad.daemon.fdstore import FdStore, NullStore, make_store
 from a2ad.daemon.registry import Job, Limits, Registry
 
@@ -83,8 +83,9 @@ class Config:
     max_fds_per_uid: int | None = None
     #: None: half the per-daemon memory limit
     max_bytes_per_uid: int | None = None
-    max_handshakes_per_uid: int = 64
-    max_zmq_peers_per_uid: int = 256
+    max_handshakes_per_uid: int = DEFAULT_HANDSHAKES_PER_UID
+    #: every rank of an attached job keeps its ctl.sock connection: an ep_size 256 job plus room
+    max_zmq_peers_per_uid: int = DEFAULT_HANDSHAKES_PER_UID
     #: The domain config file (TOML) of a multi-node NVLink domain, and this node's name in it.
     domain: str | None = None
     node: str | None = None

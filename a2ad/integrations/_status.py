@@ -25,7 +25,9 @@ import torch
 
 from a2ad import layout as L
 
-_HDR_WORDS = 16  # CB_MAGIC .. CB_DEGRADED_SINCE_NS: abort (4), abort rank (5), active mask (8, 9)
+#: i32 words CB_MAGIC .. the end of the active mask: abort (4), abort rank (5), the mask's
+#: MASK_WORDS u64 words as 2 * MASK_WORDS i32 words from 8 on (rank q: bit q & 31 of i32 word q >> 5)
+_HDR_WORDS = (L.CB_ACTIVE_MASK + 8 * L.MASK_WORDS) >> 2
 _ABORT = L.CB_ABORT >> 2
 _ABORT_RANK = L.CB_ABORT_RANK >> 2
 _MASK_LO = L.CB_ACTIVE_MASK >> 2
@@ -50,6 +52,9 @@ class RankStatus:
         self._status = words[st : st + 1]
         self._alltoall = alltoall
         self._ranks = torch.arange(self.ep_size, dtype=torch.int64, device=self.device)
+        #: per rank, the i32 header word that holds its mask bit, and the bit's place in it
+        self._mask_word = _MASK_LO + (self._ranks >> 5)
+        self._mask_bit = self._ranks & 31
         self._baseline = torch.zeros(self.ep_size, dtype=torch.int32, device=self.device)
         self._last = self._baseline.clone()
 
@@ -66,10 +71,8 @@ class RankStatus:
         return self._read(self._hdr), self._read(self._status)
 
     def _masked_from(self, hdr: torch.Tensor) -> torch.Tensor:
-        lo = hdr[_MASK_LO].to(torch.int64) & 0xFFFFFFFF
-        hi = hdr[_MASK_LO + 1].to(torch.int64) & 0xFFFFFFFF
-        mask = lo | (hi << 32)
-        inactive = ((mask >> self._ranks) & 1) == 0
+        words = hdr.to(torch.int64).index_select(0, self._mask_word) & 0xFFFFFFFF
+        inactive = ((words >> self._mask_bit) & 1) == 0
         named = (hdr[_ABORT] != 0) & (self._ranks == hdr[_ABORT_RANK].to(torch.int64))
         return (inactive | named).to(torch.int32)
 

@@ -80,10 +80,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-bytes-per-uid", type=_parse_size, default=None,
                    help="workspace memory one uid's jobs may hold (default: half the per-daemon limit; admins are "
                         "not capped)")
-    p.add_argument("--max-fd-handshakes-per-uid", type=int, default=64,
-                   help="fd.sock connections one uid may hold open before presenting a ticket (default 64)")
-    p.add_argument("--max-ctl-connections-per-uid", type=int, default=256,
-                   help="ctl.sock connections one uid may hold open (default 256; admins are not capped)")
+    p.add_argument("--max-fd-handshakes-per-uid", type=int, default=320,  # fdsock.DEFAULT_HANDSHAKES_PER_UID
+                   help="fd.sock connections one uid may hold open before presenting a ticket (default 320: "
+                        "every rank of an ep_size 256 job redeems its ticket at once)")
+    p.add_argument("--max-ctl-connections-per-uid", type=int, default=320,
+                   help="ctl.sock connections one uid may hold open (default 320: every attached rank keeps one, "
+                        "an ep_size 256 job and room; admins are not capped)")
     p.add_argument("--fd-store", choices=["auto", "systemd", "keeper", "none"], default="auto",
                    help="where workspace fds survive a daemon restart: systemd's fd store under systemd, "
                         "else a small keeper process (auto, the default); none loses jobs on restart")

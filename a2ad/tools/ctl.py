@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from a2ad import __version__, errors
+from a2ad import __version__, errors, layout as L
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -101,7 +101,29 @@ def show_status(st: dict) -> str:
 
 
 def _ranks_text(ranks: list[int]) -> str:
-    return ",".join(str(r) for r in ranks) if ranks else "none"
+    """Ranks as ascending ranges (``0-63,65,70-255``; ``none`` for no rank)."""
+    return L.format_ranks(sum(1 << r for r in set(ranks)))
+
+
+def _mask_value(v) -> int | None:
+    """A mask from a reply: ``layout.mask_to_bytes`` bytes (an int from an older daemon)."""
+    if isinstance(v, (bytes, bytearray)):
+        return L.mask_from_bytes(v)
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _masks_for_json(obj):
+    """The reply with every job's ``active_mask`` bytes as a JSON integer of any width, and
+    ``active_mask_hex`` beside it (``0x...``: exact in tools whose numbers are doubles)."""
+    if isinstance(obj, list):
+        return [_masks_for_json(v) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    out = {k: _masks_for_json(v) for k, v in obj.items()}
+    if isinstance(obj.get("active_mask"), (bytes, bytearray)):
+        m = L.mask_from_bytes(obj["active_mask"])
+        out["active_mask"], out["active_mask_hex"] = m, f"{m:#x}"
+    return out
 
 
 def _duration(seconds: float) -> str:
@@ -119,7 +141,9 @@ def show_mask(j: dict) -> list[str]:
         return [f"policy  {policy}"]
     lines = ["policy  degrade (a lost rank leaves the mask; the others serve on)"]
     active = j.get("active_ranks") or []
-    mask = f"active  ranks {_ranks_text(active)} of {j['ep_size']} (mask {j['active_mask']:#x}, generation {j['mask_generation']})"
+    bits = _mask_value(j["active_mask"])
+    shown = f"{bits:#x}" if bits is not None else "?"
+    mask = f"active  ranks {_ranks_text(active)} of {j['ep_size']} (mask {shown}, generation {j['mask_generation']})"
     if j.get("admitting_ranks"):
         mask += f"; let in at their first dispatch: {_ranks_text(j['admitting_ranks'])}"
     lines.append(mask)
@@ -258,7 +282,7 @@ def _wants_json(argv: list[str]) -> bool:
 def _json_text(obj) -> str:
     import json
 
-    return json.dumps(obj, indent=2, default=lambda b: b.hex() if isinstance(b, bytes) else str(b))
+    return json.dumps(_masks_for_json(obj), indent=2, default=lambda b: b.hex() if isinstance(b, bytes) else str(b))
 
 
 def _fail(as_json: bool, exit_code: int, code: str, message: str, details: dict | None = None,
