@@ -218,11 +218,31 @@ def flashinfer_alltoalls(fim, ep: int, hidden: int, dev: torch.device):
     return out, ws
 
 
+def _warm_up(dev: torch.device, ep: int, hidden: int) -> None:
+    """Every torch kernel the rounds launch between FlashInfer's kernels, once, while none of
+    those is in flight (so none is first launched while a dispatch waits for its peers)."""
+    for rt in sorted({rt for _, _, rt, _ in eager_plan(ep)} | {MAX_TOKENS}):
+        recv = [torch.zeros(ep, rt, hidden, dtype=torch.bfloat16, device=dev),
+                torch.zeros(ep, rt, TOP_K, dtype=torch.int32, device=dev),
+                torch.zeros(ep, rt, TOP_K, dtype=torch.float32, device=dev)]
+        y = expert([t.clone() for t in recv], 0, ep)
+        torch.full((rt, hidden), 7.0, dtype=torch.bfloat16, device=dev).copy_(y[0])
+        y.cpu()
+    _sync(dev)
+
+
 def flashinfer_ranks(_rank: int, ep: int, hidden: int, out_dir: str, device: str = "cuda", limit: float = 300.0):
     """Every rank of FlashInfer's ``MoeAlltoAll`` in this process, each on its own CUDA stream,
     through the same eager and graph rounds as :func:`a2ad_rank`; saves ``flashinfer.pt``."""
     who = "FlashInfer"
     start_child(who, limit)
+    # FlashInfer's kernels wait for their peers' kernels on the other streams of this process. With
+    # CUDA's lazy loading, the first launch of any kernel (FlashInfer's sanitize, the experts'
+    # torch kernels) may wait for the context to go idle while a dispatch waits for a peer whose
+    # launch comes later: a deadlock. Every module is loaded when the context is created instead
+    # (this process has no context yet).
+    log(who, f"CUDA initialized before setting CUDA_MODULE_LOADING=EAGER: {torch.cuda.is_initialized()}")
+    os.environ["CUDA_MODULE_LOADING"] = "EAGER"
     from flashinfer.comm import trtllm_moe_alltoall as fim
 
     log(who, f"imported {fim.__file__}")
@@ -230,8 +250,12 @@ def flashinfer_ranks(_rank: int, ep: int, hidden: int, out_dir: str, device: str
     if cuda:
         torch.cuda.set_device(0)
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    t0 = time.monotonic()
     a2as, ws = flashinfer_alltoalls(fim, ep, hidden, dev)
-    log(who, f"{ep} MoeAlltoAll instances on one [{ep}, {ws.shape[1]}] workspace on {dev}")
+    log(who, f"{ep} MoeAlltoAll instances on one [{ep}, {ws.shape[1]}] workspace on {dev} "
+             f"({time.monotonic() - t0:.1f} s with the context's creation)")
+    _warm_up(dev, ep, hidden)
+    log(who, "the experts' torch kernels ran once")
     streams = [torch.cuda.Stream(dev) if cuda else None for _ in range(ep)]
     main = torch.cuda.current_stream(dev) if cuda else None
     record: dict = {"eager": [], "graph": []}

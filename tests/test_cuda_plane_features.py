@@ -197,7 +197,10 @@ def _fp8_reference(job, experts, x):
 
 
 @pytest.mark.parametrize("in_workspace", [False, True], ids=["staged", "in-workspace"])
-@pytest.mark.parametrize("ep_size,hidden,T", [(2, 2880, 33), (2, 7168, 5), (4, 4096, 64), (2, 256, 0)])
+# (2, 2880, 512): more pull items than warps (a warp pulls several tokens) and a staging of
+# more than one pass over the grid.
+@pytest.mark.parametrize("ep_size,hidden,T", [(2, 2880, 33), (2, 7168, 5), (4, 4096, 64), (2, 256, 0),
+                                              (2, 2880, 512)])
 def test_fp8_combine_exact_to_its_definition(make_job, in_workspace, ep_size, hidden, T):
     top_k, E = 4, 16
     rt = max(T, 1)

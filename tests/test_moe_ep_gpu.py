@@ -117,7 +117,7 @@ def _flashinfer_or_skip() -> None:
 
 #: time limits (s): the FlashInfer child, the a2ad rank processes, the a2ad extension's load
 #: (a build, when this tree's is not built yet, takes a minute or two)
-FI_LIMIT, A2AD_LIMIT, EXT_LIMIT = 60.0, 90.0, 300.0
+FI_LIMIT, A2AD_LIMIT, EXT_LIMIT = 90.0, 90.0, 300.0
 
 _EXT_CHECK = """
 import sys, time
