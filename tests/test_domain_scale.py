@@ -60,8 +60,9 @@ def _need_ep(ep: int, degrade: bool = False) -> None:
 
 
 def _wide_mask_summary_problem(ep: int) -> str | None:
-    """Why the daemon's summary of a degrade job of ``ep`` ranks (what ``jobs`` and ``job_info``
-    answer) does not encode, or None: a probe of the real Job and control block."""
+    """Why the daemon's summary of a degrade job of ``ep`` ranks as its replies carry it (what
+    ``jobs`` and ``job_info`` answer) does not encode, or None: a probe of the real Job and
+    control block."""
     import msgpack
 
     from a2ad.control import ControlBlock
@@ -73,9 +74,9 @@ def _wide_mask_summary_problem(ep: int) -> str | None:
               slots=[RankSlot(rank=r) for r in range(ep)])
     job.active_mask, job.rendezvous_count = L.full_mask(ep), 1
     try:
-        msgpack.packb(job.mask_summary())
+        msgpack.packb(job.mask_wire())
     except (OverflowError, TypeError) as exc:
-        return f"Job.mask_summary: {type(exc).__name__}: {exc}"
+        return f"Job.mask_wire: {type(exc).__name__}: {exc}"
     return None
 
 
