@@ -41,3 +41,21 @@ def check_version(engine: str, tested: tuple[str, str], version: str | None = No
             f"in a2ad's checkout) or unset {SWITCH} to run {engine} without a2ad."
         )
     return version
+
+
+def env_options(default_timeout: float | None = None) -> dict:
+    """The communication options an engine plugin takes from the environment:
+    ``A2AD_ON_PEER_LOSS`` ("raise", the default, or "degrade"), ``A2AD_RUNTIME_DIR`` when set,
+    and ``A2AD_TIMEOUT`` seconds (``default_timeout`` when unset; left out when both are None)."""
+    policy = os.environ.get("A2AD_ON_PEER_LOSS", "raise")
+    if policy not in ("raise", "degrade"):
+        raise RuntimeError(f"A2AD_ON_PEER_LOSS must be 'raise' or 'degrade', got {policy!r}")
+    opts = {"on_peer_loss": policy}
+    if os.environ.get("A2AD_RUNTIME_DIR"):
+        opts["runtime_dir"] = os.environ["A2AD_RUNTIME_DIR"]
+    timeout = os.environ.get("A2AD_TIMEOUT")
+    if timeout:
+        opts["timeout"] = float(timeout)
+    elif default_timeout is not None:
+        opts["timeout"] = default_timeout
+    return opts

@@ -24,10 +24,9 @@ The plugin refuses an SGLang outside the tested range at load, naming both versi
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
-from . import SWITCH, check_version as _check_version, enabled
+from . import SWITCH, check_version as _check_version, enabled, env_options
 
 logger = logging.getLogger("a2ad.integrations.sglang")
 
@@ -48,13 +47,7 @@ def check_version(version: str | None = None) -> str:
 
 
 def _options() -> dict:
-    policy = os.environ.get("A2AD_ON_PEER_LOSS", "raise")
-    if policy not in ("raise", "degrade"):
-        raise RuntimeError(f"A2AD_ON_PEER_LOSS must be 'raise' or 'degrade', got {policy!r}")
-    opts = {"on_peer_loss": policy, "timeout": float(os.environ.get("A2AD_TIMEOUT", "60"))}
-    if os.environ.get("A2AD_RUNTIME_DIR"):
-        opts["runtime_dir"] = os.environ["A2AD_RUNTIME_DIR"]
-    return opts
+    return env_options(default_timeout=60.0)
 
 
 def workspace_size_per_rank(ep_size, max_num_tokens, total_dispatch_payload_size_per_token,

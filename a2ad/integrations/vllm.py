@@ -29,11 +29,10 @@ The plugin refuses a vLLM outside the tested range at load, naming both versions
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import replace
 from typing import Optional
 
-from . import SWITCH, check_version as _check_version, enabled
+from . import SWITCH, check_version as _check_version, enabled, env_options
 
 logger = logging.getLogger("a2ad.integrations.vllm")
 
@@ -52,15 +51,7 @@ def check_version(version: Optional[str] = None) -> str:
 
 
 def _env_options() -> dict:
-    policy = os.environ.get("A2AD_ON_PEER_LOSS", "raise")
-    if policy not in ("raise", "degrade"):
-        raise RuntimeError(f"A2AD_ON_PEER_LOSS must be 'raise' or 'degrade', got {policy!r}")
-    opts = {"on_peer_loss": policy, "job_prefix": "vllm"}
-    if os.environ.get("A2AD_RUNTIME_DIR"):
-        opts["runtime_dir"] = os.environ["A2AD_RUNTIME_DIR"]
-    if os.environ.get("A2AD_TIMEOUT"):
-        opts["timeout"] = float(os.environ["A2AD_TIMEOUT"])
-    return opts
+    return {**env_options(), "job_prefix": "vllm"}
 
 
 def manager_class():
