@@ -40,6 +40,14 @@ class DaemonProcess(DaemonLauncher):
         return rc
 
 
+class Mapping:
+    """What FlashInfer's ``Mapping`` offers ``MoeAlltoAll``: this rank and the EP size."""
+
+    def __init__(self, rank: int, size: int):
+        self.moe_ep_rank = rank
+        self.moe_ep_size = size
+
+
 def end_daemon(d: DaemonLauncher, runtime_dir: Path, timeout: float = 15.0) -> None:
     """End a test's daemon whatever state the test left it in (SIGTERM, then SIGKILL after
     ``timeout``), and reap the fd keeper of its runtime folder: for ``finally`` blocks."""

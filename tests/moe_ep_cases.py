@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from helpers import Mapping
+
 TOP_K = 8
 NUM_EXPERTS = 64
 MAX_TOKENS = 16
@@ -183,12 +185,6 @@ def a2ad_rank(rank: int, ep: int, backend: str, runtime_dir: str, pg_file: str, 
 # ---------------------------------------------------------------------------
 # FlashInfer: every rank of its MoeAlltoAll in this process, one workspace on cuda:0
 # ---------------------------------------------------------------------------
-class _Mapping:
-    def __init__(self, rank: int, size: int):
-        self.moe_ep_rank = rank
-        self.moe_ep_size = size
-
-
 def flashinfer_alltoalls(fim, ep: int, hidden: int, dev: torch.device):
     """``ep`` instances of FlashInfer's ``MoeAlltoAll`` over one ``[ep, size_per_rank]``
     workspace on ``dev``. Across processes ``MoeAlltoAll`` allocates that workspace with
@@ -210,7 +206,7 @@ def flashinfer_alltoalls(fim, ep: int, hidden: int, dev: torch.device):
         }
     _sync(dev)
     for r in range(ep):
-        a2a = fim.MoeAlltoAll(_Mapping(r, ep), MAX_TOKENS, TOP_K, NUM_EXPERTS, workspace_size_per_rank=size)
+        a2a = fim.MoeAlltoAll(Mapping(r, ep), MAX_TOKENS, TOP_K, NUM_EXPERTS, workspace_size_per_rank=size)
         if a2a.workspace.data_ptr() != ws.data_ptr():
             raise AssertionError("FlashInfer's MoeAlltoAll did not take the workspace from its cache "
                                  "(its cache key changed in this version?)")

@@ -16,6 +16,7 @@ import torch
 
 from _helpers_dataplane import job_name, rank_pool  # noqa: F401  (fixture)
 from a2ad import errors, layout as L
+from helpers import Mapping
 
 HIDDEN = 32
 TOP_K = 4
@@ -24,18 +25,12 @@ MAX_TOKENS = 6
 INVALID = -1
 
 
-class _Mapping:
-    def __init__(self, rank, size):
-        self.moe_ep_rank = rank
-        self.moe_ep_size = size
-
-
 def _open(rank, ep, runtime_dir, job, **kw):
     """A MoeAlltoAll for ``job`` whose workspace the functional ops can find."""
     from a2ad.client import MoeAlltoAll, ops
 
     a2a = MoeAlltoAll(
-        _Mapping(rank, ep), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN,
+        Mapping(rank, ep), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN,
         job=job, runtime_dir=runtime_dir, timeout=20.0, **kw,
     )
     if not ops.registered(a2a):  # until MoeAlltoAll registers its plane itself
@@ -245,7 +240,7 @@ def with_mnnvl_config(rank, ep, runtime_dir, job):
     from a2ad.client import MoeAlltoAll
 
     a2a = MoeAlltoAll(
-        _Mapping(rank, ep), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN, mnnvl_config=object(),
+        Mapping(rank, ep), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN, mnnvl_config=object(),
         job=job, runtime_dir=runtime_dir, timeout=20.0,
     )
     try:

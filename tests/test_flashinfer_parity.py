@@ -21,20 +21,13 @@ import torch
 from _helpers_dataplane import dataplane_daemons, job_name, make_job, rank_pool, run_job  # noqa: F401  (fixtures)
 from a2ad import errors, layout as L
 from dataplane_cases import _assert_combined
+from helpers import Mapping
 
 HIDDEN = 32
 TOP_K = 4
 NUM_EXPERTS = 8
 MAX_TOKENS = 6
 INVALID = -1
-
-
-class Mapping:
-    """What FlashInfer's Mapping offers MoeAlltoAll."""
-
-    def __init__(self, rank, size):
-        self.moe_ep_rank = rank
-        self.moe_ep_size = size
 
 
 def _round(seed, ep, tokens=None, active=None):
