@@ -980,3 +980,22 @@ def test_kernel_timing_plan_runs_the_diagnostics_at_each_asked_t():
         r = subprocess.run([sys.executable, "-m", "a2ad.bench.kernel_timing", "--one-gpu", "--ep", bad],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and "--ep" in r.stderr, (bad, r.stderr)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_kernel_timing_back_to_back_times_whole_rounds_on_one_gpu():
+    """``kernel_timing --back-to-back``: the steady-state round of a job on one GPU, a line per
+    T and a table row per T, each a positive time within its p10-p90 spread."""
+    import re
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    r = subprocess.run([sys.executable, "-m", "a2ad.bench.kernel_timing", "--one-gpu", "--ep", "4", "--back-to-back",
+                        "--tokens", "1,8"], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+)-([\d.]+) \|$", r.stdout, re.M)
+    assert [int(t) for t, *_ in rows] == [1, 8], r.stdout
+    for _t, med, lo, hi in rows:
+        assert 0 < float(lo) <= float(med) <= float(hi) < 10_000, r.stdout
+    assert "STARVED" not in r.stdout, r.stdout

@@ -250,6 +250,59 @@ class TwoGpuJob:
                 "c90": q(cs, 0.9), "starved": starved}
 
 
+    def time_back_to_back(self, rounds_per_graph: int = 25, replays: int = 8, chunks: int = 12) -> dict:
+        """The steady-state time of one round (a dispatch and a combine on every rank) of the
+        current inputs: each rank's graph holds ``rounds_per_graph`` rounds back to back, every
+        rank replays its graph ``replays`` times from one start event, and the span from that
+        event to the last rank's end, divided by the rounds, is one sample (``chunks`` of them;
+        medians and p10/p90 in us). No L2 flush and no per-round start skew: where the per-round
+        figures of :meth:`time` spread over several us (many ranks on one GPU start their
+        replays far apart), this resolves a change of a fraction of a us in the round."""
+        for p in self.planes:
+            p.diag = 0
+        for _ in range(3):
+            self.eager_round()
+        for p in self.planes:
+            p.check()
+        graphs = []
+        for r in range(self.ep_size):
+            with torch.cuda.device(self.devs[r]):
+                cap = torch.cuda.Stream()  # a capture stream of this device (see time())
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, stream=cap, capture_error_mode="thread_local"):
+                    for _ in range(rounds_per_graph):
+                        self.d(r)
+                        self.c(r)
+                graphs.append(g)
+        self.sync()
+        per_round, starved = [], False
+        rounds = rounds_per_graph * replays
+        for _ in range(chunks + 1):  # the first chunk warms up and is not counted
+            with self.on(0):
+                torch.cuda._sleep(int((2000 + 50 * self.ep_size * replays) * self.cycles_per_us))
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+            ends = []
+            for r in range(self.ep_size):
+                with self.on(r):
+                    self.streams[r].wait_event(start)
+                    for _i in range(replays):
+                        graphs[r].replay()
+                    e = torch.cuda.Event(enable_timing=True)
+                    e.record()
+                    ends.append(e)
+            starved = starved or start.query()
+            self.sync()
+            per_round.append(max(start.elapsed_time(e) for e in ends) * 1e3 / rounds)
+        per_round = per_round[1:]
+        for p in self.planes:
+            p.check()
+        for _ in range(2):
+            self.eager_round()
+        q = lambda v, f: sorted(v)[min(len(v) - 1, int(f * len(v)))]  # noqa: E731
+        return {"round": q(per_round, 0.5), "r10": q(per_round, 0.1), "r90": q(per_round, 0.9), "starved": starved}
+
+
 FP8_LABEL = "fp8 combine (low_precision)"
 
 
@@ -306,9 +359,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time the FP8 combine (low_precision=True) at each T, beside the bf16 combine")
     p.add_argument("--one-gpu", action="store_true",
                    help="every rank on cuda:0, 1/(ep+1) of the SMs each (no NVLink: the on-GPU costs only)")
+    p.add_argument("--back-to-back", action="store_true",
+                   help="instead of per-round figures: the steady-state time of one whole round (dispatch and "
+                        "combine on every rank), many rounds per graph, no L2 flush, at each T of --tokens")
     p.add_argument("--ep", type=int, default=2,
                    help="ranks in the job (default 2): one GPU each, or all on cuda:0 with --one-gpu")
     return p
+
+
+def back_to_back(job: TwoGpuJob, tokens: list[int], args) -> int:
+    """``--back-to-back``: one line per T as it goes, then a markdown table."""
+    rows = []
+    try:
+        for T in tokens:
+            job.inputs(T)
+            job.low_precision = False
+            r = job.time_back_to_back()
+            rows.append((T, r))
+            print(f"back-to-back round T={T:<5} {r['round']:8.2f} us ({r['r10']:.2f}-{r['r90']:.2f})"
+                  + ("  STARVED" if r["starved"] else ""), flush=True)
+    finally:
+        job.close()
+    where = "all on cuda:0 (--one-gpu)" if args.one_gpu else f"on cuda:0 .. cuda:{args.ep - 1}"
+    print(f"\nhidden {args.hidden}, top_k {args.top_k}, {args.num_experts} experts, {args.ep} ranks {where}")
+    print("\n| T | round (dispatch + combine, every rank) us | p10-p90 |")
+    print("| --: | --: | --: |")
+    for T, r in rows:
+        print(f"| {T} | {r['round']:.2f} | {r['r10']:.2f}-{r['r90']:.2f} |", flush=True)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -337,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     flush = not args.no_l2_flush
     job = TwoGpuJob(4096, args.top_k, args.num_experts, args.hidden, one_gpu=args.one_gpu, ep=args.ep)
+    if args.back_to_back:
+        return back_to_back(job, tokens, args)
     rows, cur_T = [], None
     try:
         for label, T, dg in plan(cp, tokens, diags=not args.no_diags, low_precision=args.low_precision):
