@@ -208,33 +208,61 @@ class ControlBlock:
     def admit_rounds(self, ep_size: int) -> tuple[int, ...]:
         return struct.unpack_from(f"<{ep_size}i", self._mv, L.CB_ADMIT_ROUND)
 
-    def effective_mask(self, ep_size: int, round: int) -> int:
+    def effective_mask(self, ep_size: int, round: int, rows=None) -> int:
         """The ranks that take part in round ``round`` (layout.effective_mask): the active mask
         read first, then the admit rounds (x86-64 keeps the two loads in that order, and the
-        daemon writes a replacement's admit round before its bit)."""
+        daemon writes a replacement's admit round before its bit). ``rows``: indexable by
+        rank, each rank's row admit word (``SLOT_ADMIT_ROUND``), which an ADMIT_ROW entry
+        stands for; without it (the daemon) such a rank takes part in no round."""
         mask = self.active_mask
-        return L.effective_mask(mask, self.admit_rounds(ep_size), round)
+        return L.effective_mask(mask, self.admit_rounds(ep_size), round, rows)
 
-    def first_effective(self, mask: int, round: int) -> int:
+    def admit_of(self, rank: int, rows=None) -> int:
+        """Rank ``rank``'s admit round: its entry here, or its row's word (``rows[rank]``) where
+        the entry is ADMIT_ROW and ``rows`` is given."""
+        a = self.admit_round(rank)
+        if a == L.ADMIT_ROW and rows is not None:
+            a = int(rows[rank])
+        return a
+
+    def first_effective(self, mask: int, round: int, rows=None) -> int:
         """The lowest rank of ``mask`` that takes part in round ``round`` (its bit set, then
         its admit round in ``[0, round]``, read in that order as :meth:`effective_mask`
         reads them), or -1: what a wait needs, reading only the words of the ranks it checks."""
         while mask:
             low = mask & -mask
             q = low.bit_length() - 1
-            if self.rank_active(q) and 0 <= self.admit_round(q) <= round:
+            if self.rank_active(q) and 0 <= self.admit_of(q, rows) <= round:
                 return q
             mask ^= low
         return -1
 
-    def admitted_mask(self, ep_size: int, mask: int | None = None) -> int:
+    def admitted_mask(self, ep_size: int, mask: int | None = None, rows=None) -> int:
         """The ranks active now and admitted to some round (a replacement that waits for its
-        first round is not counted). ``mask``: the active mask to start from (the daemon
-        passes its own record; default: the published copy)."""
+        first round is not counted; nor, without ``rows``, a rank whose admit round is in its
+        row). ``mask``: the active mask to start from (the daemon passes its own record;
+        default: the published copy)."""
         if mask is None:
             mask = self.active_mask
         rounds = self.admit_rounds(ep_size)
-        return sum(1 << q for q in L.mask_ranks(mask) if q < ep_size and rounds[q] >= 0)
+        out = 0
+        for q in L.mask_ranks(mask):
+            if q >= ep_size:
+                continue
+            a = rounds[q]
+            if a == L.ADMIT_ROW and rows is not None:
+                a = int(rows[q])
+            if a >= 0:
+                out |= 1 << q
+        return out
+
+    def row_admit_mask(self, ep_size: int, mask: int | None = None) -> int:
+        """The ranks of ``mask`` (default: the published active mask) whose admit round is in
+        their rows (ADMIT_ROW: let into a job that spans nodes without a job-wide re-arm)."""
+        if mask is None:
+            mask = self.active_mask
+        rounds = self.admit_rounds(ep_size)
+        return sum(1 << q for q in L.mask_ranks(mask) if q < ep_size and rounds[q] == L.ADMIT_ROW)
 
     def rank_state(self, rank: int) -> int:
         return self._get(_U32, L.CB_RANK_STATE + 4 * rank)

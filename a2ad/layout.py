@@ -111,7 +111,9 @@ GPU access on the CUDA backend)::
                                   of a full rendezvous), ADMIT_JOINED while a replacement waits for
                                   its first dispatch, ADMIT_READY once that dispatch asks to be let
                                   in (written by the daemon, the replacement and the lowest active
-                                  rank in turn; docs/PROTOCOL.md, "Degraded mode")
+                                  rank in turn; docs/PROTOCOL.md, "Degraded mode"); ADMIT_ROW
+                                  where it is kept in the rank's row instead (SLOT_ADMIT_ROUND: a
+                                  replacement let into a job that spans nodes)
     14464 i32  input own [MAX_EP_SIZE]    per rank: with a spec mismatch in its input record, this
                                   rank's own value of the field (the record holds the peer's)
 
@@ -163,11 +165,15 @@ SLOT_VIEW = 10
 SLOT_VIEW_ROUND = SLOT_VIEW + 2 * MASK_WORDS
 SLOT_COMBINE_SEEN = 20
 SLOT_COMBINE_SEEN_ROUND = SLOT_COMBINE_SEEN + 2 * MASK_WORDS
+#: This rank's admit round when its control-block entry is ADMIT_ROW (a replacement let into a
+#: degrade job that spans nodes: every node's ranks read and write it here, in the rank's row,
+#: where they all reach it). Zero after every initialization of the row: admitted from round 0.
+SLOT_ADMIT_ROUND = 30
 #: The claim that elects the single writer of this rank's status record.
 SLOT_STATUS_CLAIM = BLOCK_COUNTER_SLOTS - 1
 assert SLOT_VIEW % 2 == 0 and SLOT_COMBINE_SEEN % 2 == 0  # u64 words (BLOCK_COUNTERS is 128-aligned)
 assert SLOT_RT_MISMATCH < SLOT_VIEW and SLOT_VIEW_ROUND < SLOT_COMBINE_SEEN
-assert SLOT_COMBINE_SEEN_ROUND < SLOT_STATUS_CLAIM
+assert SLOT_COMBINE_SEEN_ROUND < SLOT_ADMIT_ROUND < SLOT_STATUS_CLAIM
 #: int32 words of a dispatch's payload descriptor (:func:`payload_spec`): [0] payload count,
 #: [1..6] bytes per token of payload i, [7] dtype codes (4 bits per payload, 0: not given),
 #: [8] eplb_stats_num_experts, [9..11] zero.
@@ -705,6 +711,12 @@ POLICY_CODES = {name: code for code, name in POLICY_NAMES.items()}
 ADMIT_JOINED = -1
 #: The replacement's first dispatch asks to be let in; the lowest active rank picks its round.
 ADMIT_READY = -2
+#: In a control block: the rank's admit round is in its own row (SLOT_ADMIT_ROUND of its
+#: BLOCK_COUNTERS), which holds ADMIT_JOINED, ADMIT_READY or a round as above. Every node
+#: of a job that spans nodes writes this for a replacement let in without a job-wide re-arm,
+#: so that all of them agree on its round. Read without the rows (the daemon), it is no
+#: round: the rank counts as not admitted.
+ADMIT_ROW = -3
 
 # Input errors a rank's kernels found (the input record's code).
 INPUT_OK = 0
@@ -796,15 +808,19 @@ def full_mask(ep_size: int) -> int:
     return (1 << ep_size) - 1
 
 
-def effective_mask(active_mask: int, admit_rounds, round: int) -> int:
+def effective_mask(active_mask: int, admit_rounds, round: int, row_rounds=None) -> int:
     """The ranks that take part in round ``round``: those whose bit is set in ``active_mask``
-    and whose admit round (``admit_rounds[q]``) is in ``[0, round]``."""
+    and whose admit round (``admit_rounds[q]``; where that is ADMIT_ROW, ``row_rounds[q]``,
+    the rank's row's own word, or no round without ``row_rounds``) is in ``[0, round]``."""
     out = 0
     m = active_mask
     while m:
         q = (m & -m).bit_length() - 1
         m &= m - 1
-        if 0 <= admit_rounds[q] <= round:
+        a = admit_rounds[q]
+        if a == ADMIT_ROW and row_rounds is not None:
+            a = int(row_rounds[q])
+        if 0 <= a <= round:
             out |= 1 << q
     return out
 
@@ -933,6 +949,7 @@ C_HEADER_CONSTANTS = (
     "SLOT_VIEW_ROUND",
     "SLOT_COMBINE_SEEN",
     "SLOT_COMBINE_SEEN_ROUND",
+    "SLOT_ADMIT_ROUND",
     "SLOT_STATUS_CLAIM",
     "CB_ABORT",
     "CB_STATUS",
@@ -975,6 +992,7 @@ C_HEADER_CONSTANTS = (
     "CB_ADMIT_ROUND",
     "ADMIT_JOINED",
     "ADMIT_READY",
+    "ADMIT_ROW",
 )
 
 C_HEADER_PATH = "csrc/layout.h"

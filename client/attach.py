@@ -402,7 +402,14 @@ class Attachment:
         shared = self._live()
         if self.on_peer_loss != "degrade":
             return list(range(shared.ep_size))
-        return L.mask_ranks(shared.control.admitted_mask(shared.ep_size))
+        cb = shared.control
+        rows = None
+        if cb.row_admit_mask(shared.ep_size):
+            # a replacement let in across nodes: its admit round is in its row (on the cuda
+            # backend a copy of ep_size words; only while such a rank is in the mask)
+            off = shared.aux.block_counters + 4 * L.SLOT_ADMIT_ROUND
+            rows = shared.workspace[:, off: off + 4].view(torch.int32)[:, 0].cpu().tolist()
+        return L.mask_ranks(cb.admitted_mask(shared.ep_size, rows=rows))
 
     @property
     def workspace(self) -> torch.Tensor | None:

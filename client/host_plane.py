@@ -219,6 +219,8 @@ class HostPlane(Plane):
         self._topk_target = field(aux.topk_target_ranks, topk)[me].view(self.max_num_tokens, L.MAX_TOP_K)
         self._topk_send = field(aux.topk_send_indices, topk)[me].view(self.max_num_tokens, L.MAX_TOP_K)
         self._flag_vals = field(aux.flag_val, 1)[:, 0]  # every rank's round (a replacement waits on them)
+        # every rank's row admit word: its admit round where its control-block entry is ADMIT_ROW
+        self._row_admit = field(aux.block_counters + 4 * L.SLOT_ADMIT_ROUND, 1)[:, 0]
         self._round: int | None = None  # the round between a dispatch and its combine
         #: Whether the job keeps serving without a lost rank (spec on_peer_loss="degrade").
         self.degrade = att.spec.get("on_peer_loss") == "degrade"
@@ -370,45 +372,51 @@ class HostPlane(Plane):
         """(the round this dispatch runs, its view: the effective mask read once). A
         replacement first waits to be let in; the lowest rank of the view then lets in the
         replacements that asked, from the next round on (docs/PROTOCOL.md, "Degraded mode")."""
-        cb, me, ep = self.att.control, self.ep_rank, self.ep_size
-        admit = cb.admit_round(me)
+        cb, me, ep, rows = self.att.control, self.ep_rank, self.ep_size, self._row_admit
+        admit = cb.admit_of(me, rows)
         if admit < 0 or admit > rnd:
             rnd = self._admitted(admit)
-        eff = cb.effective_mask(ep, rnd)
+        eff = cb.effective_mask(ep, rnd, rows)
         if eff & -eff == 1 << me:  # this rank is the lowest of the round's ranks
             waiting = cb.active_mask & ~eff
             if waiting:
                 rounds = cb.admit_rounds(ep)
                 for q in L.mask_ranks(waiting):
+                    # nobody can have started rnd + 1: it needs this rank's combine flag of rnd,
+                    # written after this store
                     if rounds[q] == L.ADMIT_READY:
-                        # nobody can have started rnd + 1: it needs this rank's combine flag of rnd,
-                        # written after this store
                         cb.set_admit_round(q, rnd + 1)
+                    elif rounds[q] == L.ADMIT_ROW and int(rows[q]) == L.ADMIT_READY:
+                        rows[q] = rnd + 1  # in q's row, where the ranks of every node read it
         return rnd, eff
 
     def _admitted(self, admit: int) -> int:
         """A replacement's first dispatch: ask to be let in, wait for the round the lowest
         active rank picks, then for every other rank of that round to have finished the one
         before (its FLAG_VAL reaches it: nobody reads that round's data any more). Both
-        waits are bounded, and abandoned on the abort word, like every wait."""
-        cb, me, ep = self.att.control, self.ep_rank, self.ep_size
+        waits are bounded, and abandoned on the abort word, like every wait. (Where this
+        rank's control-block entry is ADMIT_ROW, its admit round is in its own row.)"""
+        cb, me, ep, rows = self.att.control, self.ep_rank, self.ep_size, self._row_admit
         if admit == L.ADMIT_JOINED:
-            cb.set_admit_round(me, L.ADMIT_READY)
+            if cb.admit_round(me) == L.ADMIT_ROW:
+                rows[me] = L.ADMIT_READY
+            else:
+                cb.set_admit_round(me, L.ADMIT_READY)
         patience = _Patience(self.timeout)
         flag = int(self._flag_val.item())
         while True:
-            admit = cb.admit_round(me)
+            admit = cb.admit_of(me, rows)
             if admit >= 0:
                 lagging = 0
                 behind = (self._flag_vals < admit).nonzero()
                 if behind.numel():
-                    lagging = _bits(behind) & cb.effective_mask(ep, admit) & ~(1 << me)
+                    lagging = _bits(behind) & cb.effective_mask(ep, admit, rows) & ~(1 << me)
                 if not lagging:
                     self._flag_val.fill_(admit)
                     return admit
                 peer = (lagging & -lagging).bit_length() - 1
             else:
-                admitted = cb.admitted_mask(ep)
+                admitted = cb.admitted_mask(ep, rows=rows)
                 peer = (admitted & -admitted).bit_length() - 1 if admitted else me
             code = patience.give_up(cb)
             if code is None:
@@ -559,7 +567,7 @@ class HostPlane(Plane):
             if not waiting:
                 return view
             if degrade:
-                peer = cb.first_effective(waiting, rnd)  # the lowest still in the mask: wait on it
+                peer = cb.first_effective(waiting, rnd, self._row_admit)  # the lowest still in the mask: wait on it
                 if peer < 0:
                     # every rank still waited for left the mask; one may have published its flag,
                     # finished the round and left between the two reads above: what it published

@@ -430,6 +430,19 @@ __device__ __forceinline__ volatile int* admit_round(const Control& c, int q) {
   return reinterpret_cast<volatile int*>(c.block + layout::CB_ADMIT_ROUND + 4 * (int64_t)q);
 }
 
+// Rank q's admit round where its control-block entry is ADMIT_ROW: SLOT_ADMIT_ROUND of its
+// own row, which the ranks of every node reach (a replacement let into a job that spans
+// nodes without a job-wide re-arm).
+__device__ __forceinline__ int* row_admit(const DispatchParams& p, int q) {
+  return at<int>(row_of(p.ws, q), p.aux.block_counters) + layout::SLOT_ADMIT_ROUND;
+}
+
+// Rank q's admit round: its control-block entry, or its row's word (ADMIT_ROW).
+__device__ __forceinline__ int admit_of(const DispatchParams& p, int q) {
+  const int a = *admit_round(p.ctl, q);
+  return a == layout::ADMIT_ROW ? ld_acquire_sys(row_admit(p, q)) : a;
+}
+
 // The job's active mask (host memory), each word with acquire.
 template <int W>
 __device__ __forceinline__ RankMask<W> read_active(const Control& c) {
@@ -446,7 +459,8 @@ __device__ __forceinline__ RankMask<W> read_active(const Control& c) {
 // admit rounds, one thread per rank; the daemon writes a replacement's admit round
 // before its bit. *active gets the mask read. Every thread of the block must call it.
 template <int W>
-__device__ RankMask<W> effective_mask(const Control& c, int ep, int round, RankMask<W>* active) {
+__device__ RankMask<W> effective_mask(const DispatchParams& p, int ep, int round, RankMask<W>* active) {
+  const Control& c = p.ctl;
   __shared__ unsigned long long s_active[W], s_eff[W];
   if (threadIdx.x == 0) {
     const RankMask<W> a = read_active<W>(c);
@@ -460,7 +474,7 @@ __device__ RankMask<W> effective_mask(const Control& c, int ep, int round, RankM
   const int q = threadIdx.x;
   const RankMask<W> a = shared_mask<W>(s_active);
   if (q < ep && a.has(q)) {
-    const int r = *admit_round(c, q);
+    const int r = admit_of(p, q);
     if (r >= 0 && r <= round) shared_set<W>(s_eff, q);
   }
   __syncthreads();
@@ -487,20 +501,24 @@ __global__ void __launch_bounds__(prologue_threads<W>()) prologue_kernel(const D
   RankMask<W> active = RankMask<W>::none();
   if (threadIdx.x == 0) {
     s_round = ld_volatile(flag_val);
-    s_admit = *admit_round(c, me);
+    s_admit = admit_of(p, me);
     s_fail = 0;
   }
   __syncthreads();
   if (s_admit < 0 || s_admit > s_round) {  // a replacement's first round (block-uniform)
     if (threadIdx.x == 0 && s_admit == layout::ADMIT_JOINED) {
-      *admit_round(c, me) = layout::ADMIT_READY;
+      if (*admit_round(c, me) == layout::ADMIT_ROW) {
+        st_release_sys(row_admit(p, me), layout::ADMIT_READY);
+      } else {
+        *admit_round(c, me) = layout::ADMIT_READY;
+      }
       __threadfence_system();
     }
     const uint64_t t0 = global_timer_ns();
     for (uint32_t it = 0;; ++it) {
       __syncthreads();
       if (threadIdx.x == 0) {
-        s_admit = *admit_round(c, me);
+        s_admit = admit_of(p, me);
 #pragma unroll
         for (int i = 0; i < W; ++i) s_lagging[i] = 0;
       }
@@ -508,7 +526,7 @@ __global__ void __launch_bounds__(prologue_threads<W>()) prologue_kernel(const D
       const int admit = s_admit;
       int peer;
       if (admit >= 0) {
-        const RankMask<W> eff = effective_mask<W>(c, ep, admit, &active);
+        const RankMask<W> eff = effective_mask<W>(p, ep, admit, &active);
         const int q = threadIdx.x;
         if (q < ep && q != me && eff.has(q) && ld_acquire_sys(at<int>(row_of(p.ws, q), p.aux.flag_val)) < admit) {
           shared_set<W>(s_lagging, q);
@@ -553,7 +571,7 @@ __global__ void __launch_bounds__(prologue_threads<W>()) prologue_kernel(const D
     return;
   }
   const int round = s_round;
-  const RankMask<W> eff = effective_mask<W>(c, ep, round, &active);
+  const RankMask<W> eff = effective_mask<W>(p, ep, round, &active);
   if (threadIdx.x == 0) {
     if (!eff.has(me)) {
       if (atomicCAS(block_counters + layout::SLOT_STATUS_CLAIM, 0, 1) == 0) {
@@ -568,7 +586,13 @@ __global__ void __launch_bounds__(prologue_threads<W>()) prologue_kernel(const D
       RankMask<W> m = active.without(eff);
       for (int q = m.lowest(); q >= 0; q = m.lowest()) {
         m.clear(q);
-        if (q < ep && *admit_round(c, q) == layout::ADMIT_READY) *admit_round(c, q) = round + 1;
+        if (q >= ep) continue;
+        const int a = *admit_round(c, q);
+        if (a == layout::ADMIT_READY) {
+          *admit_round(c, q) = round + 1;
+        } else if (a == layout::ADMIT_ROW && ld_acquire_sys(row_admit(p, q)) == layout::ADMIT_READY) {
+          st_release_sys(row_admit(p, q), round + 1);  // in q's row, where every node's ranks read it
+        }
       }
       __threadfence_system();
     }

@@ -25,6 +25,7 @@ constexpr int SLOT_VIEW = 10;
 constexpr int SLOT_VIEW_ROUND = 18;
 constexpr int SLOT_COMBINE_SEEN = 20;
 constexpr int SLOT_COMBINE_SEEN_ROUND = 28;
+constexpr int SLOT_ADMIT_ROUND = 30;
 constexpr int SLOT_STATUS_CLAIM = 31;
 constexpr int CB_ABORT = 16;
 constexpr int CB_STATUS = 1152;
@@ -67,6 +68,7 @@ constexpr int CONTROL_BLOCK_SIZE = 16384;
 constexpr int CB_ADMIT_ROUND = 13440;
 constexpr int ADMIT_JOINED = -1;
 constexpr int ADMIT_READY = -2;
+constexpr int ADMIT_ROW = -3;
 
 // The aux list of a CUDA plan (AUX_PLAN_FIELDS): the index of each value.
 constexpr int AUX_FLAG_VAL = 0;

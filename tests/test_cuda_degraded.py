@@ -86,17 +86,32 @@ def _check(job, inputs, outs, ranks, counted):
         job.planes[r].check()
 
 
-def _let_in_replacement(job, rank):
+def _row_admit(job, rank):
+    """Rank ``rank``'s row admit word (SLOT_ADMIT_ROUND of its BLOCK_COUNTERS), as an int32 view."""
+    off = job.aux.block_counters + 4 * L.SLOT_ADMIT_ROUND
+    return job.ws[rank, off: off + 4].view(torch.int32)
+
+
+def _let_in_replacement(job, rank, in_row=False):
     """What the daemon does when a replacement joins a degrade job that serves: its row
-    re-initialized, its admit round ADMIT_JOINED, then its bit set."""
+    re-initialized, its admit round ADMIT_JOINED, then its bit set. ``in_row``: as in a job
+    that spans nodes, the admit round in the replacement's row (ADMIT_JOINED there) and
+    ADMIT_ROW in the control block."""
     from a2ad.client.cuda_plane import initialize_row
 
     torch.cuda.synchronize()
     initialize_row(job.ws, rank, job.aux)
     job.planes[rank].reset_status()
+    if in_row:
+        _row_admit(job, rank).fill_(L.ADMIT_JOINED)
     torch.cuda.synchronize()
-    job.control.set_admit_round(rank, L.ADMIT_JOINED)
+    job.control.set_admit_round(rank, L.ADMIT_ROW if in_row else L.ADMIT_JOINED)
     job.control.set_active_mask(FULL, EP, time.monotonic_ns())
+
+
+def _admit_round(job, rank):
+    a = job.control.admit_round(rank)
+    return int(_row_admit(job, rank).item()) if a == L.ADMIT_ROW else a
 
 
 def _serve_until_admitted(job, pl, gen, ranks, rank, rounds=6):
@@ -105,17 +120,21 @@ def _serve_until_admitted(job, pl, gen, ranks, rank, rounds=6):
         inputs = {r: _inputs(gen) for r in ranks}
         outs = _round(job, pl, inputs, ranks)
         _check(job, inputs, outs, ranks, FULL & ~(1 << rank))
-        admit = job.control.admit_round(rank)
+        admit = _admit_round(job, rank)
         if admit >= 0:
             return admit
     raise AssertionError(f"rank {rank} was not let in within {rounds} rounds (admit round {admit})")
 
 
-def test_rounds_without_a_lost_rank_then_its_replacement(make_job):
+@pytest.mark.parametrize("in_row", [False, True], ids=["control-block", "row"])
+def test_rounds_without_a_lost_rank_then_its_replacement(make_job, in_row):
     """A full round; rank 2 leaves the mask before a round: rounds among ranks 0 and 1 drop
     the tokens' sends to it, count nothing from it and mark exactly those tokens; a
     replacement joins as rank 2: its first dispatch waits (in the kernel) to be let in,
-    the lowest rank lets it in at the next round, and that round runs on all three."""
+    the lowest rank lets it in at the next round, and that round runs on all three. With
+    ``in_row`` its admit round is agreed in its row, as across nodes: the replacement asks
+    there (ADMIT_READY), the lowest rank writes the round there, the control block keeps
+    ADMIT_ROW."""
     job, pl = _job(make_job)
     gen = torch.Generator(device="cuda").manual_seed(7)
     inputs = {r: _inputs(gen) for r in range(EP)}
@@ -128,11 +147,13 @@ def test_rounds_without_a_lost_rank_then_its_replacement(make_job):
     # nothing was sent to rank 2: no send counted for it at the survivors
     assert all(int(job.recv_counts(r)[2]) == 0 for r in (0, 1))
 
-    _let_in_replacement(job, 2)
+    _let_in_replacement(job, 2, in_row)
     first = {2: _inputs(gen)}
     job.on_ranks(_dispatch(job, pl, first), [2])  # waits in its prologue until let in
     admit = _serve_until_admitted(job, pl, gen, [0, 1], 2)
     assert job.flag_val(0) == job.flag_val(1) == admit
+    if in_row:
+        assert job.control.admit_round(2) == L.ADMIT_ROW and int(_row_admit(job, 2).item()) == admit
     inputs = {0: _inputs(gen), 1: _inputs(gen), 2: first[2]}
     job.on_ranks(_dispatch(job, pl, inputs), [0, 1])
     outs = job.on_ranks(_combine(job, pl, inputs), range(EP))

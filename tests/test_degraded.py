@@ -604,10 +604,10 @@ def test_a_degraded_wait_counts_exactly_the_flags_it_saw():
     cb.clear_status(0)
     real = cb.first_effective
 
-    def publish_and_leave(mask, round):  # rank 3 publishes, finishes its round and leaves, right now
+    def publish_and_leave(mask, round, rows=None):  # rank 3 publishes, finishes its round and leaves, right now
         flags[3] = rnd
         cb.set_active_mask(0b0001, ep, time.monotonic_ns())
-        return real(mask, round)
+        return real(mask, round, rows)
 
     cb.first_effective = publish_and_leave
     assert plane._wait(flags, rnd, L.PHASE_COMBINE, view) == 0b1001  # rank 3 counted, rank 2 not
