@@ -537,6 +537,9 @@ def node_serve(rank, ep, runtime_dir, shm, job, policy, shared, results, seed):
             if counted != full and counted != degraded_seen:  # every new degraded view, in order
                 degraded_seen = counted
                 results.put((rank, "degraded", _now(), L.mask_ranks(counted)))
+            elif counted == full and degraded_seen:  # every rank back in the view
+                degraded_seen = 0
+                results.put((rank, "full", _now(), rnd))
             shared["done"][rank] += 1
             shared["round"][rank] = rnd
             stop = shared["stop"].value
@@ -593,7 +596,9 @@ def test_kill9_of_a_node_then_it_rejoins_with_replacements(cluster, policy, coor
     rounds run: the ranks on a and b raise PeerLost (raise job) or serve on without ranks 4
     and 5 (degrade job) within the heartbeat bound. Then c's daemon restarts on its runtime
     folder (re-adopting the job from its fd keeper), rejoins the domain, a replacement pair
-    joins through it, and verified rounds resume on all 6 ranks. In the raise case node c is
+    joins through it, and verified rounds resume on all 6 ranks: in the degrade case the
+    replacements are let in at a round boundary while ranks 0-3 serve on (no re-arm: none of
+    them raises or recovers, the generation stays 0). In the raise case node c is
     the job's coordinator: another node takes over while it is down, and c takes the job back
     when it returns (the recover rendezvous runs with whichever it is then)."""
     from a2ad.daemon.federation import coordinator_order
@@ -658,12 +663,25 @@ def test_kill9_of_a_node_then_it_rejoins_with_replacements(cluster, policy, coor
         grp.start(4, c.dirs["c"], seed=94)
         grp.start(5, c.dirs["c"], seed=95)
         att = grp.expect("attached", [4, 5], timeout=120)
-        if policy == "degrade":  # the replacement comes back through a job-wide re-arm: the others recover once
-            grp.expect("lost", survivors, timeout=60)
-        rec = grp.expect("recovered", survivors, timeout=120)
-        gens = {v for _, v in att.values()} | {v for _, v in rec.values()}
-        assert len(gens) == 1 and gens.pop() >= 1, (att, rec)
-        t_back = max(t for t, _ in list(att.values()) + list(rec.values()))
+        if policy == "degrade":
+            # let back in at a round boundary while the others served on: no re-arm, nobody
+            # raises or recovers, and every survivor's view is whole again
+            back = grp.expect("full", survivors, timeout=120)
+            assert {v for _, v in att.values()} == {0}, att
+            assert not [i for i in grp.drain() + grp.backlog if i[1] in ("lost", "recovered")], grp.backlog
+            for n in "abc":
+                info = c.daemons[n].request("job_info", job=job)
+                assert info["generation"] == 0 and info["abort"] == "none", (n, info)
+                # (a node hears of a rank's attach with its node's next report, within a heartbeat)
+                wait_for(lambda n=n: c.daemons[n].request("job_info", job=job)["active_ranks"] == list(range(ep)),
+                         2 * HB_INTERVAL + 2, f"node {n} to count all {ep} ranks active")
+            assert c.daemons["c"].request("job_info", job=job)["readmits"] == 2
+            t_back = max(t for t, _ in back.values())
+        else:
+            rec = grp.expect("recovered", survivors, timeout=120)
+            gens = {v for _, v in att.values()} | {v for _, v in rec.values()}
+            assert len(gens) == 1 and gens.pop() >= 1, (att, rec)
+            t_back = max(t for t, _ in list(att.values()) + list(rec.values()))
         grp.wait_rounds(range(ep), 40)
         grp.shared["stop"].value = max(grp.shared["round"][r] for r in range(ep)) + 10
         done = grp.expect("done", range(ep), timeout=120)

@@ -109,9 +109,9 @@ MAX_COUNT = 2**31 - 1
 MAX_GENERATION = 2**63 - 1
 #: A report's job-wide fields and a rank record's fields: nothing else of a report is kept.
 REPORT_FIELDS = ("ep_size", "spec", "owner_uid", "backend", "row_stride", "size_per_rank", "confirmed", "generation",
-                 "rendezvous_count", "needs_rearm", "abort", "abort_rank")
+                 "rendezvous_count", "needs_rearm", "abort", "abort_rank", "admits")
 RANK_FIELDS = ("rank", "state", "waiting", "pid", "device", "deaths", "attaches", "size", "handle_type", "handle",
-               "handle_error")
+               "handle_error", "readmit")
 
 
 @dataclass
@@ -186,7 +186,7 @@ def _ranks(view: dict) -> dict[int, dict]:
 
 
 def _fields(view: dict) -> dict:
-    return {k: view[k] for k in ("generation", "abort", "abort_rank", "needs_rearm")}
+    return {k: view[k] for k in ("generation", "abort", "abort_rank", "needs_rearm", "admits")}
 
 
 def _only_attaching(old: dict, new: dict) -> bool:
@@ -305,6 +305,11 @@ def _check_report(msg: dict) -> dict:
         _need(isinstance(msg.get(k), bool), f"bad {k}")
     _need(_int(msg.get("abort"), 0, 2**32 - 1) and msg["abort"] in L.ABORT_NAMES, "bad abort word")
     _need(_int(msg.get("abort_rank"), -1, ep - 1), "bad abort rank")
+    admits = msg.get("admits", [])  # (absent from a daemon that predates re-admission across nodes)
+    _need(isinstance(admits, list) and len(admits) <= ep, "bad admits")
+    for pair in admits:
+        _need(isinstance(pair, (list, tuple)) and len(pair) == 2 and _int(pair[0], 0, ep - 1)
+              and _int(pair[1], 0, MAX_COUNT), "bad admits entry (a [rank, deaths] pair)")
     ranks = msg.get("ranks")
     _need(isinstance(ranks, list) and len(ranks) <= ep, "bad ranks")
     seen, kept = set(), []
@@ -323,10 +328,13 @@ def _check_report(msg: dict) -> dict:
         _need(_handle(rec.get("handle")), f"rank {r}: bad handle")
         _need(rec.get("handle_type") is None or _printable(rec["handle_type"], MAX_HANDLE_TYPE), f"rank {r}: bad handle type")
         _need(_opt_str(rec.get("handle_error"), MAX_HANDLE_ERROR), f"rank {r}: bad handle error")
+        _need(isinstance(rec.get("readmit", False), bool), f"rank {r}: bad readmit")
         kept.append({k: rec.get(k) for k in RANK_FIELDS})
+        kept[-1]["readmit"] = bool(rec.get("readmit", False))
     out = {"job": name, "seq": msg["seq"], "gone": False}
-    out.update((k, msg[k]) for k in REPORT_FIELDS)
+    out.update((k, msg[k]) for k in REPORT_FIELDS if k != "admits")
     out["spec"], out["ranks"] = spec, kept
+    out["admits"] = [[int(r), int(d)] for r, d in admits]
     return out
 
 
@@ -583,12 +591,15 @@ class Federation:
             ranks.append({"rank": s.rank, "state": s.state, "waiting": s.waiting, "pid": s.pid, "device": s.device,
                           "deaths": s.deaths, "attaches": s.attaches, "size": a.size if a else None,
                           "handle_type": a.handle_type if a else None, "handle": a.fabric_handle if a else None,
-                          "handle_error": (a.fabric_error or "")[:2000] or None if a else None})
+                          "handle_error": (a.fabric_error or "")[:2000] or None if a else None,
+                          "readmit": s.readmit_wait})
         cb = job.control
+        # the re-admissions of other nodes' ranks applied here: the answer their nodes wait for
+        admits = [[s.rank, s.admit_ack] for s in job.slots if s.node is not None and s.admit_ack is not None]
         return {"ep_size": job.ep_size, "spec": job.spec, "owner_uid": job.owner_uid, "backend": self.backend,
                 "row_stride": job.row_stride, "size_per_rank": job.size_per_rank, "confirmed": job.confirmed,
                 "generation": job.generation, "rendezvous_count": job.rendezvous_count, "needs_rearm": job.needs_rearm,
-                "abort": cb.abort_word, "abort_rank": cb.abort_rank, "ranks": ranks}
+                "abort": cb.abort_word, "abort_rank": cb.abort_rank, "admits": admits, "ranks": ranks}
 
     def sync_local(self, force: bool = True) -> bool:
         """Send the report of every domain job whose part here changed; True if one did.
@@ -615,8 +626,10 @@ class Federation:
     @staticmethod
     def _peer_key(body: dict) -> tuple:
         """What of a report the job's other holders need to hear about (the coordinator hears
-        every report): which of this node's ranks are live, dead or gone, their rows, and an
-        abort word that starts here (a rank of this node's, or an operator's). Not news for
+        every report): which of this node's ranks are live, dead or gone, their rows, a
+        replacement held for the others to take it back in (``readmit``) and the
+        re-admissions of theirs applied here (``admits``), and an abort word that starts here
+        (a rank of this node's, or an operator's). Not news for
         them: a rank's held request, joining becoming attached (the release that did it
         reached them too), the generation and the abort word of a re-arm (its prepare reached
         them), an abort word taken over from another node's report (they take it over from
@@ -625,8 +638,9 @@ class Federation:
         r = body["abort_rank"]
         abort = (body["abort"], r) if body["abort"] and (r < 0 or r in own) else None
         ranks = tuple((rec["rank"], -1 if rec["state"] in _LIVE else rec["state"], rec["pid"], rec["deaths"],
-                       rec["device"], rec["size"], rec["handle"]) for rec in body["ranks"])
-        return (body["ep_size"], body["backend"], body["row_stride"], body["owner_uid"], abort, ranks)
+                       rec["device"], rec["size"], rec["handle"], rec["readmit"]) for rec in body["ranks"])
+        admits = tuple(tuple(a) for a in body["admits"])
+        return (body["ep_size"], body["backend"], body["row_stride"], body["owner_uid"], abort, ranks, admits)
 
     def holders(self, name: str) -> set[str]:
         """The other nodes that hold rows of job ``name``, as far as this daemon knows: those

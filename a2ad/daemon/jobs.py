@@ -17,7 +17,7 @@ from a2ad import errors, layout as L, protocol
 from a2ad.control import ControlBlock, hold_job
 from a2ad.daemon import memfd
 from a2ad.daemon.backends.base import Allocation
-from a2ad.daemon.policy import active_mask
+from a2ad.daemon.policy import active_mask, admitted_ranks
 
 
 @dataclass
@@ -54,6 +54,16 @@ class RankSlot:
     #: A replacement let into a degraded job without a job-wide re-arm: its bit in the
     #: active mask is set once it holds its handles (see Registry._readmit).
     readmitting: bool = False
+    #: A replacement let into a degrade job that spans nodes: its join is held until every
+    #: other node with live ranks of the job has taken it back in (set its admit entry to
+    #: ADMIT_ROW and its bit; that node's report lists it in ``admits``). Not a join the
+    #: job's coordinator sees waiting (``waiting`` is None).
+    readmit_wait: bool = False  # (of another node's rank: as its node reports)
+    #: Nodes that have taken the held replacement back in (see ``readmit_wait``).
+    readmit_acks: set = field(default_factory=set)
+    #: A remote rank let back in by its node without a job-wide re-arm: its ``deaths`` count
+    #: at that re-admission, which this node has applied (this node's reports list it).
+    admit_ack: int | None = None
     #: In a job that spans nodes: the node whose daemon holds this rank's row (None: this
     #: daemon's, or nobody's yet). Such a slot mirrors that node's reports.
     node: str | None = None
@@ -77,11 +87,13 @@ class RankSlot:
         """The request this rank waits in, wherever it is held: "join", "recover" or None."""
         if self.node is not None:
             return self.remote_waiting
-        return "join" if self.pending is not None else "recover" if self.recovering is not None else None
+        if self.pending is not None:
+            return None if self.readmit_wait else "join"
+        return "recover" if self.recovering is not None else None
 
     def clear_remote(self) -> None:
-        self.node = self.remote_waiting = self.remote = None
-        self.lost_with_node = False
+        self.node = self.remote_waiting = self.remote = self.admit_ack = None
+        self.lost_with_node = self.readmit_wait = False
 
     def summary(self, show_pid: bool = True) -> dict:
         return {
@@ -168,7 +180,7 @@ class Job:
                     "mask_generation": None, "degraded_s": None, "mask_restores": None}
         cb = self.control
         mask = active_mask(self, keep=False)
-        admitted = cb.admitted_mask(self.ep_size, mask)
+        admitted = admitted_ranks(self, mask)
         since = cb.degraded_since_ns
         return {
             "active_mask": mask,

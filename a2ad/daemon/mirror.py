@@ -69,6 +69,14 @@ class Mirror:
             if before != (slot.node, slot.pid, slot.device, slot.deaths, slot.attaches, slot.remote_waiting, slot.remote):
                 self.dirty = True
             state = rec["state"]
+            readmit = bool(rec.get("readmit")) and effects and state in (L.RANK_JOINING, L.RANK_ATTACHED)
+            if slot.readmit_wait and not rec.get("readmit") and state == L.RANK_JOINING and slot.state == state:
+                # its node answered the replacement's held join (every node took it back in): it
+                # counts as attached, as a domain release makes it (its attach is no news here)
+                state = L.RANK_ATTACHED
+            slot.readmit_wait = bool(rec.get("readmit"))
+            if slot.lost_with_node and readmit:
+                slot.lost_with_node = False  # it died with its node; this is its replacement
             if slot.lost_with_node:
                 slot.lost_with_node = False
                 if effects and state == L.RANK_ATTACHED and slot.state == L.RANK_DEAD:
@@ -81,6 +89,15 @@ class Mirror:
                                 job.name, r, node)
             if state != slot.state:
                 self._remote_state(job, slot, state, f"(as node {node} reports)", effects)
+            if readmit:
+                # its node let it back in without a job-wide re-arm: here too
+                self.apply_readmit(job, slot, slot.deaths)
+            elif slot.admit_ack is not None and not slot.live:
+                slot.admit_ack = None  # that replacement is gone (a later one comes with its own)
+                self.dirty = True
+        if fields is not None and fields.get("admits"):
+            self.take_readmit_acks(job, node, fields["admits"])
+        self.check_readmits(job)
         if fields is not None and fields.get("generation") == job.generation:
             word = fields.get("abort", 0)
             if word and word != L.ABORT_DESTROYED and not job.control.abort_word:

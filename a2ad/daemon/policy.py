@@ -5,7 +5,8 @@ active-rank mask of a degrade job.
   needs a job-wide re-arm; a live rank's departure makes it need one too.
 - degrade: while the job serves, a lost rank's bit leaves the active mask and the others
   serve on; a replacement is let back in without stopping them (``_readmit``), its bit set
-  once it holds its handles.
+  once it holds its handles; in a job that spans nodes (``_readmit_across``) its admit round
+  is agreed in its row and its join answered once every node with live ranks set its bit.
 
 The active mask has one name, ``active_mask``: ``Job.active_mask`` is the value this daemon
 decided (and the state file's ``active_mask``), ``ControlBlock.active_mask`` its published
@@ -43,6 +44,20 @@ def active_mask(job: Job, keep: bool = True) -> int:
     return mask
 
 
+def admitted_ranks(job: Job, mask: int) -> int:
+    """The ranks of ``mask`` let into the rounds, as far as the daemon can tell: admit round
+    in ``[0, ...]`` in the control block, or (ADMIT_ROW: let in across nodes, the round in
+    the rank's row, which the daemon does not read) attached and no longer held for its
+    re-admission."""
+    cb = job.control
+    out = cb.admitted_mask(job.ep_size, mask)
+    for q in L.mask_ranks(cb.row_admit_mask(job.ep_size, mask)):
+        s = job.slots[q]
+        if s.state == L.RANK_ATTACHED and not s.readmit_wait:
+            out |= 1 << q
+    return out
+
+
 class LossPolicy:
     """The Registry's rank losses, re-admissions and active mask."""
 
@@ -71,9 +86,9 @@ class LossPolicy:
     def _readmits(self, job: Job, rank: int) -> bool:
         """Whether a join of ``rank`` is let into ``job`` while the others keep serving (a
         degrade job whose admitted ranks run on), instead of waiting for a job-wide re-arm."""
-        if not job.serving_degraded or job.control.abort_word or job.recovering() or job.spans:
+        if not job.serving_degraded or job.control.abort_word or job.recovering():
             return False
-        admitted = job.control.admitted_mask(job.ep_size, active_mask(job))
+        admitted = admitted_ranks(job, active_mask(job))
         return any(s.rank != rank and s.state == L.RANK_ATTACHED and admitted >> s.rank & 1 for s in job.slots)
 
     def _readmit(self, job: Job, slot: RankSlot) -> None:
@@ -98,6 +113,81 @@ class LossPolicy:
         self.dirty = True
         log.info("job %s: rank %d let back in without stopping the others (row re-initialized in %.1f ms); "
                  "its first dispatch joins the rounds", job.name, slot.rank, (time.monotonic() - t0) * 1e3)
+
+    def _readmit_across(self, job: Job, slot: RankSlot) -> None:
+        """A replacement let back into a degrade job that spans nodes, without stopping the
+        others: its own row re-initialized with its row admit word ADMIT_JOINED, its admit
+        entry ADMIT_ROW (every node's ranks then read and write its admit round in its row,
+        where all of them reach it) and its bit set here; its join is held until every
+        other node with live ranks of the job has done the same for it (their reports list
+        it in ``admits``: ``take_readmit_acks``), so that no node's ranks can leave it out of a
+        round the lowest active rank lets it into (docs/DOMAIN.md, "Failure")."""
+        cb = job.control
+        t0 = time.monotonic()
+        try:
+            self.backend.initialize(slot.alloc, job.aux.aux_bytes, job.aux.flag_val, L.INITIAL_ROUND, fresh=False,
+                                    words={job.aux.block_counters + 4 * L.SLOT_ADMIT_ROUND: L.ADMIT_JOINED})
+        except BaseException:
+            slot.pending = None  # the error is this join's reply
+            self._reset_joining(job, slot)
+            raise
+        cb.set_admit_round(slot.rank, L.ADMIT_ROW)
+        cb.clear_status(slot.rank)
+        cb.clear_input_error(slot.rank)
+        self._set_mask(job, active_mask(job) | 1 << slot.rank)
+        slot.readmitting = slot.readmit_wait = True
+        slot.readmit_acks = set()
+        self.dirty = True
+        log.info("job %s: rank %d let back in without stopping the others (row re-initialized in %.1f ms); its join "
+                 "is answered once node(s) %s have taken it back in", job.name, slot.rank, (time.monotonic() - t0) * 1e3,
+                 ", ".join(sorted(self._readmit_nodes(job))) or "(none)")
+        self.check_readmits(job)
+
+    @staticmethod
+    def _readmit_nodes(job: Job) -> set[str]:
+        """The other nodes whose ranks must take a replacement back in before it is released:
+        those with live ranks of the job."""
+        return {s.node for s in job.slots if s.node is not None and s.live}
+
+    def take_readmit_acks(self, job: Job, node: str, admits) -> None:
+        """``node``'s report lists the re-admissions it applied (``[rank, deaths]`` pairs):
+        those of a replacement held here count as that node's answer."""
+        for pair in admits or ():
+            r, deaths = pair
+            if 0 <= r < job.ep_size:
+                s = job.slots[r]
+                if s.node is None and s.readmit_wait and s.deaths == deaths:
+                    s.readmit_acks.add(node)
+
+    def check_readmits(self, job: Job) -> None:
+        """Answer the held joins of replacements (``_readmit_across``) that every other node
+        with live ranks has taken back in."""
+        waiting = [s for s in job.slots if s.node is None and s.readmit_wait and s.pending is not None]
+        if not waiting:
+            return
+        need = self._readmit_nodes(job)
+        now = time.monotonic()
+        for s in waiting:
+            if need <= s.readmit_acks:
+                s.readmit_wait = False
+                self._release_join(job, s, now)
+                self.dirty = True
+                log.info("job %s: rank %d's join answered: every node with live ranks took it back in", job.name, s.rank)
+
+    def apply_readmit(self, job: Job, slot: RankSlot, deaths: int) -> None:
+        """Another node let ``slot``'s rank back in without a job-wide re-arm (its report says
+        ``readmit``): its admit entry ADMIT_ROW, then its bit, here too; this node's reports
+        then list it in ``admits``, the answer that node waits for."""
+        if slot.admit_ack == deaths:
+            return
+        if not job.serving_degraded or job.control.abort_word:
+            return  # the job goes through a re-arm, which lets that rank in with everyone
+        job.control.set_admit_round(slot.rank, L.ADMIT_ROW)
+        self._set_mask(job, active_mask(job) | 1 << slot.rank)
+        slot.admit_ack = deaths
+        self.dirty = True
+        log.info("job %s: rank %d on node %s let back in there: taken back in here too (mask generation %d)",
+                 job.name, slot.rank, slot.node, job.control.mask_generation)
 
     def _set_mask(self, job: Job, mask: int) -> bool:
         """Decide the job's active mask, keep it and publish it; whether it changed."""
@@ -131,14 +221,15 @@ class LossPolicy:
         can let a replacement in: the job then needs a job-wide re-arm, and ranks still
         holding it (replacements waiting to be let in) are told through the abort word."""
         cb = job.control
-        slot.readmitting = False
+        slot.readmitting = slot.readmit_wait = False
         if self._set_mask(job, active_mask(job) & ~(1 << slot.rank)):
             log.warning("job %s: rank %d (pid %s) %s; the job serves on with ranks %s (mask generation %d)",
-                        job.name, slot.rank, slot.pid, why, L.format_ranks(cb.admitted_mask(job.ep_size, job.active_mask)),
+                        job.name, slot.rank, slot.pid, why, L.format_ranks(admitted_ranks(job, job.active_mask)),
                         cb.mask_generation)
         else:
             log.warning("job %s: rank %d (pid %s) %s", job.name, slot.rank, slot.pid, why)
-        if not cb.admitted_mask(job.ep_size, job.active_mask):
+        self.check_readmits(job)  # a replacement held for that node's answer needs it no more
+        if not admitted_ranks(job, job.active_mask):
             job.needs_rearm = True
             if any(s.live for s in job.slots if s is not slot) and not cb.abort_word:
                 cb.set_abort(L.ABORT_PEER_LOST, slot.rank)

@@ -48,7 +48,7 @@ from a2ad.daemon.fdstore import FdStore, cb_name, ws_name
 from a2ad.daemon.jobs import Held, Job, RankSlot, new_control_block
 from a2ad.daemon.leases import Leases, Redeemed, new_secret
 from a2ad.daemon.mirror import Mirror
-from a2ad.daemon.policy import LossPolicy
+from a2ad.daemon.policy import LossPolicy, active_mask
 
 __all__ = ["Held", "Job", "Limits", "RankSlot", "Redeemed", "Registry", "new_control_block"]
 
@@ -318,16 +318,20 @@ class Registry(Leases, LossPolicy, Mirror):
         """A seated join: let straight back into a degraded job that kept serving, or released
         with the others once the rendezvous is complete (in a domain: by its coordinator)."""
         if self._readmits(job, slot.rank):
-            self._readmit(job, slot)
+            if job.domain and job.spans:
+                self._readmit_across(job, slot)  # answered once the other nodes took it back in
+            else:
+                self._readmit(job, slot)
             return
         if job.domain and job.spans and job.serving_degraded and replacing:
-            # the others serve on other nodes, whose control blocks this daemon cannot
-            # write: a replacement comes back through a job-wide re-arm (docs/DOMAIN.md)
+            # the others serve on other nodes, but none of them is known here to be attached and
+            # admitted (this daemon has not heard their reports yet, say after a restart): nobody
+            # could let it in at a round boundary, so it comes back through a job-wide re-arm
             job.needs_rearm = True
             if not job.control.abort_word:
                 job.control.set_abort(L.ABORT_REARM, slot.rank)
-            log.info("job %s: rank %d's replacement comes back through a job-wide re-arm (the job spans nodes)",
-                     job.name, slot.rank)
+            log.info("job %s: rank %d's replacement comes back through a job-wide re-arm (no admitted rank of the "
+                     "job is known here to let it in)", job.name, slot.rank)
         self._maybe_release(job)
 
     def _refuse_waiting(self, job: Job, exc: errors.SpecMismatch) -> None:
@@ -503,7 +507,9 @@ class Registry(Leases, LossPolicy, Mirror):
             job.control.clear_status(r)
             job.control.set_admit_round(r, 0)
         for slot in job.slots:
-            slot.readmitting = False
+            slot.readmitting = slot.readmit_wait = False
+            slot.readmit_acks = set()
+            slot.admit_ack = None
         self._set_mask(job, L.full_mask(job.ep_size))  # every rank takes part from the first round on
         job.generation = job.generation + 1 if generation is None else generation
         job.control.generation = job.generation
@@ -615,11 +621,21 @@ class Registry(Leases, LossPolicy, Mirror):
                     log.warning("job %s: rank %d's recovery timed out; waiting for %s", job.name, slot.rank, missing)
                     slot.recovering = None
                 if slot.pending is not None and now >= slot.pending.deadline:
-                    missing = absent
-                    lost = sorted({s.node for s in job.slots if s.rank in missing and s.lost_with_node})
-                    self._fail(slot.pending, errors.RendezvousTimeout(
-                        f"job {job.name!r}: rendezvous timed out waiting for rank(s) {missing}"
-                        + (f" (node(s) {', '.join(lost)} unreachable)" if lost else ""), missing_ranks=missing))
+                    if slot.readmit_wait:  # a replacement across nodes, held for the others' answer
+                        nodes = sorted(self._readmit_nodes(job) - slot.readmit_acks)
+                        missing = [s.rank for s in job.slots if s.node in nodes and s.live]
+                        self._fail(slot.pending, errors.RendezvousTimeout(
+                            f"job {job.name!r}: rank {slot.rank}'s re-admission timed out waiting for node(s) "
+                            f"{', '.join(nodes)} to take it back in (their live rank(s) {missing})",
+                            missing_ranks=missing))
+                        slot.readmit_wait = slot.readmitting = False
+                        self._set_mask(job, active_mask(job) & ~(1 << slot.rank))
+                    else:
+                        missing = absent
+                        lost = sorted({s.node for s in job.slots if s.rank in missing and s.lost_with_node})
+                        self._fail(slot.pending, errors.RendezvousTimeout(
+                            f"job {job.name!r}: rendezvous timed out waiting for rank(s) {missing}"
+                            + (f" (node(s) {', '.join(lost)} unreachable)" if lost else ""), missing_ranks=missing))
                     log.warning("job %s: rank %d's rendezvous timed out; missing %s", job.name, slot.rank, missing)
                     slot.pending = None
                     self._reset_joining(job, slot)

@@ -6,6 +6,8 @@ import abc
 import contextlib
 from dataclasses import dataclass, field
 
+from a2ad import errors
+
 
 @dataclass
 class Allocation:
@@ -52,10 +54,12 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def initialize(
-        self, alloc: Allocation, aux_bytes: int, flag_offset: int, initial_round: int, fresh: bool = False
+        self, alloc: Allocation, aux_bytes: int, flag_offset: int, initial_round: int, fresh: bool = False,
+        words: dict[int, int] | None = None,
     ) -> None:
         """Make ``[0, aux_bytes)`` of the row read as zeros, then write ``initial_round`` (int32)
-        at ``flag_offset``.
+        at ``flag_offset`` and each value of ``words`` (int32) at its offset (aligned, inside
+        the aux region).
 
         ``fresh=True`` promises that the row comes straight from :meth:`allocate` and was never
         handed to a client: a backend whose new memory already reads as zeros (host memfds) may
@@ -121,3 +125,17 @@ def default_limits(backend: Backend) -> tuple[int, int]:
     if total <= 0:
         total = capacity
     return total, total
+
+
+def init_words(flag_offset: int, initial_round: int, words: dict[int, int] | None, aux_bytes: int,
+               size: int) -> list[tuple[int, bytes]]:
+    """The (offset, 4 bytes) writes of an ``initialize``: the flag, then ``words``; each offset
+    checked (BackendError: an int32 that is not aligned or not inside the row / aux region)."""
+    if not 0 <= flag_offset <= size - 4 or flag_offset % 4:
+        raise errors.BackendError(f"flag offset {flag_offset} is not an aligned int32 inside a row of {size}")
+    out = [(flag_offset, int(initial_round).to_bytes(4, "little", signed=True))]
+    for off, value in sorted((words or {}).items()):
+        if not 0 <= off <= aux_bytes - 4 or off % 4:
+            raise errors.BackendError(f"word offset {off} is not an aligned int32 inside an aux region of {aux_bytes}")
+        out.append((off, int(value).to_bytes(4, "little", signed=True)))
+    return out

@@ -31,7 +31,7 @@ import threading
 
 from a2ad import cuda_driver as cd
 from a2ad import errors
-from a2ad.daemon.backends.base import Allocation, Backend
+from a2ad.daemon.backends.base import Allocation, Backend, init_words
 
 #: Where the driver exposes IMEX channels (``channelN`` device nodes); a process needs one to
 #: allocate or import memory with fabric handles.
@@ -204,7 +204,8 @@ class CudaBackend(Backend):
         return Allocation(fd=fd, size=size, device=device, handle_type=handle_type, extra=extra)
 
     def initialize(
-        self, alloc: Allocation, aux_bytes: int, flag_offset: int, initial_round: int, fresh: bool = False
+        self, alloc: Allocation, aux_bytes: int, flag_offset: int, initial_round: int, fresh: bool = False,
+        words: dict[int, int] | None = None,
     ) -> None:
         # ``fresh`` is ignored: cuMemCreate memory is not guaranteed zero, so every
         # initialization memsets the aux region on the GPU (no host memory is involved).
@@ -213,10 +214,8 @@ class CudaBackend(Backend):
             raise errors.BackendError("initialize() of a released CUDA allocation")
         if not 0 <= aux_bytes <= alloc.size:
             raise errors.BackendError(f"aux region of {aux_bytes} bytes does not fit a row of {alloc.size}")
-        if not 0 <= flag_offset <= alloc.size - 4 or flag_offset % 4:
-            raise errors.BackendError(f"flag offset {flag_offset} is not an aligned int32 inside a row of {alloc.size}")
+        writes = init_words(flag_offset, initial_round, words, aux_bytes, alloc.size)
         ordinal = alloc.extra["ordinal"]
-        flag = int(initial_round).to_bytes(4, "little", signed=True)
         with self._lock, self._context(ordinal):
             ptr = cd.reserve(alloc.size, cd.granularity(ordinal))
             try:
@@ -225,7 +224,8 @@ class CudaBackend(Backend):
                     cd.set_access(ptr, alloc.size, ordinal)
                     if aux_bytes:
                         cd.memset_d8(ptr, 0, aux_bytes)
-                    cd.memcpy_htod(ptr + flag_offset, flag)
+                    for off, data in writes:
+                        cd.memcpy_htod(ptr + off, data)
                     cd.synchronize()
                 finally:
                     cd.unmap(ptr, alloc.size)

@@ -27,7 +27,7 @@ import secrets
 
 from a2ad import errors, protocol
 from a2ad.daemon import memfd
-from a2ad.daemon.backends.base import Allocation, Backend
+from a2ad.daemon.backends.base import Allocation, Backend, init_words
 
 PAGE = mmap.PAGESIZE
 
@@ -86,22 +86,22 @@ class HostBackend(Backend):
         return Allocation(fd=fd, size=size, device="host", handle_type="shm", extra={"fabric_handle": handle})
 
     def initialize(
-        self, alloc: Allocation, aux_bytes: int, flag_offset: int, initial_round: int, fresh: bool = False
+        self, alloc: Allocation, aux_bytes: int, flag_offset: int, initial_round: int, fresh: bool = False,
+        words: dict[int, int] | None = None,
     ) -> None:
         if alloc.fd < 0:
             raise errors.BackendError("initialize() of a released host allocation")
         if not 0 <= aux_bytes <= alloc.size:
             raise errors.BackendError(f"aux region of {aux_bytes} bytes does not fit a row of {alloc.size}")
-        if not 0 <= flag_offset <= alloc.size - 4 or flag_offset % 4:
-            raise errors.BackendError(f"flag offset {flag_offset} is not an aligned int32 inside a row of {alloc.size}")
-        flag = int(initial_round).to_bytes(4, "little", signed=True)
+        writes = init_words(flag_offset, initial_round, words, aux_bytes, alloc.size)
         try:
             if not fresh and aux_bytes:
                 # a used row: drop the aux pages (they read as zeros again, in every mapping)
                 memfd.zero_range(alloc.fd, 0, aux_bytes)
-            # a fresh memfd already reads as zeros: only the flag is written (one page)
-            if os.pwrite(alloc.fd, flag, flag_offset) != 4:
-                raise OSError("short write of the flag")
+            # a fresh memfd already reads as zeros: only the flag (and words) are written
+            for off, data in writes:
+                if os.pwrite(alloc.fd, data, off) != 4:
+                    raise OSError(f"short write at offset {off}")
         except OSError as exc:
             raise errors.BackendError(f"initializing a host row failed: {exc}") from None
 
