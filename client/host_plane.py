@@ -393,7 +393,8 @@ class HostPlane(Plane):
     def _admitted(self, admit: int) -> int:
         """A replacement's first dispatch: ask to be let in, wait for the round the lowest
         active rank picks, then for every other rank of that round to have finished the one
-        before (its FLAG_VAL reaches it: nobody reads that round's data any more). Both
+        before (its FLAG_VAL reaches it: nobody reads that round's data any more; a rank let
+        in at the same round took no part in the one before and is not waited for). Both
         waits are bounded, and abandoned on the abort word, like every wait. (Where this
         rank's control-block entry is ADMIT_ROW, its admit round is in its own row.)"""
         cb, me, ep, rows = self.att.control, self.ep_rank, self.ep_size, self._row_admit
@@ -411,6 +412,10 @@ class HostPlane(Plane):
                 behind = (self._flag_vals < admit).nonzero()
                 if behind.numel():
                     lagging = _bits(behind) & cb.effective_mask(ep, admit, rows) & ~(1 << me)
+                    # (a replacement let in at the same round has no round before it to finish)
+                    for q in L.mask_ranks(lagging):
+                        if cb.admit_of(q, rows) == admit:
+                            lagging &= ~(1 << q)
                 if not lagging:
                     self._flag_val.fill_(admit)
                     return admit

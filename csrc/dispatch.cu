@@ -528,7 +528,9 @@ __global__ void __launch_bounds__(prologue_threads<W>()) prologue_kernel(const D
       if (admit >= 0) {
         const RankMask<W> eff = effective_mask<W>(p, ep, admit, &active);
         const int q = threadIdx.x;
-        if (q < ep && q != me && eff.has(q) && ld_acquire_sys(at<int>(row_of(p.ws, q), p.aux.flag_val)) < admit) {
+        // (a replacement let in at the same round took no part in the one before: not waited for)
+        if (q < ep && q != me && eff.has(q) && admit_of(p, q) != admit &&
+            ld_acquire_sys(at<int>(row_of(p.ws, q), p.aux.flag_val)) < admit) {
           shared_set<W>(s_lagging, q);
         }
         __syncthreads();

@@ -93,6 +93,9 @@ def serve_rank(rank, ep, runtime_dir, shm, job, policy, shared, results, seed, h
             if counted != full and counted != degraded_seen:  # every new degraded view, in order
                 degraded_seen = counted
                 results.put((rank, "degraded", _now(), L.mask_ranks(counted)))
+            elif counted == full and degraded_seen:  # every rank back in the view
+                degraded_seen = 0
+                results.put((rank, "full", _now(), rnd))
             shared["done"][rank] += 1
             shared["round"][rank] = rnd
             stop = shared["stop"].value
