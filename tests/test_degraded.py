@@ -611,3 +611,113 @@ def test_a_degraded_wait_counts_exactly_the_flags_it_saw():
 
     cb.first_effective = publish_and_leave
     assert plane._wait(flags, rnd, L.PHASE_COMBINE, view) == 0b1001  # rank 3 counted, rank 2 not
+
+
+@pytest.mark.parametrize("in_row", [False, True], ids=["control-block", "row"])
+def test_two_replacements_let_in_at_the_same_round_do_not_wait_for_each_other(in_row):
+    """Host planes of 4 ranks as threads on one workspace, degrade policy: ranks 2 and 3 leave
+    the mask, ranks 0 and 1 serve on; replacements of both join at once (rows re-initialized,
+    admit rounds ADMIT_JOINED, bits set; with ``in_row`` the admit rounds kept in their rows,
+    as across nodes) and ask to be let in together. The lowest rank lets both in at the same
+    round; neither waits for the other's round before it (neither took part in it), and
+    every rank then runs full rounds whose combine equals the float64 reference."""
+    import torch
+
+    from a2ad.client import local
+    from a2ad.client.host_plane import HostPlane
+
+    ep, T, top_k, experts_n, hidden = 4, 6, 2, 8, 16
+    size = L.workspace_size_per_rank(ep, T, 4 * hidden, 4 * hidden)
+    ws = torch.zeros(ep, size, dtype=torch.uint8)
+    aux = L.aux_layout(ep, T)
+    shared = local._Shared(ws, ep)
+    cb = shared.control
+    cb.initialize(ep, L.POLICY_DEGRADE)
+    for r in range(ep):
+        ws[r, aux.flag_val: aux.flag_val + 4].view(torch.int32).fill_(L.INITIAL_ROUND)
+
+    def plane(r):
+        att = local.LocalAttachment(ws, r, ep, T, aux, shared, 0).spec_for(top_k, experts_n)
+        att.spec["on_peer_loss"] = "degrade"
+        return HostPlane(att, timeout=20.0)
+
+    planes = {r: plane(r) for r in range(ep)}
+    pl = L.payload_layout(aux, size, T, [4 * hidden], 4 * hidden)
+    owner = [L.expert_owner(e, experts_n, ep) for e in range(experts_n)]
+    gen = torch.Generator().manual_seed(3)
+
+    def one_round(r, out):
+        experts = torch.rand(T, experts_n, generator=gen).argsort(dim=1)[:, :top_k].to(torch.int32).contiguous()
+        x = torch.randint(-8, 9, (T, hidden), generator=gen).to(torch.float32)
+        try:
+            p = planes[r]
+            p.dispatch(experts, [x], T, pl, experts_n)
+            recv = ws[r, pl.dispatch_offsets[0]: pl.dispatch_offsets[0] + ep * T * 4 * hidden]
+            y = recv.view(torch.float32).view(ep, T, hidden) * float(r + 1)
+            got = p.combine(y, T, T, pl, False)
+            counted = p.combine_mask
+            w = torch.tensor([sum(q + 1 for q in {owner[int(e)] for e in row} if counted >> q & 1)
+                              for row in experts], dtype=torch.float64)
+            out[r] = (counted, torch.equal(got.double(), x.double() * w[:, None]))
+        except BaseException as exc:  # noqa: BLE001 - the thread's outcome goes to the test
+            out[r] = exc
+
+    def rounds(ranks, n=1):
+        for _ in range(n):
+            out = {}
+            ths = [threading.Thread(target=one_round, args=(r, out)) for r in ranks]
+            for th in ths:
+                th.start()
+            for th in ths:
+                th.join(30)
+            assert not any(th.is_alive() for th in ths), "a rank's round did not end within 30 s"
+            assert all(not isinstance(v, BaseException) for v in out.values()), out
+            yield out
+
+    for out in rounds(range(ep), 2):
+        assert all(v == (0b1111, True) for v in out.values()), out
+    cb.set_active_mask(0b0011, ep, time.monotonic_ns())  # ranks 2 and 3 are gone
+    for out in rounds([0, 1], 3):
+        assert all(v == (0b0011, True) for v in out.values()), out
+    # replacements of 2 and 3 join together: rows re-initialized, admit rounds, then the bits
+    word = aux.block_counters + 4 * L.SLOT_ADMIT_ROUND
+    for q in (2, 3):
+        ws[q, : aux.aux_bytes].zero_()
+        ws[q, aux.flag_val: aux.flag_val + 4].view(torch.int32).fill_(L.INITIAL_ROUND)
+        if in_row:
+            ws[q, word: word + 4].view(torch.int32).fill_(L.ADMIT_JOINED)
+        cb.set_admit_round(q, L.ADMIT_ROW if in_row else L.ADMIT_JOINED)
+        planes[q] = plane(q)
+    cb.set_active_mask(0b1111, ep, time.monotonic_ns())
+    # both replacements' first rounds run beside the survivors' rounds until every rank ran a full one
+    full_rounds = 0
+    for _ in range(6):
+        out = {}
+        ths = [threading.Thread(target=one_round, args=(r, out)) for r in range(ep)]
+        for th in ths:
+            th.start()
+        t0 = time.monotonic()
+        while any(th.is_alive() for th in ths) and time.monotonic() - t0 < 30:
+            if not ths[0].is_alive() and not ths[1].is_alive() and any(th.is_alive() for th in ths[2:]):
+                # the survivors finished a round the replacements are not in yet: they serve on
+                for r in (0, 1):
+                    assert out[r][1], out
+                out.pop(0), out.pop(1)
+                ths[0] = threading.Thread(target=one_round, args=(0, out))
+                ths[1] = threading.Thread(target=one_round, args=(1, out))
+                ths[0].start()
+                ths[1].start()
+            time.sleep(0.001)
+        assert not any(th.is_alive() for th in ths), f"the replacements were not let in within 30 s: {out}"
+        assert all(not isinstance(v, BaseException) for v in out.values()), out
+        assert all(v[1] for v in out.values()), out
+        if all(v[0] == 0b1111 for v in out.values()):
+            full_rounds += 1
+            break
+    assert full_rounds == 1, out
+    admits = [cb.admit_of(q, ws[:, word: word + 4].view(torch.int32)[:, 0]) for q in (2, 3)]
+    assert admits[0] == admits[1] >= 0, admits  # both let in at the same round
+    if in_row:
+        assert cb.admit_round(2) == cb.admit_round(3) == L.ADMIT_ROW
+    for out in rounds(range(ep), 2):
+        assert all(v == (0b1111, True) for v in out.values()), out
