@@ -367,6 +367,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def print_job_line(args) -> None:
+    """The line under the figures that names the job they are of."""
+    where = "all on cuda:0 (--one-gpu)" if args.one_gpu else f"on cuda:0 .. cuda:{args.ep - 1}"
+    print(f"\nhidden {args.hidden}, top_k {args.top_k}, {args.num_experts} experts, {args.ep} ranks {where}")
+
+
 def back_to_back(job: TwoGpuJob, tokens: list[int], args) -> int:
     """``--back-to-back``: one line per T as it goes, then a markdown table."""
     rows = []
@@ -380,8 +386,7 @@ def back_to_back(job: TwoGpuJob, tokens: list[int], args) -> int:
                   + ("  STARVED" if r["starved"] else ""), flush=True)
     finally:
         job.close()
-    where = "all on cuda:0 (--one-gpu)" if args.one_gpu else f"on cuda:0 .. cuda:{args.ep - 1}"
-    print(f"\nhidden {args.hidden}, top_k {args.top_k}, {args.num_experts} experts, {args.ep} ranks {where}")
+    print_job_line(args)
     print("\n| T | round (dispatch + combine, every rank) us | p10-p90 |")
     print("| --: | --: | --: |")
     for T, r in rows:
@@ -437,8 +442,7 @@ def main(argv: list[str] | None = None) -> int:
                   + ("  STARVED" if r["starved"] else ""), flush=True)
     finally:
         job.close()
-    where = "all on cuda:0 (--one-gpu)" if args.one_gpu else f"on cuda:0 .. cuda:{args.ep - 1}"
-    print(f"\nhidden {args.hidden}, top_k {args.top_k}, {args.num_experts} experts, {args.ep} ranks {where}")
+    print_job_line(args)
     print("\n| stage | T | diag | L2 flush | dispatch us (p10-p90) | combine us (p10-p90) |")
     print("| --- | --: | --: | --: | --: | --: |")
     for label, T, dg, r in rows:

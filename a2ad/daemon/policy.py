@@ -91,23 +91,30 @@ class LossPolicy:
         admitted = admitted_ranks(job, active_mask(job))
         return any(s.rank != rank and s.state == L.RANK_ATTACHED and admitted >> s.rank & 1 for s in job.slots)
 
+    def _fresh_row(self, job: Job, slot: RankSlot, admit: int) -> None:
+        """A replacement's own row re-initialized and its control-block entries reset: its admit
+        entry ``admit`` (ADMIT_JOINED; or ADMIT_ROW, the row's admit word then ADMIT_JOINED),
+        its status and input records cleared. A failure ends its join (the error is the reply)."""
+        words = {job.aux.block_counters + 4 * L.SLOT_ADMIT_ROUND: L.ADMIT_JOINED} if admit == L.ADMIT_ROW else None
+        try:
+            self.backend.initialize(slot.alloc, job.aux.aux_bytes, job.aux.flag_val, L.INITIAL_ROUND, fresh=False,
+                                    words=words)
+        except BaseException:
+            slot.pending = None  # the error is this join's reply
+            self._reset_joining(job, slot)
+            raise
+        job.control.set_admit_round(slot.rank, admit)
+        job.control.clear_status(slot.rank)
+        job.control.clear_input_error(slot.rank)
+
     def _readmit(self, job: Job, slot: RankSlot) -> None:
         """Release a replacement's join at once, without the others (the degrade path of a
         re-arm): only its own row is re-initialized, and its admit round says it has not
         dispatched yet. Its bit is set when it holds its handles (``delivered``); its first
         dispatch asks to be let in and the lowest active rank picks the round
         (docs/PROTOCOL.md, "Degraded mode")."""
-        cb = job.control
         t0 = time.monotonic()
-        try:
-            self.backend.initialize(slot.alloc, job.aux.aux_bytes, job.aux.flag_val, L.INITIAL_ROUND, fresh=False)
-        except BaseException:
-            slot.pending = None  # the error is this join's reply
-            self._reset_joining(job, slot)
-            raise
-        cb.set_admit_round(slot.rank, L.ADMIT_JOINED)
-        cb.clear_status(slot.rank)
-        cb.clear_input_error(slot.rank)
+        self._fresh_row(job, slot, L.ADMIT_JOINED)
         slot.readmitting = True
         self._release_join(job, slot, time.monotonic())
         self.dirty = True
@@ -122,18 +129,8 @@ class LossPolicy:
         other node with live ranks of the job has done the same for it (their reports list
         it in ``admits``: ``take_readmit_acks``), so that no node's ranks can leave it out of a
         round the lowest active rank lets it into (docs/DOMAIN.md, "Failure")."""
-        cb = job.control
         t0 = time.monotonic()
-        try:
-            self.backend.initialize(slot.alloc, job.aux.aux_bytes, job.aux.flag_val, L.INITIAL_ROUND, fresh=False,
-                                    words={job.aux.block_counters + 4 * L.SLOT_ADMIT_ROUND: L.ADMIT_JOINED})
-        except BaseException:
-            slot.pending = None  # the error is this join's reply
-            self._reset_joining(job, slot)
-            raise
-        cb.set_admit_round(slot.rank, L.ADMIT_ROW)
-        cb.clear_status(slot.rank)
-        cb.clear_input_error(slot.rank)
+        self._fresh_row(job, slot, L.ADMIT_ROW)
         self._set_mask(job, active_mask(job) | 1 << slot.rank)
         slot.readmitting = slot.readmit_wait = True
         slot.readmit_acks = set()
