@@ -550,6 +550,16 @@ def test_report_and_release_table_checks():
     bad("bad owner_uid", owner_uid=2**40)
     bad("spec not normalized", spec={k: v for k, v in spec.items() if k != "on_peer_loss"})
     bad("seq", seq=0)
+    # re-admissions across nodes: a rank's readmit flag, the report's [rank, deaths] pairs;
+    # both absent (a daemon from before them) read as none
+    assert kept["admits"] == [] and kept["ranks"][0]["readmit"] is False
+    assert F._check_report(dict(good, admits=[[1, 3]], ranks=[dict(rank, readmit=True)]))["admits"] == [[1, 3]]
+    bad_rank("bad readmit", readmit=1)
+    bad("bad admits", admits={"1": 3})
+    bad("bad admits", admits=[[0, 1]] * 3)
+    bad(r"bad admits entry \(a \[rank, deaths\] pair\)", admits=[[2, 0]])
+    bad("bad admits entry", admits=[[0, -1]])
+    bad("bad admits entry", admits=[[0, 1, 2]])
     job = SimpleNamespace(ep_size=2, size_per_rank=10000, row_stride=12288)
     table = [{"rank": r, "node": "a", "device": "host", "size": 12288, "handle_type": "shm", "handle": b"h" * 32}
              for r in range(2)]

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from a2ad import errors, layout as L
 from a2ad.daemon.fdstore import ws_name
+from a2ad.daemon.policy import active_mask
 
 if TYPE_CHECKING:
     from a2ad.daemon.jobs import Job, RankSlot
@@ -93,7 +94,11 @@ class Mirror:
                 # its node let it back in without a job-wide re-arm: here too
                 self.apply_readmit(job, slot, slot.deaths)
             elif slot.admit_ack is not None and not slot.live:
-                slot.admit_ack = None  # that replacement is gone (a later one comes with its own)
+                # that replacement is gone (a later one comes with its own): a death cleared its
+                # bit already, a held join that timed out takes it away here
+                slot.admit_ack = None
+                if job.serving_degraded:
+                    self._set_mask(job, active_mask(job) & ~(1 << r))
                 self.dirty = True
         if fields is not None and fields.get("admits"):
             self.take_readmit_acks(job, node, fields["admits"])
