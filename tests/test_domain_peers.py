@@ -515,7 +515,7 @@ def test_report_and_release_table_checks():
             "t": "job", "v": 1}
     kept = F._check_report(good)
     assert "pad" not in kept and "t" not in kept and set(kept["ranks"][0]) == set(F.RANK_FIELDS)
-    assert set(kept) == {"job", "seq", "gone", *F.REPORT_FIELDS, "ranks"}
+    assert set(kept) == {"job", "seq", "gone", *F.REPORT_FIELDS, "ranks", "admits_known"}
     assert F._check_report({"job": "j", "seq": 4, "gone": True, "junk": 1}) == {"job": "j", "seq": 4, "gone": True}
 
     def bad(match, **over):
@@ -552,8 +552,9 @@ def test_report_and_release_table_checks():
     bad("seq", seq=0)
     # re-admissions across nodes: a rank's readmit flag, the report's [rank, deaths] pairs;
     # both absent (a daemon from before them) read as none
-    assert kept["admits"] == [] and kept["ranks"][0]["readmit"] is False
-    assert F._check_report(dict(good, admits=[[1, 3]], ranks=[dict(rank, readmit=True)]))["admits"] == [[1, 3]]
+    assert kept["admits"] == [] and kept["ranks"][0]["readmit"] is False and kept["admits_known"] is False
+    newer = F._check_report(dict(good, admits=[[1, 3]], ranks=[dict(rank, readmit=True)]))
+    assert newer["admits"] == [[1, 3]] and newer["admits_known"] is True and newer["ranks"][0]["readmit"] is True
     bad_rank("bad readmit", readmit=1)
     bad("bad admits", admits={"1": 3})
     bad("bad admits", admits=[[0, 1]] * 3)
@@ -571,3 +572,29 @@ def test_report_and_release_table_checks():
             F._check_table([table[0], dict(table[1], **r1)], job, ["a", "b"])
     with pytest.raises(ValueError, match="not 2 records"):
         F._check_table(table[:1], job, ["a", "b"])
+
+
+def test_a_replacement_across_nodes_needs_every_node_with_live_ranks_to_answer_readmissions():
+    """Federation.readmit_capable: a replacement is let in without a re-arm only when every
+    other node with live ranks of the job sends reports that carry ``admits`` (a daemon from
+    before re-admissions across nodes neither lists nor answers them: during a rolling
+    upgrade the replacement comes back through a re-arm instead); a node whose ranks are all
+    dead does not count."""
+    from types import SimpleNamespace
+
+    spec = {"max_num_tokens": 4, "top_k": 1, "num_experts": 2, "workspace_size_per_rank": 10000,
+            "on_peer_loss": "degrade"}
+    base = {"job": "j", "seq": 3, "gone": False, "ep_size": 3, "spec": spec, "owner_uid": 1000, "backend": "host",
+            "row_stride": 12288, "size_per_rank": 10000, "confirmed": True, "generation": 0, "rendezvous_count": 1,
+            "needs_rearm": False, "abort": 0, "abort_rank": -1, "ranks": []}
+    new, old = F._check_report(dict(base, admits=[])), F._check_report(base)
+    fed = object.__new__(F.Federation)
+    fed.jobs = {"j": F.FedJob("j", views={"b": new, "c": old})}
+    slots = [SimpleNamespace(node=None, live=True), SimpleNamespace(node="b", live=True),
+             SimpleNamespace(node="c", live=True)]
+    job = SimpleNamespace(name="j", slots=slots)
+    assert not fed.readmit_capable(job)  # node c's daemon predates them
+    slots[2].live = False
+    assert fed.readmit_capable(job)  # c holds no live rank: only b must answer, and it does
+    slots[1].node = "d"
+    assert not fed.readmit_capable(job)  # no report of d's yet

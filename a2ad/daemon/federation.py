@@ -335,6 +335,9 @@ def _check_report(msg: dict) -> dict:
     out.update((k, msg[k]) for k in REPORT_FIELDS if k != "admits")
     out["spec"], out["ranks"] = spec, kept
     out["admits"] = [[int(r), int(d)] for r, d in admits]
+    # whether that daemon takes part in re-admissions across nodes (one from before them
+    # neither sends nor answers them: a replacement then comes back through a re-arm)
+    out["admits_known"] = "admits" in msg
     return out
 
 
@@ -641,6 +644,14 @@ class Federation:
                        rec["device"], rec["size"], rec["handle"], rec["readmit"]) for rec in body["ranks"])
         admits = tuple(tuple(a) for a in body["admits"])
         return (body["ep_size"], body["backend"], body["row_stride"], body["owner_uid"], abort, ranks, admits)
+
+    def readmit_capable(self, job) -> bool:
+        """Whether every other node with live ranks of ``job`` answers re-admissions across
+        nodes (its reports carry ``admits``): else a replacement comes back through a re-arm
+        (a domain in the middle of a rolling upgrade)."""
+        fj = self.jobs.get(job.name)
+        nodes = {s.node for s in job.slots if s.node is not None and s.live}
+        return fj is not None and all(fj.views.get(n, {}).get("admits_known", False) for n in nodes)
 
     def holders(self, name: str) -> set[str]:
         """The other nodes that hold rows of job ``name``, as far as this daemon knows: those

@@ -317,21 +317,24 @@ class Registry(Leases, LossPolicy, Mirror):
     def _release_or_wait(self, job: Job, slot: RankSlot, replacing: bool) -> None:
         """A seated join: let straight back into a degraded job that kept serving, or released
         with the others once the rendezvous is complete (in a domain: by its coordinator)."""
-        if self._readmits(job, slot.rank):
-            if job.domain and job.spans:
+        across = job.domain and job.spans
+        if self._readmits(job, slot.rank) and (not across or self.fed is None or self.fed.readmit_capable(job)):
+            if across:
                 self._readmit_across(job, slot)  # answered once the other nodes took it back in
             else:
                 self._readmit(job, slot)
             return
         if job.domain and job.spans and job.serving_degraded and replacing:
             # the others serve on other nodes, but none of them is known here to be attached and
-            # admitted (this daemon has not heard their reports yet, say after a restart): nobody
-            # could let it in at a round boundary, so it comes back through a job-wide re-arm
+            # admitted (this daemon has not heard their reports yet, say after a restart), or a
+            # node with live ranks runs a daemon that does not answer re-admissions: it comes back
+            # through a job-wide re-arm
             job.needs_rearm = True
             if not job.control.abort_word:
                 job.control.set_abort(L.ABORT_REARM, slot.rank)
             log.info("job %s: rank %d's replacement comes back through a job-wide re-arm (no admitted rank of the "
-                     "job is known here to let it in)", job.name, slot.rank)
+                     "job is known here to let it in, or a node of the job does not answer re-admissions)",
+                     job.name, slot.rank)
         self._maybe_release(job)
 
     def _refuse_waiting(self, job: Job, exc: errors.SpecMismatch) -> None:
@@ -472,6 +475,7 @@ class Registry(Leases, LossPolicy, Mirror):
             "lease": slot.lease,
         })
         slot.pending = None
+        slot.readmit_wait = False  # (a held re-admission answered by a rendezvous of everyone, too)
 
     @staticmethod
     def _handle_entry(job: Job, s: RankSlot) -> dict:
