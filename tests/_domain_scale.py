@@ -2,9 +2,8 @@
 a few processes (one process per node, or per rank where a rank alone is killed), and the
 message counters of every daemon.
 
-``serve_rank`` runs verified rounds as one rank (the same checks as test_domain's
-``node_serve``, written for any ep_size: one expert per rank, vectorized), ``host_ranks``
-runs a group of ranks as threads of one process, ``Group`` starts, kills and reaps those
+``host_ranks`` runs a group of ranks as threads of one process (each test_domain's
+``serve_rank``), ``Group`` starts, kills and reaps those
 processes and collects what their ranks report (``RankReports``).
 """
 
@@ -18,101 +17,13 @@ import threading
 import time
 from pathlib import Path
 
-from a2ad import errors, layout as L, protocol
+from a2ad import protocol
 from helpers import RankReports, wait_for
-from test_domain import Cluster, write_domain
-
-HIDDEN, TOP_K, MAX_T = 32, 2, 8
+from test_domain import Cluster, serve_rank, write_domain
 
 
 def _now() -> float:
     return time.clock_gettime(time.CLOCK_MONOTONIC)
-
-
-def serve_rank(rank, ep, runtime_dir, shm, job, policy, shared, results, seed, hold=False):
-    """Verified rounds as ``rank`` until the shared stop round; on PeerLost, recover and go
-    on. Rank q's expert multiplies what it received by (q + 1): token t comes back as
-    hidden[t] times the sum of (q + 1) over the distinct ranks of its experts that the
-    combine counted (every rank in a raise job, ``last_round_active_ranks`` in a degrade
-    job, whose ``last_round_degraded`` must mark exactly the tokens with an expert elsewhere).
-    With ``hold`` the rank attaches only once ``shared["go"]`` is set."""
-    try:
-        import torch
-
-        from a2ad.client import MoeAlltoAll, reference
-
-        experts_n = ep
-
-        class M:
-            moe_ep_rank, moe_ep_size = rank, ep
-
-        if hold:
-            end = time.monotonic() + 120
-            while not shared["go"].value:
-                if time.monotonic() > end:
-                    raise TimeoutError("the test never let this rank attach")
-                time.sleep(0.002)
-        results.put((rank, "start", _now(), None))
-        size = L.workspace_size_per_rank(ep, MAX_T, HIDDEN * 4, HIDDEN * 4)
-        a2a = MoeAlltoAll(M(), MAX_T, TOP_K, experts_n, size, job=job, runtime_dir=runtime_dir, timeout=120.0,
-                          on_peer_loss=policy)
-        att = a2a.attachment
-        flag = att.workspace[rank, att.aux.flag_val: att.aux.flag_val + 4].view(torch.int32)
-        owner_of = torch.tensor([L.expert_owner(e, experts_n, ep) for e in range(experts_n)])
-        weights = torch.arange(1, ep + 1, dtype=torch.float32)
-        results.put((rank, "attached", _now(), a2a.generation))
-        g = torch.Generator().manual_seed(seed)
-        full = (1 << ep) - 1
-        degraded_seen = 0
-        while True:
-            t = int(torch.randint(1, MAX_T + 1, (1,), generator=g))
-            experts = torch.rand(t, experts_n, generator=g).argsort(dim=1)[:, :TOP_K].to(torch.int32)
-            hidden = torch.randint(-8, 9, (t, HIDDEN), generator=g).to(torch.float32)
-            try:
-                (recv,) = a2a.dispatch(experts, [hidden], MAX_T)
-                out = a2a.combine(recv * float(rank + 1), MAX_T)
-            except errors.PeerLost as exc:
-                results.put((rank, "lost", _now(), exc.rank))
-                gen = a2a.recover(timeout=120.0)
-                results.put((rank, "recovered", _now(), gen))
-                continue
-            rnd = int(flag) - 1
-            active = a2a.last_round_active_ranks
-            counted = full if active is None else sum(1 << q for q in active)
-            cvec = torch.tensor([bool(counted >> q & 1) for q in range(ep)])
-            owners = owner_of[experts.long()]
-            hit = torch.zeros(t, ep, dtype=torch.bool)
-            hit.scatter_(1, owners, True)
-            weight = (hit & cvec).float() @ weights
-            if not torch.equal(out, hidden * weight[:, None]):
-                raise AssertionError(f"rank {rank} round {rnd} (ranks {L.mask_ranks(counted)}): combine differs")
-            if policy == "degrade":
-                lost = reference.lost_tokens(reference.route(experts, experts_n, ep), L.mask_ranks(counted))
-                if not torch.equal(a2a.last_round_degraded, lost):
-                    raise AssertionError(f"rank {rank} round {rnd}: indicator differs from the reference")
-            if counted != full and counted != degraded_seen:  # every new degraded view, in order
-                degraded_seen = counted
-                results.put((rank, "degraded", _now(), L.mask_ranks(counted)))
-            elif counted == full and degraded_seen:  # every rank back in the view
-                degraded_seen = 0
-                results.put((rank, "full", _now(), rnd))
-            shared["done"][rank] += 1
-            shared["round"][rank] = rnd
-            stop = shared["stop"].value
-            if stop and rnd + 1 >= stop:
-                break
-            time.sleep(0.002)
-        results.put((rank, "done", _now(), shared["done"][rank]))
-        # close once every rank is done: a rank that leaves while another is still in the
-        # last round's combine would make that one raise PeerLeft
-        end = time.monotonic() + 120
-        while not shared["closing"].value and time.monotonic() < end:
-            time.sleep(0.01)
-        a2a.close()
-    except BaseException as exc:  # noqa: BLE001 - everything goes to the parent
-        import traceback
-
-        results.put((rank, "error", _now(), f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
 def host_ranks(ranks, ep, runtime_dir, shm, job, policy, shared, results, seed, hold):

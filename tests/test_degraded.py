@@ -689,33 +689,45 @@ def test_two_replacements_let_in_at_the_same_round_do_not_wait_for_each_other(in
         cb.set_admit_round(q, L.ADMIT_ROW if in_row else L.ADMIT_JOINED)
         planes[q] = plane(q)
     cb.set_active_mask(0b1111, ep, time.monotonic_ns())
-    # both replacements' first rounds run beside the survivors' rounds until every rank ran a full one
-    full_rounds = 0
-    for _ in range(6):
-        out = {}
-        ths = [threading.Thread(target=one_round, args=(r, out)) for r in range(ep)]
-        for th in ths:
-            th.start()
-        t0 = time.monotonic()
-        while any(th.is_alive() for th in ths) and time.monotonic() - t0 < 30:
-            if not ths[0].is_alive() and not ths[1].is_alive() and any(th.is_alive() for th in ths[2:]):
-                # the survivors finished a round the replacements are not in yet: they serve on
-                for r in (0, 1):
-                    assert out[r][1], out
-                out.pop(0), out.pop(1)
-                ths[0] = threading.Thread(target=one_round, args=(0, out))
-                ths[1] = threading.Thread(target=one_round, args=(1, out))
-                ths[0].start()
-                ths[1].start()
-            time.sleep(0.001)
-        assert not any(th.is_alive() for th in ths), f"the replacements were not let in within 30 s: {out}"
-        assert all(not isinstance(v, BaseException) for v in out.values()), out
-        assert all(v[1] for v in out.values()), out
-        if all(v[0] == 0b1111 for v in out.values()):
-            full_rounds += 1
-            break
-    assert full_rounds == 1, out
-    admits = [cb.admit_of(q, ws[:, word: word + 4].view(torch.int32)[:, 0]) for q in (2, 3)]
+    # both replacements' first dispatches ask to be let in (and wait) before the survivors'
+    # next round, so the lowest rank lets both in at the same round; every rank then runs
+    # rounds until the shared stop round
+    rows = ws[:, word: word + 4].view(torch.int32)[:, 0]
+    done: dict[int, list] = {r: [] for r in range(ep)}
+    stop = [None]
+
+    def serve(r):
+        while True:
+            out = {}
+            one_round(r, out)
+            done[r].append(out[r])
+            if isinstance(out[r], BaseException):
+                return
+            rnd = int(ws[r, aux.flag_val: aux.flag_val + 4].view(torch.int32)) - 1
+            while stop[0] is None and rnd >= 40:  # (a bound: the test sets stop long before)
+                time.sleep(0.001)
+            if stop[0] is not None and rnd + 1 >= stop[0]:
+                return
+
+    ths = {q: threading.Thread(target=serve, args=(q,)) for q in (2, 3)}
+    for th in ths.values():
+        th.start()
+    wait_for(lambda: all(cb.admit_of(q, rows) == L.ADMIT_READY for q in (2, 3)), 10, "both replacements to ask")
+    for r in (0, 1):
+        ths[r] = threading.Thread(target=serve, args=(r,))
+        ths[r].start()
+    wait_for(lambda: all(done[q] for q in (2, 3)) or any(isinstance(v, BaseException) for d in done.values() for v in d),
+             30, "both replacements' first rounds")
+    stop[0] = max(int(ws[r, aux.flag_val: aux.flag_val + 4].view(torch.int32)) for r in range(ep)) + 3
+    for th in ths.values():
+        th.join(30)
+    assert not any(th.is_alive() for th in ths.values()), "a rank did not reach the stop round within 30 s"
+    results = [v for d in done.values() for v in d]
+    assert not any(isinstance(v, BaseException) for v in results), done
+    assert all(ok for _, ok in results), done  # every round's combine equals the reference
+    assert all(done[q][0][0] == 0b1111 for q in (2, 3)), done  # their first round is a full one
+    assert all(done[r][-1][0] == 0b1111 for r in range(ep)), done
+    admits = [cb.admit_of(q, rows) for q in (2, 3)]
     assert admits[0] == admits[1] >= 0, admits  # both let in at the same round
     if in_row:
         assert cb.admit_round(2) == cb.admit_round(3) == L.ADMIT_ROW

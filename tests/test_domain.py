@@ -477,15 +477,19 @@ def test_a_spanning_job_without_fabric_handles_is_refused_on_every_node(cluster)
 
 
 # ======================================================== losing a node, and coming back
-def node_serve(rank, ep, runtime_dir, shm, job, policy, shared, results, seed):
-    """Run verified rounds as ``rank`` (attached to its own node's daemon) until the shared
-    stop round; on PeerLost, recover and go on.
-
-    Rank q's expert multiplies what it received by (q + 1), so token t must come back as
-    hidden[t] times the sum of (q + 1) over the distinct ranks of its experts that the
-    combine counted (every rank in a raise job; ``last_round_active_ranks`` in a degrade
-    job, whose ``last_round_degraded`` must mark exactly the tokens with an expert elsewhere).
-    """
+def serve_rank(rank, ep, runtime_dir, shm, job, policy, shared, results, seed, hold=False, experts_n=None,
+               timeout=120.0):
+    """Verified rounds as ``rank`` (attached to its own node's daemon) until the shared stop
+    round; on PeerLost, recover and go on. Rank q's expert multiplies what it received by
+    (q + 1): token t comes back as hidden[t] times the sum of (q + 1) over the distinct ranks
+    of its experts that the combine counted (every rank in a raise job,
+    ``last_round_active_ranks`` in a degrade job, whose ``last_round_degraded`` must mark
+    exactly the tokens with an expert elsewhere). ``experts_n`` experts (default: one per
+    rank). With ``hold`` the rank attaches only once ``shared["go"]`` is set; with
+    ``shared["closing"]`` it closes only once that is set (or after 120 s); ``shared["gen"]``,
+    where there is one, gets the generation of each recover. Reports ``(rank, kind, t,
+    value)``: start, attached, lost, recovered, degraded (each new degraded view), full (the
+    view whole again), done, error."""
     try:
         os.environ[protocol.SHM_DIR_ENV] = shm
         import torch
@@ -493,23 +497,32 @@ def node_serve(rank, ep, runtime_dir, shm, job, policy, shared, results, seed):
         from a2ad.client import MoeAlltoAll, reference
 
         torch.set_num_threads(1)
+        experts_n = experts_n or ep
 
         class M:
             moe_ep_rank, moe_ep_size = rank, ep
 
+        if hold:
+            end = time.monotonic() + 120
+            while not shared["go"].value:
+                if time.monotonic() > end:
+                    raise TimeoutError("the test never let this rank attach")
+                time.sleep(0.002)
+        results.put((rank, "start", _now(), None))
         size = L.workspace_size_per_rank(ep, MAX_T, HIDDEN * 4, HIDDEN * 4)
-        a2a = MoeAlltoAll(M(), MAX_T, TOP_K, EXPERTS, size, job=job, runtime_dir=runtime_dir, timeout=60.0,
+        a2a = MoeAlltoAll(M(), MAX_T, TOP_K, experts_n, size, job=job, runtime_dir=runtime_dir, timeout=timeout,
                           on_peer_loss=policy)
         att = a2a.attachment
         flag = att.workspace[rank, att.aux.flag_val: att.aux.flag_val + 4].view(torch.int32)
-        owner_of = torch.tensor([L.expert_owner(e, EXPERTS, ep) for e in range(EXPERTS)])
+        owner_of = torch.tensor([L.expert_owner(e, experts_n, ep) for e in range(experts_n)])
+        weights = torch.arange(1, ep + 1, dtype=torch.float32)
         results.put((rank, "attached", _now(), a2a.generation))
         g = torch.Generator().manual_seed(seed)
         full = (1 << ep) - 1
         degraded_seen = 0
         while True:
             t = int(torch.randint(1, MAX_T + 1, (1,), generator=g))
-            experts = torch.rand(t, EXPERTS, generator=g).argsort(dim=1)[:, :TOP_K].to(torch.int32)
+            experts = torch.rand(t, experts_n, generator=g).argsort(dim=1)[:, :TOP_K].to(torch.int32)
             hidden = torch.randint(-8, 9, (t, HIDDEN), generator=g).to(torch.float32)
             try:
                 (recv,) = a2a.dispatch(experts, [hidden], MAX_T)
@@ -518,20 +531,21 @@ def node_serve(rank, ep, runtime_dir, shm, job, policy, shared, results, seed):
                 results.put((rank, "lost", _now(), exc.rank))
                 gen = a2a.recover(timeout=120.0)
                 results.put((rank, "recovered", _now(), gen))
-                shared["gen"][rank] = gen
+                if "gen" in shared:
+                    shared["gen"][rank] = gen
                 continue
             rnd = int(flag) - 1
             active = a2a.last_round_active_ranks
             counted = full if active is None else sum(1 << q for q in active)
+            cvec = torch.tensor([bool(counted >> q & 1) for q in range(ep)])
             owners = owner_of[experts.long()]
-            present = torch.tensor([[bool(counted >> int(q) & 1) for q in row] for row in owners]).reshape(t, TOP_K)
-            weight = torch.zeros(t)
-            for q in range(ep):
-                weight += ((owners == q) & present).any(dim=1).float() * (q + 1)
+            hit = torch.zeros(t, ep, dtype=torch.bool)
+            hit.scatter_(1, owners, True)
+            weight = (hit & cvec).float() @ weights
             if not torch.equal(out, hidden * weight[:, None]):
                 raise AssertionError(f"rank {rank} round {rnd} (ranks {L.mask_ranks(counted)}): combine differs")
             if policy == "degrade":
-                lost = reference.lost_tokens(reference.route(experts, EXPERTS, ep), L.mask_ranks(counted))
+                lost = reference.lost_tokens(reference.route(experts, experts_n, ep), L.mask_ranks(counted))
                 if not torch.equal(a2a.last_round_degraded, lost):
                     raise AssertionError(f"rank {rank} round {rnd}: indicator differs from the reference")
             if counted != full and counted != degraded_seen:  # every new degraded view, in order
@@ -547,11 +561,22 @@ def node_serve(rank, ep, runtime_dir, shm, job, policy, shared, results, seed):
                 break
             time.sleep(0.002)
         results.put((rank, "done", _now(), shared["done"][rank]))
+        # close once every rank is done: a rank that leaves while another is still in the
+        # last round's combine would make that one raise PeerLeft
+        end = time.monotonic() + 120
+        while "closing" in shared and not shared["closing"].value and time.monotonic() < end:
+            time.sleep(0.01)
         a2a.close()
     except BaseException as exc:  # noqa: BLE001 - everything goes to the parent
         import traceback
 
         results.put((rank, "error", _now(), f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+
+def node_serve(rank, ep, runtime_dir, shm, job, policy, shared, results, seed):
+    """``serve_rank`` with this file's 12 experts and a 60 s timeout."""
+    serve_rank(rank, ep, runtime_dir, shm, job, policy, shared, results, seed, experts_n=EXPERTS, timeout=60.0)
 
 
 class Ranks(RankReports):

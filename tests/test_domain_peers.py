@@ -491,8 +491,8 @@ def test_frame_cap_counts_curve_overhead_and_oversize_is_logged(cluster):
         log = c.daemons["a"].log()
         assert f"a frame of {D.MAX_MESSAGE + 1} bytes, over the {D.MAX_MESSAGE}-byte cap" in log, log[-2000:]
         # past the socket's own limit libzmq closes the connection: that is logged too
-        fake.send_raw(b"x" * (D.MAX_FRAME + 1))
-        wait_for(lambda: f"sent a frame over the {D.MAX_FRAME}-byte socket limit" in c.daemons["a"].log(), 10,
+        fake.send_raw(b"x" * (D.MAX_DOMAIN_FRAME + 1))
+        wait_for(lambda: f"sent a frame over the {D.MAX_DOMAIN_FRAME}-byte socket limit" in c.daemons["a"].log(), 10,
                  "a logging the closed connection")
         wait_for(lambda: fake.disconnections() >= 1, 10, "the test node's link closed")
         assert c.daemons["a"].request("hello")["pid"] == c.daemons["a"].pid

@@ -68,7 +68,7 @@ CURVE_OVERHEAD = 33
 #: The receive socket's own limit (ZMQ_MAXMSGSIZE), counting CURVE's overhead. libzmq cuts a
 #: connection that carries a larger frame; frames between MAX_MESSAGE and this reach the loop,
 #: which logs and drops them, so an oversized message never silently takes the link with it.
-MAX_FRAME = 4 * MAX_MESSAGE + CURVE_OVERHEAD
+MAX_DOMAIN_FRAME = 4 * MAX_MESSAGE + CURVE_OVERHEAD
 #: Superseded daemon instances (boot ids) remembered per peer, to tell a restart from two
 #: daemons running as one node.
 MAX_SUPERSEDED = 16
@@ -390,7 +390,7 @@ class Domain:
     # ------------------------------------------------------------------- gate
     def _gate_settings(self) -> dict:
         return {"domain": self.cfg.name, "node": self.node, "bind": self.me.bind, "secret": self._secret,
-                "public": self.public, "allowed": dict(self._allowed), "max_frame": MAX_FRAME}
+                "public": self.public, "allowed": dict(self._allowed), "max_frame": MAX_DOMAIN_FRAME}
 
     def _start_gate(self) -> None:
         """Start the gate and wait (bounded) for its READY; raises BackendError with its reason."""
@@ -467,7 +467,7 @@ class Domain:
         d.setsockopt(zmq.LINGER, 0)
         d.setsockopt(zmq.IMMEDIATE, 1)  # no queue for a peer that is not connected: sends fail, a resync follows
         d.setsockopt(zmq.SNDHWM, LINK_HWM)
-        d.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+        d.setsockopt(zmq.MAXMSGSIZE, MAX_DOMAIN_FRAME)
         ivl = max(10, int(self.cfg.heartbeat_interval * 250))
         d.setsockopt(zmq.RECONNECT_IVL, ivl)
         d.setsockopt(zmq.RECONNECT_IVL_MAX, max(ivl, int(self.cfg.heartbeat_interval * 1000)))
@@ -622,7 +622,7 @@ class Domain:
             self._rx += chunk
         while len(self._rx) >= 4:
             (n,) = struct.unpack(">I", self._rx[:4])
-            if n > MAX_FRAME + 4096:
+            if n > MAX_DOMAIN_FRAME + 4096:
                 log.error("domain %s: the domain gate sent a frame of %d bytes; restarting it", self.cfg.name, n)
                 self._stop_gate_channel()
                 return

@@ -91,7 +91,7 @@ class Gate:
         self.router = r
         r.setsockopt(zmq.LINGER, 0)
         # the frame cap counts CURVE's overhead and more: the daemon logs and drops a message over
-        # its own cap, so that an oversized one never takes the link with it (domain.MAX_FRAME)
+        # its own cap, so that an oversized one never takes the link with it (domain.MAX_DOMAIN_FRAME)
         r.setsockopt(zmq.MAXMSGSIZE, int(self.cfg["max_frame"]))
         r.setsockopt(zmq.RCVHWM, LINK_HWM)
         r.setsockopt(zmq.HANDSHAKE_IVL, int(self.cfg.get("handshake_ivl_ms", HANDSHAKE_IVL_MS)))
