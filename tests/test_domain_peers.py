@@ -579,7 +579,7 @@ def test_a_replacement_across_nodes_needs_every_node_with_live_ranks_to_answer_r
     other node with live ranks of the job sends reports that carry ``admits`` (a daemon from
     before re-admissions across nodes neither lists nor answers them: during a rolling
     upgrade the replacement comes back through a re-arm instead); a node whose ranks are all
-    dead does not count."""
+    dead does not count, nor does one whose report is not kept here."""
     from types import SimpleNamespace
 
     spec = {"max_num_tokens": 4, "top_k": 1, "num_experts": 2, "workspace_size_per_rank": 10000,
@@ -597,4 +597,6 @@ def test_a_replacement_across_nodes_needs_every_node_with_live_ranks_to_answer_r
     slots[2].live = False
     assert fed.readmit_capable(job)  # c holds no live rank: only b must answer, and it does
     slots[1].node = "d"
-    assert not fed.readmit_capable(job)  # no report of d's yet
+    assert fed.readmit_capable(job)  # no report of d's kept here: nothing says it predates them
+    slots[2].live = True
+    assert not fed.readmit_capable(job)

@@ -244,6 +244,7 @@ def _scale_run(cluster, n_nodes: int, per_node: int, policy: str, rounds: int = 
         # attached): until then it knows no admitted rank that could let a replacement in
         wait_for(lambda: all(c.daemons[victim].request("job_info", job=job)["ranks"][r]["state"] == "attached"
                              for r in survivors), 30, f"node {victim} to hear the survivors' nodes again")
+        gen_before = c.daemons[victim].request("job_info", job=job)["generation"]
         grp.start(victim + "-r", lost, c.dirs[victim], seed=77)
         att = grp.expect("attached", lost, timeout=120)
         starts = [t for (r, kind, t, _) in grp.backlog if kind == "start" and r in lost]
@@ -256,8 +257,8 @@ def _scale_run(cluster, n_nodes: int, per_node: int, policy: str, rounds: int = 
                 for n in (victim, names[0]):
                     print(f"--- the log of node {n}, its end:\n{c.daemons[n].log_tail(60)}")
                 raise
-            assert {v for _, v in att.values()} == {0}, att
-            assert not [i for i in grp.drain() + grp.backlog if i[1] in ("lost", "recovered")]
+            assert not [i for i in grp.drain() + grp.backlog if i[1] in ("lost", "recovered")], "a survivor recovered"
+            assert {v for _, v in att.values()} == {gen_before}, (att, gen_before)  # no re-arm since the rendezvous
             t_back = max(t for t, _ in list(att.values()) + list(back.values()))
             print(f"[{policy}] after the restart: daemon answering {t_started - t_restart:.1f} s, every daemon seeing "
                   f"it up {t_up - t_restart:.1f} s, the replacement ranks attaching from "
@@ -368,11 +369,17 @@ def test_ep256_over_4_daemons(cluster, policy):
         grp.wait_rounds(survivors, 5, timeout=120)
         # its replacement joins through the victim's node; the others (on all 4 nodes) let it in
         # at a round boundary while serving: no re-arm, nobody raises or recovers
+        gen_before = c.daemons[place[victim]].request("job_info", job=job)["generation"]
         t_join = _now()
         grp.start("replacement", [victim], c.dirs[place[victim]], seed=6)
         (t_att, gen), = grp.expect("attached", [victim], timeout=120).values()
         back = grp.expect("full", survivors, timeout=120)
-        assert gen == 0 and not [i for i in grp.drain() + grp.backlog if i[1] in ("lost", "recovered")]
+        if [i for i in grp.drain() + grp.backlog if i[1] in ("lost", "recovered")]:
+            for n in (place[victim], names[0]):
+                print(f"--- the log of node {n}, its end:\n{c.daemons[n].log_tail(80)}")
+            raise AssertionError("a survivor raised PeerLost or recovered")
+        assert gen == gen_before == c.daemons[place[victim]].request("job_info", job=job)["generation"], \
+            (gen, gen_before)  # the generation of the rendezvous: no re-arm since
         print(f"[ep256] rank {victim}'s replacement on node {place[victim]}: attached {t_att - t_join:.1f} s after its "
               f"process started, every other rank's view whole again {max(t for t, _ in back.values()) - t_join:.1f} s "
               "after (no re-arm)")

@@ -647,11 +647,16 @@ class Federation:
 
     def readmit_capable(self, job) -> bool:
         """Whether every other node with live ranks of ``job`` answers re-admissions across
-        nodes (its reports carry ``admits``): else a replacement comes back through a re-arm
-        (a domain in the middle of a rolling upgrade)."""
+        nodes: none of its reports kept here lacks ``admits`` (a daemon from before them; the
+        replacement then comes back through a re-arm, as in the middle of a rolling upgrade).
+        A node whose report this daemon has not kept (its reports reach the nodes holding rows
+        only with news for them) counts as answering; if it does not, the held join ends in
+        RendezvousTimeout naming it."""
         fj = self.jobs.get(job.name)
+        if fj is None:
+            return True
         nodes = {s.node for s in job.slots if s.node is not None and s.live}
-        return fj is not None and all(fj.views.get(n, {}).get("admits_known", False) for n in nodes)
+        return all(fj.views[n].get("admits_known", False) for n in nodes if n in fj.views)
 
     def holders(self, name: str) -> set[str]:
         """The other nodes that hold rows of job ``name``, as far as this daemon knows: those

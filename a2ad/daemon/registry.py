@@ -318,7 +318,9 @@ class Registry(Leases, LossPolicy, Mirror):
         """A seated join: let straight back into a degraded job that kept serving, or released
         with the others once the rendezvous is complete (in a domain: by its coordinator)."""
         across = job.domain and job.spans
-        if self._readmits(job, slot.rank) and (not across or self.fed is None or self.fed.readmit_capable(job)):
+        readmits = self._readmits(job, slot.rank)
+        capable = not across or self.fed is None or self.fed.readmit_capable(job)
+        if readmits and capable:
             if across:
                 self._readmit_across(job, slot)  # answered once the other nodes took it back in
             else:
@@ -332,9 +334,9 @@ class Registry(Leases, LossPolicy, Mirror):
             job.needs_rearm = True
             if not job.control.abort_word:
                 job.control.set_abort(L.ABORT_REARM, slot.rank)
-            log.info("job %s: rank %d's replacement comes back through a job-wide re-arm (no admitted rank of the "
-                     "job is known here to let it in, or a node of the job does not answer re-admissions)",
-                     job.name, slot.rank)
+            log.info("job %s: rank %d's replacement comes back through a job-wide re-arm (%s)", job.name, slot.rank,
+                     "a node with live ranks of the job does not answer re-admissions" if readmits else
+                     "no attached and admitted rank of the job is known here to let it in")
         self._maybe_release(job)
 
     def _refuse_waiting(self, job: Job, exc: errors.SpecMismatch) -> None:
