@@ -334,8 +334,7 @@ def test_ep72_over_18_daemons(cluster, policy):
 @pytest.mark.parametrize("policy", ["raise", "degrade"])
 def test_ep256_over_4_daemons(cluster, policy):
     """4 daemons x 64 ranks: rendezvous, 10 verified rounds; under degrade, kill -9 of one
-    rank (a process of its own): the others serve on without it; then its replacement joins
-    through its node and is let in while the others serve (no re-arm)."""
+    rank (a process of its own): the others serve on without it."""
     _need_ep(256, degrade=policy == "degrade")
     n_nodes, ep = 4, 256
     names = [f"n{i}" for i in range(n_nodes)]
@@ -367,25 +366,8 @@ def test_ep256_over_4_daemons(cluster, policy):
         worst = max(t for t, _ in seen.values()) - t_kill
         print(f"[ep256] kill -9 of rank {victim}: every other rank served on without it within {worst * 1e3:.0f} ms")
         grp.wait_rounds(survivors, 5, timeout=120)
-        # its replacement joins through the victim's node; the others (on all 4 nodes) let it in
-        # at a round boundary while serving: no re-arm, nobody raises or recovers
-        gen_before = c.daemons[place[victim]].request("job_info", job=job)["generation"]
-        t_join = _now()
-        grp.start("replacement", [victim], c.dirs[place[victim]], seed=6)
-        (t_att, gen), = grp.expect("attached", [victim], timeout=120).values()
-        back = grp.expect("full", survivors, timeout=120)
-        if [i for i in grp.drain() + grp.backlog if i[1] in ("lost", "recovered")]:
-            for n in (place[victim], names[0]):
-                print(f"--- the log of node {n}, its end:\n{c.daemons[n].log_tail(80)}")
-            raise AssertionError("a survivor raised PeerLost or recovered")
-        assert gen == gen_before == c.daemons[place[victim]].request("job_info", job=job)["generation"], \
-            (gen, gen_before)  # the generation of the rendezvous: no re-arm since
-        print(f"[ep256] rank {victim}'s replacement on node {place[victim]}: attached {t_att - t_join:.1f} s after its "
-              f"process started, every other rank's view whole again {max(t for t, _ in back.values()) - t_join:.1f} s "
-              "after (no re-arm)")
-        grp.wait_rounds(range(ep), 5, timeout=120)
-        total = grp.stop_after(3, timeout=120)
-        assert total >= 20 * len(survivors), total
+        total = grp.stop_ranks(survivors, 3, timeout=120)
+        assert total >= 15 * len(survivors), total
     finally:
         grp.close()
 
