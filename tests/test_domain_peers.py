@@ -588,8 +588,11 @@ def test_a_replacement_across_nodes_needs_every_node_with_live_ranks_to_answer_r
             "row_stride": 12288, "size_per_rank": 10000, "confirmed": True, "generation": 0, "rendezvous_count": 1,
             "needs_rearm": False, "abort": 0, "abort_rank": -1, "ranks": []}
     new, old = F._check_report(dict(base, admits=[])), F._check_report(base)
+    from a2ad.daemon.policy import LossPolicy
+
     fed = object.__new__(F.Federation)
     fed.jobs = {"j": F.FedJob("j", views={"b": new, "c": old})}
+    fed.reg = LossPolicy  # (what the registry answers: the nodes with live ranks of the job)
     slots = [SimpleNamespace(node=None, live=True), SimpleNamespace(node="b", live=True),
              SimpleNamespace(node="c", live=True)]
     job = SimpleNamespace(name="j", slots=slots)

@@ -655,8 +655,7 @@ class Federation:
         fj = self.jobs.get(job.name)
         if fj is None:
             return True
-        nodes = {s.node for s in job.slots if s.node is not None and s.live}
-        return all(fj.views[n].get("admits_known", False) for n in nodes if n in fj.views)
+        return all(fj.views[n].get("admits_known", False) for n in self.reg._readmit_nodes(job) if n in fj.views)
 
     def holders(self, name: str) -> set[str]:
         """The other nodes that hold rows of job ``name``, as far as this daemon knows: those

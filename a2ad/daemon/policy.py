@@ -24,7 +24,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from a2ad import layout as L
+from a2ad import errors, layout as L
 
 if TYPE_CHECKING:
     from a2ad.daemon.jobs import Job, RankSlot
@@ -167,8 +167,14 @@ class LossPolicy:
         for s in waiting:
             if need <= s.readmit_acks:
                 s.readmit_wait = False
-                self._release_join(job, s, now)
                 self.dirty = True
+                try:
+                    self._release_join(job, s, now)
+                except errors.A2ADError as exc:  # (a row's handle missing): this join fails, nothing else
+                    self._fail(s.pending, exc)
+                    s.pending = None
+                    self._reset_joining(job, s)
+                    continue
                 log.info("job %s: rank %d's join answered: every node with live ranks took it back in", job.name, s.rank)
 
     def apply_readmit(self, job: Job, slot: RankSlot, deaths: int) -> None:

@@ -203,11 +203,14 @@ class Registry(Leases, LossPolicy, Mirror):
     def _check_held_joins(self, peer: Peer, job: Job | None, f: dict) -> None:
         """A uid holds at most ``max_held_joins_per_uid`` joins waiting for their rendezvous.
         A join that completes its rendezvous is released at once: it is never held; nor is a
-        replacement let back into a degraded job that kept serving."""
+        replacement let back into a degraded job that kept serving on one node (across nodes it
+        is held until the others take it back in, and counts)."""
         rank = f["ep_rank"]
         completes = f["ep_size"] == 1 or (
             job is not None and job.ep_size == f["ep_size"]
-            and (all(s.live for s in job.slots if s.rank != rank) or self._readmits(job, rank))
+            # (a replacement across nodes is held until the other nodes take it back in: it counts)
+            and (all(s.live for s in job.slots if s.rank != rank)
+                 or (self._readmits(job, rank) and not (job.domain and job.spans)))
         )
         if peer.uid is None or completes:
             return
