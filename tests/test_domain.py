@@ -490,6 +490,7 @@ def serve_rank(rank, ep, runtime_dir, shm, job, policy, shared, results, seed, h
     where there is one, gets the generation of each recover. Reports ``(rank, kind, t,
     value)``: start, attached, lost, recovered, degraded (each new degraded view), full (the
     view whole again), done, error."""
+    a2a = None
     try:
         os.environ[protocol.SHM_DIR_ENV] = shm
         import torch
@@ -570,7 +571,31 @@ def serve_rank(rank, ep, runtime_dir, shm, job, policy, shared, results, seed, h
     except BaseException as exc:  # noqa: BLE001 - everything goes to the parent
         import traceback
 
-        results.put((rank, "error", _now(), f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        where = _admission_state(a2a) if isinstance(exc, errors.PeerTimeout) and a2a is not None else ""
+        results.put((rank, "error", _now(), f"{type(exc).__name__}: {exc}\n{where}{traceback.format_exc()}"))
+
+
+def _admission_state(a2a) -> str:
+    """What a rank that timed out read of the admission state: its node's mask and the admit
+    entries that are not 0, the admit words of the rows, every rank's FLAG_VAL that differs
+    from the most common one."""
+    try:
+        import torch
+
+        att = a2a.attachment
+        cb, ep, aux = att.control, att.ep_size, att.aux
+        ws = att.workspace
+        words = ws[:, aux.block_counters + 4 * L.SLOT_ADMIT_ROUND: aux.block_counters + 4 * L.SLOT_ADMIT_ROUND + 4]
+        rows = words.contiguous().view(torch.int32)[:, 0].tolist()
+        flags = ws[:, aux.flag_val: aux.flag_val + 4].contiguous().view(torch.int32)[:, 0].tolist()
+        common = max(set(flags), key=flags.count)
+        entries = {q: a for q, a in enumerate(cb.admit_rounds(ep)) if a}
+        return (f"[admission state] mask {L.format_ranks(cb.active_mask & L.full_mask(ep))} (generation "
+                f"{cb.mask_generation}); admit entries not 0: {entries}; row admit words not 0: "
+                f"{ {q: a for q, a in enumerate(rows) if a} }; FLAG_VAL {common} but "
+                f"{ {q: f for q, f in enumerate(flags) if f != common} }\n")
+    except Exception as e:  # noqa: BLE001 - a diagnosis only
+        return f"[admission state unreadable: {e!r}]\n"
 
 
 
@@ -615,8 +640,10 @@ def _job_coordinated_by(node: str, prefix: str) -> str:
     return next(f"{prefix}-{i}" for i in range(1000) if coordinator_order(f"{prefix}-{i}", "abc")[0] == node)
 
 
-@pytest.mark.parametrize("policy,coordinator", [("raise", "c"), ("degrade", "a")])
-def test_kill9_of_a_node_then_it_rejoins_with_replacements(cluster, policy, coordinator):
+@pytest.mark.parametrize("policy,coordinator,slow_start", [("raise", "c", False), ("degrade", "a", False),
+                                                          ("degrade", "a", True)],
+                         ids=["raise", "degrade", "degrade-slow-start"])
+def test_kill9_of_a_node_then_it_rejoins_with_replacements(cluster, policy, coordinator, slow_start):
     """Three daemons, 6 ranks (2 on each). kill -9 of node c's daemon and both its ranks while
     rounds run: the ranks on a and b raise PeerLost (raise job) or serve on without ranks 4
     and 5 (degrade job) within the heartbeat bound. Then c's daemon restarts on its runtime
@@ -625,7 +652,13 @@ def test_kill9_of_a_node_then_it_rejoins_with_replacements(cluster, policy, coor
     replacements are let in at a round boundary while ranks 0-3 serve on (no re-arm: none of
     them raises or recovers, the generation stays 0). In the raise case node c is
     the job's coordinator: another node takes over while it is down, and c takes the job back
-    when it returns (the recover rendezvous runs with whichever it is then)."""
+    when it returns (the recover rendezvous runs with whichever it is then).
+
+    ``slow_start``: c's new daemon (``--takeover``) waits for its runtime folder's lock, held
+    by the test for longer than the loss bound, before it adopts the job and listens: the
+    time it could hear nobody is not the others' silence, so it counts neither a nor b lost
+    and their ranks are not dropped (which would make the job re-arm)."""
+    from a2ad import runtime
     from a2ad.daemon.federation import coordinator_order
 
     ep, job = 6, _job_coordinated_by(coordinator, f"kill-{policy}")
@@ -680,7 +713,20 @@ def test_kill9_of_a_node_then_it_rejoins_with_replacements(cluster, policy, coor
                 assert info["abort"] == "peer lost", info
         # c comes back, rejoins the domain; a replacement pair joins through it
         t_restart = _now()
-        c.start("c")
+        if slow_start:
+            lock = runtime.Lock(c.dirs["c"])
+            started: list = []
+            th = threading.Thread(target=lambda: started.append(c.start("c", None, None, "--takeover")))
+            try:
+                th.start()
+                time.sleep(LOSS_BOUND + 1.5)  # the new daemon waits for the lock meanwhile
+                assert th.is_alive() and not started
+            finally:
+                lock.release(remove=False)
+                th.join(60)
+            assert started, "c's daemon did not start once the lock was free"
+        else:
+            c.start("c")
         c.wait_up("abc")
         info = wait_for(lambda: (lambda i: i if i["domain"]["nodes"] == ["a", "b", "c"] else None)(
             c.daemons["c"].request("job_info", job=job)), 10, "c to hear a's and b's reports of the job again")
@@ -717,6 +763,9 @@ def test_kill9_of_a_node_then_it_rejoins_with_replacements(cluster, policy, coor
         peer = {x["name"]: x for x in dom["nodes"]}["c"]
         assert peer["losses"] >= 1 and peer["ups"] >= 2 and peer["state"] == "up", peer
         assert c.daemons["a"].request("job_info", job=job)["domain"]["coordinator"] == coordinator
+        if slow_start:  # c counted neither of the others lost while it waited for its folder
+            back_on_c = {x["name"]: x for x in c.domain("c")["nodes"]}
+            assert back_on_c["a"]["losses"] == 0 and back_on_c["b"]["losses"] == 0, back_on_c
     finally:
         grp.close()
 
@@ -901,6 +950,33 @@ def test_join_reply_rows_and_host_row_names(tmp_path, monkeypatch):
         os.close(fd)
     with pytest.raises(errors.BackendError, match="fewer than a row"):
         open_row(handle, 1 << 20)
+
+
+def test_a_stopped_daemon_does_not_count_its_peers_lost(cluster):
+    """Node b's daemon is stopped (SIGSTOP) for longer than the loss bound, then resumed: a
+    counts b lost and then up again, as it should; b, which heard nothing because it did not
+    run, counts nobody lost (its peers' heartbeats wait in its socket), and its status says
+    how long it stalled."""
+    c = cluster(["a", "b"])
+    for n in "ab":
+        c.start(n)
+    c.wait_up("ab")
+    pid = c.daemons["b"].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: c.states("a")["b"] == "down", LOSS_BOUND + 5, "a to count the stopped b lost")
+        time.sleep(HB_INTERVAL * 2)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    c.wait_up("ab")
+    time.sleep(3 * HB_INTERVAL)  # b's ticks after the stall
+    on_a = {x["name"]: x for x in c.domain("a")["nodes"]}["b"]
+    st_b = c.domain("b")
+    on_b = {x["name"]: x for x in st_b["nodes"]}["a"]
+    assert on_a["losses"] == 1 and on_a["ups"] >= 2, on_a
+    assert on_b["losses"] == 0 and on_b["state"] == "up", on_b
+    assert st_b["stalled_s"] >= LOSS_BOUND, st_b["stalled_s"]
+    assert "did not run its loop for" in c.daemons["b"].log_tail(200)
 
 
 def test_a_rank_death_reaches_every_node_one_hop_after_its_own(cluster):

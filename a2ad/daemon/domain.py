@@ -367,6 +367,14 @@ class Domain:
         self.bytes_by_type = {"sent": dict.fromkeys(MESSAGE_TYPES + ("other",), 0),
                               "received": dict.fromkeys(MESSAGE_TYPES + ("other",), 0)}
         self._next_beat = 0.0
+        #: when ``tick`` last ran: a tick much later than that means this daemon did not run
+        #: its loop meanwhile (a long step, a stopped or starved process)
+        self._last_tick = self.started
+        #: since when this daemon has listened for its peers, less its own stalls: a peer not
+        #: heard from for the loss bound since then is counted lost
+        self._listening_since = self.started
+        #: seconds of this daemon's own stalls not counted as its peers' silence
+        self.stalled_s = 0.0
         self._ratelog = _RateLog()
 
     # ------------------------------------------------------------------ setup
@@ -382,6 +390,9 @@ class Domain:
         except BaseException:
             self.close()
             raise
+        # peers can be heard from now on: the time spent before (adopting kept jobs, waiting
+        # for the runtime folder's lock, starting the gate) is nobody's silence
+        self.started = self._listening_since = self._last_tick = time.monotonic()
         log.info("domain %s: node %s listening on %s (gate pid %d); peers %s (heartbeat every %g s, lost after %g s)",
                  self.cfg.name, self.node, self.me.bind, self.gate.pid,
                  ", ".join(f"{p.name}={p.address}" for p in self.peers.values()) or "none",
@@ -519,6 +530,7 @@ class Domain:
         if now < self._next_beat:
             return
         self._next_beat = now + self.cfg.heartbeat_interval
+        self._discount_own_stall(now)
         self._check_gate(now)
         bound = self.cfg.loss_bound
         for p in self.peers.values():
@@ -528,13 +540,33 @@ class Domain:
             if p.state == PEER_UP and p.last_rx is not None and now - p.last_rx > bound:
                 self._lost(p, f"no message for {now - p.last_rx:.2f} s (heartbeat every {self.cfg.heartbeat_interval:g} s, "
                               f"lost after {bound:g} s)")
-            elif p.state == PEER_CONNECTING and now - self.started > bound:
-                self._lost(p, f"not heard from since this daemon started {now - self.started:.1f} s ago")
+            elif p.state == PEER_CONNECTING and now - self._listening_since > bound:
+                self._lost(p, f"not heard from since this daemon started listening {now - self._listening_since:.1f} s ago")
         if self.handler is not None:
             for p in self.peers.values():
                 if p.resync_due and p.state == PEER_UP and p.connected:
                     p.resync_due = False
                     self.handler.on_resync(p.name)
+
+    def _discount_own_stall(self, now: float) -> None:
+        """A tick that comes more than a heartbeat late: this daemon's loop did not run in the
+        meantime, so it read none of what its peers sent (their messages wait in its socket
+        and are read next). That time is not counted as their silence: every peer's last
+        message, and this daemon's start, count as that much later. A peer that really went
+        silent is still counted lost, one stall later (``stalled_s`` in the status sums them)."""
+        stall = now - self._last_tick - 2 * self.cfg.heartbeat_interval
+        self._last_tick = now
+        if stall <= 0:
+            return
+        self.stalled_s += stall
+        self._listening_since += stall
+        for p in self.peers.values():
+            if p.last_rx is not None:
+                p.last_rx += stall
+        self._ratelog(logging.WARNING, ("stall",),
+                      "domain %s: this daemon did not run its loop for %.2f s (a long step, or the process was stopped "
+                      "or starved of CPU): that time is not counted as its peers' silence", self.cfg.name,
+                      stall + 2 * self.cfg.heartbeat_interval)
 
     def _link_events(self, p: Peer) -> None:
         from zmq.utils.monitor import recv_monitor_message
@@ -779,6 +811,7 @@ class Domain:
             "heartbeat_interval_s": self.cfg.heartbeat_interval,
             "heartbeat_misses": self.cfg.heartbeat_misses,
             "loss_bound_s": self.cfg.loss_bound,
+            "stalled_s": round(self.stalled_s, 3),
             "boot": self.boot.hex(),
             "nodes": [{"name": self.node, "address": self.me.address, "state": "self", "state_for_s": round(now - self.started, 3)}]
             + [p.summary(now) for p in self.peers.values()],
