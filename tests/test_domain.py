@@ -770,6 +770,59 @@ def test_kill9_of_a_node_then_it_rejoins_with_replacements(cluster, policy, coor
         grp.close()
 
 
+def test_a_node_counted_lost_whose_ranks_live_on_makes_the_job_recover(cluster):
+    """Three daemons, a degrade job of 6 ranks (2 on each). Node c's daemon is stopped
+    (SIGSTOP) past the loss bound while its ranks run on: a and b count c lost and their ranks
+    serve on without ranks 4 and 5, which wait for them. When c's daemon runs again its link
+    never dropped, so nothing but its heartbeats tells it that the others forgot its reports:
+    they carry their loss count, c sends its reports again, a and b find ranks 4 and 5 alive,
+    and the whole job re-arms (every rank raises PeerLost once and recovers); then all 6 run
+    verified rounds again. c itself, which only stalled, counts neither a nor b lost."""
+    ep, job = 6, _job_coordinated_by("a", "stalled-node")
+    c = cluster(["a", "b", "c"])
+    for n in "abc":
+        c.start(n)
+    c.wait_up("abc")
+    placement = {0: "a", 1: "a", 2: "b", 3: "b", 4: "c", 5: "c"}
+    grp = Ranks(ep, job, "degrade", c.shm)
+    pid = None
+    try:
+        for r, n in placement.items():
+            grp.start(r, c.dirs[n], seed=30 + r)
+        assert {v for _, v in grp.expect("attached", range(ep)).values()} == {0}
+        grp.wait_rounds(range(ep), 20)
+        pid = c.daemons["c"].pid
+        os.kill(pid, signal.SIGSTOP)
+        t_stop = _now()
+        seen = grp.expect("degraded", [0, 1, 2, 3], timeout=30)
+        for r in range(4):
+            while seen[r][1] != [0, 1, 2, 3]:
+                seen[r] = grp.expect("degraded", [r], timeout=30)[r]
+        time.sleep(HB_INTERVAL * 2)
+        os.kill(pid, signal.SIGCONT)
+        t_cont, pid = _now(), None
+        lost = grp.expect("lost", range(ep), timeout=30)
+        rec = grp.expect("recovered", range(ep), timeout=60)
+        gens = {v for _, v in rec.values()}
+        assert len(gens) == 1 and gens.pop() >= 1, rec
+        print(f"\n[stalled node] c's daemon stopped {t_cont - t_stop:.1f} s: ranks 0-3 served on without 4 and 5 "
+              f"{max(t for t, _ in seen.values()) - t_stop:.2f} s after; once it ran again every rank raised PeerLost "
+              f"{max(t for t, _ in lost.values()) - t_cont:.2f} s and recovered {max(t for t, _ in rec.values()) - t_cont:.2f} s "
+              "after")
+        grp.wait_rounds(range(ep), 20)
+        grp.shared["stop"].value = max(grp.shared["round"][r] for r in range(ep)) + 10
+        grp.expect("done", range(ep), timeout=120)
+        on_c = {x["name"]: x for x in c.domain("c")["nodes"]}
+        assert on_c["a"]["losses"] == 0 and on_c["b"]["losses"] == 0, on_c
+        assert on_c["a"]["resyncs_asked"] >= 1 and on_c["b"]["resyncs_asked"] >= 1, on_c
+        for n in "ab":
+            assert {x["name"]: x for x in c.domain(n)["nodes"]}["c"]["losses"] >= 1
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        grp.close()
+
+
 # ============================================================ a 64-rank rendezvous, timed
 def test_rendezvous_of_64_ranks_over_4_daemons():
     """scripts/domain_rendezvous.py: 4 daemons, 64 ranks (16 per daemon, threads of one

@@ -277,10 +277,13 @@ class Peer:
     superseded: dict = field(default_factory=dict)
     #: while two daemons run as this node: the other instance's boot id (its messages are dropped)
     collision: bytes | None = None
+    #: how many times this peer (its current instance) said in its heartbeats that it counted
+    #: this node lost; None until its first heartbeat
+    their_losses: int | None = None
     counters: dict = field(default_factory=lambda: {
         "heartbeats_received": 0, "heartbeats_sent": 0, "messages_received": 0, "messages_sent": 0,
         "bad_messages": 0, "send_drops": 0, "losses": 0, "ups": 0, "connects": 0, "handshake_failures": 0,
-        "name_collisions": 0, "collision_drops": 0,
+        "name_collisions": 0, "collision_drops": 0, "resyncs_asked": 0,
     })
 
     def summary(self, now: float) -> dict:
@@ -534,7 +537,11 @@ class Domain:
         self._check_gate(now)
         bound = self.cfg.loss_bound
         for p in self.peers.values():
-            self.send(p.name, {"t": "hb"}, heartbeat=True)
+            # "lost": the times this daemon counted the peer lost. A peer that was counted lost
+            # while its link stayed up (it stalled, or a partition ended without a reconnect)
+            # sees the count grow and sends its reports again: they were forgotten here
+            hb = {"t": "hb", "lost": p.counters["losses"]} if p.counters["losses"] else {"t": "hb"}
+            self.send(p.name, hb, heartbeat=True)
             if p.collision is not None:
                 self._collision_check(p, now)
             if p.state == PEER_UP and p.last_rx is not None and now - p.last_rx > bound:
@@ -714,6 +721,7 @@ class Domain:
         self.bytes_by_type["received"][kind] += len(data)
         if t == "hb":
             p.counters["heartbeats_received"] += 1
+            self._their_losses(p, msg.get("lost", 0))
             return
         p.counters["messages_received"] += 1
         if self.handler is not None:
@@ -721,6 +729,22 @@ class Domain:
                 self.handler.on_message(node, msg)
             except (KeyError, TypeError, ValueError, IndexError, AttributeError, errors.A2ADError) as exc:
                 self._bad(p, f"a {msg['t']!r} message the daemon could not use ({type(exc).__name__}: {exc})")
+
+    def _their_losses(self, p: Peer, lost) -> None:
+        """A heartbeat's count of the times ``p`` counted this node lost: when it grew, ``p``
+        dropped what this node had reported to it (and its ranks' states) and waits to hear
+        it again, which the link alone would not make happen (it may never have dropped): a
+        full resync to ``p`` is owed. The first count heard from an instance is only noted:
+        its start or this node's own came with a handshake, which owes one anyway."""
+        if isinstance(lost, bool) or not isinstance(lost, int) or not 0 <= lost < 1 << 62:
+            self._bad(p, "a heartbeat with a bad loss count")
+            return
+        if p.their_losses is not None and lost > p.their_losses:
+            p.resync_due = True
+            p.counters["resyncs_asked"] += 1
+            log.warning("domain %s: node %s counted this node lost (%d time(s)) and hears it again: its reports "
+                        "are sent to it again", self.cfg.name, p.name, lost)
+        p.their_losses = lost
 
     def _bad(self, p: Peer, why: str) -> None:
         p.counters["bad_messages"] += 1
@@ -761,6 +785,8 @@ class Domain:
         if msg["t"] == "hb":
             p.last_heartbeat = now
         restarted = p.boot is not None and p.boot != boot
+        if restarted:
+            p.their_losses = None  # a new instance counts anew
         p.boot = boot
         if p.state != PEER_UP or restarted:
             was = p.state

@@ -218,6 +218,7 @@ class DaemonCollector:
             ("bad_messages", "Messages from the peer dropped as malformed or unusable."),
             ("send_drops", "Messages to the peer the link could not take (a full resend follows)."),
             ("losses", "Times the peer was counted lost (silent past the heartbeat bound)."),
+            ("resyncs_asked", "Times the peer's heartbeats said it had counted this node lost (a full resync to it followed)."),
             ("handshake_failures", "Failed handshakes of this daemon's connection to the peer."),
             ("connects", "Handshakes of this daemon's connection to the peer that succeeded (each owes it a resync)."),
             ("name_collisions", "Times a second daemon was heard running as the peer's node name."),
