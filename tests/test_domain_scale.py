@@ -184,6 +184,19 @@ def _print_figures(label, n_nodes, ep, idle, rdv):
           f"{rdv['all_rate']['total_sent']} /s in all, busiest node {rdv['all_rate']['busiest_node_sent']} /s sent")
 
 
+def _why_rearmed(c, names) -> str:
+    """The lines of every node's log that say why a job re-armed or a node was counted lost."""
+    keys = ("re-arm", "is lost", "counted lost", "did not run its loop", "no active rank is left")
+    out = []
+    for n in names:
+        try:
+            lines = c.daemons[n].log().splitlines()
+        except OSError as exc:
+            lines = [f"(log unreadable: {exc})"]
+        out += [f"{n}: {ln}" for ln in lines if any(k in ln for k in keys)][-8:]
+    return "\n".join(out[-80:])
+
+
 def _scale_run(cluster, n_nodes: int, per_node: int, policy: str, rounds: int = 50):
     ep = n_nodes * per_node
     names = [f"n{i:03d}" for i in range(n_nodes)]
@@ -257,7 +270,8 @@ def _scale_run(cluster, n_nodes: int, per_node: int, policy: str, rounds: int = 
                 for n in (victim, names[0]):
                     print(f"--- the log of node {n}, its end:\n{c.daemons[n].log_tail(60)}")
                 raise
-            assert not [i for i in grp.drain() + grp.backlog if i[1] in ("lost", "recovered")], "a survivor recovered"
+            rearmed = [i for i in grp.drain() + grp.backlog if i[1] in ("lost", "recovered")]
+            assert not rearmed, f"a survivor recovered: {rearmed[:4]}\n{_why_rearmed(c, names)}"
             assert {v for _, v in att.values()} == {gen_before}, (att, gen_before)  # no re-arm since the rendezvous
             t_back = max(t for t, _ in list(att.values()) + list(back.values()))
             print(f"[{policy}] after the restart: daemon answering {t_started - t_restart:.1f} s, every daemon seeing "
@@ -334,7 +348,8 @@ def test_ep72_over_18_daemons(cluster, policy):
 @pytest.mark.parametrize("policy", ["raise", "degrade"])
 def test_ep256_over_4_daemons(cluster, policy):
     """4 daemons x 64 ranks: rendezvous, 10 verified rounds; under degrade, kill -9 of one
-    rank (a process of its own): the others serve on without it."""
+    rank (a process of its own): the others serve on without it; then its replacement joins
+    through its node and is let in while the others serve (no re-arm)."""
     _need_ep(256, degrade=policy == "degrade")
     n_nodes, ep = 4, 256
     names = [f"n{i}" for i in range(n_nodes)]
@@ -366,8 +381,23 @@ def test_ep256_over_4_daemons(cluster, policy):
         worst = max(t for t, _ in seen.values()) - t_kill
         print(f"[ep256] kill -9 of rank {victim}: every other rank served on without it within {worst * 1e3:.0f} ms")
         grp.wait_rounds(survivors, 5, timeout=120)
-        total = grp.stop_ranks(survivors, 3, timeout=120)
-        assert total >= 15 * len(survivors), total
+        # its replacement joins through the victim's node; the others (on all 4 nodes) let it in
+        # at a round boundary while serving: no re-arm, nobody raises or recovers
+        gen_before = c.daemons[place[victim]].request("job_info", job=job)["generation"]
+        t_join = _now()
+        grp.start("replacement", [victim], c.dirs[place[victim]], seed=6)
+        (t_att, gen), = grp.expect("attached", [victim], timeout=120).values()
+        back = grp.expect("full", survivors, timeout=120)
+        rearmed = [i for i in grp.drain() + grp.backlog if i[1] in ("lost", "recovered")]
+        assert not rearmed, f"a survivor raised PeerLost or recovered: {rearmed[:4]}\n{_why_rearmed(c, names)}"
+        assert gen == gen_before == c.daemons[place[victim]].request("job_info", job=job)["generation"], \
+            (gen, gen_before)  # the generation of the rendezvous: no re-arm since
+        print(f"[ep256] rank {victim}'s replacement on node {place[victim]}: attached {t_att - t_join:.1f} s after its "
+              f"process started, every other rank's view whole again {max(t for t, _ in back.values()) - t_join:.1f} s "
+              "after (no re-arm)")
+        grp.wait_rounds(range(ep), 5, timeout=120)
+        total = grp.stop_after(3, timeout=120)
+        assert total >= 20 * len(survivors), total
     finally:
         grp.close()
 
