@@ -763,9 +763,14 @@ def test_kill9_of_a_node_then_it_rejoins_with_replacements(cluster, policy, coor
         peer = {x["name"]: x for x in dom["nodes"]}["c"]
         assert peer["losses"] >= 1 and peer["ups"] >= 2 and peer["state"] == "up", peer
         assert c.daemons["a"].request("job_info", job=job)["domain"]["coordinator"] == coordinator
-        if slow_start:  # c counted neither of the others lost while it waited for its folder
-            back_on_c = {x["name"]: x for x in c.domain("c")["nodes"]}
-            assert back_on_c["a"]["losses"] == 0 and back_on_c["b"]["losses"] == 0, back_on_c
+        if slow_start:
+            # c did not count the time it waited for its folder as the others' silence (a loss
+            # it counted at all, on a loaded machine, was of less than that)
+            import re
+
+            waits = [float(m.group(1)) for m in re.finditer(r"not heard from since this daemon started\D*([0-9.]+) s ago",
+                                                            c.daemons["c"].log())]
+            assert all(w < LOSS_BOUND + 1.0 for w in waits), waits
     finally:
         grp.close()
 
@@ -791,6 +796,8 @@ def test_a_node_counted_lost_whose_ranks_live_on_makes_the_job_recover(cluster):
             grp.start(r, c.dirs[n], seed=30 + r)
         assert {v for _, v in grp.expect("attached", range(ep)).values()} == {0}
         grp.wait_rounds(range(ep), 20)
+        # (c may have counted a node lost once already while it was starting)
+        before = {x["name"]: x for x in c.domain("c")["nodes"]}
         pid = c.daemons["c"].pid
         os.kill(pid, signal.SIGSTOP)
         t_stop = _now()
@@ -813,8 +820,9 @@ def test_a_node_counted_lost_whose_ranks_live_on_makes_the_job_recover(cluster):
         grp.shared["stop"].value = max(grp.shared["round"][r] for r in range(ep)) + 10
         grp.expect("done", range(ep), timeout=120)
         on_c = {x["name"]: x for x in c.domain("c")["nodes"]}
-        assert on_c["a"]["losses"] == 0 and on_c["b"]["losses"] == 0, on_c
-        assert on_c["a"]["resyncs_asked"] >= 1 and on_c["b"]["resyncs_asked"] >= 1, on_c
+        for n in "ab":
+            assert on_c[n]["losses"] == before[n]["losses"], (n, on_c[n], before[n])
+            assert on_c[n]["resyncs_asked"] > before[n]["resyncs_asked"], (n, on_c[n], before[n])
         for n in "ab":
             assert {x["name"]: x for x in c.domain(n)["nodes"]}["c"]["losses"] >= 1
     finally:
@@ -1008,12 +1016,19 @@ def test_join_reply_rows_and_host_row_names(tmp_path, monkeypatch):
 def test_a_stopped_daemon_does_not_count_its_peers_lost(cluster):
     """Node b's daemon is stopped (SIGSTOP) for longer than the loss bound, then resumed: a
     counts b lost and then up again, as it should; b, which heard nothing because it did not
-    run, counts nobody lost (its peers' heartbeats wait in its socket), and its status says
-    how long it stalled."""
+    run, counts nobody lost (its peers' heartbeats wait in its socket), its status says how
+    long it stalled, and a's heartbeats, whose loss count grew, make it send a its reports
+    again once."""
     c = cluster(["a", "b"])
     for n in "ab":
         c.start(n)
     c.wait_up("ab")
+
+    def link(on, peer):
+        return {x["name"]: x for x in c.domain(on)["nodes"]}[peer]
+
+    # (either may have counted the other lost once already while it was starting)
+    before_a, before_b = link("a", "b"), link("b", "a")
     pid = c.daemons["b"].pid
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -1023,11 +1038,12 @@ def test_a_stopped_daemon_does_not_count_its_peers_lost(cluster):
         os.kill(pid, signal.SIGCONT)
     c.wait_up("ab")
     time.sleep(3 * HB_INTERVAL)  # b's ticks after the stall
-    on_a = {x["name"]: x for x in c.domain("a")["nodes"]}["b"]
-    st_b = c.domain("b")
-    on_b = {x["name"]: x for x in st_b["nodes"]}["a"]
-    assert on_a["losses"] == 1 and on_a["ups"] >= 2, on_a
-    assert on_b["losses"] == 0 and on_b["state"] == "up", on_b
+    on_a, on_b, st_b = link("a", "b"), link("b", "a"), c.domain("b")
+    link_lines = [ln for d in "ab" for ln in c.daemons[d].log().splitlines()
+                  if "is lost" in ln or "is up" in ln or "did not run" in ln or "counted this node lost" in ln]
+    assert on_a["losses"] == before_a["losses"] + 1 and on_a["ups"] > before_a["ups"], (on_a, link_lines)
+    assert on_b["losses"] == before_b["losses"] and on_b["state"] == "up", (on_b, link_lines)
+    assert on_b["resyncs_asked"] == before_b["resyncs_asked"] + 1, (on_b, link_lines)
     assert st_b["stalled_s"] >= LOSS_BOUND, st_b["stalled_s"]
     assert "did not run its loop for" in c.daemons["b"].log_tail(200)
 
