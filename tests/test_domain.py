@@ -808,7 +808,15 @@ def test_a_node_counted_lost_whose_ranks_live_on_makes_the_job_recover(cluster):
         time.sleep(HB_INTERVAL * 2)
         os.kill(pid, signal.SIGCONT)
         t_cont, pid = _now(), None
-        lost = grp.expect("lost", range(ep), timeout=30)
+        try:
+            lost = grp.expect("lost", range(ep), timeout=30)
+        except AssertionError:
+            for n in "abc":
+                print(f"--- node {n}:\n" + "\n".join(
+                    ln for ln in c.daemons[n].log().splitlines()
+                    if any(k in ln for k in ("abort", "re-arm", "lost", "resync", "counted", "did not run", "report"))
+                )[-6000:])
+            raise
         rec = grp.expect("recovered", range(ep), timeout=60)
         gens = {v for _, v in rec.values()}
         assert len(gens) == 1 and gens.pop() >= 1, rec

@@ -85,7 +85,10 @@ class Mirror:
                     # more (the others dropped or aborted it): everyone goes through a re-arm
                     job.needs_rearm = self.dirty = True
                     if not job.control.abort_word:
-                        job.control.set_abort(L.ABORT_REARM, r)
+                        # (naming no rank: an abort word naming another node's rank is no news
+                        # for the other holders, and that node, which never counted itself
+                        # lost, must hear it)
+                        job.control.set_abort(L.ABORT_REARM, -1)
                     log.warning("job %s: rank %d on node %s, counted lost with its node, is alive: the job re-arms",
                                 job.name, r, node)
             if state != slot.state:
