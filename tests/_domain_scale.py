@@ -206,7 +206,7 @@ def lost_seen_at(cluster: Cluster, names, victim: str, timeout: float) -> dict[s
             if n in seen:
                 continue
             t0 = _now()
-            peer = {x["name"]: x for x in cluster.domain(n)["nodes"]}[victim]
+            peer = cluster.links(n)[victim]
             if peer["state"] == "down":
                 seen[n] = t0 - peer["state_for_s"]
         if time.monotonic() > end:

@@ -94,6 +94,23 @@ class Cluster:
     def domain(self, node: str) -> dict:
         return self.daemons[node].request("domain")
 
+    def links(self, node: str) -> dict[str, dict]:
+        """What ``node``'s daemon says of each of its peer links (its ``domain`` status), by peer."""
+        return {x["name"]: x for x in self.domain(node)["nodes"]}
+
+    def log_lines(self, nodes, keys) -> list[str]:
+        """The lines of the logs of ``nodes``' daemons that contain any of ``keys``, each as
+        ``node: line``."""
+        out = []
+        for n in nodes:
+            try:
+                lines = self.daemons[n].log().splitlines()
+            except OSError as exc:
+                out.append(f"{n}: (log unreadable: {exc})")
+                continue
+            out += [f"{n}: {ln}" for ln in lines if any(k in ln for k in keys)]
+        return out
+
     def states(self, node: str) -> dict[str, str]:
         return {n["name"]: n["state"] for n in self.domain(node)["nodes"]}
 
@@ -331,7 +348,7 @@ def test_hostile_messages_from_a_node_are_dropped(cluster):
         for frame in bad:
             s.send(frame)
         s.send(b"\x00" * (D.MAX_MESSAGE + 10))  # over the cap: logged and dropped, the link stays
-        wait_for(lambda: {x["name"]: x for x in c.domain("a")["nodes"]}["c"]["bad_messages"] >= 10, 15,
+        wait_for(lambda: c.links("a")["c"]["bad_messages"] >= 10, 15,
                  "a counting the bad messages")
     finally:
         s.close(0)
@@ -759,8 +776,7 @@ def test_kill9_of_a_node_then_it_rejoins_with_replacements(cluster, policy, coor
         total = sum(v for _, v in done.values())
         print(f"[{policy}] node c restarted, rejoined and re-adopted the job; the replacement pair attached and "
               f"all 6 ranks resumed {t_back - t_restart:.1f} s after the restart; {total} verified rounds in all")
-        dom = c.domain("a")
-        peer = {x["name"]: x for x in dom["nodes"]}["c"]
+        peer = c.links("a")["c"]
         assert peer["losses"] >= 1 and peer["ups"] >= 2 and peer["state"] == "up", peer
         assert c.daemons["a"].request("job_info", job=job)["domain"]["coordinator"] == coordinator
         if slow_start:
@@ -800,7 +816,7 @@ def test_a_node_counted_lost_whose_ranks_live_on_makes_the_job_recover(cluster):
         assert {v for _, v in grp.expect("attached", range(ep)).values()} == {0}
         grp.wait_rounds(range(ep), 20)
         # (c may have counted a node lost once already while it was starting)
-        before = {x["name"]: x for x in c.domain("c")["nodes"]}
+        before = c.links("c")
         pid = c.daemons["c"].pid
         os.kill(pid, signal.SIGSTOP)
         t_stop = _now()
@@ -815,10 +831,8 @@ def test_a_node_counted_lost_whose_ranks_live_on_makes_the_job_recover(cluster):
             lost = grp.expect("lost", range(ep), timeout=30)
         except AssertionError:
             for n in "abc":
-                print(f"--- node {n}:\n" + "\n".join(
-                    ln for ln in c.daemons[n].log().splitlines()
-                    if any(k in ln for k in ("abort", "re-arm", "lost", "resync", "counted", "did not run", "report"))
-                )[-6000:])
+                print(f"--- node {n}:\n" + "\n".join(c.log_lines(
+                    n, ("abort", "re-arm", "lost", "resync", "counted", "did not run", "report")))[-6000:])
             raise
         rec = grp.expect("recovered", range(ep), timeout=60)
         gens = {v for _, v in rec.values()}
@@ -830,12 +844,12 @@ def test_a_node_counted_lost_whose_ranks_live_on_makes_the_job_recover(cluster):
         grp.wait_rounds(range(ep), 20)
         grp.shared["stop"].value = max(grp.shared["round"][r] for r in range(ep)) + 10
         grp.expect("done", range(ep), timeout=120)
-        on_c = {x["name"]: x for x in c.domain("c")["nodes"]}
+        on_c = c.links("c")
         for n in "ab":
             assert on_c[n]["losses"] == before[n]["losses"], (n, on_c[n], before[n])
             assert on_c[n]["resyncs_asked"] > before[n]["resyncs_asked"], (n, on_c[n], before[n])
         for n in "ab":
-            assert {x["name"]: x for x in c.domain(n)["nodes"]}["c"]["losses"] >= 1
+            assert c.links(n)["c"]["losses"] >= 1
     finally:
         if pid is not None:
             os.kill(pid, signal.SIGCONT)
@@ -1034,12 +1048,8 @@ def test_a_stopped_daemon_does_not_count_its_peers_lost(cluster):
     for n in "ab":
         c.start(n)
     c.wait_up("ab")
-
-    def link(on, peer):
-        return {x["name"]: x for x in c.domain(on)["nodes"]}[peer]
-
     # (either may have counted the other lost once already while it was starting)
-    before_a, before_b = link("a", "b"), link("b", "a")
+    before_a, before_b = c.links("a")["b"], c.links("b")["a"]
     pid = c.daemons["b"].pid
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -1049,9 +1059,8 @@ def test_a_stopped_daemon_does_not_count_its_peers_lost(cluster):
         os.kill(pid, signal.SIGCONT)
     c.wait_up("ab")
     time.sleep(3 * HB_INTERVAL)  # b's ticks after the stall
-    on_a, on_b, st_b = link("a", "b"), link("b", "a"), c.domain("b")
-    link_lines = [ln for d in "ab" for ln in c.daemons[d].log().splitlines()
-                  if "is lost" in ln or "is up" in ln or "did not run" in ln or "counted this node lost" in ln]
+    on_a, on_b, st_b = c.links("a")["b"], c.links("b")["a"], c.domain("b")
+    link_lines = c.log_lines("ab", ("is lost", "is up", "did not run", "counted this node lost"))
     assert on_a["losses"] == before_a["losses"] + 1 and on_a["ups"] > before_a["ups"], (on_a, link_lines)
     assert on_b["losses"] == before_b["losses"] and on_b["state"] == "up", (on_b, link_lines)
     # b heard a's count of the loss the stop caused, and sent a its reports again

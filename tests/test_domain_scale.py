@@ -187,14 +187,7 @@ def _print_figures(label, n_nodes, ep, idle, rdv):
 def _why_rearmed(c, names) -> str:
     """The lines of every node's log that say why a job re-armed or a node was counted lost."""
     keys = ("re-arm", "is lost", "counted lost", "did not run its loop", "no active rank is left")
-    out = []
-    for n in names:
-        try:
-            lines = c.daemons[n].log().splitlines()
-        except OSError as exc:
-            lines = [f"(log unreadable: {exc})"]
-        out += [f"{n}: {ln}" for ln in lines if any(k in ln for k in keys)][-8:]
-    return "\n".join(out[-80:])
+    return "\n".join([ln for n in names for ln in c.log_lines([n], keys)[-8:]][-80:])
 
 
 def _scale_run(cluster, n_nodes: int, per_node: int, policy: str, rounds: int = 50):

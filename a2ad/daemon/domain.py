@@ -560,7 +560,8 @@ class Domain:
         meantime, so it read none of what its peers sent (their messages wait in its socket
         and are read next). That time is not counted as their silence: every peer's last
         message, and this daemon's start, count as that much later. A peer that really went
-        silent is still counted lost, one stall later (``stalled_s`` in the status sums them)."""
+        silent is still counted lost, later by the stalls discounted meanwhile (``stalled_s``
+        in the status sums them): of each late tick, two heartbeat intervals still count."""
         stall = now - self._last_tick - 2 * self.cfg.heartbeat_interval
         self._last_tick = now
         if stall <= 0:
