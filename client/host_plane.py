@@ -584,6 +584,12 @@ class HostPlane(Plane):
             code = patience.give_up(cb)
             if code is None:
                 continue
+            # the flags were read before the abort word: a peer may have published its flag,
+            # finished its round and left (setting the abort word) between the two reads;
+            # what it published is complete, so one more look decides
+            late = (flags != rnd).nonzero()
+            if not (_bits(late) & view if late.numel() else 0):
+                return view
             cb.record_status(self.ep_rank, code, peer, rnd, phase, patience.waited_ns)
             self.att.control.raise_for(self.ep_rank, self.att.job)
 

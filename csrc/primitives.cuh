@@ -354,8 +354,16 @@ __device__ __forceinline__ int spin_wait(const Probe& probe, int round, const Co
     *waited = now - t0;
     if (poller) {
       if (it % kAbortPollEvery == kAbortPollEvery - 1) {
-        if (ld_relaxed_sys_u32(abort_word) != 0) return kWaitAborted;
-        if (watch >= 0 && (active_word(c, watch) >> (watch & 63) & 1) == 0) return kWaitLeft;
+        // the probe was read before the abort word and the mask: a peer may have published,
+        // finished its round and left in between; what it published is complete, so one
+        // more look (ordered after the read that saw it leave) decides
+        int why = kWaitOk;
+        if (ld_relaxed_sys_u32(abort_word) != 0) why = kWaitAborted;
+        else if (watch >= 0 && (active_word(c, watch) >> (watch & 63) & 1) == 0) why = kWaitLeft;
+        if (why != kWaitOk) {
+          fence_acq_rel_sys();
+          return probe.ready(value) ? kWaitOk : why;
+        }
       }
     } else {
       if (ld_volatile(give_up) == round) return kWaitStopped;

@@ -103,6 +103,10 @@ class ScaleCluster(Cluster):
     """Cluster of test_domain with daemons started in parallel and logging at info level (a
     debug log of many daemons costs this machine's CPUs more than their work does)."""
 
+    # a daemon started again while the ranks of every other node serve rounds flat out shares
+    # 2 CPUs with all of them: seen answering after 3-7 s here, and not within 30 s in a CI run
+    start_timeout = 120.0
+
     def __init__(self, tmp, names, **domain_kw):
         super().__init__(tmp, names, **domain_kw)
         if len(set(self.ports.values())) != len(self.ports):  # free_port may hand out one port twice

@@ -75,6 +75,8 @@ class Cluster:
     """The daemons of one domain on this machine. ``close`` stops every one (SIGTERM, then
     SIGKILL), reaps their fd keepers and removes their folders, whatever state they are in."""
 
+    start_timeout = 30.0  # for a daemon to answer once started
+
     def __init__(self, tmp: Path, names, **domain_kw):
         self.tmp = tmp
         self.shm = tmp / "shm"
@@ -88,7 +90,7 @@ class Cluster:
         d = DaemonProcess(self.dirs[node], "--backend", "host", "--grace", "5", "--domain", str(config or self.config),
                           "--node", node, *args, env={**os.environ, "A2AD_SHM_DIR": str(self.shm), **(env or {})})
         self.daemons[node] = d
-        d.start(timeout=30)
+        d.start(timeout=self.start_timeout)
         return d
 
     def domain(self, node: str) -> dict:

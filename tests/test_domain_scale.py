@@ -249,7 +249,7 @@ def _scale_run(cluster, n_nodes: int, per_node: int, policy: str, rounds: int = 
         # the restarted daemon hears the others' reports of the job again (the survivors
         # attached): until then it knows no admitted rank that could let a replacement in
         wait_for(lambda: all(c.daemons[victim].request("job_info", job=job)["ranks"][r]["state"] == "attached"
-                             for r in survivors), 30, f"node {victim} to hear the survivors' nodes again")
+                             for r in survivors), 60, f"node {victim} to hear the survivors' nodes again")
         gen_before = c.daemons[victim].request("job_info", job=job)["generation"]
         grp.start(victim + "-r", lost, c.dirs[victim], seed=77)
         att = grp.expect("attached", lost, timeout=120)

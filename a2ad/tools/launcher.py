@@ -132,8 +132,8 @@ class DaemonLauncher:
             except errors.DaemonUnavailable:
                 pass
             if time.monotonic() >= end:
-                raise LaunchError(f"the a2ad daemon (pid {self.proc.pid}) did not answer within {timeout:g} s; "
-                                  f"its log ends:\n{self.log_tail()}")
+                raise LaunchError(f"the a2ad daemon (pid {self.proc.pid}) did not answer within {timeout:g} s"
+                                  f"{_cpu_used(self.proc.pid)}; its log ends:\n{self.log_tail()}")
             time.sleep(0.05)
 
     # ------------------------------------------------------------------ state
@@ -200,3 +200,16 @@ class DaemonLauncher:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _cpu_used(pid: int) -> str:
+    """", having used N s of CPU" for a process (Linux), to tell a start starved of CPU (little
+    used) from one stuck computing (much used); empty where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        ticks = int(fields[11]) + int(fields[12])  # utime + stime
+        return (f", having used {ticks / os.sysconf('SC_CLK_TCK'):.2f} s of CPU (this machine's load average "
+                f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
+    except (OSError, ValueError, IndexError):
+        return ""
