@@ -410,6 +410,9 @@ class ControlBlock:
 #: aborted, or the daemon no longer counts this rank as one of the job's active ranks.
 WAIT_ABORTED = "wait aborted"
 NOT_ACTIVE = "not an active rank"
+#: A rank whose outputs a combine pulled went on to its next round without this rank (the
+#: round's output is void): this rank was counted lost while it ran.
+LEFT_BEHIND = "left behind"
 
 
 def abort_name(abort: int) -> str:

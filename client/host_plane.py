@@ -39,7 +39,7 @@ import warnings
 import torch
 
 from a2ad import control as C, errors, layout as L
-from a2ad.control import NOT_ACTIVE
+from a2ad.control import LEFT_BEHIND, NOT_ACTIVE
 
 from .plane import Plane
 
@@ -221,12 +221,21 @@ class HostPlane(Plane):
         self._flag_vals = field(aux.flag_val, 1)[:, 0]  # every rank's round (a replacement waits on them)
         # every rank's row admit word: its admit round where its control-block entry is ADMIT_ROW
         self._row_admit = field(aux.block_counters + 4 * L.SLOT_ADMIT_ROUND, 1)[:, 0]
+        # degraded mode: every rank's view of its current round (the job's effective mask its
+        # dispatch read) and that round, in its row: a rank that pulled from q checks that q
+        # did not go on without it (q then restages what it pulled)
+        view_off = aux.block_counters + 4 * L.SLOT_VIEW
+        self._views = ws[:, view_off : view_off + 8 * L.MASK_WORDS].view(torch.int64)  # [row q, word]
+        self._view_rounds = field(aux.block_counters + 4 * L.SLOT_VIEW_ROUND, 1)[:, 0]
         self._round: int | None = None  # the round between a dispatch and its combine
         #: Whether the job keeps serving without a lost rank (spec on_peer_loss="degrade").
         self.degrade = att.spec.get("on_peer_loss") == "degrade"
         self._full = L.full_mask(ep)
         #: The ranks the current (or last) round's dispatch ran among, read at its start.
         self.dispatch_mask: int | None = None
+        #: The sources whose tokens the current round's dispatch received (its wait saw their
+        #: flag): the combine publishes its outputs to them only.
+        self._dispatch_got = self._full
         #: The ranks whose contributions the last combine summed (its view of the mask).
         self.combine_mask: int | None = None
         self._degraded: torch.Tensor | None = None
@@ -266,6 +275,10 @@ class HostPlane(Plane):
                     "counted it as gone); close this object and attach again",
                     rank=me, generation=self.att.control.generation, reason_name=NOT_ACTIVE,
                 )
+            # the view first, then its round (stores in order): a peer that reads this round
+            # then reads at least this view
+            self._views[me].copy_(mask_word_tensor(view))
+            self._view_rounds[me] = rnd
         view &= _caller_bits(caller_mask, ep)
         self.dispatch_mask = view
         active, rows = self._mask(view)
@@ -313,6 +326,7 @@ class HostPlane(Plane):
             self._dispatch_flags[rows, me] = rnd
         # 6. every source's data is here (or the source left the mask: nothing came from it)
         got = self._wait(self._dispatch_flags[me], rnd, L.PHASE_DISPATCH, view)
+        self._dispatch_got = got
         if got != self._full:
             _, gone = self._mask(self._full & ~got)
             self._recv_counters[me, gone] = 0
@@ -483,7 +497,11 @@ class HostPlane(Plane):
         # 2. the staged outputs are in place; then the flags, the descriptor with them
         ready = spec << 32 | rnd
         ready = ready - (1 << 64) if ready >= 1 << 63 else ready
-        rows = slice(None) if view == self._full else self._mask(view)[1]
+        # only to the sources whose tokens the dispatch received: a source it let go of (it
+        # left the mask meanwhile) may still be alive (its node was counted lost), and the
+        # rows staged for it were computed from whatever its slots held
+        publish = view & self._dispatch_got
+        rows = slice(None) if publish == self._full else self._mask(publish)[1]
         self._combine_ready[rows, me] = ready
         self._combine_flags[rows, me] = rnd
         # 3. every target's outputs for this rank are ready (or the target left the mask)
@@ -527,6 +545,19 @@ class HostPlane(Plane):
                     acc.index_add_(0, tokens, rows_of(tokens, k))
             seen = self._mask(got)[0]
             self._degraded = (routed & ~seen[target.clamp(min=0)]).any(1)
+        if self.degrade:
+            gone_on = self._gone_on_without_me(rnd, counted_mask)
+            if gone_on >= 0:
+                self._flag_val.fill_(rnd + 1)
+                self._round = None
+                self.att.control.record_status(me, L.STATUS_ABORTED, gone_on, rnd, L.PHASE_COMBINE, 0)
+                raise errors.PeerLost(
+                    f"job {self.att.job} rank {me}: rank {gone_on} went on to round {rnd + 1} without this rank (its "
+                    f"node counted this rank lost) while this rank pulled its outputs of round {rnd}: they may be "
+                    "overwritten, so this combine's output is void; call recover(): the job re-arms once this rank's "
+                    "node is heard again",
+                    rank=gone_on, generation=self.att.control.generation, reason_name=LEFT_BEHIND,
+                )
         out = acc.to(dtype)
         # 5. next round
         self._flag_val.fill_(rnd + 1)
@@ -539,6 +570,26 @@ class HostPlane(Plane):
             output.copy_(out)
             return output
         return out
+
+    def _gone_on_without_me(self, rnd: int, counted: int) -> int:
+        """A rank whose outputs this combine (round ``rnd``) summed but that went on without
+        this rank, or -1. A rank q restages its combine region in round rnd + 1 only after
+        every rank of its view of that round finished round rnd; a rank outside that view
+        (counted lost while it ran: its node stalled or was cut off) may still be pulling
+        from it. q publishes its view and then its round before it restages, so a round of
+        q past rnd + 1, or rnd + 1 with this rank outside the view, read after the pull,
+        means the rows pulled may hold round rnd + 1's."""
+        me = self.ep_rank
+        others = counted & ~(1 << me)
+        ahead = (self._view_rounds > rnd).nonzero()
+        ahead_bits = _bits(ahead) & others if ahead.numel() else 0
+        for q in L.mask_ranks(ahead_bits):
+            first = int(self._view_rounds[q])
+            word = int(self._views[q, me >> 6])
+            last = int(self._view_rounds[q])
+            if last >= rnd + 2 or (first == last == rnd + 1 and not (word >> (me & 63)) & 1):
+                return q
+        return -1
 
     def degraded_tokens(self) -> torch.Tensor | None:
         """``[local_num_tokens]`` bool of the last combine: True for a token that lost at least

@@ -668,7 +668,12 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   if (last) {
     const int q = threadIdx.x;
     if (q < ep) {
-      if (view.has(q)) {
+      // Degraded mode: only to the sources whose tokens the dispatch received (it records
+      // them in DISPATCH_COMPLETION_FLAGS); one it let go of (it left the mask meanwhile) may
+      // still be alive (its node was counted lost), and what was staged for it was computed
+      // from whatever its slots held.
+      if (view.has(q) &&
+          (!p.ctl.degrade || ld_volatile(at<int>(my_row, p.aux.dispatch_completion_flags) + q) == round)) {
         st_release_sys_u64(at<uint64_t>(row_of(p.ws, q), p.aux.combine_ready + 8 * (int64_t)me), combine_word(p, round));
       }
       // The next dispatch counts from zero (it cannot zero them itself before its atomics).
