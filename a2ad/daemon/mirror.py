@@ -78,9 +78,13 @@ class Mirror:
             slot.readmit_wait = bool(rec.get("readmit"))
             if slot.lost_with_node and readmit:
                 slot.lost_with_node = False  # it died with its node; this is its replacement
-            if slot.lost_with_node:
+            if slot.lost_with_node and state == L.RANK_JOINING and effects:
+                # its node's report from before the rank attached (the node stalled before
+                # it sent the next one, which its resync sends now): that next one decides
+                pass
+            elif slot.lost_with_node:
                 slot.lost_with_node = False
-                if effects and state == L.RANK_ATTACHED and slot.state == L.RANK_DEAD:
+                if effects and state == L.RANK_ATTACHED and slot.state in (L.RANK_DEAD, L.RANK_JOINING):
                     # counted lost with its node, yet alive: the job's rounds cannot agree any
                     # more (the others dropped or aborted it): everyone goes through a re-arm
                     job.needs_rearm = self.dirty = True
