@@ -733,3 +733,106 @@ def test_two_replacements_let_in_at_the_same_round_do_not_wait_for_each_other(in
         assert cb.admit_round(2) == cb.admit_round(3) == L.ADMIT_ROW
     for out in rounds(range(ep), 2):
         assert all(v == (0b1111, True) for v in out.values()), out
+
+
+def test_a_rank_dropped_while_alive_never_completes_a_round_with_outputs_not_meant_for_it():
+    """Host planes of 3 ranks as threads on one workspace, degrade policy, two control blocks
+    (two nodes: ranks 0 and 1 on one, rank 2 on the other). Rank 2's node is counted lost by
+    the first node (bit 2 cleared there) while rank 2 runs on with a whole view, as when its
+    daemon stalls. (1) Ranks 0 and 1 let rank 2 go in their dispatch before its tokens came:
+    their combine does not publish to it, so rank 2's combine times out instead of pulling
+    rows computed from slots it never filled. (2) Ranks 0 and 1 finish a round with rank 2
+    (its tokens came), then run the next round without it, restaging their regions, before
+    rank 2 pulls: rank 2's combine raises PeerLost "left behind" naming rank 0 instead of
+    returning what it pulled."""
+    import torch
+
+    from a2ad.client import local
+    from a2ad.client.host_plane import HostPlane
+
+    ep, T, top_k, experts_n, hidden = 3, 4, 2, 6, 8
+    size = L.workspace_size_per_rank(ep, T, 4 * hidden, 4 * hidden)
+    aux = L.aux_layout(ep, T)
+    pl = L.payload_layout(aux, size, T, [4 * hidden], 4 * hidden)
+    gen = torch.Generator().manual_seed(5)
+
+    def fresh():
+        ws = torch.zeros(ep, size, dtype=torch.uint8)
+        for r in range(ep):
+            ws[r, aux.flag_val: aux.flag_val + 4].view(torch.int32).fill_(L.INITIAL_ROUND)
+        nodes = [local._Shared(ws, ep), local._Shared(ws, ep)]
+        for n in nodes:
+            n.control.initialize(ep, L.POLICY_DEGRADE)
+
+        def plane(r, timeout):
+            att = local.LocalAttachment(ws, r, ep, T, aux, nodes[r // 2], 0).spec_for(top_k, experts_n)
+            att.spec["on_peer_loss"] = "degrade"
+            return HostPlane(att, timeout=timeout)
+
+        return ws, nodes[0].control, {0: plane(0, 20.0), 1: plane(1, 20.0), 2: plane(2, 1.0)}
+
+    def inputs():
+        experts = torch.rand(T, experts_n, generator=gen).argsort(dim=1)[:, :top_k].to(torch.int32).contiguous()
+        return experts, torch.randint(-8, 9, (T, hidden), generator=gen).to(torch.float32)
+
+    def expert_out(ws, r):
+        recv = ws[r, pl.dispatch_offsets[0]: pl.dispatch_offsets[0] + ep * T * 4 * hidden]
+        return recv.view(torch.float32).view(ep, T, hidden) * float(r + 1)
+
+    def together(ranks, step):
+        out: dict = {}
+
+        def run(r):
+            try:
+                out[r] = step(r)
+            except BaseException as exc:  # noqa: BLE001 - the thread's outcome goes to the test
+                out[r] = exc
+
+        ths = [threading.Thread(target=run, args=(r,)) for r in ranks]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(30)
+        assert not any(th.is_alive() for th in ths), "a rank's step did not end within 30 s"
+        assert all(not isinstance(v, BaseException) for v in out.values()), out
+        return out
+
+    def send(planes, r):
+        experts, x = inputs()
+        planes[r].dispatch(experts, [x], T, pl, experts_n)
+
+    def full_round(ws, planes):
+        def step(r):
+            send(planes, r)
+            return planes[r].combine(expert_out(ws, r), T, T, pl, False)
+
+        together(range(ep), step)
+
+    # (1) let go of in the dispatch, before its tokens came
+    ws, cb_a, planes = fresh()
+    full_round(ws, planes)
+    t0 = threading.Timer(0.3, lambda: cb_a.set_active_mask(0b011, ep, time.monotonic_ns()))
+    t0.start()
+    together([0, 1], lambda r: send(planes, r))
+    t0.join()
+    assert planes[0]._dispatch_got == 0b011
+    together([0, 1], lambda r: planes[r].combine(expert_out(ws, r), T, T, pl, False))  # rank 2 left their mask
+    send(planes, 2)  # ranks 0 and 1 flagged their sends to it
+    with pytest.raises(errors.PeerTimeout) as exc:
+        planes[2].combine(expert_out(ws, 2), T, T, pl, False)
+    assert exc.value.details["peer"] in (0, 1), exc.value.details
+
+    # (2) a round with it, then the next without it, before it pulled
+    ws, cb_a, planes = fresh()
+    full_round(ws, planes)
+    together(range(ep), lambda r: send(planes, r))
+    t0 = threading.Timer(0.3, lambda: cb_a.set_active_mask(0b011, ep, time.monotonic_ns()))
+    t0.start()
+    together([0, 1], lambda r: planes[r].combine(expert_out(ws, r), T, T, pl, False))  # let go of rank 2
+    t0.join()
+    together([0, 1], lambda r: send(planes, r))
+    together([0, 1], lambda r: planes[r].combine(expert_out(ws, r), T, T, pl, False))  # regions restaged
+    with pytest.raises(errors.PeerLost) as lost:
+        planes[2].combine(expert_out(ws, 2), T, T, pl, False)
+    assert lost.value.details["reason_name"] == "left behind" and lost.value.rank == 0, lost.value
+    assert "went on to round" in str(lost.value)
