@@ -574,6 +574,27 @@ def test_on_peer_loss_in_the_spec():
     assert ei.value.details["field"] == "spec.on_peer_loss"
 
 
+def _in_threads(ranks, step) -> dict:
+    """``{r: step(r)}``, each rank's step in its own thread, all at once; fails the test if a
+    step raised or did not end within 30 s."""
+    out: dict = {}
+
+    def run(r):
+        try:
+            out[r] = step(r)
+        except BaseException as exc:  # noqa: BLE001 - the thread's outcome goes to the test
+            out[r] = exc
+
+    ths = [threading.Thread(target=run, args=(r,)) for r in ranks]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(30)
+    assert not any(th.is_alive() for th in ths), "a rank's step did not end within 30 s"
+    assert all(not isinstance(v, BaseException) for v in out.values()), out
+    return out
+
+
 def test_a_degraded_wait_counts_exactly_the_flags_it_saw():
     """The host plane's wait in a degraded view (rank 1 already gone): rank 2 leaves the mask
     while rank 3, still in it, has not published; the wait goes on for rank 3 (and times out
@@ -646,33 +667,22 @@ def test_two_replacements_let_in_at_the_same_round_do_not_wait_for_each_other(in
     owner = [L.expert_owner(e, experts_n, ep) for e in range(experts_n)]
     gen = torch.Generator().manual_seed(3)
 
-    def one_round(r, out):
+    def one_round(r):
         experts = torch.rand(T, experts_n, generator=gen).argsort(dim=1)[:, :top_k].to(torch.int32).contiguous()
         x = torch.randint(-8, 9, (T, hidden), generator=gen).to(torch.float32)
-        try:
-            p = planes[r]
-            p.dispatch(experts, [x], T, pl, experts_n)
-            recv = ws[r, pl.dispatch_offsets[0]: pl.dispatch_offsets[0] + ep * T * 4 * hidden]
-            y = recv.view(torch.float32).view(ep, T, hidden) * float(r + 1)
-            got = p.combine(y, T, T, pl, False)
-            counted = p.combine_mask
-            w = torch.tensor([sum(q + 1 for q in {owner[int(e)] for e in row} if counted >> q & 1)
-                              for row in experts], dtype=torch.float64)
-            out[r] = (counted, torch.equal(got.double(), x.double() * w[:, None]))
-        except BaseException as exc:  # noqa: BLE001 - the thread's outcome goes to the test
-            out[r] = exc
+        p = planes[r]
+        p.dispatch(experts, [x], T, pl, experts_n)
+        recv = ws[r, pl.dispatch_offsets[0]: pl.dispatch_offsets[0] + ep * T * 4 * hidden]
+        y = recv.view(torch.float32).view(ep, T, hidden) * float(r + 1)
+        got = p.combine(y, T, T, pl, False)
+        counted = p.combine_mask
+        w = torch.tensor([sum(q + 1 for q in {owner[int(e)] for e in row} if counted >> q & 1)
+                          for row in experts], dtype=torch.float64)
+        return counted, torch.equal(got.double(), x.double() * w[:, None])
 
     def rounds(ranks, n=1):
         for _ in range(n):
-            out = {}
-            ths = [threading.Thread(target=one_round, args=(r, out)) for r in ranks]
-            for th in ths:
-                th.start()
-            for th in ths:
-                th.join(30)
-            assert not any(th.is_alive() for th in ths), "a rank's round did not end within 30 s"
-            assert all(not isinstance(v, BaseException) for v in out.values()), out
-            yield out
+            yield _in_threads(ranks, one_round)
 
     for out in rounds(range(ep), 2):
         assert all(v == (0b1111, True) for v in out.values()), out
@@ -698,10 +708,10 @@ def test_two_replacements_let_in_at_the_same_round_do_not_wait_for_each_other(in
 
     def serve(r):
         while True:
-            out = {}
-            one_round(r, out)
-            done[r].append(out[r])
-            if isinstance(out[r], BaseException):
+            try:
+                done[r].append(one_round(r))
+            except BaseException as exc:  # noqa: BLE001 - the thread's outcome goes to the test
+                done[r].append(exc)
                 return
             rnd = int(ws[r, aux.flag_val: aux.flag_val + 4].view(torch.int32)) - 1
             while stop[0] is None and rnd >= 40:  # (a bound: the test sets stop long before)
@@ -779,24 +789,6 @@ def test_a_rank_dropped_while_alive_never_completes_a_round_with_outputs_not_mea
         recv = ws[r, pl.dispatch_offsets[0]: pl.dispatch_offsets[0] + ep * T * 4 * hidden]
         return recv.view(torch.float32).view(ep, T, hidden) * float(r + 1)
 
-    def together(ranks, step):
-        out: dict = {}
-
-        def run(r):
-            try:
-                out[r] = step(r)
-            except BaseException as exc:  # noqa: BLE001 - the thread's outcome goes to the test
-                out[r] = exc
-
-        ths = [threading.Thread(target=run, args=(r,)) for r in ranks]
-        for th in ths:
-            th.start()
-        for th in ths:
-            th.join(30)
-        assert not any(th.is_alive() for th in ths), "a rank's step did not end within 30 s"
-        assert all(not isinstance(v, BaseException) for v in out.values()), out
-        return out
-
     def send(planes, r):
         experts, x = inputs()
         planes[r].dispatch(experts, [x], T, pl, experts_n)
@@ -806,17 +798,17 @@ def test_a_rank_dropped_while_alive_never_completes_a_round_with_outputs_not_mea
             send(planes, r)
             return planes[r].combine(expert_out(ws, r), T, T, pl, False)
 
-        together(range(ep), step)
+        _in_threads(range(ep), step)
 
     # (1) let go of in the dispatch, before its tokens came
     ws, cb_a, planes = fresh()
     full_round(ws, planes)
     t0 = threading.Timer(0.3, lambda: cb_a.set_active_mask(0b011, ep, time.monotonic_ns()))
     t0.start()
-    together([0, 1], lambda r: send(planes, r))
+    _in_threads([0, 1], lambda r: send(planes, r))
     t0.join()
     assert planes[0]._dispatch_got == 0b011
-    together([0, 1], lambda r: planes[r].combine(expert_out(ws, r), T, T, pl, False))  # rank 2 left their mask
+    _in_threads([0, 1], lambda r: planes[r].combine(expert_out(ws, r), T, T, pl, False))  # rank 2 left their mask
     send(planes, 2)  # ranks 0 and 1 flagged their sends to it
     with pytest.raises(errors.PeerTimeout) as exc:
         planes[2].combine(expert_out(ws, 2), T, T, pl, False)
@@ -825,13 +817,13 @@ def test_a_rank_dropped_while_alive_never_completes_a_round_with_outputs_not_mea
     # (2) a round with it, then the next without it, before it pulled
     ws, cb_a, planes = fresh()
     full_round(ws, planes)
-    together(range(ep), lambda r: send(planes, r))
+    _in_threads(range(ep), lambda r: send(planes, r))
     t0 = threading.Timer(0.3, lambda: cb_a.set_active_mask(0b011, ep, time.monotonic_ns()))
     t0.start()
-    together([0, 1], lambda r: planes[r].combine(expert_out(ws, r), T, T, pl, False))  # let go of rank 2
+    _in_threads([0, 1], lambda r: planes[r].combine(expert_out(ws, r), T, T, pl, False))  # let go of rank 2
     t0.join()
-    together([0, 1], lambda r: send(planes, r))
-    together([0, 1], lambda r: planes[r].combine(expert_out(ws, r), T, T, pl, False))  # regions restaged
+    _in_threads([0, 1], lambda r: send(planes, r))
+    _in_threads([0, 1], lambda r: planes[r].combine(expert_out(ws, r), T, T, pl, False))  # regions restaged
     with pytest.raises(errors.PeerLost) as lost:
         planes[2].combine(expert_out(ws, 2), T, T, pl, False)
     assert lost.value.details["reason_name"] == "left behind" and lost.value.rank == 0, lost.value
