@@ -142,8 +142,9 @@ class PeerLost(A2ADError):
     """A peer of the job died (or the job was aborted); ``rank`` and ``generation``.
 
     ``details['reason_name']`` says why in words ("peer lost", "aborted by operator", "re-arm
-    requested", "peer left", "wait aborted", "not an active rank", "left behind"); where the job's abort word
-    caused it, ``details['reason']`` is that word's number (``a2ad.layout.ABORT_*``)."""
+    requested", "peer left", "wait aborted", "not an active rank", "left behind"); where the
+    job's abort word caused it, ``details['reason']`` is that word's number
+    (``a2ad.layout.ABORT_*``)."""
 
     code = "peer_lost"
 
