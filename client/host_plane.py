@@ -172,6 +172,12 @@ def _bits(nonzero: torch.Tensor) -> int:
     return out
 
 
+def _unset(flags: torch.Tensor, rnd: int, view: int) -> int:
+    """The ranks of ``view`` whose flag (one per rank) is not ``rnd``."""
+    pending = (flags != rnd).nonzero()
+    return _bits(pending) & view if pending.numel() else 0
+
+
 class HostPlane(Plane):
     """Dispatch/combine for one rank of a job on the host backend.
 
@@ -545,11 +551,13 @@ class HostPlane(Plane):
                     acc.index_add_(0, tokens, rows_of(tokens, k))
             seen = self._mask(got)[0]
             self._degraded = (routed & ~seen[target.clamp(min=0)]).any(1)
+        out = acc.to(dtype)
+        # 5. next round
+        self._flag_val.fill_(rnd + 1)
+        self._round = None
         if self.degrade:
             gone_on = self._gone_on_without_me(rnd, counted_mask)
             if gone_on >= 0:
-                self._flag_val.fill_(rnd + 1)
-                self._round = None
                 self.att.control.record_status(me, L.STATUS_ABORTED, gone_on, rnd, L.PHASE_COMBINE, 0)
                 raise errors.PeerLost(
                     f"job {self.att.job} rank {me}: rank {gone_on} went on to round {rnd + 1} without this rank (its "
@@ -558,10 +566,6 @@ class HostPlane(Plane):
                     "node is heard again",
                     rank=gone_on, generation=self.att.control.generation, reason_name=LEFT_BEHIND,
                 )
-        out = acc.to(dtype)
-        # 5. next round
-        self._flag_val.fill_(rnd + 1)
-        self._round = None
         if bad:
             peer = (bad & -bad).bit_length() - 1
             theirs = int(words[peer]) >> 32 & 0xFFFFFFFF
@@ -618,8 +622,7 @@ class HostPlane(Plane):
         patience = _Patience(self.timeout)
         degrade = self.degrade
         while True:
-            pending = (flags != rnd).nonzero()
-            waiting = _bits(pending) & view if pending.numel() else 0  # only the round's ranks
+            waiting = _unset(flags, rnd, view)  # only the round's ranks
             if not waiting:
                 return view
             if degrade:
@@ -628,8 +631,7 @@ class HostPlane(Plane):
                     # every rank still waited for left the mask; one may have published its flag,
                     # finished the round and left between the two reads above: what it published
                     # is complete, so a second look counts it
-                    late = (flags != rnd).nonzero()
-                    return view & ~(waiting & _bits(late)) if late.numel() else view
+                    return view & ~(waiting & _unset(flags, rnd, view))
             else:
                 peer = (waiting & -waiting).bit_length() - 1
             code = patience.give_up(cb)
@@ -638,8 +640,7 @@ class HostPlane(Plane):
             # the flags were read before the abort word: a peer may have published its flag,
             # finished its round and left (setting the abort word) between the two reads;
             # what it published is complete, so one more look decides
-            late = (flags != rnd).nonzero()
-            if not (_bits(late) & view if late.numel() else 0):
+            if not _unset(flags, rnd, view):
                 return view
             cb.record_status(self.ep_rank, code, peer, rnd, phase, patience.waited_ns)
             self.att.control.raise_for(self.ep_rank, self.att.job)

@@ -78,11 +78,9 @@ class Mirror:
             slot.readmit_wait = bool(rec.get("readmit"))
             if slot.lost_with_node and readmit:
                 slot.lost_with_node = False  # it died with its node; this is its replacement
-            if slot.lost_with_node and state == L.RANK_JOINING and effects:
-                # its node's report from before the rank attached (the node stalled before
-                # it sent the next one, which its resync sends now): that next one decides
-                pass
-            elif slot.lost_with_node:
+            # a report that says joining is its node's from before the rank attached (the node
+            # stalled before it sent the next one, which its resync sends now): the next decides
+            if slot.lost_with_node and not (state == L.RANK_JOINING and effects):
                 slot.lost_with_node = False
                 if effects and state == L.RANK_ATTACHED and slot.state in (L.RANK_DEAD, L.RANK_JOINING):
                     # counted lost with its node, yet alive: the job's rounds cannot agree any
