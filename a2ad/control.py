@@ -402,6 +402,16 @@ class ControlBlock:
                 generation=self.generation,
                 reason_name=NOT_ACTIVE,
             )
+        if rec.code == L.STATUS_LEFT_BEHIND:
+            raise errors.PeerLost(
+                f"job {job} rank {rank}: rank {rec.peer} went on to round {rec.round + 1} without this rank (its node "
+                f"counted this rank lost) while this rank pulled its outputs of round {rec.round}: they may be "
+                "overwritten, so that combine's output is void; call recover(): the job re-arms once this rank's "
+                "node is heard again",
+                rank=rec.peer,
+                generation=self.generation,
+                reason_name=LEFT_BEHIND,
+            )
         if rec.code != L.STATUS_OK:
             raise errors.InternalError(f"rank {rank}: unknown status code {rec.code} in the control block")
 

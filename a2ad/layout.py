@@ -774,6 +774,9 @@ STATUS_TIMEOUT = 1
 STATUS_ABORTED = 2
 #: Degraded mode: the round's view did not hold this rank (the daemon counted it as gone).
 STATUS_NOT_ACTIVE = 3
+#: Degraded mode: a rank whose outputs this rank's combine pulled went on to its next round
+#: without this rank (its node counted this rank lost): that combine's output is void.
+STATUS_LEFT_BEHIND = 4
 
 # Phases a wait can be in.
 PHASE_DISPATCH = 1
@@ -962,6 +965,7 @@ C_HEADER_CONSTANTS = (
     "STATUS_TIMEOUT",
     "STATUS_ABORTED",
     "STATUS_NOT_ACTIVE",
+    "STATUS_LEFT_BEHIND",
     "PHASE_DISPATCH",
     "PHASE_COMBINE",
     "CB_INPUT",

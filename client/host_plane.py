@@ -39,7 +39,7 @@ import warnings
 import torch
 
 from a2ad import control as C, errors, layout as L
-from a2ad.control import LEFT_BEHIND, NOT_ACTIVE
+from a2ad.control import NOT_ACTIVE
 
 from .plane import Plane
 
@@ -558,14 +558,9 @@ class HostPlane(Plane):
         if self.degrade:
             gone_on = self._gone_on_without_me(rnd, counted_mask)
             if gone_on >= 0:
-                self.att.control.record_status(me, L.STATUS_ABORTED, gone_on, rnd, L.PHASE_COMBINE, 0)
-                raise errors.PeerLost(
-                    f"job {self.att.job} rank {me}: rank {gone_on} went on to round {rnd + 1} without this rank (its "
-                    f"node counted this rank lost) while this rank pulled its outputs of round {rnd}: they may be "
-                    "overwritten, so this combine's output is void; call recover(): the job re-arms once this rank's "
-                    "node is heard again",
-                    rank=gone_on, generation=self.att.control.generation, reason_name=LEFT_BEHIND,
-                )
+                # (the control block's record says it: the CUDA kernels report the same case so)
+                self.att.control.record_status(me, L.STATUS_LEFT_BEHIND, gone_on, rnd, L.PHASE_COMBINE, 0)
+                self.att.control.raise_for(me, self.att.job)
         if bad:
             peer = (bad & -bad).bit_length() - 1
             theirs = int(words[peer]) >> 32 & 0xFFFFFFFF

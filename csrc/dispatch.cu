@@ -573,6 +573,39 @@ __global__ void __launch_bounds__(prologue_threads<W>()) prologue_kernel(const D
     return;
   }
   const int round = s_round;
+  // Left behind: a rank q whose outputs the last combine (round R = round - 1) summed went
+  // on without this rank (q's view of R + 1 lacks it, or q is past R + 1) while this rank
+  // pulled: q may have restaged its region under the pull, so that round's output is void.
+  // q publishes a changed view before its round (below), so a round of R + 1 read first
+  // comes with that round's view word or a later one; a later one is never read while q's
+  // view of R + 1 holds this rank (q cannot finish R + 1 before this rank's dispatch).
+  if (ld_volatile(block_counters + layout::SLOT_COMBINE_SEEN_ROUND) == round - 1) {
+    __shared__ int s_behind;
+    if (threadIdx.x == 0) s_behind = ep;
+    __syncthreads();
+    const RankMask<W> pulled = RankMask<W>::load(block_counters + layout::SLOT_COMBINE_SEEN);
+    const int q = threadIdx.x;
+    if (q < ep && q != me && pulled.has(q)) {
+      const int* qc = at<int>(row_of(p.ws, q), p.aux.block_counters);
+      const int vr = ld_acquire_sys(qc + layout::SLOT_VIEW_ROUND);
+      bool behind = vr > round;
+      if (vr == round) {
+        const uint64_t word = *(reinterpret_cast<const volatile unsigned long long*>(qc + layout::SLOT_VIEW) + (me >> 6));
+        behind = !((word >> (me & 63)) & 1);
+      }
+      if (behind) atomicMin(&s_behind, q);
+    }
+    __syncthreads();
+    if (s_behind < ep) {
+      if (threadIdx.x == 0) {
+        if (atomicCAS(block_counters + layout::SLOT_STATUS_CLAIM, 0, 1) == 0) {
+          write_status(c, layout::STATUS_LEFT_BEHIND, s_behind, round - 1, layout::PHASE_COMBINE, 0);
+        }
+        block_counters[layout::SLOT_VIEW_ROUND] = -1;
+      }
+      return;
+    }
+  }
   const RankMask<W> eff = effective_mask<W>(p, ep, round, &active);
   if (threadIdx.x == 0) {
     if (!eff.has(me)) {
@@ -598,8 +631,14 @@ __global__ void __launch_bounds__(prologue_threads<W>()) prologue_kernel(const D
       }
       __threadfence_system();
     }
-    eff.store(block_counters + layout::SLOT_VIEW);
-    block_counters[layout::SLOT_VIEW_ROUND] = round;
+    // A changed view, then the round, in that order for every GPU (a rank that pulled from
+    // this one reads the round, then the view: above); an unchanged one needs no fence.
+    const RankMask<W> was = RankMask<W>::load(block_counters + layout::SLOT_VIEW);
+    if (was.without(eff).any() || eff.without(was).any()) {
+      eff.store(block_counters + layout::SLOT_VIEW);
+      __threadfence_system();
+    }
+    *reinterpret_cast<volatile int*>(block_counters + layout::SLOT_VIEW_ROUND) = round;
   }
 }
 

@@ -38,6 +38,7 @@ constexpr int STATUS_WAITED_NS = 16;
 constexpr int STATUS_TIMEOUT = 1;
 constexpr int STATUS_ABORTED = 2;
 constexpr int STATUS_NOT_ACTIVE = 3;
+constexpr int STATUS_LEFT_BEHIND = 4;
 constexpr int PHASE_DISPATCH = 1;
 constexpr int PHASE_COMBINE = 2;
 constexpr int CB_INPUT = 9344;

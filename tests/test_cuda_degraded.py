@@ -197,6 +197,94 @@ def test_a_rank_lost_while_the_others_wait_for_it(make_job):
         job.planes[2].check()
 
 
+def _rank_on_a_second_node(job, rank, timeout):
+    """Rank ``rank``'s plane on a control block of its own (its own node's): the first node's
+    block can clear its bit while its own keeps it. Returns the block and a closer."""
+    import mmap
+
+    from a2ad.client.cuda_plane import CudaPlane
+    from a2ad.control import ControlBlock
+
+    mm = mmap.mmap(-1, L.CONTROL_BLOCK_SIZE)
+    cb = ControlBlock(mm, owner=mm)
+    cb.initialize(job.ep_size, L.POLICY_CODES["degrade"])
+    att = job.att(rank)
+    att.control = cb
+    torch.cuda.synchronize()
+    job.planes[rank].close()
+    job.planes[rank] = CudaPlane(att, timeout, sm_budget=job.budget)
+
+    def close():
+        torch.cuda.synchronize()
+        job.planes[rank].close()
+        cb.close()
+
+    return cb, close
+
+
+@pytest.mark.parametrize("part", ["let-go-in-dispatch", "left-behind"])
+def test_a_rank_dropped_while_alive_never_completes_a_round_with_outputs_not_meant_for_it(make_job, part):
+    """Three ranks, two nodes (ranks 0 and 1 on the job's control block, rank 2 on a block of
+    its own); the first node counts rank 2 lost (its bit cleared there) while rank 2 runs on
+    with a whole view, as when its daemon stalls. let-go-in-dispatch: ranks 0 and 1 let rank 2
+    go in their dispatch before its tokens came, so their combine does not publish to it, and
+    rank 2's combine times out instead of pulling rows computed from slots it never filled.
+    left-behind: ranks 0 and 1 finish a round with rank 2 (its tokens came), then run the next
+    round without it, restaging their regions, before rank 2 pulls: rank 2's next dispatch
+    does not run, and it raises PeerLost "left behind" naming rank 0."""
+    job, pl = _job(make_job)
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    cb2, close2 = _rank_on_a_second_node(job, 2, timeout=1.0)
+    try:
+        inputs = {r: _inputs(gen) for r in range(EP)}
+        _check(job, inputs, _round(job, pl, inputs, range(EP)), range(EP), FULL)
+        inputs = {r: _inputs(gen) for r in range(EP)}
+        if part == "let-go-in-dispatch":
+            job.on_ranks(_dispatch(job, pl, inputs), [0, 1])
+            time.sleep(0.3)
+            assert not job.streams[0].query(), "rank 0's dispatch should still wait for rank 2"
+            job.control.set_active_mask(0b011, EP, time.monotonic_ns())
+            job.on_ranks(_combine(job, pl, inputs), [0, 1])
+            job.join([0, 1])
+            torch.cuda.synchronize()
+            job.on_ranks(_dispatch(job, pl, inputs), [2])
+            job.on_ranks(_combine(job, pl, inputs), [2])  # 0 and 1 flagged their sends to it
+            job.join([2])
+            torch.cuda.synchronize()
+            with pytest.raises(errors.PeerTimeout) as exc:
+                job.planes[2].check()
+            assert exc.value.details["peer"] in (0, 1) and exc.value.details["phase"] == "combine", exc.value.details
+            return
+        job.on_ranks(_dispatch(job, pl, inputs), range(EP))
+        job.join(range(EP))
+        torch.cuda.synchronize()
+        job.on_ranks(_combine(job, pl, inputs), [0, 1])  # they wait for rank 2's combine flag
+        time.sleep(0.3)
+        assert not job.streams[0].query(), "rank 0's combine should still wait for rank 2"
+        job.control.set_active_mask(0b011, EP, time.monotonic_ns())  # let go of rank 2
+        job.join([0, 1])
+        torch.cuda.synchronize()
+        nxt = {r: _inputs(gen) for r in (0, 1)}
+        outs = _round(job, pl, nxt, [0, 1])  # their regions restaged, without rank 2
+        _check(job, nxt, outs, [0, 1], 0b011)
+        job.on_ranks(_combine(job, pl, inputs), [2])  # pulls what was restaged
+        job.join([2])
+        torch.cuda.synchronize()
+        job.planes[2].check()  # the combine itself completed: every flag it waited for came
+        flag = job.flag_val(2)
+        job.on_ranks(_dispatch(job, pl, {2: _inputs(gen)}), [2])
+        job.join([2])
+        torch.cuda.synchronize()
+        with pytest.raises(errors.PeerLost) as lost:
+            job.planes[2].check()
+        assert lost.value.details["reason_name"] == "left behind" and lost.value.rank == 0, lost.value
+        assert f"went on to round {flag}" in str(lost.value), lost.value
+        published = int(job.i32(0, job.aux.dispatch_completion_flags, EP)[2])
+        assert published == flag - 1, f"rank 2 published its dispatch of round {published}: that round must not run"
+    finally:
+        close2()
+
+
 def test_graphs_captured_before_the_loss_serve_through_it_and_the_replacement(make_job):
     """Dispatch + expert + combine of every rank captured in CUDA graphs while all three
     serve; the graphs are replayed, unchanged, through the loss of rank 2 (rounds among 0

@@ -221,6 +221,8 @@ def test_metrics_via_ctl_and_http(runtime_dir):
             assert m(s, "a2ad_draining") == 0, source
             assert m(s, "a2ad_build_info", version=__import__("a2ad").__version__, protocol="1", backend="host") == 1
             assert m(s, "a2ad_process_open_fds") > 0, source
+            for kind in ("timeout", "aborted", "left_behind"):  # every kind a status record can say
+                assert m(s, "a2ad_rank_wait_failures", kind=kind) == 0, (source, kind)
 
         # one rank dies: the dead count and the death counter say so, the job is aborted
         holders[1].kill()

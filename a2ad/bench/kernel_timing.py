@@ -62,7 +62,7 @@ class TwoGpuJob:
     ``one_gpu``), each with its stream, CudaPlane and L2 flush buffer."""
 
     def __init__(self, max_tokens: int, top_k: int, num_experts: int, hidden: int, timeout: float = 2.0,
-                 one_gpu: bool = False, ep: int = 2):
+                 one_gpu: bool = False, ep: int = 2, degrade: bool = False):
         from a2ad import cuda_driver as cd
         from a2ad.client.cuda_map import CudaMapping
         from a2ad.client.cuda_plane import CudaPlane, initialize_row, sm_count
@@ -103,7 +103,8 @@ class TwoGpuJob:
             self.ws = [m.tensor for m in self.maps]
         self._mm = mmap.mmap(-1, L.CONTROL_BLOCK_SIZE)
         self.control = ControlBlock(self._mm, owner=self._mm)
-        self.control.initialize(ep)
+        # a degrade job's dispatch runs its one-block prologue first (the round's view)
+        self.control.initialize(ep, L.POLICY_DEGRADE if degrade else L.POLICY_RAISE)
         self.streams, self.flush, self.planes = [], [], []
         for r in range(ep):
             d = self.devs[r]
@@ -116,7 +117,8 @@ class TwoGpuJob:
                     self.flush.append(torch.empty(2 * l2, dtype=torch.uint8, device=f"cuda:{d}"))
                 att = SimpleNamespace(
                     job="timing", ep_rank=r, ep_size=ep,
-                    spec={"max_num_tokens": max_tokens, "top_k": top_k, "num_experts": num_experts},
+                    spec={"max_num_tokens": max_tokens, "top_k": top_k, "num_experts": num_experts,
+                          "on_peer_loss": "degrade" if degrade else "raise"},
                     backend="cuda", device=torch.device("cuda", d), workspace=self.ws[r],
                     size_per_rank=self.size, row_stride=self.row_stride, aux=self.aux, control=self.control,
                     generation=0,
@@ -364,13 +366,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "combine on every rank), many rounds per graph, no L2 flush, at each T of --tokens")
     p.add_argument("--ep", type=int, default=2,
                    help="ranks in the job (default 2): one GPU each, or all on cuda:0 with --one-gpu")
+    p.add_argument("--degrade", action="store_true",
+                   help="a job of on_peer_loss='degrade' (its dispatch runs a one-block prologue first)")
     return p
 
 
 def print_job_line(args) -> None:
     """The line under the figures that names the job they are of."""
     where = "all on cuda:0 (--one-gpu)" if args.one_gpu else f"on cuda:0 .. cuda:{args.ep - 1}"
-    print(f"\nhidden {args.hidden}, top_k {args.top_k}, {args.num_experts} experts, {args.ep} ranks {where}")
+    policy = ", on_peer_loss='degrade'" if args.degrade else ""
+    print(f"\nhidden {args.hidden}, top_k {args.top_k}, {args.num_experts} experts, {args.ep} ranks {where}{policy}")
 
 
 def back_to_back(job: TwoGpuJob, tokens: list[int], args) -> int:
@@ -419,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"timing needs {args.ep} GPUs (or --one-gpu and 1)")
         return 1
     flush = not args.no_l2_flush
-    job = TwoGpuJob(4096, args.top_k, args.num_experts, args.hidden, one_gpu=args.one_gpu, ep=args.ep)
+    job = TwoGpuJob(4096, args.top_k, args.num_experts, args.hidden, one_gpu=args.one_gpu, ep=args.ep,
+                     degrade=args.degrade)
     if args.back_to_back:
         return back_to_back(job, tokens, args)
     rows, cur_T = [], None

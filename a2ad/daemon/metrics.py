@@ -149,10 +149,11 @@ class DaemonCollector:
         acounts = {name: 0 for code, name in L.ABORT_NAMES.items() if code != L.ABORT_NONE}
         failing = GaugeMetricFamily(
             "a2ad_rank_wait_failures",
-            "Ranks whose status record reports a failed wait (timeout: a peer never arrived; aborted: left on the abort word).",
+            "Ranks whose status record reports a failed wait (timeout: a peer never arrived; aborted: left on the abort "
+            "word; left_behind: a peer went on without the rank while it pulled, degraded mode).",
             labels=["kind"],
         )
-        fcounts = {"timeout": 0, "aborted": 0}
+        fcounts = {"timeout": 0, "aborted": 0, "left_behind": 0}
         for j in jobs:
             word = j.control.abort_word
             if word != L.ABORT_NONE:
@@ -166,6 +167,8 @@ class DaemonCollector:
                     fcounts["timeout"] += 1
                 elif code == L.STATUS_ABORTED:
                     fcounts["aborted"] += 1
+                elif code == L.STATUS_LEFT_BEHIND:
+                    fcounts["left_behind"] += 1
         for name, n in acounts.items():
             aborted.add_metric([name], n)
         for kind, n in fcounts.items():
