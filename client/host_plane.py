@@ -45,10 +45,16 @@ from .plane import Plane
 
 _FIRST_SLEEP = 20e-6
 _MAX_SLEEP = 1e-3
+#: A long wait's pause grows past _MAX_SLEEP to this, at most 1/_LONG_SHARE of the time
+#: already waited (so it adds at most that share to the wait): many ranks waiting out a
+#: loss would otherwise take the CPUs the daemons need to count it.
+_LONG_SLEEP = 20e-3
+_LONG_SHARE = 20
 
 
 class _Patience:
-    """One bounded wait of the host plane: between polls it sleeps with a doubling pause,
+    """One bounded wait of the host plane: between polls it sleeps with a doubling pause (up
+    to 1 ms; in a wait longer than 20 ms, up to 1/20 of the time waited, at most 20 ms),
     and it gives up when the job's abort word is set or the timeout has passed."""
 
     def __init__(self, timeout: float):
@@ -64,7 +70,8 @@ class _Patience:
         if self.now >= self.deadline:
             return L.STATUS_TIMEOUT
         time.sleep(self.pause)
-        self.pause = min(self.pause * 2, _MAX_SLEEP)
+        cap = max(_MAX_SLEEP, min(_LONG_SLEEP, (self.now - self.start) * 1e-9 / _LONG_SHARE))
+        self.pause = min(self.pause * 2, cap)
         return None
 
     @property
