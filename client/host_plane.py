@@ -584,16 +584,16 @@ class HostPlane(Plane):
         (counted lost while it ran: its node stalled or was cut off) may still be pulling
         from it. q publishes its view and then its round before it restages, so a round of
         q past rnd + 1, or rnd + 1 with this rank outside the view, read after the pull,
-        means the rows pulled may hold round rnd + 1's."""
+        means the rows pulled may hold round rnd + 1's. (The view word read after a round of
+        rnd + 1 is that round's: q cannot finish rnd + 1 with this rank in its view before
+        this rank's next dispatch.) The CUDA prologue applies the same rule."""
         me = self.ep_rank
         others = counted & ~(1 << me)
         ahead = (self._view_rounds > rnd).nonzero()
         ahead_bits = _bits(ahead) & others if ahead.numel() else 0
         for q in L.mask_ranks(ahead_bits):
-            first = int(self._view_rounds[q])
-            word = int(self._views[q, me >> 6])
-            last = int(self._view_rounds[q])
-            if last >= rnd + 2 or (first == last == rnd + 1 and not (word >> (me & 63)) & 1):
+            vr = int(self._view_rounds[q])
+            if vr >= rnd + 2 or (vr == rnd + 1 and not (int(self._views[q, me >> 6]) >> (me & 63)) & 1):
                 return q
         return -1
 

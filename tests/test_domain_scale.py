@@ -185,8 +185,9 @@ def _print_figures(label, n_nodes, ep, idle, rdv):
 
 
 def _why_rearmed(c, names) -> str:
-    """The lines of every node's log that say why a job re-armed or a node was counted lost."""
-    keys = ("re-arm", "is lost", "counted lost", "did not run its loop", "no active rank is left")
+    """The lines of every node's log that say why a job re-armed, a node was counted lost or a
+    rank left a degrade job's mask."""
+    keys = ("re-arm", "is lost", "counted lost", "did not run its loop", "no active rank is left", "serves on")
     return "\n".join([ln for n in names for ln in c.log_lines([n], keys)[-8:]][-80:])
 
 
@@ -299,7 +300,7 @@ def _scale_run(cluster, n_nodes: int, per_node: int, policy: str, rounds: int = 
 def _after_the_kill(c, grp, names, job) -> str:
     """What the survivors' daemons and ranks said after a kill that not every survivor saw in
     time: each daemon's view of the job, every report other than start and attached, and the
-    log lines about losses and masks."""
+    log lines about losses and masks (``_why_rearmed``)."""
     out = []
     for n in names:
         try:
@@ -314,8 +315,7 @@ def _after_the_kill(c, grp, names, job) -> str:
     said = [(r, k, round(t, 3), str(v)[:160]) for r, k, t, v in grp.backlog if k not in ("start", "attached")]
     out.append(f"reports other than start/attached: {said[:40]}")
     out.append(f"rounds done per rank: {list(grp.shared['done'])}")
-    keys = ("is lost", "counted lost", "serves on", "re-arm", "abort", "no active rank")
-    out.extend(ln for n in names for ln in c.log_lines([n], keys)[-4:])
+    out.append(_why_rearmed(c, names))
     return "\n".join(out)
 
 
