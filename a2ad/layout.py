@@ -461,6 +461,11 @@ def payload_spec(dispatch_bytes_per_token, dtypes=None, eplb_stats_num_experts: 
 #: Combine descriptor bits: hidden (elements) in the low 26, the payload dtype code, and for
 #: the FP8 combine (low precision) its flag and whether the payload was in the workspace.
 COMBINE_SPEC_HIDDEN_BITS = 26
+#: The descriptor a degrade combine publishes with its flag to a source of its round that its
+#: dispatch let go of (it left the mask before its tokens came): what was staged for it was
+#: not computed from its tokens, so it counts nothing from this rank (hidden 0: no combine
+#: publishes it otherwise). docs/PROTOCOL.md, "A round in a degrade job".
+COMBINE_SPEC_VOID = 0
 
 
 def combine_spec(hidden: int, dtype, low_precision: bool = False, payload_in_workspace: bool = False) -> int:

@@ -510,17 +510,30 @@ class HostPlane(Plane):
         # 2. the staged outputs are in place; then the flags, the descriptor with them
         ready = spec << 32 | rnd
         ready = ready - (1 << 64) if ready >= 1 << 63 else ready
-        # only to the sources whose tokens the dispatch received: a source it let go of (it
-        # left the mask meanwhile) may still be alive (its node was counted lost), and the
-        # rows staged for it were computed from whatever its slots held
+        # the sources whose tokens the dispatch received get the staged outputs; a source it
+        # let go of (it left the mask meanwhile) may still be alive (its node was counted
+        # lost, or its bit came back), and the rows staged for it were computed from whatever
+        # its slots held: it gets its flag with the void descriptor, so it counts nothing from
+        # this rank instead of waiting for a flag that would never come
         publish = view & self._dispatch_got
         rows = slice(None) if publish == self._full else self._mask(publish)[1]
         self._combine_ready[rows, me] = ready
         self._combine_flags[rows, me] = rnd
-        # 3. every target's outputs for this rank are ready (or the target left the mask)
+        void = view & ~publish
+        if void:
+            rows = self._mask(void)[1]
+            self._combine_ready[rows, me] = L.COMBINE_SPEC_VOID << 32 | rnd
+            self._combine_flags[rows, me] = rnd
+        # 3. every target's outputs for this rank are ready (or the target left the mask, or
+        # let this rank go in its dispatch: a void descriptor)
         got = self._wait(self._combine_flags[me], rnd, L.PHASE_COMBINE, view)
-        words = self._combine_ready[me]
-        disagree = (((words >> 32) & 0xFFFFFFFF) != spec) & self._mask(got)[0]
+        descriptors = (self._combine_ready[me] >> 32) & 0xFFFFFFFF
+        seen = self._mask(got)[0]
+        voided = (descriptors == L.COMBINE_SPEC_VOID) & seen
+        if bool(voided.any()):
+            got &= ~_bits(voided.nonzero())
+            seen = self._mask(got)[0]
+        disagree = (descriptors != spec) & seen
         bad = _bits(disagree.nonzero()) if bool(disagree.any()) else 0
         counted_mask = got & ~bad
         self.combine_mask = got
@@ -556,7 +569,6 @@ class HostPlane(Plane):
                 tokens = (present[:, k] & (slot[:, k] >= 0)).nonzero().squeeze(1)
                 if tokens.numel():
                     acc.index_add_(0, tokens, rows_of(tokens, k))
-            seen = self._mask(got)[0]
             self._degraded = (routed & ~seen[target.clamp(min=0)]).any(1)
         out = acc.to(dtype)
         # 5. next round
@@ -570,7 +582,7 @@ class HostPlane(Plane):
                 self.att.control.raise_for(me, self.att.job)
         if bad:
             peer = (bad & -bad).bit_length() - 1
-            theirs = int(words[peer]) >> 32 & 0xFFFFFFFF
+            theirs = int(descriptors[peer])
             raise C.spec_mismatch_error(self.att.job, me, peer, L.SPEC_FIELD_COMBINE, spec, theirs, rnd)
         if output is not None:
             output.copy_(out)

@@ -750,8 +750,10 @@ def test_a_rank_dropped_while_alive_never_completes_a_round_with_outputs_not_mea
     (two nodes: ranks 0 and 1 on one, rank 2 on the other). Rank 2's node is counted lost by
     the first node (bit 2 cleared there) while rank 2 runs on with a whole view, as when its
     daemon stalls. (1) Ranks 0 and 1 let rank 2 go in their dispatch before its tokens came:
-    their combine does not publish to it, so rank 2's combine times out instead of pulling
-    rows computed from slots it never filled. (2) Ranks 0 and 1 finish a round with rank 2
+    their combine publishes its flag to rank 2 with the void descriptor, so rank 2's combine
+    completes at once counting only its own rows (every token with an expert on rank 0 or 1
+    marked degraded) instead of pulling rows computed from slots it never filled, or waiting
+    until its timeout for a flag that would never come. (2) Ranks 0 and 1 finish a round with rank 2
     (its tokens came), then run the next round without it, restaging their regions, before
     rank 2 pulls: rank 2's combine raises PeerLost "left behind" naming rank 0 instead of
     returning what it pulled."""
@@ -809,10 +811,17 @@ def test_a_rank_dropped_while_alive_never_completes_a_round_with_outputs_not_mea
     t0.join()
     assert planes[0]._dispatch_got == 0b011
     _in_threads([0, 1], lambda r: planes[r].combine(expert_out(ws, r), T, T, pl, False))  # rank 2 left their mask
-    send(planes, 2)  # ranks 0 and 1 flagged their sends to it
-    with pytest.raises(errors.PeerTimeout) as exc:
-        planes[2].combine(expert_out(ws, 2), T, T, pl, False)
-    assert exc.value.details["peer"] in (0, 1), exc.value.details
+    experts, x = inputs()
+    planes[2].dispatch(experts, [x], T, pl, experts_n)  # ranks 0 and 1 flagged their sends to it
+    t = time.monotonic()
+    out = planes[2].combine(expert_out(ws, 2), T, T, pl, False)
+    assert time.monotonic() - t < 0.5  # (its wait's timeout is 1 s)
+    assert planes[2].combine_mask == 0b100
+    owners = torch.tensor([[L.expert_owner(int(e), experts_n, ep) for e in row] for row in experts])
+    own = (owners == 2).any(1)
+    assert torch.equal(out, x * 3.0 * own.unsqueeze(1).float())
+    assert torch.equal(planes[2].degraded_tokens(), (owners != 2).any(1))
+    assert (owners != 2).any(), "the inputs sent nothing to ranks 0 and 1: the case shows nothing"
 
     # (2) a round with it, then the next without it, before it pulled
     ws, cb_a, planes = fresh()
