@@ -861,6 +861,61 @@ def test_a_node_counted_lost_whose_ranks_live_on_makes_the_job_recover(cluster, 
         grp.close()
 
 
+def test_a_node_that_hears_nobody_while_the_others_hear_it_makes_the_job_recover(cluster):
+    """Three daemons, a degrade job of 6 ranks (2 on each). Node c's gate (the process that
+    receives its domain traffic) is stopped past the loss bound: c hears nobody and counts a
+    and b lost (its ranks 4 and 5 serve on without ranks 0-3), while a and b still hear c and
+    keep its ranks. Once c hears them again, whatever view each rank had, no rank waits
+    until its timeout: every rank raises PeerLost once and recovers (the job re-arms), and
+    all 6 run verified rounds again."""
+    ep, job = 6, _job_coordinated_by("a", "deaf-node")
+    c = cluster(["a", "b", "c"])
+    for n in "abc":
+        c.start(n)
+    c.wait_up("abc")
+    placement = {0: "a", 1: "a", 2: "b", 3: "b", 4: "c", 5: "c"}
+    grp = Ranks(ep, job, "degrade", c.shm)
+    gate = None
+    try:
+        for r, n in placement.items():
+            grp.start(r, c.dirs[n], seed=50 + r)
+        assert {v for _, v in grp.expect("attached", range(ep)).values()} == {0}
+        grp.wait_rounds(range(ep), 20)
+        before = {n: c.links(n)["c"]["losses"] for n in "ab"}
+        gate = c.domain("c")["gate"]["pid"]
+        os.kill(gate, signal.SIGSTOP)
+        t_stop = _now()
+        wait_for(lambda: c.states("c")["a"] == "down" and c.states("c")["b"] == "down", LOSS_BOUND + 5,
+                 "node c to count a and b lost")
+        # c's ranks serve on among themselves (a lost node's ranks leave the mask one at a time)
+        seen = grp.expect("degraded", [4, 5], timeout=30)
+        for r in (4, 5):
+            while seen[r][1] != [4, 5]:
+                seen[r] = grp.expect("degraded", [r], timeout=30)[r]
+        time.sleep(HB_INTERVAL * 2)
+        os.kill(gate, signal.SIGCONT)
+        t_cont, gate = _now(), None
+        try:
+            lost = grp.expect("lost", range(ep), timeout=30)
+        except AssertionError:
+            for n in "abc":
+                print(f"--- node {n}:\n" + "\n".join(c.log_lines(
+                    n, ("abort", "re-arm", "lost", "resync", "counted", "did not run", "report", "serves on")))[-6000:])
+            raise
+        rec = grp.expect("recovered", range(ep), timeout=60)
+        assert {n: c.links(n)["c"]["losses"] for n in "ab"} == before, "a or b counted c lost: the loss was not one-sided"
+        print(f"\n[deaf node] c's gate stopped {t_cont - t_stop:.1f} s; once it ran again every rank raised PeerLost "
+              f"{max(t for t, _ in lost.values()) - t_cont:.2f} s and recovered {max(t for t, _ in rec.values()) - t_cont:.2f} s "
+              "after")
+        grp.wait_rounds(range(ep), 20)
+        grp.shared["stop"].value = max(grp.shared["round"][r] for r in range(ep)) + 10
+        grp.expect("done", range(ep), timeout=120)
+    finally:
+        if gate is not None:
+            os.kill(gate, signal.SIGCONT)
+        grp.close()
+
+
 # ============================================================ a 64-rank rendezvous, timed
 def test_rendezvous_of_64_ranks_over_4_daemons():
     """scripts/domain_rendezvous.py: 4 daemons, 64 ranks (16 per daemon, threads of one
