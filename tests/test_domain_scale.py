@@ -269,15 +269,19 @@ def _scale_run(cluster, n_nodes: int, per_node: int, policy: str, rounds: int = 
             except AssertionError:
                 for n in (victim, names[0]):
                     print(f"--- the log of node {n}, its end:\n{c.daemons[n].log_tail(60)}")
+                print(_after_the_kill(c, grp, others, job))
+                false = c.link_events(others)["losses"] - losses_before - len(others)
+                print(f"losses of live nodes counted since the kill: {false}")
                 raise
             rearmed = [i for i in grp.drain() + grp.backlog if i[1] in ("lost", "recovered")]
             assert not rearmed, f"a survivor recovered: {rearmed[:4]}\n{_why_rearmed(c, names)}"
             assert {v for _, v in att.values()} == {gen_before}, (att, gen_before)  # no re-arm since the rendezvous
             t_back = max(t for t, _ in list(att.values()) + list(back.values()))
+            false = c.link_events(others)["losses"] - losses_before - len(others)
             print(f"[{policy}] after the restart: daemon answering {t_started - t_restart:.1f} s, every daemon seeing "
                   f"it up {t_up - t_restart:.1f} s, the replacement ranks attaching from "
                   f"{min(starts or [t_up]) - t_restart:.1f} s, every survivor's view whole again (no re-arm) "
-                  f"{t_back - t_restart:.1f} s")
+                  f"{t_back - t_restart:.1f} s; losses of live nodes counted since the kill: {false}")
         else:
             rec = grp.expect("recovered", survivors, timeout=120)
             print(f"[{policy}] after the restart: daemon answering {t_started - t_restart:.1f} s, every daemon seeing "
