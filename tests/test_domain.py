@@ -793,6 +793,56 @@ def test_kill9_of_a_node_then_it_rejoins_with_replacements(cluster, policy, coor
         grp.close()
 
 
+def _six_ranks_on_three_nodes(cluster, prefix: str, seed: int):
+    """Daemons a, b and c up; a degrade job of 6 ranks, 2 on each (a coordinates it), every
+    rank attached at generation 0. Returns (cluster, ranks)."""
+    ep, job = 6, _job_coordinated_by("a", prefix)
+    c = cluster(["a", "b", "c"])
+    for n in "abc":
+        c.start(n)
+    c.wait_up("abc")
+    grp = Ranks(ep, job, "degrade", c.shm)
+    try:
+        for r, n in {0: "a", 1: "a", 2: "b", 3: "b", 4: "c", 5: "c"}.items():
+            grp.start(r, c.dirs[n], seed=seed + r)
+        assert {v for _, v in grp.expect("attached", range(ep)).values()} == {0}
+    except BaseException:
+        grp.close()
+        raise
+    return c, grp
+
+
+def _serving_alone(grp, ranks: list[int]) -> dict:
+    """Until each of ``ranks`` reported a round among ``ranks`` alone (a lost node's ranks
+    leave the mask one at a time, so views on the way may count some of them); the reports."""
+    seen = grp.expect("degraded", ranks, timeout=30)
+    for r in ranks:
+        while seen[r][1] != ranks:
+            seen[r] = grp.expect("degraded", [r], timeout=30)[r]
+    return seen
+
+
+def _every_rank_recovers_once(c, grp) -> tuple[dict, dict]:
+    """Every rank raises PeerLost and recovers, all at one new generation (the nodes' log lines
+    about aborts, losses and re-arms are printed when a rank does not raise); then all run
+    verified rounds again. Returns the reports (lost, recovered)."""
+    ep = grp.ep
+    try:
+        lost = grp.expect("lost", range(ep), timeout=30)
+    except AssertionError:
+        for n in "abc":
+            print(f"--- node {n}:\n" + "\n".join(c.log_lines(
+                n, ("abort", "re-arm", "lost", "resync", "counted", "did not run", "report", "serves on")))[-6000:])
+        raise
+    rec = grp.expect("recovered", range(ep), timeout=60)
+    gens = {v for _, v in rec.values()}
+    assert len(gens) == 1 and gens.pop() >= 1, rec
+    grp.wait_rounds(range(ep), 20)
+    grp.shared["stop"].value = max(grp.shared["round"][r] for r in range(ep)) + 10
+    grp.expect("done", range(ep), timeout=120)
+    return lost, rec
+
+
 @pytest.mark.parametrize("when", ["serving", "just-attached"])
 def test_a_node_counted_lost_whose_ranks_live_on_makes_the_job_recover(cluster, when):
     """Three daemons, a degrade job of 6 ranks (2 on each). Node c's daemon is stopped
@@ -806,49 +856,25 @@ def test_a_node_counted_lost_whose_ranks_live_on_makes_the_job_recover(cluster, 
     that differs. c itself, which only stalled, counts neither a nor b lost. "just-attached":
     c stops as soon as its ranks hold their attachments, before it reported them attached
     (its resync then sends a report that still says joining, and the next one decides)."""
-    ep, job = 6, _job_coordinated_by("a", "stalled-node")
-    c = cluster(["a", "b", "c"])
-    for n in "abc":
-        c.start(n)
-    c.wait_up("abc")
-    placement = {0: "a", 1: "a", 2: "b", 3: "b", 4: "c", 5: "c"}
-    grp = Ranks(ep, job, "degrade", c.shm)
+    c, grp = _six_ranks_on_three_nodes(cluster, "stalled-node", 30)
     pid = None
     try:
-        for r, n in placement.items():
-            grp.start(r, c.dirs[n], seed=30 + r)
-        assert {v for _, v in grp.expect("attached", range(ep)).values()} == {0}
         if when == "serving":
-            grp.wait_rounds(range(ep), 20)
+            grp.wait_rounds(range(grp.ep), 20)
         # (c may have counted a node lost once already while it was starting)
         before = c.links("c")
         pid = c.daemons["c"].pid
         os.kill(pid, signal.SIGSTOP)
         t_stop = _now()
-        seen = grp.expect("degraded", [0, 1, 2, 3], timeout=30)
-        for r in range(4):
-            while seen[r][1] != [0, 1, 2, 3]:
-                seen[r] = grp.expect("degraded", [r], timeout=30)[r]
+        seen = _serving_alone(grp, [0, 1, 2, 3])
         time.sleep(HB_INTERVAL * 2)
         os.kill(pid, signal.SIGCONT)
         t_cont, pid = _now(), None
-        try:
-            lost = grp.expect("lost", range(ep), timeout=30)
-        except AssertionError:
-            for n in "abc":
-                print(f"--- node {n}:\n" + "\n".join(c.log_lines(
-                    n, ("abort", "re-arm", "lost", "resync", "counted", "did not run", "report")))[-6000:])
-            raise
-        rec = grp.expect("recovered", range(ep), timeout=60)
-        gens = {v for _, v in rec.values()}
-        assert len(gens) == 1 and gens.pop() >= 1, rec
+        lost, rec = _every_rank_recovers_once(c, grp)
         print(f"\n[stalled node] c's daemon stopped {t_cont - t_stop:.1f} s: ranks 0-3 served on without 4 and 5 "
               f"{max(t for t, _ in seen.values()) - t_stop:.2f} s after; once it ran again every rank raised PeerLost "
               f"{max(t for t, _ in lost.values()) - t_cont:.2f} s and recovered {max(t for t, _ in rec.values()) - t_cont:.2f} s "
               "after")
-        grp.wait_rounds(range(ep), 20)
-        grp.shared["stop"].value = max(grp.shared["round"][r] for r in range(ep)) + 10
-        grp.expect("done", range(ep), timeout=120)
         on_c = c.links("c")
         for n in "ab":
             assert on_c[n]["losses"] == before[n]["losses"], (n, on_c[n], before[n])
@@ -868,48 +894,25 @@ def test_a_node_that_hears_nobody_while_the_others_hear_it_makes_the_job_recover
     keep its ranks. Once c hears them again, whatever view each rank had, no rank waits
     until its timeout: every rank raises PeerLost once and recovers (the job re-arms), and
     all 6 run verified rounds again."""
-    ep, job = 6, _job_coordinated_by("a", "deaf-node")
-    c = cluster(["a", "b", "c"])
-    for n in "abc":
-        c.start(n)
-    c.wait_up("abc")
-    placement = {0: "a", 1: "a", 2: "b", 3: "b", 4: "c", 5: "c"}
-    grp = Ranks(ep, job, "degrade", c.shm)
+    c, grp = _six_ranks_on_three_nodes(cluster, "deaf-node", 50)
     gate = None
     try:
-        for r, n in placement.items():
-            grp.start(r, c.dirs[n], seed=50 + r)
-        assert {v for _, v in grp.expect("attached", range(ep)).values()} == {0}
-        grp.wait_rounds(range(ep), 20)
+        grp.wait_rounds(range(grp.ep), 20)
         before = {n: c.links(n)["c"]["losses"] for n in "ab"}
         gate = c.domain("c")["gate"]["pid"]
         os.kill(gate, signal.SIGSTOP)
         t_stop = _now()
         wait_for(lambda: c.states("c")["a"] == "down" and c.states("c")["b"] == "down", LOSS_BOUND + 5,
                  "node c to count a and b lost")
-        # c's ranks serve on among themselves (a lost node's ranks leave the mask one at a time)
-        seen = grp.expect("degraded", [4, 5], timeout=30)
-        for r in (4, 5):
-            while seen[r][1] != [4, 5]:
-                seen[r] = grp.expect("degraded", [r], timeout=30)[r]
+        _serving_alone(grp, [4, 5])
         time.sleep(HB_INTERVAL * 2)
         os.kill(gate, signal.SIGCONT)
         t_cont, gate = _now(), None
-        try:
-            lost = grp.expect("lost", range(ep), timeout=30)
-        except AssertionError:
-            for n in "abc":
-                print(f"--- node {n}:\n" + "\n".join(c.log_lines(
-                    n, ("abort", "re-arm", "lost", "resync", "counted", "did not run", "report", "serves on")))[-6000:])
-            raise
-        rec = grp.expect("recovered", range(ep), timeout=60)
+        lost, rec = _every_rank_recovers_once(c, grp)
         assert {n: c.links(n)["c"]["losses"] for n in "ab"} == before, "a or b counted c lost: the loss was not one-sided"
         print(f"\n[deaf node] c's gate stopped {t_cont - t_stop:.1f} s; once it ran again every rank raised PeerLost "
               f"{max(t for t, _ in lost.values()) - t_cont:.2f} s and recovered {max(t for t, _ in rec.values()) - t_cont:.2f} s "
               "after")
-        grp.wait_rounds(range(ep), 20)
-        grp.shared["stop"].value = max(grp.shared["round"][r] for r in range(ep)) + 10
-        grp.expect("done", range(ep), timeout=120)
     finally:
         if gate is not None:
             os.kill(gate, signal.SIGCONT)
