@@ -659,6 +659,61 @@ def _job_coordinated_by(node: str, prefix: str) -> str:
     return next(f"{prefix}-{i}" for i in range(1000) if coordinator_order(f"{prefix}-{i}", "abc")[0] == node)
 
 
+def _six_ranks_on_three_nodes(cluster, prefix: str, seed: int, policy: str = "degrade", coordinator: str = "a"):
+    """Daemons a, b and c up; a job of 6 ranks, 2 on each (``coordinator`` coordinates it),
+    every rank attached at generation 0. Returns (cluster, ranks)."""
+    ep, job = 6, _job_coordinated_by(coordinator, prefix)
+    c = cluster(["a", "b", "c"])
+    for n in "abc":
+        c.start(n)
+    c.wait_up("abc")
+    grp = Ranks(ep, job, policy, c.shm)
+    try:
+        for r, n in {0: "a", 1: "a", 2: "b", 3: "b", 4: "c", 5: "c"}.items():
+            grp.start(r, c.dirs[n], seed=seed + r)
+        assert {v for _, v in grp.expect("attached", range(ep)).values()} == {0}
+    except BaseException:
+        grp.close()
+        raise
+    return c, grp
+
+
+def serving_alone(grp, ranks: list[int], seen: dict | None = None) -> dict:
+    """Until each of ``ranks`` reported a degraded round among ``ranks`` alone; the reports
+    (``seen``: the first ones, already taken). A lost node's ranks are marked dead one at a
+    time (mirror.remote_node_lost), so a rank may count a round between two of them: every
+    view on the way keeps every rank of ``ranks``, and the time that counts is when a rank's
+    view is ``ranks`` alone."""
+    if seen is None:
+        seen = grp.expect("degraded", ranks, timeout=30)
+    for r in ranks:
+        while seen[r][1] != ranks:
+            assert set(ranks) <= set(seen[r][1]), (r, seen[r])
+            seen[r] = grp.expect("degraded", [r], timeout=30)[r]
+    return seen
+
+
+def _every_rank_recovers_once(c, grp) -> tuple[dict, dict]:
+    """Every rank raises PeerLost and recovers, all at one new generation (the nodes' log lines
+    about aborts, losses and re-arms are printed when a rank does not raise); then all run
+    verified rounds again. Returns the reports (lost, recovered)."""
+    ep = grp.ep
+    try:
+        lost = grp.expect("lost", range(ep), timeout=30)
+    except AssertionError:
+        for n in "abc":
+            print(f"--- node {n}:\n" + "\n".join(c.log_lines(
+                n, ("abort", "re-arm", "lost", "resync", "counted", "did not run", "report", "serves on")))[-6000:])
+        raise
+    rec = grp.expect("recovered", range(ep), timeout=60)
+    gens = {v for _, v in rec.values()}
+    assert len(gens) == 1 and gens.pop() >= 1, rec
+    grp.wait_rounds(range(ep), 20)
+    grp.shared["stop"].value = max(grp.shared["round"][r] for r in range(ep)) + 10
+    grp.expect("done", range(ep), timeout=120)
+    return lost, rec
+
+
 @pytest.mark.parametrize("policy,coordinator,slow_start", [("raise", "c", False), ("degrade", "a", False),
                                                           ("degrade", "a", True)],
                          ids=["raise", "degrade", "degrade-slow-start"])
@@ -680,17 +735,9 @@ def test_kill9_of_a_node_then_it_rejoins_with_replacements(cluster, policy, coor
     from a2ad import runtime
     from a2ad.daemon.federation import coordinator_order
 
-    ep, job = 6, _job_coordinated_by(coordinator, f"kill-{policy}")
-    c = cluster(["a", "b", "c"])
-    for n in "abc":
-        c.start(n)
-    c.wait_up("abc")
-    placement = {0: "a", 1: "a", 2: "b", 3: "b", 4: "c", 5: "c"}
-    grp = Ranks(ep, job, policy, c.shm)
+    c, grp = _six_ranks_on_three_nodes(cluster, f"kill-{policy}", 10, policy, coordinator)
+    ep, job = grp.ep, grp.job
     try:
-        for r, n in placement.items():
-            grp.start(r, c.dirs[n], seed=10 + r)
-        assert {v for _, v in grp.expect("attached", range(ep)).values()} == {0}
         grp.wait_rounds(range(ep), 30)
         survivors = [0, 1, 2, 3]
         # node c goes: its daemon and its ranks, kill -9
@@ -704,14 +751,7 @@ def test_kill9_of_a_node_then_it_rejoins_with_replacements(cluster, policy, coor
             seen = grp.expect("lost", survivors, timeout=30)
             what = "raised PeerLost"
         else:
-            seen = grp.expect("degraded", survivors, timeout=30)
-            # a lost node's ranks are marked dead one at a time (mirror.remote_node_lost), so a
-            # rank may count a round between the two: every view on the way keeps every survivor,
-            # and the time that counts is when a rank's view is the survivors alone
-            for r in survivors:
-                while seen[r][1] != survivors:
-                    assert set(survivors) <= set(seen[r][1]), (r, seen)
-                    seen[r] = grp.expect("degraded", [r], timeout=30)[r]
+            seen = serving_alone(grp, survivors)
             what = "served on without ranks 4 and 5"
             grp.wait_rounds(survivors, 20)
         delays = {r: t - t_kill for r, (t, _) in seen.items()}
@@ -793,56 +833,6 @@ def test_kill9_of_a_node_then_it_rejoins_with_replacements(cluster, policy, coor
         grp.close()
 
 
-def _six_ranks_on_three_nodes(cluster, prefix: str, seed: int):
-    """Daemons a, b and c up; a degrade job of 6 ranks, 2 on each (a coordinates it), every
-    rank attached at generation 0. Returns (cluster, ranks)."""
-    ep, job = 6, _job_coordinated_by("a", prefix)
-    c = cluster(["a", "b", "c"])
-    for n in "abc":
-        c.start(n)
-    c.wait_up("abc")
-    grp = Ranks(ep, job, "degrade", c.shm)
-    try:
-        for r, n in {0: "a", 1: "a", 2: "b", 3: "b", 4: "c", 5: "c"}.items():
-            grp.start(r, c.dirs[n], seed=seed + r)
-        assert {v for _, v in grp.expect("attached", range(ep)).values()} == {0}
-    except BaseException:
-        grp.close()
-        raise
-    return c, grp
-
-
-def _serving_alone(grp, ranks: list[int]) -> dict:
-    """Until each of ``ranks`` reported a round among ``ranks`` alone (a lost node's ranks
-    leave the mask one at a time, so views on the way may count some of them); the reports."""
-    seen = grp.expect("degraded", ranks, timeout=30)
-    for r in ranks:
-        while seen[r][1] != ranks:
-            seen[r] = grp.expect("degraded", [r], timeout=30)[r]
-    return seen
-
-
-def _every_rank_recovers_once(c, grp) -> tuple[dict, dict]:
-    """Every rank raises PeerLost and recovers, all at one new generation (the nodes' log lines
-    about aborts, losses and re-arms are printed when a rank does not raise); then all run
-    verified rounds again. Returns the reports (lost, recovered)."""
-    ep = grp.ep
-    try:
-        lost = grp.expect("lost", range(ep), timeout=30)
-    except AssertionError:
-        for n in "abc":
-            print(f"--- node {n}:\n" + "\n".join(c.log_lines(
-                n, ("abort", "re-arm", "lost", "resync", "counted", "did not run", "report", "serves on")))[-6000:])
-        raise
-    rec = grp.expect("recovered", range(ep), timeout=60)
-    gens = {v for _, v in rec.values()}
-    assert len(gens) == 1 and gens.pop() >= 1, rec
-    grp.wait_rounds(range(ep), 20)
-    grp.shared["stop"].value = max(grp.shared["round"][r] for r in range(ep)) + 10
-    grp.expect("done", range(ep), timeout=120)
-    return lost, rec
-
-
 @pytest.mark.parametrize("when", ["serving", "just-attached"])
 def test_a_node_counted_lost_whose_ranks_live_on_makes_the_job_recover(cluster, when):
     """Three daemons, a degrade job of 6 ranks (2 on each). Node c's daemon is stopped
@@ -866,7 +856,7 @@ def test_a_node_counted_lost_whose_ranks_live_on_makes_the_job_recover(cluster, 
         pid = c.daemons["c"].pid
         os.kill(pid, signal.SIGSTOP)
         t_stop = _now()
-        seen = _serving_alone(grp, [0, 1, 2, 3])
+        seen = serving_alone(grp, [0, 1, 2, 3])
         time.sleep(HB_INTERVAL * 2)
         os.kill(pid, signal.SIGCONT)
         t_cont, pid = _now(), None
@@ -904,7 +894,7 @@ def test_a_node_that_hears_nobody_while_the_others_hear_it_makes_the_job_recover
         t_stop = _now()
         wait_for(lambda: c.states("c")["a"] == "down" and c.states("c")["b"] == "down", LOSS_BOUND + 5,
                  "node c to count a and b lost")
-        _serving_alone(grp, [4, 5])
+        serving_alone(grp, [4, 5])
         time.sleep(HB_INTERVAL * 2)
         os.kill(gate, signal.SIGCONT)
         t_cont, gate = _now(), None

@@ -25,6 +25,7 @@ import pytest
 from a2ad import layout as L
 from _domain_scale import Group, ScaleCluster, _now, diff_counts, job_coordinated_by, lost_seen_at, placement, summarize
 from helpers import wait_for
+from test_domain import serving_alone
 
 HB_INTERVAL, HB_MISSES = 0.5, 10  # lost after 5 s of silence: reliable with many daemons on 2 loaded CPUs
 LOSS_BOUND = HB_INTERVAL * HB_MISSES
@@ -191,6 +192,12 @@ def _why_rearmed(c, names) -> str:
     return "\n".join([ln for n in names for ln in c.log_lines([n], keys)[-8:]][-80:])
 
 
+def _live_losses(c, others, before: int) -> int:
+    """The peer losses the daemons of ``others`` counted since their total was ``before``,
+    less the killed node's (each counts it once): losses of live nodes."""
+    return c.link_events(others)["losses"] - before - len(others)
+
+
 def _scale_run(cluster, n_nodes: int, per_node: int, policy: str, rounds: int = 50):
     ep = n_nodes * per_node
     names = [f"n{i:03d}" for i in range(n_nodes)]
@@ -226,15 +233,12 @@ def _scale_run(cluster, n_nodes: int, per_node: int, policy: str, rounds: int = 
             seen = grp.expect("lost" if policy == "raise" else "degraded", survivors, timeout=30)
         except AssertionError:
             print(_after_the_kill(c, grp, others, job))
-            false = c.link_events(others)["losses"] - losses_before - len(others)  # each counts the victim once
+            false = _live_losses(c, others, losses_before)
             assert false <= 0, (f"{false} loss(es) of live nodes counted after the kill: this machine's CPUs were "
                                 f"starved past the {LOSS_BOUND} s loss bound (the job re-armed, as it must then)")
             raise
         if policy == "degrade":
-            for r in survivors:  # a lost node's ranks are marked dead one at a time
-                while seen[r][1] != survivors:
-                    assert set(survivors) <= set(seen[r][1]), (r, seen[r])
-                    seen[r] = grp.expect("degraded", [r], timeout=30)[r]
+            seen = serving_alone(grp, survivors, seen)
         ranks_ms = {r: (t - t_kill) * 1e3 for r, (t, _) in seen.items()}
         daemons = lost_seen_at(c, others, victim, SEEN_BOUND + 5)
         daemons_ms = {n: (t - t_kill) * 1e3 for n, t in daemons.items()}
@@ -270,14 +274,13 @@ def _scale_run(cluster, n_nodes: int, per_node: int, policy: str, rounds: int = 
                 for n in (victim, names[0]):
                     print(f"--- the log of node {n}, its end:\n{c.daemons[n].log_tail(60)}")
                 print(_after_the_kill(c, grp, others, job))
-                false = c.link_events(others)["losses"] - losses_before - len(others)
-                print(f"losses of live nodes counted since the kill: {false}")
+                print(f"losses of live nodes counted since the kill: {_live_losses(c, others, losses_before)}")
                 raise
             rearmed = [i for i in grp.drain() + grp.backlog if i[1] in ("lost", "recovered")]
             assert not rearmed, f"a survivor recovered: {rearmed[:4]}\n{_why_rearmed(c, names)}"
             assert {v for _, v in att.values()} == {gen_before}, (att, gen_before)  # no re-arm since the rendezvous
             t_back = max(t for t, _ in list(att.values()) + list(back.values()))
-            false = c.link_events(others)["losses"] - losses_before - len(others)
+            false = _live_losses(c, others, losses_before)
             print(f"[{policy}] after the restart: daemon answering {t_started - t_restart:.1f} s, every daemon seeing "
                   f"it up {t_up - t_restart:.1f} s, the replacement ranks attaching from "
                   f"{min(starts or [t_up]) - t_restart:.1f} s, every survivor's view whole again (no re-arm) "
