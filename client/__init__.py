@@ -70,6 +70,7 @@ from a2ad.layout import (  # noqa: E402,F401
     TOPK_TARGET_RANKS_OFFSET_INDEX,
 )
 
+from .module import get_moe_alltoall_module  # noqa: E402,F401
 from .moe_alltoall import moe_a2a_get_workspace_size_per_rank, moe_a2a_wrap_payload_tensor_in_workspace  # noqa: E402,F401
 from .ops import (  # noqa: E402,F401
     MOE_A2A_RANK_MASK_WORDS,
@@ -83,6 +84,7 @@ from .ops import (  # noqa: E402,F401
 
 __all__ += [
     "MOE_A2A_RANK_MASK_WORDS",
+    "get_moe_alltoall_module",
     "moe_a2a_active_rank_mask",
     "moe_a2a_initialize",
     "moe_a2a_release",

@@ -629,6 +629,8 @@ def moe_a2a_combine(
         )
         return finish_output(out, output_dtype, output_scales, output_scalar_scale, sf_layout, output, copy=True)
     check_backend(backend)
+    if output is not None:
+        _check_output_early(output, workspace)
     front = _resolve(workspace, ep_rank)
     _check_job(front, metainfo, ep_rank, ep_size, top_k)
     mask = _rank_mask(front, enable_rank_mask, active_rank_mask)
@@ -641,6 +643,25 @@ def moe_a2a_combine(
     )
     return finish_output(out, output_dtype, output_scales, output_scalar_scale, sf_layout, output,
                          copy=output is not None and out is not output)
+
+
+def _check_output_early(output, workspace) -> None:
+    """What is wrong with ``output`` whatever the workspace holds, checked first (as FlashInfer
+    checks it before loading its kernels): a tensor, contiguous, and on the CUDA device the
+    workspace is on, or a CPU tensor for a host workspace this process knows."""
+    if not isinstance(output, torch.Tensor):
+        raise errors.InputError(f"output must be a torch.Tensor, got {type(output).__name__}", argument="output")
+    if output.device.type != "cuda":
+        host = isinstance(workspace, torch.Tensor) and workspace.device.type == "cpu"
+        if host:
+            with _LOCK:
+                host = any(e.live() is not None for e in _REGISTRY.get(_key(workspace), ()))
+        if not host:
+            raise errors.InputError(
+                f"output must be a CUDA tensor, got device={output.device} (a CPU output only with a host workspace: "
+                "the CPU workspace of a live MoeAlltoAll or of moe_a2a_initialize)", argument="output")
+    if not output.is_contiguous():
+        raise errors.InputError(f"output must be contiguous, got stride={output.stride()}", argument="output")
 
 
 _PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
