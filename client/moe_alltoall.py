@@ -148,7 +148,9 @@ class MoeAlltoAll:
     only its ``comm_backend`` is used: to agree on a job name when ``job`` is not given.
     ``eplb_stats_num_experts``: experts of the EPLB statistics gathered in every dispatch
     that passes ``eplb_local_stats`` (0: none). ``enable_rank_mask``: whether dispatch and
-    combine take an ``active_rank_mask`` (combined with the job's own mask).
+    combine take an ``active_rank_mask`` (combined with the job's own mask); when True, every
+    dispatch and combine must pass one (as in FlashInfer, a call without one is refused with
+    InputError rather than taken to mean every rank).
     ``backend``: "trtllm" (the default) is accepted; a2ad's planes are its own, and any
     other value ("cake") is refused with InputError.
 
@@ -421,6 +423,10 @@ class MoeAlltoAll:
 
     def _caller_mask(self, active_rank_mask):
         if active_rank_mask is None:
+            if self.enable_rank_mask:
+                from .ops import _no_mask_error
+
+                raise _no_mask_error()
             return None
         if not self.enable_rank_mask:
             raise errors.InputError(
@@ -461,7 +467,8 @@ class MoeAlltoAll:
         (:func:`moe_a2a_active_rank_mask`'s CPU uint64 tensor, or an int64/uint64 tensor of
         ``ceil(ep_size / 64)`` to MASK_WORDS words, rank q being bit q & 63 of word q >> 6, on
         the CPU or on this rank's device, where it may change between CUDA graph replays),
-        combined with the job's own mask; this rank's bit must be set.
+        combined with the job's own mask; this rank's bit must be set. Required (InputError,
+        before anything is written or waited for) when ``enable_rank_mask=True``.
         enable_pdl: accepted, no effect.
 
         Returns one workspace-backed tensor per payload, ``[ep_size, runtime_max_tokens_per_rank,
@@ -490,7 +497,7 @@ class MoeAlltoAll:
                                          active_rank_mask)
         if self._closed or self._att.forked:
             self._live()
-        mask = self._caller_mask(active_rank_mask) if active_rank_mask is not None else None
+        mask = self._caller_mask(active_rank_mask) if active_rank_mask is not None or self.enable_rank_mask else None
         received, _, eplb = self._front.dispatch(
             self._token, token_selected_experts, input_payloads, runtime_max_tokens_per_rank, self.top_k,
             self.num_experts, invalid_id=invalid_token_expert_id, ids_index=expert_id_payload_index,
@@ -579,7 +586,7 @@ class MoeAlltoAll:
                                         active_rank_mask)
         if self._closed or self._att.forked:
             self._live()
-        mask = self._caller_mask(active_rank_mask) if active_rank_mask is not None else None
+        mask = self._caller_mask(active_rank_mask) if active_rank_mask is not None or self.enable_rank_mask else None
         plain = output_dtype is None and output_scales is None
         if not plain:
             from .ops import _quantized

@@ -305,8 +305,16 @@ def _check_job(front: Front, metainfo, ep_rank, ep_size=None, top_k=None, num_ex
         raise errors.InputError("metainfo does not belong to this workspace's job", argument="metainfo")
 
 
+def _no_mask_error() -> errors.InputError:
+    return errors.InputError(
+        "enable_rank_mask=True needs an active_rank_mask (moe_a2a_active_rank_mask(ranks, ep_size)): with none, "
+        "a2ad does not assume every rank active", argument="active_rank_mask")
+
+
 def _rank_mask(front: Front, enable_rank_mask, active_rank_mask):
     if active_rank_mask is None:
+        if enable_rank_mask is True:
+            raise _no_mask_error()
         return None
     if enable_rank_mask is not True:
         raise errors.InputError(
@@ -529,12 +537,15 @@ def moe_a2a_dispatch(
     ``enable_rank_mask=True``): :func:`moe_a2a_active_rank_mask`'s CPU tensor or an int64 /
     uint64 tensor of ``ceil(ep_size / 64)`` to MASK_WORDS words on the CPU or the device (rank q:
     bit q & 63 of word q >> 6; FlashInfer's one-word tensor for ep_size <= 64), combined with
-    the job's own mask.
+    the job's own mask; ``enable_rank_mask=True`` without one is refused (InputError naming
+    ``active_rank_mask``) before anything is written or waited for, as FlashInfer refuses it.
     ``enable_pdl`` and ``recv_view_cache`` are accepted and have no effect (the views
     are kept by a2ad itself). ``workspace``/``metainfo``: a live MoeAlltoAll's
     ``.workspace`` and ``.metainfo``, or a workspace :func:`moe_a2a_initialize` set up.
     """
     rt = runtime_max_tokens_per_rank
+    if enable_rank_mask is True and active_rank_mask is None:
+        raise _no_mask_error()
     if torch.compiler.is_compiling():
         if eplb_local_stats is not None:
             raise errors.InputError("eplb_local_stats is not supported inside torch.compile; dispatch it eagerly",
@@ -619,6 +630,8 @@ def moe_a2a_combine(
     result quantized (MXFP8, MXFP4, NVFP4), as FlashInfer's. ``active_rank_mask``: as in
     :func:`moe_a2a_dispatch`.
     """
+    if enable_rank_mask is True and active_rank_mask is None:
+        raise _no_mask_error()
     if torch.compiler.is_compiling():
         mask = None
         if active_rank_mask is not None:

@@ -1,14 +1,18 @@
 """FlashInfer's low-level module object (``get_moe_alltoall_module()``) and the checks FlashInfer
-makes before any kernel (a combine ``output`` that cannot be right). Caller-owned CPU workspaces
-run several ranks in threads of this process (the host plane, as the functional API's own
-tests)."""
+makes before any kernel: a rank mask enabled without a mask, a combine ``output`` that cannot be
+right. Caller-owned CPU workspaces run several ranks in threads of this process (the host
+plane, as the functional API's own tests); the class API runs on a real daemon."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 
+from _helpers_dataplane import job_name
 from a2ad import errors, layout as L
+from helpers import Mapping
 from test_flashinfer_parity import HIDDEN, INVALID, MAX_TOKENS, NUM_EXPERTS, TOP_K, _check_received, _expert, \
     _round, _run_ranks, _workspace
 
@@ -80,6 +84,40 @@ def test_module_object_has_flashinfer_functions_and_runs_rounds():
     assert get() is not mod and get() is get()
 
 
+def test_rank_mask_enabled_without_a_mask_is_refused_before_any_wait():
+    """enable_rank_mask=True with active_rank_mask=None (FlashInfer raises rather than take every
+    rank as active): InputError naming active_rank_mask at once, from the module function, the
+    functional op and the module object alike, while the peer never comes (a wait would end
+    only in PeerTimeout after the timeout); the rank stays usable."""
+    import a2ad.client as c
+
+    ws = _workspace(2)
+    meta = c.moe_a2a_initialize(ws, 0, 2, MAX_TOKENS, timeout=30.0)
+    try:
+        _, inputs, _, _ = _round(1300, 2, tokens=[3, 3])
+        e, h = inputs[0].experts, inputs[0].hidden
+        mod = c.get_moe_alltoall_module()
+        for call in (
+            lambda: c.moe_a2a_dispatch(e, [h], ws, meta, 3, 0, 2, TOP_K, NUM_EXPERTS, enable_rank_mask=True,
+                                       active_rank_mask=None),
+            lambda: c.moe_a2a_dispatch(e, [h], ws, meta, 3, 0, 2, TOP_K, NUM_EXPERTS, None, None, True),
+            lambda: mod.moe_a2a_dispatch(e, [h], ws, meta, 3, 0, 2, TOP_K, NUM_EXPERTS, False, None, True, None),
+            lambda: c.moe_a2a_combine(torch.zeros(2, 3, HIDDEN), 3, ws, meta, 3, 0, 2, TOP_K, 0,
+                                      enable_rank_mask=True),
+        ):
+            t0 = time.monotonic()
+            with pytest.raises(errors.InputError, match="active_rank_mask") as exc:
+                call()
+            assert time.monotonic() - t0 < 10, "the refusal came after a wait"
+            assert exc.value.details["argument"] == "active_rank_mask"
+            assert isinstance(exc.value, ValueError)
+        # nothing was opened: a combine now finds no round
+        with pytest.raises(errors.StateError, match="before moe_a2a_dispatch"):
+            c.moe_a2a_combine(torch.zeros(2, 3, HIDDEN), 3, ws, meta, 3, 0, 2, TOP_K, 0)
+    finally:
+        c.moe_a2a_release(ws)
+
+
 def test_combine_output_is_checked_before_the_workspace():
     """FlashInfer checks ``output`` before loading its kernels: a non-CUDA output with a workspace
     that is no host workspace of this process, or a non-contiguous output, is a ValueError
@@ -108,3 +146,30 @@ def test_combine_output_is_checked_before_the_workspace():
         assert torch.equal(out, combined[0])
     finally:
         c.moe_a2a_release(ws)
+
+
+def test_instance_with_rank_mask_enabled_needs_a_mask_on_a_daemon_job(daemon):
+    """MoeAlltoAll(enable_rank_mask=True): dispatch and combine without active_rank_mask are
+    refused (InputError naming it), the state unchanged; with a mask the round runs."""
+    from a2ad.client import MoeAlltoAll, moe_a2a_active_rank_mask
+
+    a2a = MoeAlltoAll(Mapping(0, 1), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN, enable_rank_mask=True,
+                      job=job_name("fimask"), runtime_dir=str(daemon.runtime_dir), timeout=20.0)
+    try:
+        rt, inputs, _, combined = _round(1320, 1, tokens=[4])
+        mine = inputs[0]
+        pl = [mine.hidden, mine.experts, mine.scales]
+        with pytest.raises(errors.InputError, match="active_rank_mask") as exc:
+            a2a.dispatch(mine.experts, pl, rt, INVALID, 1)
+        assert exc.value.details["argument"] == "active_rank_mask"
+        assert a2a.phase == "idle"
+        mask = moe_a2a_active_rank_mask([0], 1)
+        got = a2a.dispatch(mine.experts, pl, rt, INVALID, 1, active_rank_mask=mask)
+        y = _expert(got, 0, 1)
+        with pytest.raises(errors.InputError, match="active_rank_mask") as exc:
+            a2a.combine(y, rt)
+        assert exc.value.details["argument"] == "active_rank_mask"
+        assert a2a.phase == "dispatched"
+        assert torch.equal(a2a.combine(y, rt, active_rank_mask=mask), combined[0])
+    finally:
+        a2a.close()
