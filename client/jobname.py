@@ -15,6 +15,11 @@ expert-parallel group (several EP groups, say TP x EP) is split by each member's
 ``moe_ep_rank``: the i-th member holding each EP rank (in the communicator's order) is
 in group i. With no communicator at all, InputError says to pass ``job=``.
 
+An expert-parallel group of one rank (``ep_size == 1``) has no one to agree with: it needs
+neither ``job=`` nor a communicator, and takes a name of its own (the geometry, this
+process's id and a random part), so that no other process's single-rank job of the same
+geometry is ever the same job.
+
 Within one process, instances of one geometry share one name, and with it one attachment,
 while an instance of it is open (FlashInfer's workspace cache): the collective runs only
 for the first. Every rank must construct its instances in the same order.
@@ -22,6 +27,7 @@ for the first. Every rank must construct its instances in the same order.
 
 from __future__ import annotations
 
+import os
 import secrets
 import sys
 import threading
@@ -82,6 +88,11 @@ def agree(key: tuple, ep_rank: int, ep_size: int, mnnvl_config, held, label: str
     with _LOCK:
         name = _NAMES.get(key)
     if name is not None and held(name):
+        return name
+    if ep_size == 1:
+        name = f"fi-{label or ep_size}-solo-{os.getpid()}-{secrets.token_hex(6)}"
+        with _LOCK:
+            _NAMES[key] = name
         return name
     comm = communicator(mnnvl_config)
     if comm is None:

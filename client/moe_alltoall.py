@@ -158,7 +158,8 @@ class MoeAlltoAll:
     on the machine). When None the ranks agree on a new one through the communicator
     FlashInfer callers already have (``client/jobname.py``: ``mnnvl_config.comm_backend``,
     FlashInfer's ``MnnvlMemory.comm``, or the default torch.distributed group); without
-    any, InputError says to pass ``job=``. ``runtime_dir``: the daemon's runtime folder
+    any, InputError says to pass ``job=``. With ``moe_ep_size == 1`` neither is needed: the
+    rank takes a name of its own, unique on the machine. ``runtime_dir``: the daemon's runtime folder
     (default: the daemon's default). ``device``: this rank's device (cuda backend: a CUDA
     device; default the current one). ``timeout``: seconds for the rendezvous and for
     every wait on a peer.

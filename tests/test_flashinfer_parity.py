@@ -356,11 +356,11 @@ def test_without_job_or_communicator_is_a_clear_error():
 
     assert not torch.distributed.is_initialized()
     with pytest.raises(errors.InputError, match="pass job=") as exc:
-        MoeAlltoAll(Mapping(0, 1), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN)
+        MoeAlltoAll(Mapping(0, 2), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN)
     assert exc.value.details["argument"] == "job"
     # an mnnvl_config without a comm_backend names no communicator either
     with pytest.raises(errors.InputError, match="pass job="):
-        MoeAlltoAll(Mapping(0, 1), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN, mnnvl_config=object())
+        MoeAlltoAll(Mapping(1, 2), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN, mnnvl_config=object())
 
 
 def test_backend_values_a2ad_cannot_honour_are_refused():
