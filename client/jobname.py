@@ -5,7 +5,11 @@ agree on one through the first of:
 
 1. ``mnnvl_config.comm_backend`` (FlashInfer's ``MnnvlConfig``),
 2. ``flashinfer.comm.mnnvl.MnnvlMemory.comm`` when FlashInfer is imported and set it,
-3. the default ``torch.distributed`` process group, when it is initialized;
+3. the default ``torch.distributed`` process group, when it is initialized,
+4. mpi4py's ``MPI.COMM_WORLD`` (FlashInfer's default communicator, its ``MpiComm``), when it
+   has more than one rank and MPI is initialized (mpi4py imported), or the process was started
+   by an MPI launcher (``PMI_SIZE``, ``OMPI_COMM_WORLD_SIZE``, ``PMIX_RANK``, ...) and mpi4py
+   is installed: then it is imported, as FlashInfer imports it;
 
 anything with FlashInfer's ``CommBackend`` methods (``Get_rank``, ``Get_size``,
 ``allgather``, ``bcast``) serves. The communicator's rank 0 makes a name that is new on
@@ -79,7 +83,32 @@ def communicator(mnnvl_config):
         return None
     if dist.is_available() and dist.is_initialized():
         return _TorchDist()
-    return None
+    return mpi_world()
+
+
+#: environment variables MPI launchers set in the processes they start (MPICH/Hydra and Intel
+#: MPI, Open MPI, PMIx launchers such as srun --mpi=pmix, MVAPICH)
+_LAUNCHER_VARS = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
+
+
+def mpi_world():
+    """mpi4py's COMM_WORLD when it can serve (see the module doc), else None. mpi4py is
+    imported here only under an MPI launcher: importing it initializes MPI."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        if not any(os.environ.get(v) for v in _LAUNCHER_VARS):
+            return None
+        try:
+            from mpi4py import MPI as mpi
+        except ImportError:
+            return None
+    try:
+        if not mpi.Is_initialized() or mpi.Is_finalized():
+            return None
+        world = mpi.COMM_WORLD
+        return world if world.Get_size() > 1 else None
+    except Exception:  # an MPI that cannot answer is no communicator
+        return None
 
 
 def agree(key: tuple, ep_rank: int, ep_size: int, mnnvl_config, held, label: str = "") -> str:
@@ -99,7 +128,8 @@ def agree(key: tuple, ep_rank: int, ep_size: int, mnnvl_config, held, label: str
         raise errors.InputError(
             "MoeAlltoAll needs a job name its ranks share: pass job=... (the same on every rank, unique on the "
             "machine), or give a communicator to agree on one: mnnvl_config=MnnvlConfig(comm_backend=...), "
-            "FlashInfer's MnnvlMemory.comm, or an initialized torch.distributed default group",
+            "FlashInfer's MnnvlMemory.comm, an initialized torch.distributed default group, or mpi4py's "
+            "COMM_WORLD (under an MPI launcher)",
             argument="job")
     try:
         size, rank = int(comm.Get_size()), int(comm.Get_rank())

@@ -157,7 +157,8 @@ class MoeAlltoAll:
     a2ad's own, keyword-only: ``job``: the job name every rank of the group uses (unique
     on the machine). When None the ranks agree on a new one through the communicator
     FlashInfer callers already have (``client/jobname.py``: ``mnnvl_config.comm_backend``,
-    FlashInfer's ``MnnvlMemory.comm``, or the default torch.distributed group); without
+    FlashInfer's ``MnnvlMemory.comm``, the default torch.distributed group, or mpi4py's
+    COMM_WORLD under MPI); without
     any, InputError says to pass ``job=``. With ``moe_ep_size == 1`` neither is needed: the
     rank takes a name of its own, unique on the machine. ``runtime_dir``: the daemon's runtime folder
     (default: the daemon's default). ``device``: this rank's device (cuda backend: a CUDA
