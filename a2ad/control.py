@@ -342,9 +342,10 @@ class ControlBlock:
 
         JobDestroyed when the job was destroyed (nothing resumes it: attach again);
         PeerLeft when a rank left the running job cleanly; PeerLost when the job was
-        otherwise aborted (naming the rank whose loss caused it, else the peer the wait
-        was on) or the rank's last wait was aborted; PeerTimeout when its last wait ran
-        out. ``details['reason']`` is the ABORT_* reason (a number, where the abort word caused it)
+        otherwise aborted (naming the rank whose loss caused it, else, for a peer's loss, the
+        peer the wait was on; an operator's abort or a re-arm names no rank: -1;
+        ``details['waited_for']`` is the peer a wait the abort ended was on) or the rank's
+        last wait was aborted; PeerTimeout when its last wait ran out. ``details['reason']`` is the ABORT_* reason (a number, where the abort word caused it)
         and ``details['reason_name']`` says it in words (``ABORT_NAMES``; for a rank's own
         aborted wait "wait aborted", for a rank the daemon no longer counts "not an active
         rank"). Both data planes use it.
@@ -357,7 +358,9 @@ class ControlBlock:
         rec = self.status(rank)
         if abort != L.ABORT_NONE:
             lost = self.abort_rank
-            if lost < 0 and rec.code != L.STATUS_OK:
+            if lost < 0 and rec.code != L.STATUS_OK and abort in (L.ABORT_PEER_LOST, L.ABORT_PEER_LEFT):
+                # a peer's loss whose rank the word does not carry: the peer this rank waited on.
+                # An abort no rank caused (operator, re-arm) names none: rank stays -1.
                 lost = rec.peer
             if abort == L.ABORT_PEER_LEFT:
                 who = f"rank {lost}" if lost >= 0 else "a rank"
@@ -369,6 +372,7 @@ class ControlBlock:
                     reason=abort,
                     reason_name=abort_name(abort),
                 )
+            waited = {"waited_for": rec.peer} if rec.code != L.STATUS_OK else {}
             raise errors.PeerLost(
                 f"job {job}: {abort_name(abort)}"
                 + (f" (rank {lost})" if lost >= 0 else "")
@@ -377,6 +381,7 @@ class ControlBlock:
                 generation=self.generation,
                 reason=abort,
                 reason_name=abort_name(abort),
+                **waited,
             )
         if rec.code == L.STATUS_TIMEOUT:
             raise errors.PeerTimeout(
