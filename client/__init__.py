@@ -23,6 +23,7 @@ from a2ad.errors import (
 
 from .attach import Attachment, attach
 from .connection import DaemonClient, ping
+from .findjob import find_job
 from .moe_alltoall import MoeAlltoAll
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "SpecMismatch",
     "StateError",
     "attach",
+    "find_job",
     "ping",
 ]
 
