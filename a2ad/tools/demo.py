@@ -9,8 +9,9 @@ expert ids, float32 scales), a deterministic toy expert computation on what it
 received (``reference.toy_expert``), and combine. Every rank checks every round
 against the single-process reference (``a2ad.client.reference``): what it
 received, per source, and what combine returned. The parent prints one line per
-round (the slowest rank's times) and a summary, and exits non-zero on any
-mismatch or failure.
+round (the slowest rank's times) as soon as every rank reported it, and a summary,
+and exits non-zero on any mismatch or failure. On the host backend the parent imports no
+torch (only the ranks do).
 
 With the cuda backend rank r runs on GPU ``r % device_count``.
 """
@@ -21,6 +22,7 @@ import argparse
 import multiprocessing as mp
 import os
 import queue
+import random
 import shutil
 import statistics
 import sys
@@ -84,12 +86,14 @@ def _check_args(args) -> str | None:
 # One rank
 # ---------------------------------------------------------------------------
 def _round_plan(cfg: _Config, rnd: int) -> tuple[int, list[int], int]:
-    """(seed, tokens of every rank, runtime_max_tokens_per_rank) of round ``rnd``; the same in every process."""
-    import torch
+    """(seed, tokens of every rank, runtime_max_tokens_per_rank) of round ``rnd``; the same in every process.
 
+    Plain Python (no torch): the parent, which imports no torch on the host backend, prints a
+    round's row as soon as every rank reported it, instead of stalling at the first row on a
+    torch import while the ranks run on."""
     seed = cfg.seed * 1_000_003 + rnd
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(cfg.tokens // 2, cfg.tokens + 1, (cfg.ranks,), generator=g).tolist()
+    rng = random.Random(seed)
+    tokens = [rng.randint(cfg.tokens // 2, cfg.tokens) for _ in range(cfg.ranks)]
     return seed, tokens, max(1, max(tokens))
 
 
