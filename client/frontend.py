@@ -251,10 +251,11 @@ class Front:
         if host_ids and num_tokens:
             outside = (experts < 0) | (experts >= num_experts)  # before int64 -> int32
             if bool(outside.any()):
+                token, k = (int(i) for i in outside.nonzero()[0])
                 raise errors.InputError(
-                    f"token_selected_experts holds expert id {experts[outside][0].item()}, "
+                    f"token_selected_experts[{token}, {k}] (token {token}) holds expert id {int(experts[token, k])}, "
                     f"outside [0, num_experts={num_experts})",
-                    argument="token_selected_experts")
+                    argument="token_selected_experts", token=token, k=k, value=int(experts[token, k]))
         if dtype is torch.int64:
             if not host_ids:  # an id outside int32 must stay outside [0, num_experts) when narrowed
                 experts = experts.clamp(-1, num_experts)

@@ -288,6 +288,7 @@ def _payload_data_for(device: str, ep_size: int, size_per_rank: int, row_stride:
 # ---------------------------------------------------------------------------
 def _check_job(front: Front, metainfo, ep_rank, ep_size=None, top_k=None, num_experts=None) -> None:
     att = front.att
+    _int_arg("ep_rank", ep_rank, 0, front.ep_size - 1)  # out of range says so, before "not this rank"
     _same("ep_rank", ep_rank, front.ep_rank, "this workspace's rank")
     if ep_size is not None:
         _same("ep_size", ep_size, front.ep_size, "the job's ep_size")

@@ -1,0 +1,73 @@
+"""What a wrong argument is told: an ``ep_rank`` outside the job says it is out of range (not
+that it is another rank), and an expert id outside ``[0, num_experts)`` on the host backend
+names the token and the value. Caller-owned CPU workspaces and a real daemon job."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _helpers_dataplane import job_name
+from a2ad import errors
+from helpers import Mapping
+from test_flashinfer_parity import HIDDEN, MAX_TOKENS, NUM_EXPERTS, TOP_K, _round, _workspace
+
+
+def test_ep_rank_out_of_range_says_so():
+    import a2ad.client as c
+
+    ws = _workspace(2)
+    metas = [c.moe_a2a_initialize(ws, r, 2, MAX_TOKENS, timeout=5.0) for r in range(2)]
+    try:
+        _, inputs, _, _ = _round(1700, 2, tokens=[3, 3])
+        e, h = inputs[1].experts, inputs[1].hidden
+        for call in (
+            lambda rank: c.moe_a2a_dispatch(e, [h], ws, metas[1], 3, rank, 2, TOP_K, NUM_EXPERTS),
+            lambda rank: c.moe_a2a_combine(torch.zeros(2, 3, HIDDEN), 3, ws, metas[1], 3, rank, 2, TOP_K, 0),
+            lambda rank: c.moe_a2a_sanitize_expert_ids(torch.zeros(2, 3, TOP_K, dtype=torch.int32), ws, metas[1], rank,
+                                                       -1),
+        ):
+            for rank in (5, -1, 2):
+                with pytest.raises(errors.InputError) as exc:
+                    call(rank)
+                msg = str(exc.value)
+                assert f"ep_rank must be in [0, 1], got {rank}" in msg, msg
+                assert "this workspace's rank" not in msg, msg
+                assert exc.value.details["argument"] == "ep_rank"
+    finally:
+        c.moe_a2a_release(ws)
+
+
+def _bad_ids(experts, token, k, value):
+    bad = experts.clone()
+    bad[token, k] = value
+    return bad
+
+
+def test_host_backend_names_the_token_and_the_id_out_of_range(daemon):
+    import a2ad.client as c
+
+    ws = _workspace(1)
+    meta = c.moe_a2a_initialize(ws, 0, 1, MAX_TOKENS, timeout=5.0)
+    a2a = c.MoeAlltoAll(Mapping(0, 1), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN, job=job_name("badid"),
+                        runtime_dir=str(daemon.runtime_dir), timeout=20.0)
+    try:
+        rt, inputs, _, _ = _round(1710, 1, tokens=[5])
+        mine = inputs[0]
+        for token, k, value in ((3, 2, NUM_EXPERTS), (0, 0, -7), (4, TOP_K - 1, 1 << 20)):
+            bad = _bad_ids(mine.experts, token, k, value)
+            for call in (
+                lambda: c.moe_a2a_dispatch(bad, [mine.hidden], ws, meta, rt, 0, 1, TOP_K, NUM_EXPERTS),
+                lambda: a2a.dispatch(bad, [mine.hidden, bad, mine.scales], rt),
+            ):
+                with pytest.raises(errors.InputError) as exc:
+                    call()
+                msg = str(exc.value)
+                assert f"token {token}" in msg and f"expert id {value}" in msg, msg
+                assert f"[0, num_experts={NUM_EXPERTS})" in msg, msg
+                d = exc.value.details
+                assert (d["argument"], d["token"], d["k"], d["value"]) == ("token_selected_experts", token, k, value)
+        assert a2a.phase == "idle"
+    finally:
+        a2a.close()
+        c.moe_a2a_release(ws)
