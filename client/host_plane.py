@@ -38,7 +38,7 @@ import warnings
 
 import torch
 
-from a2ad import control as C, errors, layout as L
+from a2ad import control as C, errors, layout as L, planerules as rules
 from a2ad.control import NOT_ACTIVE
 
 from .plane import Plane
@@ -515,11 +515,11 @@ class HostPlane(Plane):
         # lost, or its bit came back), and the rows staged for it were computed from whatever
         # its slots held: it gets its flag with the void descriptor, so it counts nothing from
         # this rank instead of waiting for a flag that would never come
-        publish = view & self._dispatch_got
-        rows = slice(None) if publish == self._full else self._mask(publish)[1]
-        self._combine_ready[rows, me] = ready
-        self._combine_flags[rows, me] = rnd
-        void = view & ~publish
+        publish, void = rules.combine_publish(view, self._dispatch_got)
+        if publish:
+            rows = slice(None) if publish == self._full else self._mask(publish)[1]
+            self._combine_ready[rows, me] = ready
+            self._combine_flags[rows, me] = rnd
         if void:
             rows = self._mask(void)[1]
             self._combine_ready[rows, me] = L.COMBINE_SPEC_VOID << 32 | rnd
@@ -530,12 +530,13 @@ class HostPlane(Plane):
         descriptors = (self._combine_ready[me] >> 32) & 0xFFFFFFFF
         seen = self._mask(got)[0]
         voided = (descriptors == L.COMBINE_SPEC_VOID) & seen
-        if bool(voided.any()):
-            got &= ~_bits(voided.nonzero())
+        voided = _bits(voided.nonzero()) if bool(voided.any()) else 0
+        disagree = (descriptors != spec) & (descriptors != L.COMBINE_SPEC_VOID) & seen
+        disagree = _bits(disagree.nonzero()) if bool(disagree.any()) else 0
+        got, counted_mask = rules.combine_counted(got, voided, disagree)
+        if voided:
             seen = self._mask(got)[0]
-        disagree = (descriptors != spec) & seen
-        bad = _bits(disagree.nonzero()) if bool(disagree.any()) else 0
-        counted_mask = got & ~bad
+        bad = disagree
         self.combine_mask = got
         # 4. pull and sum in float32, over k in ascending order; the combine's view (got: the
         # targets whose flag it saw) decides whose contributions count
@@ -600,12 +601,13 @@ class HostPlane(Plane):
         rnd + 1 is that round's: q cannot finish rnd + 1 with this rank in its view before
         this rank's next dispatch.) The CUDA prologue applies the same rule."""
         me = self.ep_rank
-        others = counted & ~(1 << me)
+        others = rules.left_behind_candidates(me, counted)
         ahead = (self._view_rounds > rnd).nonzero()
         ahead_bits = _bits(ahead) & others if ahead.numel() else 0
         for q in L.mask_ranks(ahead_bits):
             vr = int(self._view_rounds[q])
-            if vr >= rnd + 2 or (vr == rnd + 1 and not (int(self._views[q, me >> 6]) >> (me & 63)) & 1):
+            view = L.mask_from_words(self._views[q].tolist()) if rules.view_needed(rnd, vr) else None
+            if rules.went_on_without(rnd, me, vr, view):
                 return q
         return -1
 
@@ -645,16 +647,16 @@ class HostPlane(Plane):
                     # every rank still waited for left the mask; one may have published its flag,
                     # finished the round and left between the two reads above: what it published
                     # is complete, so a second look counts it
-                    return view & ~(waiting & _unset(flags, rnd, view))
+                    return rules.all_left(view, waiting, _unset(flags, rnd, view))
             else:
-                peer = (waiting & -waiting).bit_length() - 1
+                peer = rules.lowest(waiting)
             code = patience.give_up(cb)
             if code is None:
                 continue
             # the flags were read before the abort word: a peer may have published its flag,
             # finished its round and left (setting the abort word) between the two reads;
             # what it published is complete, so one more look decides
-            if not _unset(flags, rnd, view):
+            if rules.completes_after_give_up(view, _unset(flags, rnd, view)):
                 return view
             cb.record_status(self.ep_rank, code, peer, rnd, phase, patience.waited_ns)
             self.att.control.raise_for(self.ep_rank, self.att.job)

@@ -1,0 +1,92 @@
+"""Known historical bugs that the code can re-introduce on demand, to prove that the simulator
+(``python -m a2ad.sim``) and the tests catch them.
+
+Each mutation is a name, the simulator world that catches it, the commit that fixed it and a
+line saying what it does. The code checks :func:`active` at the exact place the bug was; every
+mutation is off unless enabled, either for a block of code (:func:`enabled`, what the simulator
+and the tests use) or for a whole process through the environment variable ``A2AD_MUTATION``
+(one name, or several separated by commas), read once at import. :func:`active` costs one test
+of an empty frozenset when nothing is enabled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    world: str  # the simulator world that catches it
+    description: str  # one line
+    fixed_in: str = ""  # the commit that fixed the bug
+
+
+REGISTRY: dict[str, Mutation] = {}
+
+
+def register(name: str, world: str, description: str, fixed_in: str = "") -> Mutation:
+    """Add a mutation (idempotent for the same name and world)."""
+    old = REGISTRY.get(name)
+    if old is not None and old.world != world:
+        raise ValueError(f"mutation {name!r} is already registered for world {old.world!r}")
+    m = REGISTRY[name] = Mutation(name, world, description, fixed_in)
+    return m
+
+
+def _from_env() -> frozenset[str]:
+    raw = os.environ.get("A2AD_MUTATION", "")
+    return frozenset(n.strip() for n in raw.split(",") if n.strip())
+
+
+_active: frozenset[str] = _from_env()
+
+
+def active(name: str) -> bool:
+    """Whether the historical bug ``name`` is to be re-introduced here (off by default)."""
+    return bool(_active) and name in _active
+
+
+def enabled_names() -> frozenset[str]:
+    return _active
+
+
+@contextlib.contextmanager
+def enabled(name: str | None) -> Iterator[None]:
+    """Re-introduce mutation ``name`` inside the block (``None``: none; the block still runs
+    with no mutation enabled from outside it). Single-threaded use only: the simulator's."""
+    global _active
+    if name is not None and name not in REGISTRY:
+        raise KeyError(f"unknown mutation {name!r} (known: {', '.join(sorted(REGISTRY)) or 'none'})")
+    saved = _active
+    _active = frozenset() if name is None else frozenset({name})
+    try:
+        yield
+    finally:
+        _active = saved
+
+
+# --- the data plane's (a2ad.planerules; caught by the simulator's "plane" world) -------------
+register(
+    "void_flag_withheld", "plane",
+    "a degrade combine withholds its flag from a source its dispatch let go of (instead of the void "
+    "descriptor): that source, alive, waits for a flag that never comes", "626bfa6")
+register(
+    "publish_to_unreceived", "plane",
+    "a degrade combine publishes its outputs to every source of its view, also to one whose tokens its "
+    "dispatch never received: that source sums rows computed from nothing", "97187f3")
+register(
+    "left_behind_unchecked", "plane",
+    "a degrade combine does not check after its pull that the ranks it pulled from did not go on without "
+    "it: it returns rows restaged under it for the next round", "97187f3")
+register(
+    "wait_no_second_look", "plane",
+    "a wait that finds the abort word set gives up without reading its flags once more: a peer that "
+    "published, finished and left between the two reads is taken for lost", "3e051e8")
+register(
+    "wait_no_second_look_mask", "plane",
+    "a degraded wait whose missing ranks all left the mask lets them go without reading their flags once "
+    "more: a peer that published and left between the two reads counts for nothing", "995bb29")
