@@ -49,11 +49,11 @@ def aux_offsets(aux: L.AuxLayout) -> list[int]:
 #: (``A2AD_KERNEL_TIMING=1`` when it is first loaded, as a2ad.bench.kernel_timing does); a
 #: production build refuses a plan with any of them. All act on dispatch.
 DIAG_SKIP_COPY = 1  # no payload stores
-DIAG_SKIP_FENCE = 2  # no block fence before the arrival
+DIAG_SKIP_FENCE = 2  # no block fence before the arrival (where the build has one)
 DIAG_NO_WAIT = 4  # publish the ready words, do not wait for the peers'
 DIAG_NO_PUBLISH = 8  # neither publish nor wait
 DIAG_NOOP = 16  # the kernel returns at entry (launch / graph-node floor)
-DIAG_DOUBLE_FENCE = 32  # the block fence twice (correct; its cost by addition)
+DIAG_DOUBLE_FENCE = 32  # one block fence more than the build has (correct; its cost by addition)
 DIAG_BITS = 63
 
 

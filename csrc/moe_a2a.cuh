@@ -26,11 +26,11 @@ static_assert(kMaskWords * 64 == kMaxEpSize, "a mask word per 64 ranks");
 // so they exist only in the timing build (compiled with -DA2AD_KERNEL_TIMING, which
 // a2ad.bench.kernel_timing asks for); a production build refuses a plan with any of them.
 constexpr int kDiagSkipCopy = 1;     // no payload stores (routing, counters, fences, flags, wait as usual)
-constexpr int kDiagSkipFence = 2;    // no block fence before the arrival
+constexpr int kDiagSkipFence = 2;    // no block fence before the arrival (where the build has one)
 constexpr int kDiagNoWait = 4;       // publish counts and flags, but do not wait for the peers'
 constexpr int kDiagNoPublish = 8;    // neither publish nor wait (no cross-rank step at all)
 constexpr int kDiagNoop = 16;        // the kernel returns at entry (the launch / graph-node floor)
-constexpr int kDiagDoubleFence = 32; // the block fence twice (its cost, by addition; correct)
+constexpr int kDiagDoubleFence = 32; // one block fence more than the build has (its cost, by addition; correct)
 #ifdef A2AD_KERNEL_TIMING
 constexpr bool kTimingBuild = true;
 #else

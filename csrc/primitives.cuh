@@ -437,27 +437,37 @@ __device__ __forceinline__ bool block_wait(ProbeOf probe_of, int ep_size, int ro
 // staging), which peers read through this GPU's L2.
 enum class Writes { kRemote, kLocal };
 
+// Whether a kRemote arrival fences (fence.acq_rel.sys) before its atomic. Without it (the
+// default), the gpu-scope acq_rel arrival releases the block's peer stores to the last
+// block and the last block's st.release.sys covers them for the peers: causality order is
+// transitive, and each pair synchronizes at a scope that holds both of its threads (the
+// argument kLocal relies on; the memory model does not tell local from peer memory).
+// A2AD_REMOTE_ARRIVAL_FENCE=1 builds the fenced arrival (for timing it against this).
+#ifndef A2AD_REMOTE_ARRIVAL_FENCE
+#define A2AD_REMOTE_ARRIVAL_FENCE 0
+#endif
+constexpr bool kRemoteArrivalFence = A2AD_REMOTE_ARRIVAL_FENCE != 0;
+
 // After __syncthreads, thread 0 arrives on *counter. Returns true (in every thread) in
 // the block that arrived last; that block resets the counter for the next launch, and
 // the caller publishes with st.release.sys after this call.
-// - kRemote: thread 0 first fences once (fence.acq_rel.sys: cumulativity makes the
-//   whole block's writes, ordered before it by the barrier, visible system-wide, as in
-//   a cooperative-groups grid sync), then arrives with a gpu-scope acq_rel atomic.
-// - kLocal: no system fence: the gpu-scope acq_rel atomic alone releases the block's
-//   writes to the last block, whose system-scope release then covers them for the
-//   peers (causality order is transitive; each pair synchronizes at a scope that
-//   holds both of its threads).
+// - The arrival is a gpu-scope acq_rel atomic: it releases the block's writes, ordered
+//   before it by the barrier, to the last block, whose system-scope release then covers
+//   them for the peers (see kRemoteArrivalFence; kRemote with the fence: thread 0 first
+//   runs fence.acq_rel.sys, which makes the block's writes visible system-wide by itself,
+//   as in a cooperative-groups grid sync).
 // A grid of one block needs neither counter nor fence: it is the last block, and the
 // caller's st.release.sys after this barrier is itself a release covering every write
 // the barrier ordered before it.
-// skip_fence / double_fence: timing diagnostics only (kRemote).
+// skip_fence / double_fence: timing diagnostics only (kRemote): no fence even where the
+// build fences; one fence more than the build has (its cost, by addition).
 __device__ inline bool arrive_last(int* counter, Writes writes, bool skip_fence = false, bool double_fence = false) {
   __shared__ int s_last;
   __syncthreads();
   if (gridDim.x == 1) return true;
   if (threadIdx.x == 0) {
     if (writes == Writes::kRemote && !skip_fence) {
-      fence_acq_rel_sys();
+      if (kRemoteArrivalFence) fence_acq_rel_sys();
       if (double_fence) fence_acq_rel_sys();
     }
     const int last = atomic_add_acq_rel_gpu(counter, 1) == static_cast<int>(gridDim.x) - 1;

@@ -338,7 +338,7 @@ def plan_bf16(cp, tokens: list[int] | None = None, diags: bool = True) -> list[t
             ("diag routing + fence (no copy, publish)", T, cp.DIAG_SKIP_COPY | cp.DIAG_NO_PUBLISH),
             ("diag local work only (no publish, no wait)", T, cp.DIAG_NO_PUBLISH),
             ("diag publish, no wait", T, cp.DIAG_NO_WAIT),
-            ("diag double fence (the fence's cost, added)", T, cp.DIAG_DOUBLE_FENCE),
+            ("diag one fence more (a fence's cost, added)", T, cp.DIAG_DOUBLE_FENCE),
             ("default again (noise)", T, 0),
         ]
     return rows + [("default", 4096, 0)]
