@@ -48,6 +48,11 @@ __device__ __forceinline__ uint64_t combine_word(const CombineParams& p, int rou
   return (static_cast<uint64_t>(p.spec) << 32) | static_cast<uint32_t>(round);
 }
 
+// The void combine descriptor (layout.COMBINE_SPEC_VOID: hidden 0, which no real combine
+// publishes): a degrade combine's flag to a source of its round that its dispatch let go of.
+// That source counts nothing from this rank and marks its tokens that went here.
+constexpr uint32_t kCombineSpecVoid = 0;
+
 template <typename T>
 struct Elem;
 
@@ -668,13 +673,16 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   if (last) {
     const int q = threadIdx.x;
     if (q < ep) {
-      // Degraded mode: only to the sources whose tokens the dispatch received (it records
-      // them in DISPATCH_COMPLETION_FLAGS); one it let go of (it left the mask meanwhile) may
-      // still be alive (its node was counted lost), and what was staged for it was computed
-      // from whatever its slots held.
-      if (view.has(q) &&
-          (!p.ctl.degrade || ld_volatile(at<int>(my_row, p.aux.dispatch_completion_flags) + q) == round)) {
-        st_release_sys_u64(at<uint64_t>(row_of(p.ws, q), p.aux.combine_ready + 8 * (int64_t)me), combine_word(p, round));
+      // Degraded mode: the outputs only to the sources whose tokens the dispatch received (it
+      // records them in DISPATCH_COMPLETION_FLAGS); one it let go of (it left the mask
+      // meanwhile) may still be alive (its node was counted lost), and what was staged for it
+      // was computed from whatever its slots held: it gets the void descriptor, so that its
+      // combine counts nothing from this rank and ends without waiting for its timeout.
+      if (view.has(q)) {
+        const bool got = !p.ctl.degrade || ld_volatile(at<int>(my_row, p.aux.dispatch_completion_flags) + q) == round;
+        const uint64_t word = got ? combine_word(p, round)
+                                  : (static_cast<uint64_t>(kCombineSpecVoid) << 32) | static_cast<uint32_t>(round);
+        st_release_sys_u64(at<uint64_t>(row_of(p.ws, q), p.aux.combine_ready + 8 * (int64_t)me), word);
       }
       // The next dispatch counts from zero (it cannot zero them itself before its atomics).
       at<int>(my_row, p.aux.send_counters)[q] = 0;
@@ -735,8 +743,20 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
                     &seen, &bad, static_cast<int>(p.spec))) {
       return;
     }
+    // A target that let this rank go in its dispatch flagged the void descriptor: not a
+    // mismatch to report, and nothing of it is counted (thread q holds q's descriptor).
+    __shared__ unsigned long long s_void[W];
+    if (threadIdx.x < W) s_void[threadIdx.x] = 0;
+    __syncthreads();
+    if (threadIdx.x < ep && seen.has(threadIdx.x) && bad.has(threadIdx.x) &&
+        static_cast<uint32_t>(unused) == kCombineSpecVoid) {
+      shared_set<W>(s_void, threadIdx.x);
+    }
+    __syncthreads();
+    const RankMask<W> voided = shared_mask<W>(s_void);
+    bad = bad.without(voided);
     combine_waited(p, my_row, round, view, seen, bad, mismatch);
-    seen = seen.without(bad);
+    seen = seen.without(bad).without(voided);
     if (threadIdx.x == 0) {
       seen.store(block_counters + layout::SLOT_COMBINE_SEEN);
       st_release_gpu(block_counters + layout::SLOT_COMBINE_SEEN_ROUND, round);
