@@ -131,6 +131,15 @@ def die_now(stamp_file: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def all_reached(stamp_file: str, rank: int, ranks, step: str, timeout: float = 60.0) -> None:
+    """A barrier of the ranks ``ranks`` (the survivors of a kill, whom the job's process group
+    cannot gather any more): this rank says it reached ``step``, then waits until every one of
+    them has (files beside ``stamp_file``), bounded by ``timeout``."""
+    open(f"{stamp_file}.{step}.{rank}", "w").close()
+    wait_until(lambda: all(os.path.exists(f"{stamp_file}.{step}.{q}") for q in ranks), timeout,
+               f"ranks {sorted(ranks)} to reach {step!r}", 0.005)
+
+
 def killed_at(stamp_file: str, timeout: float = 30.0) -> float:
     wait_until(lambda: os.path.exists(stamp_file), timeout, f"the victim's stamp {stamp_file}", 0.001)
     with open(stamp_file) as f:
@@ -238,6 +247,9 @@ def fi_kill9(rank, ep, runtime_dir, pg_file, num_experts, policy, stamp):
                           dead=(victim,))
             comm.clean()  # the baseline now holds the loss: no new fault
             assert not bool(comm.fault()), "fault() stays True after clean()"
+            # no survivor leaves (its destroy below clears its bit: a new fault, rightly) before
+            # every survivor has made the check above
+            all_reached(stamp, rank, [r for r in range(ep) if r != victim], "checked fault()")
         else:
             from a2ad.client import reference as ref
 

@@ -38,6 +38,7 @@ from integration_cases import (
     HIDDEN,
     INVALID,
     TOP_K,
+    all_reached,
     check_received,
     die_now,
     killed_at,
@@ -283,6 +284,9 @@ def kill9(rank, ep, runtime_dir, pg_file, num_experts, policy, stamp):
         manager.clean_buffers()
         assert not bool(manager.query_fault()), "query_fault() stays True after clean_buffers()"
         assert manager.query_active_mask().tolist() == mask
+        # no survivor leaves (its exit clears its bit: a new fault, rightly) before every
+        # survivor has made the checks above
+        all_reached(stamp, rank, [r for r in range(ep) if r != victim], "checked query_fault()")
     else:
         with pytest.raises(errors.PeerLost):
             _layer(kernel, cfg, rank, ep, num_experts, 2200, MAX_TOKENS, dead=(victim,))
