@@ -37,6 +37,7 @@ def _worker_loop(rank: int, commands, results) -> None:
     import torch
 
     torch.set_num_threads(1)
+    results.put((None, rank, "ready", None))
     while True:
         msg = commands.get()
         if msg is None:
@@ -59,7 +60,11 @@ class RankPool:
         self._commands: list = [None] * size
         self._results = self._ctx.Queue()
 
-    def _ensure(self, n: int) -> None:
+    def _ensure(self, n: int, timeout: float = 300.0) -> None:
+        """Ranks ``0..n-1`` running, a fresh process started where one is missing; returns once
+        every fresh one has imported torch (seconds, longer on a busy machine), so that a
+        job's rendezvous timeout never counts a process start (bounded by ``timeout``)."""
+        fresh = set()
         for r in range(n):
             p = self._procs[r]
             if p is None or not p.is_alive():
@@ -71,6 +76,24 @@ class RankPool:
                 )
                 p.start()
                 self._procs[r], self._commands[r] = p, commands
+                fresh.add(r)
+        deadline = time.monotonic() + timeout
+        while fresh:
+            try:
+                got_tag, rank, status, _ = self._results.get(timeout=0.2)
+            except queue.Empty:
+                dead = sorted(r for r in fresh if not self._procs[r].is_alive())
+                if dead:
+                    codes = {r: self._procs[r].exitcode for r in dead}
+                    self.kill()
+                    raise AssertionError(f"rank process(es) {dead} died while starting (exit codes {codes})")
+                if time.monotonic() > deadline:
+                    waiting = sorted(fresh)
+                    self.kill()
+                    raise AssertionError(f"rank process(es) {waiting} did not start (import torch) within {timeout} s")
+                continue
+            if got_tag is None and status == "ready":
+                fresh.discard(rank)
 
     def run(self, n: int, fn, *args, timeout: float = 120.0, may_exit: tuple[int, ...] = ()) -> list:
         """``[fn(rank, *args) for rank in range(n)]``, each in its own process, all at once.
