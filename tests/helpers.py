@@ -369,3 +369,46 @@ class RankReports:
                 raise AssertionError(f"waited {timeout} s for {n} {what} on ranks {list(ranks)}: "
                                      f"{ {r: done[r] - start[r] for r in ranks} }")
             time.sleep(0.01)
+
+
+def running_site_dirs() -> list[str]:
+    """The site-packages folders of the interpreter running the tests (a venv's own, plus the
+    base interpreter's when that venv was made with --system-site-packages, plus the user's
+    when enabled): where its torch, pyzmq and msgpack are installed."""
+    import site
+
+    dirs = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return [d for d in dict.fromkeys(dirs) if os.path.isdir(d)]
+
+
+def make_venv(root: Path, *, pip: bool, timeout: float = 240.0) -> Path:
+    """A fresh venv at ``root`` that sees the packages of the interpreter running the tests;
+    returns its python. A .pth file of the venv lists that interpreter's site-packages
+    (``running_site_dirs``), so this holds from inside a venv too, where --system-site-packages
+    would reach the base interpreter instead. Those folders come after the venv's own on
+    sys.path and the .pth files inside them are not read: an a2ad installed there (editable,
+    say) does not shadow one installed into the venv. ``pip``: the venv gets its own pip
+    (otherwise the running interpreter's pip, seen through the .pth, installs into it)."""
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    cmd = [sys.executable, "-m", "venv"] + ([] if pip else ["--without-pip"]) + [str(root)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert r.returncode == 0, f"{' '.join(cmd)}: {r.stdout[-2000:]}{r.stderr[-2000:]}"
+    py = Path(root) / "bin" / "python"
+    r = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                       capture_output=True, text=True, timeout=60, env=env, cwd=str(root))
+    assert r.returncode == 0, r.stderr
+    purelib = Path(r.stdout.strip())
+    assert purelib.is_relative_to(root), purelib
+    purelib.mkdir(parents=True, exist_ok=True)
+    dirs = running_site_dirs()
+    assert dirs, f"{sys.executable} has no site-packages folder"
+    (purelib / "_running_interpreter_site.pth").write_text("".join(d + "\n" for d in dirs))
+    r = subprocess.run([str(py), "-c", "import torch, zmq, msgpack, numpy, pip"], capture_output=True, text=True,
+                       timeout=120, env=env, cwd=str(root))
+    assert r.returncode == 0, f"the venv at {root} does not see the packages of {sys.executable} ({dirs}): " \
+                              f"{r.stderr[-2000:]}"
+    return py

@@ -5,8 +5,9 @@ the README's claims that code can check (install path, error list, expert split)
 The clone is a ``git clone`` of this repository (its committed state) into the test's temp
 folder; the commands run there with ``A2AD_PYTHON`` set to a venv made for the test, so that the
 editable install ``scripts/setup.sh`` makes goes into that venv and nowhere else. The venv sees
-the system's packages (torch, pyzmq, ...): a venv with nothing in it would download torch, which
-is what README.md's CPU path does and what the timings in the test's output are not about.
+the packages of the interpreter running the tests (torch, pyzmq, ...; helpers.make_venv, which
+works from inside a venv too): a venv with nothing in it would download torch, which is what
+README.md's CPU path does and what the timings in the test's output are not about.
 Timings are printed as ``figure: ...`` lines (``pytest -s`` shows them).
 """
 
@@ -21,6 +22,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from helpers import make_venv
 
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
@@ -80,11 +83,7 @@ def clone(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def venv(clone, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("first-hour-venv")
-    r = subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(root)], capture_output=True,
-                       text=True, timeout=180)
-    assert r.returncode == 0, r.stderr
-    return root / "bin" / "python"
+    return make_venv(tmp_path_factory.mktemp("first-hour-venv"), pip=True)
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +97,7 @@ def demo(clone, venv):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.timeout(900)
 def test_demo_from_a_clean_clone(clone, venv, demo):
     res, _ = demo
@@ -119,6 +119,7 @@ def test_demo_from_a_clean_clone(clone, venv, demo):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.timeout(900)
 def test_test_command_from_the_clone_skips_the_set_up_once_done(clone, venv, demo):
     """``bash scripts/test.sh`` (a subset: the whole suite would run this test again): the set-up

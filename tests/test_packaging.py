@@ -4,9 +4,10 @@ compile, and missing optional tools fail with a clear reason.
 
 The wheel is built from a copy of the package files in a temp folder (not in the checkout,
 which others may be editing) and installed into a fresh venv that sees the torch, pyzmq and
-msgpack of the interpreter running the tests (a .pth file lists that interpreter's
-site-packages, so this works from inside a venv too, where --system-site-packages would reach
-the base interpreter instead); its python runs outside the checkout.
+msgpack of the interpreter running the tests (helpers.make_venv: a .pth file lists that
+interpreter's site-packages, so this works from inside a venv too, where
+--system-site-packages would reach the base interpreter instead); its python runs outside the
+checkout.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import make_venv
 from test_csrc_compiles import TORCH_NVCC_FLAGS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,40 +75,14 @@ def wheel(src_copy, tmp_path_factory) -> Path:
     return wheels[0]
 
 
-def running_site_dirs() -> list[str]:
-    """The site-packages folders of the interpreter running the tests (a venv's own, plus the
-    base interpreter's when that venv was made with --system-site-packages, plus the user's
-    when enabled), where its torch, pyzmq and msgpack are installed."""
-    import site
-
-    dirs = list(site.getsitepackages())
-    if site.ENABLE_USER_SITE:
-        dirs.append(site.getusersitepackages())
-    return [d for d in dict.fromkeys(dirs) if os.path.isdir(d)]
-
-
 @pytest.fixture(scope="module")
 def venv(wheel, tmp_path_factory) -> Path:
-    """A fresh venv with the wheel installed; torch etc. come from the site-packages of the
-    interpreter running the tests, listed in a .pth file of the venv. Those folders come after
-    the venv's own on sys.path, and the .pth files inside them are not read, so an a2ad
-    installed there (editable, say) does not shadow the wheel."""
+    """A fresh venv with the wheel installed; torch etc. come from the interpreter running the
+    tests (helpers.make_venv)."""
     root = tmp_path_factory.mktemp("venv")
-    r = run([sys.executable, "-m", "venv", "--without-pip", root], cwd=root)
-    assert r.returncode == 0, r.stderr
-    py = root / "bin" / "python"
-    r = run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=root, timeout=60)
-    assert r.returncode == 0, r.stderr
-    purelib = Path(r.stdout.strip())
-    assert purelib.is_relative_to(root), purelib
-    purelib.mkdir(parents=True, exist_ok=True)
-    dirs = running_site_dirs()
-    assert dirs, "the interpreter running the tests has no site-packages folder"
-    (purelib / "_running_interpreter_site.pth").write_text("".join(d + "\n" for d in dirs))
-    r = run([py, "-c", "import torch, zmq, msgpack, numpy, pip"], cwd=root, timeout=120)
-    assert r.returncode == 0, f"the venv does not see the packages of {sys.executable} ({dirs}): {r.stderr[-2000:]}"
-    # the running interpreter's pip runs inside the venv (through the .pth) and installs into
-    # it; --ignore-installed: an a2ad installed in the running interpreter must not count
+    py = make_venv(root, pip=False)
+    # the running interpreter's pip (seen through the venv's .pth) installs into the venv;
+    # --ignore-installed: an a2ad installed in the running interpreter must not count
     r = run([py, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed",
              "--disable-pip-version-check", "-q", wheel], cwd=root)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
