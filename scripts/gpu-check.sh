@@ -49,7 +49,7 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
 for s in $STEPS; do
     case $s in
         build) step build 300 "$PY" -c "import a2ad.client._ext as e; e.load(); print('extension ok')" ;;
-        tests) step tests 420 "$PY" -m pytest -q -m "gpu or gpu2" -p no:cacheprovider ${GPU_CHECK_PYTEST:-} tests/ ;;
+        tests) step tests 420 "$PY" -m pytest -q --full -m "gpu or gpu2" -p no:cacheprovider ${GPU_CHECK_PYTEST:-} tests/ ;;
         demo)
             step demo-2 180 "$PY" -m a2ad.tools.cli demo --backend cuda --ranks 2 --rounds 30 --tokens 256 --hidden 7168 --top-k 8 --experts 256
             step demo-8 180 "$PY" -m a2ad.tools.cli demo --backend cuda --ranks 8 --rounds 10 --tokens 64 --hidden 2880 --top-k 4 --experts 128

@@ -22,6 +22,31 @@ def _cuda_count() -> int:
         return 0
 
 
+#: set to 1 (or pass --full) to run the full tier: the tests marked ``full`` too
+FULL_ENV = "A2AD_TEST_FULL"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False,
+                     help=f"run the full tier: also the tests marked 'full' (long real-process runs), which "
+                          f"are deselected otherwise; {FULL_ENV}=1 does the same")
+
+
+def full_tier(config) -> bool:
+    return bool(config.getoption("--full")) or os.environ.get(FULL_ENV, "") not in ("", "0")
+
+
+def _named_files(config) -> set[Path]:
+    """The test files named on the command line (``tests/test_x.py`` or one of its node ids),
+    as opposed to folders: a file asked for by name runs whole, its ``full`` tests included."""
+    out = set()
+    for arg in config.args:
+        p = Path(config.invocation_params.dir, arg.split("::", 1)[0])
+        if p.is_file():
+            out.add(p.resolve())
+    return out
+
+
 def pytest_collection_modifyitems(config, items):
     n = _cuda_count()
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none visible)")
@@ -31,6 +56,36 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu2)
         elif "gpu" in item.keywords and n < 1:
             item.add_marker(skip_gpu)
+    # the fast tier: the tests marked full are deselected (pytest reports them as deselected,
+    # never as passed) unless the full tier was asked for or their file was named
+    if full_tier(config):
+        return
+    named = _named_files(config)
+    keep, drop = [], []
+    for item in items:
+        long_run = item.get_closest_marker("full") is not None and Path(str(item.path)).resolve() not in named
+        (drop if long_run else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+        config.stash[_FULL_LEFT_OUT] = len(drop)
+
+
+_FULL_LEFT_OUT = pytest.StashKey[int]()
+
+
+def pytest_report_header(config):
+    if full_tier(config):
+        return "a2ad test tier: full (every test, the long real-process runs marked 'full' included)"
+    return (f"a2ad test tier: fast (the tests marked 'full' are deselected; --full or {FULL_ENV}=1 runs them, "
+            f"and so does naming their file)")
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    left = config.stash.get(_FULL_LEFT_OUT, 0)
+    if left:
+        terminalreporter.write_line(f"a2ad: fast tier: {left} test(s) marked 'full' deselected, not run "
+                                    f"(bash scripts/test.sh --full runs them)")
 
 
 @pytest.fixture

@@ -210,6 +210,7 @@ def _limited_daemon(*args: str, nofile: int = 1024):
 
 # ------------------------------------------------------------ 1. abandoned redeems
 @pytest.mark.slow
+@pytest.mark.full
 def test_thousand_abandoned_redeems(daemon_factory):
     """1,000 one-rank jobs whose client presents its ticket on fd.sock and goes away before
     the answer: a third close at once, a third with SO_LINGER 0, a third once the answer
@@ -365,6 +366,7 @@ def test_abandoned_renew_keeps_the_rank_attached(daemon):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_renew_loop_cannot_take_the_daemon_to_its_fd_limit():
     """One client with the default caps, against a daemon with a 1,024 open-file limit: it
     renews its rank's lease over and over, redeeming each ticket and keeping each connection.
@@ -456,6 +458,7 @@ def _refusals(socks: list[socket.socket], timeout: float = 5.0) -> tuple[int, di
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_two_thousand_silent_fd_connections(daemon_factory):
     """2,000 connections to fd.sock that never send a ticket. With the default per-uid
     handshake cap (320) the daemon holds 320 and refuses the rest with a clean limit_exceeded
@@ -520,6 +523,7 @@ def test_two_thousand_silent_fd_connections(daemon_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_silent_fd_connections_past_a_1024_file_limit():
     """A daemon with a 1,024 open-file limit (handshake cap raised, so the fds run out first)
     gets 1,074 silent fd.sock connections: it sheds what it cannot hold instead of exiting,
@@ -563,6 +567,7 @@ def test_silent_fd_connections_past_a_1024_file_limit():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_new_ctl_client_while_fd_sock_holds_every_fd():
     """Silent fd.sock connections take a 1,024-fd daemon as far as it lets them (handshake cap
     raised): it sheds them before its last fds, which stay for what it needs to go on
@@ -614,6 +619,7 @@ def _idle_dealers(rt, n: int) -> tuple[zmq.Context, list]:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_two_thousand_idle_ctl_peers(daemon):
     """2,000 DEALER sockets connected to ctl.sock that never send. The per-uid ctl-connection
     cap (320 by default, --max-ctl-connections-per-uid) does not apply here: root and the
@@ -645,6 +651,7 @@ def test_two_thousand_idle_ctl_peers(daemon):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_idle_ctl_peers_past_a_1024_file_limit():
     """2,000 idle ctl.sock peers against a daemon with a 1,024 open-file limit: libzmq runs
     out of fds accepting them; the daemon must not exit, and serves again once they leave."""
@@ -694,6 +701,7 @@ def _held_names(d, prefix: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_250_held_joins_from_one_client(daemon):
     """One client holds 250 joins at once (rank 0 of 250 two-rank jobs): the daemon serves
     everyone meanwhile; destroying the jobs ends every held join with job_destroyed."""
@@ -785,6 +793,7 @@ def test_held_join_cap_lets_a_join_complete_a_rendezvous(daemon_factory):
 
 # ------------------------------------------------------- 6. peers that never read
 @pytest.mark.slow
+@pytest.mark.full
 def test_peer_that_never_reads_its_replies(daemon):
     """One DEALER sends 5,000 status requests (each reply ~10 KiB: 20 jobs are listed) and
     reads none; the daemon's per-peer reply queue is capped, so its RSS stays bounded, and
@@ -848,6 +857,7 @@ def test_peer_that_never_reads_its_replies(daemon):
 
 # -------------------------------------------------------- 7. 200 eight-rank jobs
 @pytest.mark.slow
+@pytest.mark.full
 def test_status_of_200_eight_rank_jobs(daemon):
     """200 jobs of 8 ranks (1,600 joins, every rank joined by this process): `a2ad-ctl status`
     and `jobs` work; the status reply's size and time are printed."""
@@ -915,6 +925,7 @@ sys.stdin.readline()
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_kill9_with_500_attached_jobs_readopts_them_all(daemon_factory, runtime_dir):
     """A helper holds 500 attached one-rank jobs (lease sockets and fds open). kill -9 the
     daemon; the fd keeper keeps the fds; a new daemon on the same folder re-adopts all 500

@@ -29,11 +29,16 @@ MODELS = [
     pytest.param(4096, 2, 8, id="h4096-k2-e8"),
     pytest.param(2880, 4, 128, id="h2880-k4-e128"),
 ]
+#: every model at ep 2, 4 and 8; the largest (8 ranks of hidden 7168, top-k 8) runs in the full
+#: tier only (about a minute on 2 CPUs)
+END_TO_END = [
+    pytest.param(*m.values, ep, id=f"{m.id}-{ep}", marks=[pytest.mark.full] if (m.id, ep) == ("h7168-k8-e256", 8) else [])
+    for m in MODELS for ep in (2, 4, 8)
+]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("ep", [2, 4, 8])
-@pytest.mark.parametrize("hidden,top_k,num_experts", MODELS)
+@pytest.mark.parametrize("hidden,top_k,num_experts,ep", END_TO_END)
 def test_end_to_end(rank_pool, dataplane_daemons, backend, ep, hidden, top_k, num_experts):
     """Two rounds (combine staged, then written in the workspace), rt below max_num_tokens."""
     job = _job(dataplane_daemons, backend, "e2e", ep, top_k=top_k, num_experts=num_experts, hidden=hidden)

@@ -12,6 +12,9 @@ of the domain at idle and during a rendezvous (each daemon's counters by message
 
 The node counts and ep sizes the issue asks for beyond ``layout.MAX_EP_SIZE`` are skipped
 naming that limit. Every daemon and rank process ends even when a test fails.
+
+Full tier only (``full``): tens of daemons on 2 CPUs; the fast tier's domain tests are those
+of test_domain.py (two or three daemons).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ LOSS_BOUND = HB_INTERVAL * HB_MISSES
 #: what the docs state a loss costs to be seen: the bound, one heartbeat (the check runs at
 #: every heartbeat), a hop; plus the scheduling slack of 2 loaded CPUs
 SEEN_BOUND = LOSS_BOUND + HB_INTERVAL + 1.0
+
+pytestmark = pytest.mark.full
 
 
 @pytest.fixture

@@ -318,6 +318,7 @@ def check_mask_views(daemon, job, mask, survivors):
     return line
 
 
+@pytest.mark.full
 def test_ep256_degrade_kill_above_64_and_replacement(daemon_factory, groups):
     """256 ranks of a degrade job: the rendezvous, 10 verified rounds, rank 200 killed while the
     others serve (they go on without it, every round verified), the mask above bit 63 in the
@@ -364,6 +365,7 @@ def test_ep256_degrade_kill_above_64_and_replacement(daemon_factory, groups):
           f"{stop - first} full rounds after it\n{line}")
 
 
+@pytest.mark.full
 def test_ep256_daemon_restart_readopts_the_degraded_job(runtime_dir, groups):
     """A degraded ep-256 job (rank 130 lost: a bit of mask word 2 cleared) outlives a kill -9 of
     its daemon: the survivors serve on while no daemon runs, and the next daemon, re-adopting
@@ -421,6 +423,7 @@ def test_ep256_daemon_restart_readopts_the_degraded_job(runtime_dir, groups):
         reap_keeper(runtime_dir)
 
 
+@pytest.mark.full
 def test_ep256_raise_recover_and_caller_mask_above_64(daemon_factory, groups):
     """A raise job of 256 ranks: rank 100 killed, every survivor gets PeerLost naming it and
     calls recover(); a replacement joins, the job is re-armed and every rank serves on; then

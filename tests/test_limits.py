@@ -225,6 +225,7 @@ def test_domain_port_flood_under_a_lowered_limit(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_domain_port_flood_of_25000(tmp_path):
     """25,000 idle connections to the domain port, above the daemon's own limit."""
     _domain_flood(tmp_path, 25000, nofile=None, label="25,000")
@@ -588,6 +589,7 @@ def test_a_keeper_socket_planted_by_another_uid_gets_no_fd(tmp_path, ten_uids):
 
 # ------------------------------------------------------------------- upgrade
 @pytest.mark.slow
+@pytest.mark.full
 def test_upgrade_with_600_attached_jobs_past_1024_fds(runtime_dir):
     """600 attached one-rank jobs: the daemon holds more than 1024 fds, where select() used
     to fail ("filedescriptor out of range"); `a2ad-ctl upgrade` hands every job over."""

@@ -134,6 +134,7 @@ def test_fuzz_ten_thousand_messages_then_a_normal_join(daemon):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_thousand_attach_detach_cycles_do_not_leak(daemon_factory):
     d = daemon_factory("--grace", "0")
     # warm up: first allocations and imports settle the daemon's footprint
@@ -181,6 +182,7 @@ sys.stdin.readline()
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_rendezvous_latency_with_64_lightweight_clients(daemon):
     n = 64
     repo = str(__import__("pathlib").Path(__file__).resolve().parent.parent)
