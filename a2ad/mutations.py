@@ -90,3 +90,11 @@ register(
     "wait_no_second_look_mask", "plane",
     "a degraded wait whose missing ranks all left the mask lets them go without reading their flags once "
     "more: a peer that published and left between the two reads counts for nothing", "995bb29")
+register(
+    "view_not_narrowed", "plane",
+    "a degrade rank whose dispatch let a source go leaves the view read at the round's start in its row: "
+    "that source, still pulling the round before, does not see that its region was restaged", "")
+register(
+    "void_flag_overruns_wait", "plane",
+    "a degrade combine waits for exactly its round's flag: a target's void flag of the next round, written "
+    "over the flag not yet read, leaves it waiting until its timeout", "")

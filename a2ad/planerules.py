@@ -30,6 +30,22 @@ def waiting_for(view: int, unset: int) -> int:
     return view & unset
 
 
+def past_round_is_seen(degrade: bool, combine: bool) -> bool:
+    """Whether a wait counts a flag past its round as seen (else it waits for exactly the round).
+
+    Only a degrade combine does: a target that let this rank go in its next dispatch (this
+    rank's bit was cleared there while this rank was still in this round's combine) sends it
+    the next round's flag with the void descriptor, over the flag of this round that this
+    rank has not read yet. That target finished this round and restaged its region: this rank
+    counts nothing from it (:func:`combine_counted`) instead of waiting for a flag that is gone.
+    No other flag can run ahead of its reader: a dispatch flag of R + 1 goes only to the ranks
+    of the sender's view of R + 1, which finished R with it, and a real combine flag of R + 1
+    only to a source whose tokens of R + 1 came."""
+    if _mut.active("void_flag_overruns_wait"):
+        return False
+    return degrade and combine
+
+
 def all_left(view: int, waiting: int, second_look: int) -> int:
     """A degraded wait whose ranks still waited for (``waiting``, from the first read of the
     flags) have all left the mask (read after those flags): the sources counted as seen.
@@ -75,13 +91,27 @@ def combine_publish(view: int, received: int) -> tuple[int, int]:
     return publish, void
 
 
-def combine_counted(seen: int, voided: int, disagree: int) -> tuple[int, int]:
+def combine_counted(seen: int, voided: int, disagree: int, ahead: int = 0) -> tuple[int, int]:
     """(the combine's view ``S_c``, the targets whose rows are summed). ``seen``: the targets
     whose flag the wait saw; ``voided``: those of them whose descriptor is void (they let this
-    rank go in their dispatch); ``disagree``: those whose descriptor is neither void nor this
-    rank's (their rows lie elsewhere: nothing is read from them, the round raises InputError)."""
-    got = seen & ~voided
+    rank go in their dispatch); ``ahead``: those whose flag was past the round (they let this
+    rank go in their next dispatch, :func:`past_round_is_seen`); ``disagree``: those whose
+    descriptor is neither void nor this rank's (their rows lie elsewhere: nothing is read from
+    them, the round raises InputError)."""
+    got = seen & ~voided & ~ahead
     return got, got & ~disagree
+
+
+def published_view(published: int, view: int, received: int) -> int:
+    """The view a degrade rank leaves in its row (``SLOT_VIEW``) once its dispatch wait ended,
+    before it restages its combine region: the view it published at the start of the round
+    (``published``) less the ranks of the round (``view``) that the wait let go of (not in
+    ``received``). A rank let go of while alive may still be pulling this rank's region of the
+    round before; its left-behind check must then find itself outside this round's view,
+    though the view read at the round's start held it."""
+    if _mut.active("view_not_narrowed"):
+        return published
+    return published & ~(view & ~received)
 
 
 # --- the left-behind check (combine step 4; on CUDA, the next round's prologue) -----------

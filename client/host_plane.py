@@ -179,9 +179,10 @@ def _bits(nonzero: torch.Tensor) -> int:
     return out
 
 
-def _unset(flags: torch.Tensor, rnd: int, view: int) -> int:
-    """The ranks of ``view`` whose flag (one per rank) is not ``rnd``."""
-    pending = (flags != rnd).nonzero()
+def _unset(flags: torch.Tensor, rnd: int, view: int, past_ok: bool = False) -> int:
+    """The ranks of ``view`` whose flag (one per rank) is not ``rnd`` (with ``past_ok``: is below
+    ``rnd``; ``planerules.past_round_is_seen``)."""
+    pending = ((flags < rnd) if past_ok else (flags != rnd)).nonzero()
     return _bits(pending) & view if pending.numel() else 0
 
 
@@ -249,6 +250,7 @@ class HostPlane(Plane):
         #: The sources whose tokens the current round's dispatch received (its wait saw their
         #: flag): the combine publishes its outputs to them only.
         self._dispatch_got = self._full
+        self._published_view = self._full  # what this rank's row says its view of the round is
         #: The ranks whose contributions the last combine summed (its view of the mask).
         self.combine_mask: int | None = None
         self._degraded: torch.Tensor | None = None
@@ -292,6 +294,7 @@ class HostPlane(Plane):
             # then reads at least this view
             self._views[me].copy_(mask_word_tensor(view))
             self._view_rounds[me] = rnd
+            self._published_view = view
         view &= _caller_bits(caller_mask, ep)
         self.dispatch_mask = view
         active, rows = self._mask(view)
@@ -340,6 +343,12 @@ class HostPlane(Plane):
         # 6. every source's data is here (or the source left the mask: nothing came from it)
         got = self._wait(self._dispatch_flags[me], rnd, L.PHASE_DISPATCH, view)
         self._dispatch_got = got
+        if self.degrade and got != view:
+            # the sources let go of leave the published view before this rank restages its
+            # combine region (its combine, below): one of them, alive, may still be pulling it
+            # for the round before, and its left-behind check must find itself outside
+            self._published_view = rules.published_view(self._published_view, view, got)
+            self._views[me].copy_(mask_word_tensor(self._published_view))
         if got != self._full:
             _, gone = self._mask(self._full & ~got)
             self._recv_counters[me, gone] = 0
@@ -389,7 +398,8 @@ class HostPlane(Plane):
         view = self.dispatch_mask if self.dispatch_mask is not None else self._full
         _, rows = self._mask(view)
         self._combine_flags[rows, me] = rnd
-        self.combine_mask = self._wait(self._combine_flags[me], rnd, L.PHASE_COMBINE, view)
+        self.combine_mask = self._wait(self._combine_flags[me], rnd, L.PHASE_COMBINE, view,
+                                       rules.past_round_is_seen(self.degrade, True))
         self._degraded = None
         self._flag_val.fill_(rnd + 1)
         self._round = None
@@ -526,15 +536,19 @@ class HostPlane(Plane):
             self._combine_flags[rows, me] = rnd
         # 3. every target's outputs for this rank are ready (or the target left the mask, or
         # let this rank go in its dispatch: a void descriptor)
-        got = self._wait(self._combine_flags[me], rnd, L.PHASE_COMBINE, view)
+        past_ok = rules.past_round_is_seen(self.degrade, True)
+        got = self._wait(self._combine_flags[me], rnd, L.PHASE_COMBINE, view, past_ok)
         descriptors = (self._combine_ready[me] >> 32) & 0xFFFFFFFF
         seen = self._mask(got)[0]
+        # a flag past the round: the target let this rank go in its next dispatch and restaged
+        ahead = (self._combine_flags[me] > rnd) & seen if past_ok else None
+        ahead = _bits(ahead.nonzero()) if ahead is not None and bool(ahead.any()) else 0
         voided = (descriptors == L.COMBINE_SPEC_VOID) & seen
         voided = _bits(voided.nonzero()) if bool(voided.any()) else 0
         disagree = (descriptors != spec) & (descriptors != L.COMBINE_SPEC_VOID) & seen
-        disagree = _bits(disagree.nonzero()) if bool(disagree.any()) else 0
-        got, counted_mask = rules.combine_counted(got, voided, disagree)
-        if voided:
+        disagree = _bits(disagree.nonzero()) & ~ahead if bool(disagree.any()) else 0
+        got, counted_mask = rules.combine_counted(got, voided, disagree, ahead)
+        if voided or ahead:
             seen = self._mask(got)[0]
         bad = disagree
         self.combine_mask = got
@@ -628,17 +642,17 @@ class HostPlane(Plane):
         return mask_word_tensor(m)
 
     # --- waits and failures ---------------------------------------------------------
-    def _wait(self, flags: torch.Tensor, rnd: int, phase: int, view: int) -> int:
+    def _wait(self, flags: torch.Tensor, rnd: int, phase: int, view: int, past_ok: bool = False) -> int:
         """Until ``flags[q]`` (this rank's, one per peer) equals ``rnd`` for every q of the
-        round (``view``); in a degrade job a peer whose bit the daemon cleared is no longer
-        waited for. Returns the ranks whose flag was seen: what came from them is complete
+        round (``view``; with ``past_ok``, or is past it: ``planerules.past_round_is_seen``);
+        in a degrade job a peer whose bit the daemon cleared is no longer waited for. Returns the ranks whose flag was seen: what came from them is complete
         (written before the flag), whatever became of them since; nothing counts from the
         others. Bounded by the timeout and abandoned when the abort word is set."""
         cb = self.att.control
         patience = _Patience(self.timeout)
         degrade = self.degrade
         while True:
-            waiting = _unset(flags, rnd, view)  # only the round's ranks
+            waiting = _unset(flags, rnd, view, past_ok)  # only the round's ranks
             if not waiting:
                 return view
             if degrade:
@@ -647,7 +661,7 @@ class HostPlane(Plane):
                     # every rank still waited for left the mask; one may have published its flag,
                     # finished the round and left between the two reads above: what it published
                     # is complete, so a second look counts it
-                    return rules.all_left(view, waiting, _unset(flags, rnd, view))
+                    return rules.all_left(view, waiting, _unset(flags, rnd, view, past_ok))
             else:
                 peer = rules.lowest(waiting)
             code = patience.give_up(cb)
@@ -656,7 +670,7 @@ class HostPlane(Plane):
             # the flags were read before the abort word: a peer may have published its flag,
             # finished its round and left (setting the abort word) between the two reads;
             # what it published is complete, so one more look decides
-            if rules.completes_after_give_up(view, _unset(flags, rnd, view)):
+            if rules.completes_after_give_up(view, _unset(flags, rnd, view, past_ok)):
                 return view
             cb.record_status(self.ep_rank, code, peer, rnd, phase, patience.waited_ns)
             self.att.control.raise_for(self.ep_rank, self.att.job)

@@ -745,95 +745,154 @@ def test_two_replacements_let_in_at_the_same_round_do_not_wait_for_each_other(in
         assert all(v == (0b1111, True) for v in out.values()), out
 
 
-def test_a_rank_dropped_while_alive_never_completes_a_round_with_outputs_not_meant_for_it():
+class _TwoNodes:
     """Host planes of 3 ranks as threads on one workspace, degrade policy, two control blocks
-    (two nodes: ranks 0 and 1 on one, rank 2 on the other). Rank 2's node is counted lost by
-    the first node (bit 2 cleared there) while rank 2 runs on with a whole view, as when its
-    daemon stalls. (1) Ranks 0 and 1 let rank 2 go in their dispatch before its tokens came:
-    their combine publishes its flag to rank 2 with the void descriptor, so rank 2's combine
-    completes at once counting only its own rows (every token with an expert on rank 0 or 1
-    marked degraded) instead of pulling rows computed from slots it never filled, or waiting
-    until its timeout for a flag that would never come. (2) Ranks 0 and 1 finish a round with rank 2
-    (its tokens came), then run the next round without it, restaging their regions, before
-    rank 2 pulls: rank 2's combine raises PeerLost "left behind" naming rank 0 instead of
-    returning what it pulled."""
-    import torch
-
-    from a2ad.client import local
-    from a2ad.client.host_plane import HostPlane
+    (two nodes: ranks 0 and 1 on one, rank 2 on the other); rank 2's wait times out in 1 s."""
 
     ep, T, top_k, experts_n, hidden = 3, 4, 2, 6, 8
-    size = L.workspace_size_per_rank(ep, T, 4 * hidden, 4 * hidden)
-    aux = L.aux_layout(ep, T)
-    pl = L.payload_layout(aux, size, T, [4 * hidden], 4 * hidden)
-    gen = torch.Generator().manual_seed(5)
 
-    def fresh():
-        ws = torch.zeros(ep, size, dtype=torch.uint8)
+    def __init__(self, seed: int = 5):
+        import torch
+
+        from a2ad.client import local
+        from a2ad.client.host_plane import HostPlane
+
+        ep, T = self.ep, self.T
+        size = L.workspace_size_per_rank(ep, T, 4 * self.hidden, 4 * self.hidden)
+        aux = L.aux_layout(ep, T)
+        self.pl = L.payload_layout(aux, size, T, [4 * self.hidden], 4 * self.hidden)
+        self.gen = torch.Generator().manual_seed(seed)
+        ws = self.ws = torch.zeros(ep, size, dtype=torch.uint8)
         for r in range(ep):
             ws[r, aux.flag_val: aux.flag_val + 4].view(torch.int32).fill_(L.INITIAL_ROUND)
         nodes = [local._Shared(ws, ep), local._Shared(ws, ep)]
         for n in nodes:
             n.control.initialize(ep, L.POLICY_DEGRADE)
+        self.cb_a = nodes[0].control
 
         def plane(r, timeout):
-            att = local.LocalAttachment(ws, r, ep, T, aux, nodes[r // 2], 0).spec_for(top_k, experts_n)
+            att = local.LocalAttachment(ws, r, ep, T, aux, nodes[r // 2], 0).spec_for(self.top_k, self.experts_n)
             att.spec["on_peer_loss"] = "degrade"
             return HostPlane(att, timeout=timeout)
 
-        return ws, nodes[0].control, {0: plane(0, 20.0), 1: plane(1, 20.0), 2: plane(2, 1.0)}
+        self.planes = {0: plane(0, 20.0), 1: plane(1, 20.0), 2: plane(2, 1.0)}
 
-    def inputs():
-        experts = torch.rand(T, experts_n, generator=gen).argsort(dim=1)[:, :top_k].to(torch.int32).contiguous()
-        return experts, torch.randint(-8, 9, (T, hidden), generator=gen).to(torch.float32)
+    def inputs(self):
+        import torch
 
-    def expert_out(ws, r):
-        recv = ws[r, pl.dispatch_offsets[0]: pl.dispatch_offsets[0] + ep * T * 4 * hidden]
-        return recv.view(torch.float32).view(ep, T, hidden) * float(r + 1)
+        experts = torch.rand(self.T, self.experts_n, generator=self.gen).argsort(dim=1)[:, :self.top_k]
+        x = torch.randint(-8, 9, (self.T, self.hidden), generator=self.gen).to(torch.float32)
+        return experts.to(torch.int32).contiguous(), x
 
-    def send(planes, r):
-        experts, x = inputs()
-        planes[r].dispatch(experts, [x], T, pl, experts_n)
+    def expert_out(self, r):
+        import torch
 
-    def full_round(ws, planes):
+        pl, ep, T = self.pl, self.ep, self.T
+        recv = self.ws[r, pl.dispatch_offsets[0]: pl.dispatch_offsets[0] + ep * T * 4 * self.hidden]
+        return recv.view(torch.float32).view(ep, T, self.hidden) * float(r + 1)
+
+    def send(self, r, inputs=None):
+        experts, x = inputs or self.inputs()
+        self.planes[r].dispatch(experts, [x], self.T, self.pl, self.experts_n)
+
+    def combine(self, r):
+        return self.planes[r].combine(self.expert_out(r), self.T, self.T, self.pl, False)
+
+    def full_round(self):
         def step(r):
-            send(planes, r)
-            return planes[r].combine(expert_out(ws, r), T, T, pl, False)
+            self.send(r)
+            return self.combine(r)
 
-        _in_threads(range(ep), step)
+        _in_threads(range(self.ep), step)
+
+    def drop_2_in_node_a(self, after: float):
+        """Clear rank 2's bit in the first node's block ``after`` seconds from now (its node
+        counted lost there while rank 2 runs on)."""
+        t = threading.Timer(after, lambda: self.cb_a.set_active_mask(0b011, self.ep, time.monotonic_ns()))
+        t.start()
+        return t
+
+    def owners(self, experts):
+        import torch
+
+        return torch.tensor([[L.expert_owner(int(e), self.experts_n, self.ep) for e in row] for row in experts])
+
+
+def test_a_rank_dropped_while_alive_never_completes_a_round_with_outputs_not_meant_for_it():
+    """Rank 2's node is counted lost by the first node (bit 2 cleared there) while rank 2 runs
+    on with a whole view, as when its daemon stalls (_TwoNodes). (1) Ranks 0 and 1 let rank 2
+    go in their dispatch before its tokens came: their combine publishes its flag to rank 2
+    with the void descriptor, so rank 2's combine completes at once counting only its own rows
+    (every token with an expert on rank 0 or 1 marked degraded) instead of pulling rows
+    computed from slots it never filled, or waiting until its timeout for a flag that would
+    never come; and they leave rank 2 out of the view they publish before they restage. (2)
+    Ranks 0 and 1 finish a round with rank 2 (its tokens came), then run the next round
+    without it, restaging their regions, before rank 2 pulls: rank 2's combine raises PeerLost
+    "left behind" naming rank 0 instead of returning what it pulled."""
+    import torch
 
     # (1) let go of in the dispatch, before its tokens came
-    ws, cb_a, planes = fresh()
-    full_round(ws, planes)
-    t0 = threading.Timer(0.3, lambda: cb_a.set_active_mask(0b011, ep, time.monotonic_ns()))
-    t0.start()
-    _in_threads([0, 1], lambda r: send(planes, r))
+    w = _TwoNodes()
+    w.full_round()
+    t0 = w.drop_2_in_node_a(0.3)
+    _in_threads([0, 1], w.send)
     t0.join()
-    assert planes[0]._dispatch_got == 0b011
-    _in_threads([0, 1], lambda r: planes[r].combine(expert_out(ws, r), T, T, pl, False))  # rank 2 left their mask
-    experts, x = inputs()
-    planes[2].dispatch(experts, [x], T, pl, experts_n)  # ranks 0 and 1 flagged their sends to it
+    assert w.planes[0]._dispatch_got == 0b011
+    # the view they publish no longer holds rank 2 (the left-behind check of a rank let go of
+    # while it still pulls the round before reads it)
+    assert all(L.mask_from_words(w.planes[r]._views[r].tolist()) == 0b011 for r in (0, 1))
+    _in_threads([0, 1], w.combine)  # rank 2 left their mask
+    experts, x = w.inputs()
+    w.send(2, (experts, x))  # ranks 0 and 1 flagged their sends to it
     t = time.monotonic()
-    out = planes[2].combine(expert_out(ws, 2), T, T, pl, False)
+    out = w.combine(2)
     assert time.monotonic() - t < 0.5  # (its wait's timeout is 1 s)
-    assert planes[2].combine_mask == 0b100
-    owners = torch.tensor([[L.expert_owner(int(e), experts_n, ep) for e in row] for row in experts])
+    assert w.planes[2].combine_mask == 0b100
+    owners = w.owners(experts)
     own = (owners == 2).any(1)
     assert torch.equal(out, x * 3.0 * own.unsqueeze(1).float())
-    assert torch.equal(planes[2].degraded_tokens(), (owners != 2).any(1))
+    assert torch.equal(w.planes[2].degraded_tokens(), (owners != 2).any(1))
     assert (owners != 2).any(), "the inputs sent nothing to ranks 0 and 1: the case shows nothing"
 
     # (2) a round with it, then the next without it, before it pulled
-    ws, cb_a, planes = fresh()
-    full_round(ws, planes)
-    _in_threads(range(ep), lambda r: send(planes, r))
-    t0 = threading.Timer(0.3, lambda: cb_a.set_active_mask(0b011, ep, time.monotonic_ns()))
-    t0.start()
-    _in_threads([0, 1], lambda r: planes[r].combine(expert_out(ws, r), T, T, pl, False))  # let go of rank 2
+    w = _TwoNodes()
+    w.full_round()
+    _in_threads(range(w.ep), w.send)
+    t0 = w.drop_2_in_node_a(0.3)
+    _in_threads([0, 1], w.combine)  # let go of rank 2
     t0.join()
-    _in_threads([0, 1], lambda r: send(planes, r))
-    _in_threads([0, 1], lambda r: planes[r].combine(expert_out(ws, r), T, T, pl, False))  # regions restaged
+    _in_threads([0, 1], w.send)
+    _in_threads([0, 1], w.combine)  # regions restaged
     with pytest.raises(errors.PeerLost) as lost:
-        planes[2].combine(expert_out(ws, 2), T, T, pl, False)
+        w.combine(2)
     assert lost.value.details["reason_name"] == "left behind" and lost.value.rank == 0, lost.value
     assert "went on to round" in str(lost.value)
+
+
+def test_a_void_flag_of_the_next_round_over_the_one_not_yet_read_ends_the_combine():
+    """Ranks 0 and 1 finished round R with rank 2 (it was stalled in its combine wait of R
+    before their flags of R reached it), then let it go in their dispatch of R + 1 (its bit
+    cleared in their block) and sent it their void flag of R + 1, over their flags of R that it
+    had not read yet. Rank 2's combine of R ends at once counting nothing from them (their
+    regions hold R + 1's outputs), marking its tokens that went there, instead of waiting
+    until its timeout for flags that are gone."""
+    import torch
+
+    w = _TwoNodes()
+    w.full_round()
+    experts, x = w.inputs()
+    _in_threads(range(w.ep), lambda r: w.send(r, (experts, x) if r == 2 else None))
+    rnd = int(w.planes[2]._flag_val.item())
+    # what ranks 0 and 1 leave in rank 2's row once round R + 1's combine let it go
+    p2 = w.planes[2]
+    for q in (0, 1):
+        p2._combine_ready[2, q] = L.COMBINE_SPEC_VOID << 32 | (rnd + 1)
+        p2._combine_flags[2, q] = rnd + 1
+    t = time.monotonic()
+    out = w.combine(2)
+    assert time.monotonic() - t < 0.5  # (its wait's timeout is 1 s)
+    assert p2.combine_mask == 0b100
+    owners = w.owners(experts)
+    assert torch.equal(out, x * 3.0 * (owners == 2).any(1).unsqueeze(1).float())
+    assert torch.equal(p2.degraded_tokens(), (owners != 2).any(1))
+    assert int(p2._flag_val.item()) == rnd + 1
