@@ -66,6 +66,24 @@ def test_the_left_behind_check(view_round, view, behind):
         assert rules.went_on_without(rnd, me, view_round, view) is False
 
 
+def test_a_rank_let_go_of_in_a_dispatch_leaves_the_view_published_before_the_restage():
+    # published {0, 1, 2} at the round's start; the dispatch let 2 go: the row says {0, 1}
+    assert rules.published_view(0b111, 0b111, 0b011) == 0b011
+    # a rank outside the round (a caller's mask) is not taken out
+    assert rules.published_view(0b111, 0b011, 0b001) == 0b101
+    with mutations.enabled("view_not_narrowed"):
+        assert rules.published_view(0b111, 0b111, 0b011) == 0b111
+
+
+def test_only_a_degrade_combine_counts_a_flag_past_its_round_and_takes_nothing_from_it():
+    assert rules.past_round_is_seen(degrade=True, combine=True) is True
+    assert rules.past_round_is_seen(degrade=True, combine=False) is False
+    assert rules.past_round_is_seen(degrade=False, combine=True) is False
+    with mutations.enabled("void_flag_overruns_wait"):
+        assert rules.past_round_is_seen(degrade=True, combine=True) is False
+    assert rules.combine_counted(seen=0b111, voided=0, disagree=0, ahead=0b001) == (0b110, 0b110)
+
+
 def test_the_candidates_of_the_left_behind_check_are_the_ranks_pulled_from_but_this_one():
     assert rules.left_behind_candidates(1, 0b1011) == 0b1001
 
@@ -109,11 +127,18 @@ def test_every_plane_mutation_is_caught_within_its_budget(name):
     pytest.fail(f"mutation {name} not caught in {CATCH_BUDGET} seeds")
 
 
+def _first_caught(name: str, start: int = 0) -> int:
+    for seed in range(start, start + CATCH_BUDGET):
+        if plane.run(seed, name).violations:
+            return seed
+    pytest.fail(f"mutation {name} not caught in {CATCH_BUDGET} seeds from {start}")
+
+
 def test_a_seed_replays_exactly():
-    a, b = plane.run(81, "publish_to_unreceived"), plane.run(81, "publish_to_unreceived")
-    assert a.trace == b.trace and a.steps == b.steps and a.violations == b.violations
-    assert a.violations  # this seed catches that mutation
-    c = plane.run(82, "publish_to_unreceived")
+    seed = _first_caught("publish_to_unreceived")
+    a, b = plane.run(seed, "publish_to_unreceived"), plane.run(seed, "publish_to_unreceived")
+    assert a.violations and a.trace == b.trace and a.steps == b.steps and a.violations == b.violations
+    c = plane.run(seed + 1, "publish_to_unreceived")
     assert c.trace != a.trace
     assert "plane" in WORLDS
 
@@ -128,12 +153,21 @@ def test_the_command_line_says_how_many_schedules_faults_and_violations():
     assert ok.returncode == 0, ok.stdout + ok.stderr
     last = ok.stdout.strip().splitlines()[-1]
     assert last.startswith("sim: 20 schedules, ") and last.endswith(" 0 violations"), last
-    bad = _sim("--seeds", "40", "--start", "60", "--mutation", "publish_to_unreceived")
+    name, start = "publish_to_unreceived", 5
+    first = _first_caught(name, start)
+    n = first - start + 10
+    bad = _sim("--seeds", str(n), "--start", str(start), "--mutation", name)
     assert bad.returncode == 1, bad.stdout + bad.stderr
     lines = bad.stdout.strip().splitlines()
-    assert "VIOLATION seed 81 world plane: foreign_outputs" in bad.stdout
-    assert "mutation publish_to_unreceived: first caught after 22 seeds (seed 81)" in lines
-    assert lines[-1].startswith("sim: 40 schedules, ") and not lines[-1].endswith(" 0 violations")
+    assert f"VIOLATION seed {first} world plane: " in bad.stdout
+    assert f"mutation {name}: first caught after {first - start + 1} seeds (seed {first})" in lines
+    assert lines[-1].startswith(f"sim: {n} schedules, ") and not lines[-1].endswith(" 0 violations")
+    replay = _sim("--replay", str(first), "--mutation", name)
+    assert replay.returncode == 1 and f"VIOLATION seed {first} world plane: " in replay.stdout
+    out = plane.run(first, name)
+    assert replay.stdout.strip().splitlines()[-1] == \
+        f"sim: 1 schedules, {out.faults} faults, {len(out.violations)} violations"
+    assert len(replay.stdout.splitlines()) > len(out.trace)  # the whole trace
     listed = _sim("--list-mutations")
     assert listed.returncode == 0
     assert {line.split()[0] for line in listed.stdout.splitlines()} >= set(PLANE_MUTATIONS)

@@ -11,11 +11,13 @@ What is modelled:
   was computed from;
 - one control block per node (mask, abort word); a rank reads its own node's;
 - a rank step is one read or one write of the protocol (a flag, a mask, a staged region, a view
-  word); a wait polls with a doubling pause and is bounded by its timeout;
+  word), now and then descheduled for a while; a pull of one target's rows spans time (read at
+  its start and at its end); a wait polls with a doubling pause and is bounded by its timeout;
 - faults: a rank killed (its node's daemon clears its bit in every node's block, one hop each,
   in a degrade job, or sets the abort word in a raise job; a replacement joins later), a rank
   stalled (SIGSTOP-like), a node counted lost while its ranks run (its ranks' bits cleared, or
-  the abort word set, in the other nodes' blocks only; once heard again the job re-arms);
+  the abort word set, in the other nodes' blocks only; once heard again the job re-arms), a
+  node starved (some of its ranks stalled, then the node counted lost);
 - the job-wide re-arm: every rank that raised calls recover(); once every rank is there, the
   rows are reset, the masks made full and the ranks released at round 1 of a new generation.
 
@@ -28,13 +30,15 @@ Invariants, each checked at the step that can break it:
 - ``foreign_outputs``: no rank completes a round with outputs not computed for it (pulled rows
   staged from another source's tokens, another round's, or nothing);
 - ``dispatch_data``: a source whose flag a dispatch counted delivered that round's tokens;
-- ``hang``: no wait waits for a flag that a peer which finished that round with the waiter in its
-  view never published (such a wait can end only by its timeout);
+- ``hang``: no wait waits for a flag of a peer which finished that round with the waiter in its
+  view that is not there (never published, or written over): such a wait can end only by its
+  timeout;
 - ``flag_discarded``: a wait never lets go of, or gives up on, a peer whose flag is there when it
   decides;
-- ``wait_bound``: every wait ends with a typed outcome within its timeout (plus one pause);
+- ``wait_bound``: every wait ends with a typed outcome within its timeout plus one pause, not
+  counting the time its rank was stalled or descheduled;
 - ``views_converge``: after the last fault is resolved, every rank completes a round with the
-  full view within a bound.
+  full view, every rank counted, within :func:`converge_bound`.
 """
 
 from __future__ import annotations
@@ -52,8 +56,22 @@ TIMEOUT = 40.0  # a wait's timeout (fake time units)
 FIRST_PAUSE = 0.5
 MAX_PAUSE = 3.0
 STEP_MAX = 1.0  # a step takes U(0.02, STEP_MAX)
-CONVERGE = TIMEOUT + 60.0  # after the last fault's resolution, a full round within this
+PREEMPT, PREEMPT_MAX = 0.03, 10.0  # a step is descheduled with this chance, for up to this long
+PULL_MAX = 4.0  # a pull of one target's rows spans U(0.1, PULL_MAX)
 FAULTS_UNTIL = 60.0  # faults start in [1, FAULTS_UNTIL]
+
+
+def round_bound(m: int) -> float:
+    """A round of m ranks that waits for nobody takes at most about this long: its steps (a
+    view, a publish per rank and phase, a few polls, the left-behind reads), its pulls."""
+    return (4 * m + 16) * STEP_MAX + m * PULL_MAX
+
+
+def converge_bound(m: int) -> float:
+    """After the last fault is resolved, every rank completes a full round within this: a wait
+    still running out its timeout, the re-arm it asks for, then rounds (one to reach the
+    abort word, one to complete)."""
+    return TIMEOUT + 3 * round_bound(m)
 
 REAL, VOID = 1, 2
 
@@ -96,8 +114,15 @@ class Rank:
         self.w, self.r = w, r
         self.dead = False
         self.parked = False
-        self.wait: Optional[tuple] = None  # (phase, round, start, stalled during)
+        self.wait: Optional[tuple] = None  # (phase, round, start)
+        self.off = 0.0  # time spent stalled or descheduled during the current wait
         self.gen = self._body(joins)
+
+    def dt(self) -> float:
+        d = self.w.dt()
+        if d > STEP_MAX:
+            self.off += d - STEP_MAX
+        return d
 
     def step(self) -> None:
         w = self.w
@@ -105,8 +130,7 @@ class Rank:
             return
         until = w.stalled_until[self.r]
         if until > w.s.now:
-            if self.wait is not None:
-                self.wait = self.wait[:3] + (True,)
+            self.off += until - w.s.now
             w.s.at(until, self.step)
             return
         try:
@@ -137,7 +161,7 @@ class Rank:
 
     def _round(self):
         w, r, s = self.w, self.r, self.w.s
-        dt = w.dt
+        dt = self.dt
         rows, row = w.rows, w.rows[r]
         blk = w.blocks[w.node_of[r]]
         gen = w.generation
@@ -161,6 +185,9 @@ class Rank:
         got = yield from self._wait("dispatch", row.dflag, rnd, view)
         if isinstance(got, str):
             return got
+        if w.degrade and got != view:  # the sources let go of leave the published view
+            yield dt()
+            row.view = rules.published_view(row.view, view, got)
         recv = {}
         for q in _ranks(got):
             d = row.data[q]
@@ -181,15 +208,20 @@ class Rank:
         if isinstance(seen, str):
             return seen
         yield dt()
-        voided = 0
+        voided = ahead = 0
         for q in _ranks(seen):
-            if row.cdesc[q] == VOID:
+            if row.cflag[q] > rnd:
+                ahead |= 1 << q
+            elif row.cdesc[q] == VOID:
                 voided |= 1 << q
-        got_c, counted = rules.combine_counted(seen, voided, 0)
+        got_c, counted = rules.combine_counted(seen, voided, 0, ahead)
         pulled = {}
-        for q in w.shuffled(counted):
+        for q in w.shuffled(counted):  # a pull spans time: its rows are read from first to last
             yield dt()
-            pulled[q] = rows[q].comb[r]
+            first = rows[q].comb[r]
+            yield w.rng.uniform(0.1, PULL_MAX)
+            last = rows[q].comb[r]
+            pulled[q] = first if first == last else ("torn", first, last)
         yield dt()
         row.flag_val = rnd + 1
         if w.degrade:
@@ -214,7 +246,8 @@ class Rank:
     def _wait(self, phase: str, flags: list, rnd: int, view: int):
         """A bounded wait until flags[q] == rnd for every q of ``view`` (PROTOCOL.md, dispatch step 6,
         combine step 3): returns the ranks seen, or a failure name."""
-        self.wait = (phase, rnd, self.w.s.now, False)
+        self.wait = (phase, rnd, self.w.s.now)
+        self.off = 0.0
         out = yield from self._poll(phase, flags, rnd, view)
         self.w.check_wait_bound(self)
         self.wait = None
@@ -222,15 +255,16 @@ class Rank:
 
     def _poll(self, phase: str, flags: list, rnd: int, view: int):
         w, r, s = self.w, self.r, self.w.s
-        dt = w.dt
+        dt = self.dt
         blk = w.blocks[w.node_of[r]]
         deadline = s.now + TIMEOUT
         pause = FIRST_PAUSE
+        past_ok = rules.past_round_is_seen(w.degrade, phase == "combine")
 
         def unset() -> int:
             out = 0
             for q in _ranks(view):
-                if flags[q] != rnd:
+                if flags[q] < rnd if past_ok else flags[q] != rnd:
                     out |= 1 << q
             return out
 
@@ -251,7 +285,7 @@ class Rank:
                                   f"{_names(let_go)}, whose flag was there")
                     s.log(f"r{r}", f"{phase} R={rnd} let go of {_names(view & ~got)}")
                     return got
-            w.check_hang(r, phase, rnd, waiting, flags)
+            w.check_hang(r, phase, rnd, waiting, flags, past_ok)
             yield dt()
             code = "aborted" if blk.abort else "timeout" if s.now >= deadline else None
             if code is not None:
@@ -305,7 +339,10 @@ class PlaneWorld:
 
     # --- helpers ---------------------------------------------------------------------
     def dt(self) -> float:
-        return self.rng.uniform(0.02, STEP_MAX)
+        rng = self.rng
+        if rng.random() < PREEMPT:  # descheduled for a while (a loaded machine)
+            return rng.uniform(STEP_MAX, PREEMPT_MAX)
+        return rng.uniform(0.02, STEP_MAX)
 
     def shuffled(self, mask: int) -> list[int]:
         out = list(_ranks(mask))
@@ -320,20 +357,22 @@ class PlaneWorld:
         self.quiet_from = max(self.quiet_from, when)
 
     # --- invariants checked from the ranks' steps ----------------------------------------
-    def check_hang(self, r: int, phase: str, rnd: int, waiting: int, flags: list) -> None:
+    def check_hang(self, r: int, phase: str, rnd: int, waiting: int, flags: list, past_ok: bool) -> None:
         for q in _ranks(waiting):
-            if self.rows[q].flag_val > rnd and (self.views.get((self.generation, q, rnd), 0) >> r) & 1 \
-                    and flags[q] != rnd:
+            missing = flags[q] < rnd if past_ok else flags[q] != rnd
+            if missing and self.rows[q].flag_val > rnd and (self.views.get((self.generation, q, rnd), 0) >> r) & 1:
                 self.violate("hang", f"r{r}'s {phase} wait of round {rnd} waits for r{q}, which finished that "
-                             f"round with r{r} in its view without publishing its {phase} flag to it")
+                             f"round with r{r} in its view, and its {phase} flag of that round is not in r{r}'s "
+                             f"row (never published, or written over: {flags[q]}): only the timeout can end it")
 
     def check_wait_bound(self, p: Rank) -> None:
         if p.wait is None:
             return
-        phase, rnd, start, stalled = p.wait
-        if not stalled and self.s.now - start > TIMEOUT + MAX_PAUSE + 4 * STEP_MAX:
-            self.violate("wait_bound", f"r{p.r}'s {phase} wait of round {rnd} took {self.s.now - start:.1f}, past "
-                         f"its timeout {TIMEOUT}")
+        phase, rnd, start = p.wait
+        ran = self.s.now - start - p.off  # the time it was not stalled or descheduled
+        if ran > TIMEOUT + MAX_PAUSE + 4 * STEP_MAX:
+            self.violate("wait_bound", f"r{p.r}'s {phase} wait of round {rnd} ran {ran:.1f} (and was stopped "
+                         f"{p.off:.1f}), past its timeout {TIMEOUT}")
 
     # --- the daemons: losses, re-arms -----------------------------------------------------
     def hop(self) -> float:
@@ -377,7 +416,7 @@ class PlaneWorld:
     # --- faults ------------------------------------------------------------------------
     def plan_faults(self) -> None:
         rng = self.rng
-        kinds = ["kill", "stall"] + (["node_loss"] * 3 if self.nodes > 1 else [])
+        kinds = ["kill", "stall"] + (["node_loss", "node_loss", "starved", "starved"] if self.nodes > 1 else [])
         for _ in range(rng.choice((0, 1, 1, 2, 2, 3))):
             kind = rng.choice(kinds)
             t = rng.uniform(1.0, FAULTS_UNTIL)
@@ -392,6 +431,18 @@ class PlaneWorld:
                 d = rng.uniform(0.5, 1.5 * TIMEOUT)
                 self.s.at(t, lambda q=q, d=d: self._stall(q, d))
                 self.resolved(t + d)
+            elif kind == "starved":  # some of its ranks stop for a while, and the others count the node lost
+                b = rng.randrange(self.nodes)
+                ranks = list(_ranks(self.node_ranks[b]))
+                for q in rng.sample(ranks, rng.randint(1, len(ranks))):
+                    d = rng.uniform(0.5, 1.5 * TIMEOUT)
+                    self.s.at(t, lambda q=q, d=d: self._stall(q, d))
+                    self.resolved(t + d)
+                t += rng.uniform(0.0, 30.0)
+                d = rng.uniform(1.0, 1.5 * TIMEOUT)
+                rearm = rng.uniform(0.1, 20.0)
+                self.s.at(t, lambda b=b, d=d, rearm=rearm: self._node_loss(b, d, rearm))
+                self.resolved(t + d + rearm + 10.0)
             else:
                 b = rng.randrange(self.nodes)
                 d = rng.uniform(1.0, 1.5 * TIMEOUT)
@@ -456,7 +507,7 @@ class PlaneWorld:
         self.plan_faults()
         for p in self.procs:
             self.s.after(self.dt(), p.step)
-        horizon = max(self.quiet_from, FAULTS_UNTIL) + CONVERGE
+        horizon = max(self.quiet_from, FAULTS_UNTIL) + converge_bound(self.m)
         self.s.run(horizon, lambda: not self.violations)
         if not self.violations:
             for p in self.procs:
