@@ -114,6 +114,25 @@ def published_view(published: int, view: int, received: int) -> int:
     return published & ~(view & ~received)
 
 
+# --- a replacement's admission (dispatch step 0, and step 1's lowest rank) ----------------
+def lets_in(me: int, view: int) -> bool:
+    """Whether this rank lets in, at its round's start, the replacements that asked: it is
+    the lowest rank of its round's view. (It writes their admit round, R + 1, before anything
+    else of round R: nobody can start R + 1 before its combine flag of R.)"""
+    return lowest(view) == me
+
+
+def lagging(me: int, admit_view: int, behind: int, same_round: int) -> int:
+    """The ranks a replacement let in at round E still waits for before its first round: those
+    of ``admit_view`` (the effective mask of E) other than itself that have not finished round
+    E - 1 (``behind``: their ``FLAG_VAL`` is below E), except the ranks let in at E themselves
+    (``same_round``: they took no part in E - 1; two replacements let in together would
+    otherwise wait for each other)."""
+    if _mut.active("admitted_together_wait"):
+        return admit_view & behind & ~(1 << me)
+    return admit_view & behind & ~(1 << me) & ~same_round
+
+
 # --- the left-behind check (combine step 4; on CUDA, the next round's prologue) -----------
 def left_behind_candidates(me: int, counted: int) -> int:
     """The ranks whose round and view the check reads: every rank pulled from but this one."""

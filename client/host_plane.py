@@ -414,7 +414,7 @@ class HostPlane(Plane):
         if admit < 0 or admit > rnd:
             rnd = self._admitted(admit)
         eff = cb.effective_mask(ep, rnd, rows)
-        if eff & -eff == 1 << me:  # this rank is the lowest of the round's ranks
+        if rules.lets_in(me, eff):  # this rank is the lowest of the round's ranks
             waiting = cb.active_mask & ~eff
             if waiting:
                 rounds = cb.admit_rounds(ep)
@@ -448,11 +448,14 @@ class HostPlane(Plane):
                 lagging = 0
                 behind = (self._flag_vals < admit).nonzero()
                 if behind.numel():
-                    lagging = _bits(behind) & cb.effective_mask(ep, admit, rows) & ~(1 << me)
+                    behind = _bits(behind) & ~(1 << me)
+                    admit_view = cb.effective_mask(ep, admit, rows)
                     # (a replacement let in at the same round has no round before it to finish)
-                    for q in L.mask_ranks(lagging):
+                    same = 0
+                    for q in L.mask_ranks(behind & admit_view):
                         if cb.admit_of(q, rows) == admit:
-                            lagging &= ~(1 << q)
+                            same |= 1 << q
+                    lagging = rules.lagging(me, admit_view, behind, same)
                 if not lagging:
                     self._flag_val.fill_(admit)
                     return admit
