@@ -84,6 +84,19 @@ def test_only_a_degrade_combine_counts_a_flag_past_its_round_and_takes_nothing_f
     assert rules.combine_counted(seen=0b111, voided=0, disagree=0, ahead=0b001) == (0b110, 0b110)
 
 
+def test_the_lowest_rank_of_a_view_lets_replacements_in():
+    assert rules.lets_in(1, 0b1110) is True
+    assert rules.lets_in(2, 0b1110) is False
+
+
+def test_replacements_let_in_at_the_same_round_do_not_wait_for_each_other():
+    # ranks 0-3 in M(E); 2 and 3 let in at E, both still at FLAG_VAL below E; rank 1 lags
+    assert rules.lagging(2, admit_view=0b1111, behind=0b1110, same_round=0b1100) == 0b0010
+    assert rules.lagging(2, admit_view=0b1111, behind=0b1100, same_round=0b1100) == 0
+    with mutations.enabled("admitted_together_wait"):
+        assert rules.lagging(2, admit_view=0b1111, behind=0b1100, same_round=0b1100) == 0b1000
+
+
 def test_the_candidates_of_the_left_behind_check_are_the_ranks_pulled_from_but_this_one():
     assert rules.left_behind_candidates(1, 0b1011) == 0b1001
 

@@ -13,8 +13,11 @@ What is modelled:
 - a rank step is one read or one write of the protocol (a flag, a mask, a staged region, a view
   word), now and then descheduled for a while; a pull of one target's rows spans time (read at
   its start and at its end); a wait polls with a doubling pause and is bounded by its timeout;
-- faults: a rank killed (its node's daemon clears its bit in every node's block, one hop each,
-  in a degrade job, or sets the abort word in a raise job; a replacement joins later), a rank
+- faults: a rank killed, or several at once (its node's daemon clears its bit in every node's
+  block, one hop each, in a degrade job, or sets the abort word in a raise job; a replacement
+  joins later: in a degrade job it is let in at a round boundary while the others serve, its
+  row's aux fields re-initialized, its bit set on every node before its join is answered, its
+  admit round in its row, PROTOCOL.md "Jobs that span nodes"; else through the re-arm), a rank
   stalled (SIGSTOP-like), a node counted lost while its ranks run (its ranks' bits cleared, or
   the abort word set, in the other nodes' blocks only; once heard again the job re-arms), a
   node starved (some of its ranks stalled, then the node counted lost);
@@ -22,8 +25,9 @@ What is modelled:
   rows are reset, the masks made full and the ranks released at round 1 of a new generation.
 
 What is not: payload bytes and routing (every rank sends tokens to every rank of its view),
-caller masks, the replacement's admission at a round boundary (replacements come back through
-the re-arm), the daemons' own protocol (the daemon world's), memory ordering finer than a step.
+caller masks, the control block's own admit rounds (every admit round is in the rank's row, as
+in a job that spans nodes), the daemons' own protocol (the daemon world's), memory ordering
+finer than a step.
 
 Invariants, each checked at the step that can break it:
 
@@ -31,8 +35,8 @@ Invariants, each checked at the step that can break it:
   staged from another source's tokens, another round's, or nothing);
 - ``dispatch_data``: a source whose flag a dispatch counted delivered that round's tokens;
 - ``hang``: no wait waits for a flag of a peer which finished that round with the waiter in its
-  view that is not there (never published, or written over): such a wait can end only by its
-  timeout;
+  view that is not there (never published, or written over), and no replacement waits for
+  another let in at the same round: such a wait can end only by its timeout;
 - ``flag_discarded``: a wait never lets go of, or gives up on, a peer whose flag is there when it
   decides;
 - ``wait_bound``: every wait ends with a typed outcome within its timeout plus one pause, not
@@ -45,7 +49,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from a2ad import mutations, planerules as rules
+from a2ad import layout as L, mutations, planerules as rules
 
 from .sched import Scheduler
 from .world import Outcome, Violation, register
@@ -77,9 +81,10 @@ REAL, VOID = 1, 2
 
 
 class Row:
-    __slots__ = ("flag_val", "dflag", "data", "cflag", "cdesc", "comb", "view", "view_round")
+    __slots__ = ("flag_val", "dflag", "data", "cflag", "cdesc", "comb", "view", "view_round", "admit")
 
-    def __init__(self, m: int):
+    def __init__(self, m: int, admit: int = 0):
+        self.admit = admit  # the rank's admit round (SLOT_ADMIT_ROUND): 0, or a replacement's
         self.flag_val = 1
         self.dflag = [0] * m  # [source]: the round of its dispatch flag
         self.data = [None] * m  # [source]: (source, round, generation) of the tokens in its region
@@ -116,6 +121,7 @@ class Rank:
         self.parked = False
         self.wait: Optional[tuple] = None  # (phase, round, start)
         self.off = 0.0  # time spent stalled or descheduled during the current wait
+        self.views: dict[tuple[int, int], int] = {}  # (generation, round) -> this process's view of it
         self.gen = self._body(joins)
 
     def dt(self) -> float:
@@ -169,14 +175,27 @@ class Rank:
         if blk.abort:
             return "aborted (abort word at dispatch)"
         rnd = row.flag_val
+        if w.degrade:
+            yield dt()
+            admit = row.admit
+            if admit < 0 or admit > rnd:  # a replacement's first dispatch: its admission
+                rnd = yield from self._admission(admit)
+                if isinstance(rnd, str):
+                    return rnd
         yield dt()
-        view = blk.mask if w.degrade else w.full
+        view = w.effective(blk, rnd) if w.degrade else w.full
         if not (view >> r) & 1:
             return "not active"
+        if w.degrade and rules.lets_in(r, view):
+            for q in _ranks(blk.mask & ~view):
+                yield dt()
+                if rows[q].admit == L.ADMIT_READY:
+                    rows[q].admit = rnd + 1
+                    s.log(f"r{r}", f"lets r{q} in at round {rnd + 1}")
         if w.degrade:
             yield dt()
             row.view, row.view_round = view, rnd  # the view, then its round
-        w.views[(gen, r, rnd)] = view
+        self.views[(gen, rnd)] = view
         s.log(f"r{r}", f"dispatch R={rnd} view={view:#x}")
         for q in w.shuffled(view):
             yield dt()
@@ -243,6 +262,52 @@ class Rank:
         s.log(f"r{r}", f"done R={rnd} counted={counted:#x}")
         w.completed[r] = (s.now, gen, view, got_c)
 
+    def _admission(self, admit: int):
+        """Ask to be let in, wait for the round E the lowest rank picks, then for the others of
+        E to finish E - 1 (PROTOCOL.md, dispatch step 0): returns E or a failure name."""
+        w, r, s = self.w, self.r, self.w.s
+        dt, row, blk = self.dt, w.rows[r], w.blocks[w.node_of[r]]
+        if admit == L.ADMIT_JOINED:
+            yield dt()
+            row.admit = L.ADMIT_READY
+            s.log(f"r{r}", "asks to be let in")
+        self.wait = ("admission", admit, s.now)
+        self.off = 0.0
+        deadline = s.now + TIMEOUT
+        pause = FIRST_PAUSE
+        while True:
+            yield dt()
+            e = row.admit
+            peer = -1
+            if e >= 0:
+                yield dt()
+                admit_view = w.effective(blk, e)
+                behind = same = 0
+                for q in range(w.m):
+                    if w.rows[q].flag_val < e:
+                        behind |= 1 << q
+                    if w.rows[q].admit == e:
+                        same |= 1 << q
+                lag = rules.lagging(r, admit_view, behind, same)
+                if not lag:
+                    yield dt()
+                    row.flag_val = e
+                    s.log(f"r{r}", f"let in at round {e}")
+                    w.check_wait_bound(self)
+                    self.wait = None
+                    return e
+                peer = rules.lowest(lag)
+                w.check_admission_hang(r, e, lag)
+            yield dt()
+            code = "aborted" if blk.abort else "timeout" if s.now >= deadline else None
+            if code is not None:
+                s.log(f"r{r}", f"admission {code} (waiting for r{peer}, admit round {e})")
+                w.check_wait_bound(self)
+                self.wait = None
+                return f"admission {code} (r{peer}, admit round {e})"
+            yield pause
+            pause = min(2 * pause, MAX_PAUSE)
+
     def _wait(self, phase: str, flags: list, rnd: int, view: int):
         """A bounded wait until flags[q] == rnd for every q of ``view`` (PROTOCOL.md, dispatch step 6,
         combine step 3): returns the ranks seen, or a failure name."""
@@ -275,7 +340,7 @@ class Rank:
                 return view
             if w.degrade:
                 yield dt()
-                peer = rules.lowest(waiting & blk.mask)
+                peer = rules.lowest(waiting & w.effective(blk, rnd))  # the lowest still in M(rnd)
                 if peer < 0:
                     yield dt()
                     got = rules.all_left(view, waiting, unset())
@@ -329,7 +394,6 @@ class PlaneWorld:
         self.recovering: set[int] = set()
         self.rearm_pending = False
         self.release_scheduled = False
-        self.views: dict[tuple[int, int, int], int] = {}  # (generation, rank, round) -> its view
         self.completed: list[Optional[tuple]] = [None] * m
         self.violations: list[Violation] = []
         self.faults = 0
@@ -349,6 +413,15 @@ class PlaneWorld:
         self.rng.shuffle(out)
         return out
 
+    def effective(self, blk: Block, rnd: int) -> int:
+        """M(rnd) as a rank of ``blk``'s node reads it: the bits set there whose admit round
+        (in their rows, as in a job that spans nodes) is in [0, rnd]."""
+        out = 0
+        for q in _ranks(blk.mask):
+            if 0 <= self.rows[q].admit <= rnd:
+                out |= 1 << q
+        return out
+
     def violate(self, invariant: str, detail: str) -> None:
         self.s.log("CHECK", f"VIOLATION {invariant}: {detail}")
         self.violations.append(Violation(invariant, detail, self.s.now))
@@ -360,10 +433,18 @@ class PlaneWorld:
     def check_hang(self, r: int, phase: str, rnd: int, waiting: int, flags: list, past_ok: bool) -> None:
         for q in _ranks(waiting):
             missing = flags[q] < rnd if past_ok else flags[q] != rnd
-            if missing and self.rows[q].flag_val > rnd and (self.views.get((self.generation, q, rnd), 0) >> r) & 1:
+            p = self.procs[q]  # (a replacement's rounds start past its predecessor's)
+            if missing and self.rows[q].flag_val > rnd and (p.views.get((self.generation, rnd), 0) >> r) & 1:
                 self.violate("hang", f"r{r}'s {phase} wait of round {rnd} waits for r{q}, which finished that "
                              f"round with r{r} in its view, and its {phase} flag of that round is not in r{r}'s "
                              f"row (never published, or written over: {flags[q]}): only the timeout can end it")
+
+    def check_admission_hang(self, r: int, e: int, lag: int) -> None:
+        for q in _ranks(lag):
+            p = self.procs[q]
+            if self.rows[q].admit == e and p.wait is not None and p.wait[0] == "admission" and not p.dead:
+                self.violate("hang", f"r{r}, let in at round {e}, waits for r{q} to finish round {e - 1}, but r{q} "
+                             f"was let in at {e} too and waits for its own admission: only the timeout can end it")
 
     def check_wait_bound(self, p: Rank) -> None:
         if p.wait is None:
@@ -383,6 +464,9 @@ class PlaneWorld:
             return
         self.rearm_pending = True
         self.s.log("daemon", f"re-arm: {why}")
+        for q, p in enumerate(self.procs):
+            if p.parked and not p.dead and q not in self.recovering:  # a held join: the re-arm answers it
+                self.recovering.add(q)
         for b in range(self.nodes):
             self.s.after(self.hop(), lambda b=b, g=self.generation: self._abort(b, g))
 
@@ -416,16 +500,25 @@ class PlaneWorld:
     # --- faults ------------------------------------------------------------------------
     def plan_faults(self) -> None:
         rng = self.rng
-        kinds = ["kill", "stall"] + (["node_loss", "node_loss", "starved", "starved"] if self.nodes > 1 else [])
+        kinds = ["kill", "stall", "kill_some"] + (["node_loss", "node_loss", "starved", "starved"]
+                                                   if self.nodes > 1 else [])
         for _ in range(rng.choice((0, 1, 1, 2, 2, 3))):
             kind = rng.choice(kinds)
             t = rng.uniform(1.0, FAULTS_UNTIL)
             self.faults += 1
             if kind == "kill":
                 q = rng.randrange(self.m)
-                back = rng.uniform(5.0, 40.0)  # its replacement joins
+                back = rng.uniform(10.0, 40.0)  # its replacement joins (its bit cleared everywhere by then)
                 self.s.at(t, lambda q=q, back=back: self._kill(q, back))
                 self.resolved(t + back + 10.0)
+            elif kind == "kill_some":  # several ranks at once (a node's, or a machine's), replaced together
+                b = rng.randrange(self.nodes)
+                ranks = list(_ranks(self.node_ranks[b] if self.nodes > 1 else self.full))
+                back = rng.uniform(10.0, 40.0)
+                for q in rng.sample(ranks, rng.randint(1, len(ranks))):
+                    d = back + rng.uniform(0.0, 3.0)
+                    self.s.at(t, lambda q=q, d=d: self._kill(q, d))
+                    self.resolved(t + d + 10.0)
             elif kind == "stall":
                 q = rng.randrange(self.m)
                 d = rng.uniform(0.5, 1.5 * TIMEOUT)
@@ -475,9 +568,33 @@ class PlaneWorld:
             self.request_rearm(f"r{q} died")
 
     def _replace(self, q: int) -> None:
-        self.s.log("fault", f"r{q}'s replacement joins")
-        p = self.procs[q] = Rank(self, q, joins=True)
-        self.s.after(0.0, p.step)
+        if not self.degrade or self.rearm_pending:  # back through a job-wide re-arm
+            self.s.log("fault", f"r{q}'s replacement joins (re-arm)")
+            p = self.procs[q] = Rank(self, q, joins=True)
+            self.s.after(0.0, p.step)
+            return
+        # let in while the others serve: its row re-initialized, its bit set on every node,
+        # its join answered once every node has set it
+        self.s.log("fault", f"r{q}'s replacement joins (let in while the others serve)")
+        new = Row(self.m, admit=L.ADMIT_JOINED)  # its aux region zeroed, its payload regions kept
+        new.data, new.comb = self.rows[q].data, self.rows[q].comb
+        self.rows[q] = new
+        gen, left = self.generation, [self.nodes]
+        p = self.procs[q] = Rank(self, q, joins=False)
+        p.parked = True  # its join is held
+
+        def bit_set(b: int) -> None:
+            if self.generation != gen:
+                return
+            self.blocks[b].mask |= 1 << q
+            self.s.log("daemon", f"node {b}: r{q}'s bit set")
+            left[0] -= 1
+            if left[0] == 0 and p.parked and not p.dead and q not in self.recovering:
+                p.parked = False
+                self.s.after(self.rng.uniform(0.0, 1.0), p.step)
+
+        for b in range(self.nodes):
+            self.s.after(self.hop(), lambda b=b: bit_set(b))
 
     def _stall(self, q: int, d: float) -> None:
         self.stalled_until[q] = max(self.stalled_until[q], self.s.now + d)
