@@ -93,11 +93,11 @@ register(
 register(
     "view_not_narrowed", "plane",
     "a degrade rank whose dispatch let a source go leaves the view read at the round's start in its row: "
-    "that source, still pulling the round before, does not see that its region was restaged", "2ca1e97")
+    "that source, still pulling the round before, does not see that its region was restaged", "e4c1b84")
 register(
     "void_flag_overruns_wait", "plane",
     "a degrade combine waits for exactly its round's flag: a target's void flag of the next round, written "
-    "over the flag not yet read, leaves it waiting until its timeout", "2ca1e97")
+    "over the flag not yet read, leaves it waiting until its timeout", "e4c1b84")
 register(
     "admitted_together_wait", "plane",
     "a replacement let in at round E waits for every other rank of E to finish E - 1, also for another "
