@@ -869,6 +869,31 @@ def test_a_rank_dropped_while_alive_never_completes_a_round_with_outputs_not_mea
     assert "went on to round" in str(lost.value)
 
 
+def test_the_host_plane_takes_these_decisions_from_planerules():
+    """With the historical bug re-introduced in a2ad.planerules (a2ad.mutations), the host plane
+    behaves as before its fix: the rules are the code that runs, not a copy of it."""
+    from a2ad import mutations
+
+    w = _TwoNodes()
+    w.full_round()
+    _in_threads(range(w.ep), w.send)
+    rnd = int(w.planes[2]._flag_val.item())
+    for q in (0, 1):
+        w.planes[2]._combine_ready[2, q] = L.COMBINE_SPEC_VOID << 32 | (rnd + 1)
+        w.planes[2]._combine_flags[2, q] = rnd + 1
+    with mutations.enabled("void_flag_overruns_wait"), pytest.raises(errors.PeerTimeout):
+        w.combine(2)
+
+    w = _TwoNodes()
+    w.full_round()
+    t0 = w.drop_2_in_node_a(0.3)
+    with mutations.enabled("view_not_narrowed"):
+        _in_threads([0, 1], w.send)
+    t0.join()
+    assert w.planes[0]._dispatch_got == 0b011
+    assert L.mask_from_words(w.planes[0]._views[0].tolist()) == 0b111
+
+
 def test_a_void_flag_of_the_next_round_over_the_one_not_yet_read_ends_the_combine():
     """Ranks 0 and 1 finished round R with rank 2 (it was stalled in its combine wait of R
     before their flags of R reached it), then let it go in their dispatch of R + 1 (its bit
