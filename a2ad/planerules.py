@@ -7,7 +7,8 @@ publishes to whom, whether a rank it pulled from went on without it. Masks are P
 (rank q: bit q). Nothing here reads memory, a clock or a tensor, so the host plane
 (``a2ad.client.host_plane``) and the simulator's data-plane world (``a2ad.sim.plane``) run the
 very same decisions; the CUDA kernels (``csrc/``) implement the same rules in device code and
-must be kept in step with this module by hand.
+must be kept in step with this module by hand (docs/PROTOCOL.md says where they differ today:
+they do not narrow their published view, and their combine waits for exactly its round).
 
 Each place where a historical bug was carries an :func:`a2ad.mutations.active` check that
 re-introduces it when the simulator or a test asks (``a2ad.mutations``); off by default.
@@ -79,9 +80,9 @@ def combine_publish(view: int, received: int) -> tuple[int, int]:
     computed from whatever its slots held. In a degrade job such a source (let go of because
     it left the mask, yet maybe alive: its node counted lost while it ran, or its bit back by
     the next round) gets its flag with the void descriptor, so that its combine counts nothing
-    from this rank and ends, rather than waiting for a flag that never comes. (The CUDA
-    kernels withhold the flag from it instead.) In a raise job the dispatch never lets a
-    source go (its wait completes or raises), so nothing is void there."""
+    from this rank and ends, rather than waiting for a flag that never comes. In a raise job
+    the dispatch never lets a source go (its wait completes or raises), so nothing is void
+    there."""
     if _mut.active("publish_to_unreceived"):
         return view, 0
     publish = view & received
