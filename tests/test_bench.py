@@ -920,6 +920,7 @@ def test_dry_run_end_to_end_with_flashinfer_archive(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.full
 def test_dry_run_without_flashinfer_skips_it_with_the_reason(tmp_path):
     """Where FlashInfer does not import, its rows are skipped with the reason; --capture plane
     captures a2ad through its plane end to end."""

@@ -28,7 +28,8 @@ KERNEL_FILES = [n for n in SOURCES if n.endswith(".cu")]
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("defines", [[], ["-DA2AD_KERNEL_TIMING"], ["-DA2AD_DEBUG_CHECKS"]],
+@pytest.mark.parametrize("defines", [[], pytest.param(["-DA2AD_KERNEL_TIMING"], marks=pytest.mark.full),
+                                     pytest.param(["-DA2AD_DEBUG_CHECKS"], marks=pytest.mark.full)],
                          ids=["production", "timing-build", "debug-build"])
 def test_kernels_compile_for_sm90(tmp_path, defines):
     """Every kernel file compiles with plain nvcc, the production build, the timing build

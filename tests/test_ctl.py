@@ -50,6 +50,7 @@ def test_ctl_and_connection_import_no_torch(daemon):
     assert "HEAVY []" in out.stdout, out.stdout
 
 
+@pytest.mark.full
 def test_ping_wall_time(daemon):
     cmd = ctl_command() + ["--runtime-dir", str(daemon.runtime_dir), "ping"]
     subprocess.run(cmd, capture_output=True, timeout=60)  # warm the page cache

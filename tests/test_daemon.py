@@ -55,6 +55,7 @@ def attach_and_sleep(rank, runtime_dir, job, ep_size, seconds):
 
 
 # ------------------------------------------------------------------- tests
+@pytest.mark.full
 def test_eight_ranks_exchange_patterns(daemon):
     res = run_ranks(pattern_rank, range(8), args=(str(daemon.runtime_dir), "eight", 8, 0.0), timeout=180)
     assert len(res) == 8 and all(r["handle_type"] == "memfd" for r in res.values())
@@ -62,6 +63,7 @@ def test_eight_ranks_exchange_patterns(daemon):
     assert st["counters"]["attaches"] == 8 and st["counters"]["deaths"] == 0
 
 
+@pytest.mark.full
 def test_two_jobs_at_once(daemon):
     import multiprocessing as mp
     import threading
@@ -155,6 +157,7 @@ def test_rendezvous_timeout_lists_missing_ranks(daemon):
     assert "[0, 2, 3]" in str(ei.value)
 
 
+@pytest.mark.full
 def test_daemon_serves_others_while_a_rendezvous_waits(daemon):
     waiter = _background_join(daemon, "slow", 0, 2, SPEC)
     try:
@@ -453,6 +456,7 @@ def test_supplementary_group_members_are_allowed(runtime_dir):
             p.wait()
 
 
+@pytest.mark.full
 def test_destroyed_job_memory_is_reported_until_importers_unmap(daemon):
     procs = [_background_join(daemon, "held", r, 2, SPEC, hold=120) for r in range(2)]
     try:

@@ -379,6 +379,7 @@ def test_the_daemon_keeps_its_own_active_mask(daemon_factory, groups):
     assert recs[-1][2] == 0b001
 
 
+@pytest.mark.full
 def test_straddling_rounds_decided_by_the_combine_view(daemon_factory, groups):
     """Deterministic straddles: rank 1 stops before its dispatch (the others sent to it and
     wait in dispatch), is killed; a replacement stops between its dispatch and combine (the
@@ -472,6 +473,7 @@ def test_degraded_job_survives_a_daemon_restart(runtime_dir, groups):
         reap_keeper(runtime_dir)
 
 
+@pytest.mark.full
 def test_a_rank_that_died_while_no_daemon_ran_is_dropped_not_aborted(runtime_dir, groups):
     """A degrade job whose rank dies while no daemon runs: the next daemon, adopting the job,
     finds the rank gone and clears its bit as a live daemon would (no abort word), so the

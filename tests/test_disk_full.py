@@ -107,6 +107,7 @@ def _ask(p: subprocess.Popen, name: str) -> str:
     return line.strip()
 
 
+@pytest.mark.full
 def test_kill9_on_a_full_disk_readopts_every_attached_job(small_fs):
     rt = small_fs
     args = ("--backend", "host", "--grace", "60", "--fd-store", "keeper")

@@ -389,6 +389,7 @@ def pool():
     p.close()
 
 
+@pytest.mark.full
 def test_six_ranks_over_three_daemons_run_100_verified_rounds(cluster, pool):
     import dataplane_cases as cases
 
@@ -714,8 +715,9 @@ def _every_rank_recovers_once(c, grp) -> tuple[dict, dict]:
     return lost, rec
 
 
-@pytest.mark.parametrize("policy,coordinator,slow_start", [("raise", "c", False), ("degrade", "a", False),
-                                                          ("degrade", "a", True)],
+@pytest.mark.parametrize("policy,coordinator,slow_start", [pytest.param("raise", "c", False, marks=pytest.mark.full),
+                                                          ("degrade", "a", False),
+                                                          pytest.param("degrade", "a", True, marks=pytest.mark.full)],
                          ids=["raise", "degrade", "degrade-slow-start"])
 def test_kill9_of_a_node_then_it_rejoins_with_replacements(cluster, policy, coordinator, slow_start):
     """Three daemons, 6 ranks (2 on each). kill -9 of node c's daemon and both its ranks while
@@ -834,6 +836,7 @@ def test_kill9_of_a_node_then_it_rejoins_with_replacements(cluster, policy, coor
 
 
 @pytest.mark.parametrize("when", ["serving", "just-attached"])
+@pytest.mark.full
 def test_a_node_counted_lost_whose_ranks_live_on_makes_the_job_recover(cluster, when):
     """Three daemons, a degrade job of 6 ranks (2 on each). Node c's daemon is stopped
     (SIGSTOP) past the loss bound while its ranks run on: a and b count c lost and their ranks
@@ -877,6 +880,7 @@ def test_a_node_counted_lost_whose_ranks_live_on_makes_the_job_recover(cluster, 
         grp.close()
 
 
+@pytest.mark.full
 def test_a_node_that_hears_nobody_while_the_others_hear_it_makes_the_job_recover(cluster):
     """Three daemons, a degrade job of 6 ranks (2 on each). Node c's gate (the process that
     receives its domain traffic) is stopped past the loss bound: c hears nobody and counts a
@@ -910,6 +914,7 @@ def test_a_node_that_hears_nobody_while_the_others_hear_it_makes_the_job_recover
 
 
 # ============================================================ a 64-rank rendezvous, timed
+@pytest.mark.full
 def test_rendezvous_of_64_ranks_over_4_daemons():
     """scripts/domain_rendezvous.py: 4 daemons, 64 ranks (16 per daemon, threads of one
     process); the clock runs from the last rank's attach call (the other 63 already wait)
@@ -1123,6 +1128,7 @@ def test_a_stopped_daemon_does_not_count_its_peers_lost(cluster):
     assert "did not run its loop for" in c.daemons["b"].log_tail(200)
 
 
+@pytest.mark.full
 def test_a_rank_death_reaches_every_node_one_hop_after_its_own(cluster):
     """kill -9 of one rank (its daemon lives): its daemon sees the lease close at once and
     tells the other daemons at once (no heartbeat involved). Printed: when its node-mate and

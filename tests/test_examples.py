@@ -82,6 +82,7 @@ def test_python_example(script, tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.full
 @pytest.mark.parametrize("script", SHELL_EXAMPLES)
 def test_ops_restart(script, tmp_path):
     assert script == "ops_restart.sh"

@@ -219,6 +219,7 @@ def test_kill9_mid_dispatch_peerlost_fast_then_replacement_resumes(backend, daem
     assert info["generation"] == 1 and info["rearms"] == 1
 
 
+@pytest.mark.full
 def test_silent_peer_times_out_and_the_job_rearms(daemon):
     from a2ad.client import MoeAlltoAll  # noqa: F401  (import cost outside the timed part)
 
@@ -300,6 +301,7 @@ def test_daemon_kill9_during_traffic_then_restart_readopts(backend, runtime_dir)
         reap_keeper(runtime_dir)
 
 
+@pytest.mark.full
 def test_operator_abort_interrupts_a_wait(daemon):
     rk = Ranks(2, daemon.runtime_dir, "opabort")
     try:

@@ -312,6 +312,7 @@ def test_flashinfer_user_without_job_agrees_through_torch_distributed(rank_pool,
     assert names[0] == names[1] and names[0].startswith("fi-2x6-"), names
 
 
+@pytest.mark.full
 def test_two_engines_of_one_geometry_never_share_a_job(rank_pool, daemon, tmp_path):
     stores = [str(tmp_path / "engine0"), str(tmp_path / "engine1")]
     names = rank_pool.run(4, two_engines, str(daemon.runtime_dir), stores, 3, timeout=240.0)

@@ -273,6 +273,7 @@ def _keeper_pid(runtime_dir: Path) -> int | None:
 
 
 # ------------------------------------------------------------------ upgrades
+@pytest.mark.full
 def test_upgrade_hands_over_130_attached_jobs(runtime_dir):
     d1 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "60").start()
     holder = Holder(runtime_dir, "up", 130)
@@ -442,6 +443,7 @@ def test_a_busy_metrics_port_names_the_port_and_leaves_nothing_behind(runtime_di
 
 
 # ------------------------------------------------------------------ watchdog
+@pytest.mark.full
 def test_the_watchdog_is_fed_while_a_flood_of_requests_is_served(runtime_dir, tmp_path, monkeypatch):
     """WATCHDOG=1 keeps coming, every half timeout, while the daemon works through tens of
     thousands of queued requests (the loop hands back to its timers between requests)."""

@@ -305,6 +305,7 @@ def test_serve_refuses_a_bad_keeper_linger(runtime_dir):
 
 
 # --------------------------------------------------------------------------- item: fds above 1024
+@pytest.mark.full
 def test_rank_with_fds_above_1024_keeps_serving_through_a_restart(runtime_dir):
     """A rank whose lease socket is numbered above 1024: dispatch's lease check (poll, not
     select) raises nothing, and after a kill -9 of the daemon it renews its lease with the

@@ -87,7 +87,7 @@ def _dead_count(d: DaemonProcess, job: str) -> int:
 
 
 # --------------------------------------------------------------------- sd_notify
-@pytest.mark.parametrize("kind", ["path", "abstract"])
+@pytest.mark.parametrize("kind", ["path", pytest.param("abstract", marks=pytest.mark.full)])
 def test_notify_ready_status_watchdog_stopping(runtime_dir, tmp_path, monkeypatch, kind):
     listener = NotifyListener(kind, tmp_path)
     monkeypatch.setenv("NOTIFY_SOCKET", listener.env)

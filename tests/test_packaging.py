@@ -155,6 +155,7 @@ def test_version_commands_agree(venv, outside):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.timeout(300)
+@pytest.mark.full
 def test_installed_kernels_compile_for_sm90(venv, outside):
     """The one compile of this file: the installed package's copy of the kernels."""
     found = list(venv.glob("lib/python*/site-packages/a2ad/_csrc"))

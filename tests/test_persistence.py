@@ -651,6 +651,7 @@ def test_systemd_store_load_translates_legacy_names(joined):
         assert res["open"] == [3, 7]
 
 
+@pytest.mark.full
 def test_daemon_fdstore_messages_carry_valid_names_and_one_fd_each(runtime_dir, tmp_path, monkeypatch):
     listener = NotifyListener("path", tmp_path)
     monkeypatch.setenv("NOTIFY_SOCKET", listener.env)
@@ -982,6 +983,7 @@ def test_systemd_restart_readopts_the_job_from_listen_fds(runtime_dir, tmp_path,
         listener.close()
 
 
+@pytest.mark.full
 def test_daemon_adopts_the_good_record_and_skips_the_bad_one(runtime_dir):
     """A real job kept by the keeper across a kill -9, plus a broken record added to the state
     file: the next daemon adopts the job and names the broken record in its log."""
@@ -1081,6 +1083,7 @@ def test_keeper_refill_with_a_failing_fd_list_is_retried(runtime_dir, caplog):
 
 
 # --------------------------------------------------------------------------- versions
+@pytest.mark.full
 def test_a_version1_state_file_with_an_int_mask_is_adopted(runtime_dir):
     """A state file of version 1 (ep_size <= 64: a degrade job's mask as an int) is read by
     this daemon: the record's mask is the daemon's own, so it wins over the published copy
