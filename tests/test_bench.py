@@ -866,6 +866,7 @@ def _dry_run(tmp_path, *extra, timeout=280):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.full
 def test_dry_run_end_to_end_with_flashinfer_archive(tmp_path):
     """Every implementation, FlashInfer's through --flashinfer-archive (a CPU stand-in package and
     a wheel it imports, laid out as the trimmed archive): rows, checks, comparisons, PERF.md."""
@@ -959,6 +960,7 @@ def test_quick_bench_on_two_gpus(tmp_path):
     assert res["ceilings"]["ce_two_way"]["per_gpu_gbps"] > 0
 
 
+@pytest.mark.full
 def test_kernel_timing_plan_runs_the_diagnostics_at_each_asked_t():
     """The timing harness runs every diagnostic at each T it is given (T=1 when none), then
     the kernels as they serve at T=4096; a bad --tokens is refused before any GPU work."""

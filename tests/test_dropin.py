@@ -263,7 +263,7 @@ def test_functions_and_ops_match_methods_and_reference(rank_pool, daemon):
     assert _run(rank_pool, three_ways, 2, 2, str(daemon.runtime_dir), job_name("dropin3"), 4) == [4, 4]
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", pytest.param("inductor", marks=pytest.mark.full)])
 def test_ops_under_torch_compile_fullgraph(rank_pool, daemon, backend):
     rounds = 2 if backend == "inductor" else 3
     res = _run(rank_pool, compiled_rounds, 2, 2, str(daemon.runtime_dir), job_name("dropinc"), backend, rounds, timeout=300.0)

@@ -178,6 +178,7 @@ def ranks_for():
 
 # ----------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.full
 def test_kill9_mid_dispatch_peerlost_fast_then_replacement_resumes(backend, daemon_factory, ranks_for):
     daemon = daemon_factory("--grace", "5", backend=backend)
     ep, victim = 4, 3
