@@ -195,7 +195,7 @@ def placement(ep: int, names: list[str]) -> dict[int, str]:
 
 
 def job_coordinated_by(node: str, prefix: str, names) -> str:
-    from a2ad.daemon.federation import coordinator_order
+    from a2ad.daemon.core.federation import coordinator_order
 
     return next(f"{prefix}-{i}" for i in range(100000) if coordinator_order(f"{prefix}-{i}", names)[0] == node)
 

@@ -27,7 +27,7 @@ import zmq
 
 from a2ad import layout as L
 from a2ad.daemon import domain as D
-from a2ad.daemon.federation import coordinator_order
+from a2ad.daemon.core.federation import coordinator_order
 
 
 class SimNodes:

@@ -245,7 +245,7 @@ def test_state_file_records_remote_ranks():
     ranks as they last reported them; a record that puts a row on a remote rank is refused."""
     from a2ad.daemon import persist
     from a2ad.daemon.backends.base import Allocation
-    from a2ad.daemon.registry import Job, RankSlot
+    from a2ad.daemon.core.registry import Job, RankSlot
 
     slots = [RankSlot(rank=0, state=L.RANK_ATTACHED, pid=11, uid=0, device="host", lease=b"l" * 32,
                       alloc=Allocation(fd=-1, size=4096, device="host", handle_type="shm",
@@ -655,7 +655,7 @@ class Ranks(RankReports):
 
 
 def _job_coordinated_by(node: str, prefix: str) -> str:
-    from a2ad.daemon.federation import coordinator_order
+    from a2ad.daemon.core.federation import coordinator_order
 
     return next(f"{prefix}-{i}" for i in range(1000) if coordinator_order(f"{prefix}-{i}", "abc")[0] == node)
 
@@ -735,7 +735,7 @@ def test_kill9_of_a_node_then_it_rejoins_with_replacements(cluster, policy, coor
     time it could hear nobody is not the others' silence, so it counts neither a nor b lost
     and their ranks are not dropped (which would make the job re-arm)."""
     from a2ad import runtime
-    from a2ad.daemon.federation import coordinator_order
+    from a2ad.daemon.core.federation import coordinator_order
 
     c, grp = _six_ranks_on_three_nodes(cluster, f"kill-{policy}", 10, policy, coordinator)
     ep, job = grp.ep, grp.job

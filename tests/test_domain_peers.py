@@ -38,7 +38,7 @@ import zmq
 
 from a2ad import errors, layout as L
 from a2ad.daemon import domain as D
-from a2ad.daemon import federation as F
+from a2ad.daemon.core import federation as F
 from helpers import DaemonProcess, free_port, rss_kib, wait_for
 from test_domain import KEY, Cluster, _attach_in_thread, _rank_states, ctl, write_domain
 
@@ -588,7 +588,7 @@ def test_a_replacement_across_nodes_needs_every_node_with_live_ranks_to_answer_r
             "row_stride": 12288, "size_per_rank": 10000, "confirmed": True, "generation": 0, "rendezvous_count": 1,
             "needs_rearm": False, "abort": 0, "abort_rank": -1, "ranks": []}
     new, old = F._check_report(dict(base, admits=[])), F._check_report(base)
-    from a2ad.daemon.policy import LossPolicy
+    from a2ad.daemon.core.policy import LossPolicy
 
     fed = object.__new__(F.Federation)
     fed.jobs = {"j": F.FedJob("j", views={"b": new, "c": old})}

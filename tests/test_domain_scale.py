@@ -72,7 +72,7 @@ def _wide_mask_summary_problem(ep: int) -> str | None:
     import msgpack
 
     from a2ad.control import ControlBlock
-    from a2ad.daemon.jobs import Job, RankSlot
+    from a2ad.daemon.core.jobs import Job, RankSlot
 
     spec = {"max_num_tokens": 4, "top_k": 1, "num_experts": ep, "workspace_size_per_rank": 4096, "on_peer_loss": "degrade"}
     job = Job(name="probe", ep_size=ep, spec=spec, size_per_rank=4096, row_stride=4096, aux=L.aux_layout(ep, 4),
@@ -124,7 +124,7 @@ def _rendezvous(c: ScaleCluster, grp: Group, names, place, job, started=(), time
 
 
 def job_coordinated_by_name(job, names) -> str:
-    from a2ad.daemon.federation import coordinator_order
+    from a2ad.daemon.core.federation import coordinator_order
 
     return coordinator_order(job, names)[0]
 

@@ -167,7 +167,7 @@ def test_daemon_survives_a_client_that_truncates_every_fd_it_received(daemon):
         ws_result = _try_resize(ws_fd)
         cb_result = _try_resize(cb_fd)
         assert ws_result == ["EPERM"] * 3, f"workspace memfd resizable: {ws_result}"
-        # Needs the control block to be made with memfd.sealed_memfd (registry.new_control_block).
+        # Needs the control block to be made with memfd.sealed_memfd (RealHost.new_control_block, a2ad/daemon/hostio.py).
         assert cb_result == ["EPERM"] * 3, f"control-block memfd resizable: {cb_result}"
         assert os.fstat(ws_fd).st_size == handles[0]["size"]
         assert os.fstat(cb_fd).st_size == L.CONTROL_BLOCK_SIZE

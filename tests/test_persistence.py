@@ -28,6 +28,7 @@ import pytest
 
 from a2ad import fdpass
 from a2ad.daemon import fdstore, persist
+from a2ad.daemon.hostio import RealHost
 from a2ad.daemon.fdstore import KeeperStore, cb_name, fdname_is_valid, normalize_name, parse_name, ws_name
 from a2ad.runtime import STATE_FILE, python_command
 from helpers import (REPO, DaemonProcess, NotifyListener, fd_count, finish_process, reap_keeper, release_holders,
@@ -1159,10 +1160,10 @@ def test_a_control_block_of_layout_version_1_is_refused_by_name(runtime_dir):
         fds = [_v1_control_block(), _memfd(b"row 0"), _memfd(b"row 1")]
         for f in fds[1:]:
             os.ftruncate(f, 4096)
-        # job_from_record refuses it before mapping anything
+        # job_from_record (with the daemon's host) refuses it before mapping anything
         with pytest.raises(errors.BackendError) as exc:
             persist.job_from_record(_record(job), {cb_name(job): fds[0], ws_name(job, 0): fds[1], ws_name(job, 1): fds[2]},
-                                    None, None, set())
+                                    None, None, set(), RealHost.adopt_control_block)
         msg = str(exc.value)
         assert cb_name(job) in msg and "4096 bytes" in msg and "layout version 1" in msg
         assert f"reads version {L.CONTROL_VERSION} only" in msg

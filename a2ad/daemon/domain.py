@@ -71,7 +71,6 @@ CURVE_OVERHEAD = 33
 MAX_DOMAIN_FRAME = 4 * MAX_MESSAGE + CURVE_OVERHEAD
 #: Superseded daemon instances (boot ids) remembered per peer, to tell a restart from two
 #: daemons running as one node.
-MAX_SUPERSEDED = 16
 #: Node and domain names: what a config file may use.
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 ADDRESS_RE = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+|\*):([0-9]{1,5})")
@@ -85,7 +84,8 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 BATCH = 256
 #: Outgoing messages queued per peer link while its connection stands.
 LINK_HWM = 4096
-PEER_CONNECTING, PEER_UP, PEER_DOWN = "connecting", "up", "down"
+from a2ad.daemon.core.links import PEER_CONNECTING, PEER_DOWN, PEER_UP, Link, Links  # noqa: E402,F401
+from a2ad.daemon.core.ratelog import RateLog  # noqa: E402
 #: The message types counted by name (``messages_by_type``); anything else counts as "other".
 MESSAGE_TYPES = ("hb", "job", "sync", "decide", "refuse", "refuse_rank", "prepare", "prepared", "release", "destroy")
 #: Seconds the domain gate has to say READY; backoff between restarts of a gate that died.
@@ -256,35 +256,15 @@ def node_keypair(key: bytes, domain: str, node: str) -> tuple[bytes, bytes]:
 
 
 # ------------------------------------------------------------------------------------ peers
-@dataclass
-class Peer:
-    """Another node of the domain, as this daemon sees it."""
+@dataclass(eq=False)
+class Peer(Link):
+    """Another node of the domain: what this daemon knows of it (core/links.py) and the
+    sockets it reaches it by."""
 
-    name: str
-    address: str
-    public: bytes  # Z85
-    state: str = PEER_CONNECTING
-    since: float = field(default_factory=time.monotonic)
-    last_rx: float | None = None
-    last_heartbeat: float | None = None
-    boot: bytes | None = None
+    address: str = ""
+    public: bytes = b""  # Z85
     dealer: zmq.Socket | None = None
     monitor: zmq.Socket | None = None
-    connected: bool = False
-    #: a full resync of this daemon's state to the peer is owed (it came up, restarted, or a send failed)
-    resync_due: bool = False
-    #: daemon instances of this node that a newer one replaced -> [when replaced, when last heard]
-    superseded: dict = field(default_factory=dict)
-    #: while two daemons run as this node: the other instance's boot id (its messages are dropped)
-    collision: bytes | None = None
-    #: how many times this peer (its current instance) said in its heartbeats that it counted
-    #: this node lost; None until its first heartbeat
-    their_losses: int | None = None
-    counters: dict = field(default_factory=lambda: {
-        "heartbeats_received": 0, "heartbeats_sent": 0, "messages_received": 0, "messages_sent": 0,
-        "bad_messages": 0, "send_drops": 0, "losses": 0, "ups": 0, "connects": 0, "handshake_failures": 0,
-        "name_collisions": 0, "collision_drops": 0, "resyncs_asked": 0,
-    })
 
     def summary(self, now: float) -> dict:
         return {
@@ -302,32 +282,6 @@ class Peer:
         }
 
 
-class _RateLog:
-    """At most one line per key every ``every`` seconds; how many were suppressed is said."""
-
-    #: keys remembered at most (a flood of connections from many addresses must not grow it)
-    MAX_KEYS = 1024
-
-    def __init__(self, every: float = 10.0):
-        self.every = every
-        self._last: dict = {}
-
-    def __call__(self, level: int, key, msg: str, *args) -> None:
-        now = time.monotonic()
-        if key not in self._last and len(self._last) >= self.MAX_KEYS:
-            self._last = {k: v for k, v in self._last.items() if now - v[0] < self.every}
-            if len(self._last) >= self.MAX_KEYS:
-                self._last.clear()
-        last, skipped = self._last.get(key, (None, 0))
-        if last is not None and now - last < self.every:
-            self._last[key] = (last, skipped + 1)
-            return
-        self._last[key] = (now, 0)
-        if skipped:
-            msg += f" ({skipped} more like it since the last report)"
-        log.log(level, msg, *args)
-
-
 _HANDSHAKE_FAILED = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "CURVE handshake failed (the other end does not hold this domain's key)",
@@ -342,16 +296,20 @@ class Domain:
         self.cfg = config
         self.me = config.node(node)
         self.node = node
-        self.handler = handler
+        self._handler = handler
         self.boot = secrets.token_bytes(8)
         self.public, self._secret = node_keypair(config.key, config.name, node)
         self.peers: dict[str, Peer] = {}
         for n in config.nodes:
             if n.name != node:
-                self.peers[n.name] = Peer(n.name, n.address, node_keypair(config.key, config.name, n.name)[0])
+                self.peers[n.name] = Peer(n.name, address=n.address,
+                                          public=node_keypair(config.key, config.name, n.name)[0])
         #: public key (Z85) -> node name: exactly whom the ZAP handler lets in
         self._allowed = {p.public: p.name for p in self.peers.values()}
-        self.started = time.monotonic()
+        #: who is up, lost, restarted or owed a resync (core/links.py): what is decided from
+        #: what this daemon hears
+        self.links = Links(config.name, self.peers, config.heartbeat_interval, config.loss_bound, time.monotonic(),
+                           handler)
         self.ctx: zmq.Context | None = None
         #: the domain gate (gate.py): its process and our end of its socketpair
         self.gate: subprocess.Popen | None = None
@@ -370,15 +328,25 @@ class Domain:
         self.bytes_by_type = {"sent": dict.fromkeys(MESSAGE_TYPES + ("other",), 0),
                               "received": dict.fromkeys(MESSAGE_TYPES + ("other",), 0)}
         self._next_beat = 0.0
-        #: when ``tick`` last ran: a tick much later than that means this daemon did not run
-        #: its loop meanwhile (a long step, a stopped or starved process)
-        self._last_tick = self.started
-        #: since when this daemon has listened for its peers, less its own stalls: a peer not
-        #: heard from for the loss bound since then is counted lost
-        self._listening_since = self.started
-        #: seconds of this daemon's own stalls not counted as its peers' silence
-        self.stalled_s = 0.0
-        self._ratelog = _RateLog()
+        self._ratelog = RateLog(time.monotonic)
+
+    @property
+    def handler(self):
+        """Who hears of messages, ups, losses and resyncs (the federation)."""
+        return self._handler
+
+    @handler.setter
+    def handler(self, h) -> None:
+        self._handler = h
+        self.links.handler = h
+
+    @property
+    def started(self) -> float:
+        return self.links.started
+
+    @property
+    def stalled_s(self) -> float:
+        return self.links.stalled_s
 
     # ------------------------------------------------------------------ setup
     def start(self) -> None:
@@ -395,7 +363,7 @@ class Domain:
             raise
         # peers can be heard from now on: the time spent before (adopting kept jobs, waiting
         # for the runtime folder's lock, starting the gate) is nobody's silence
-        self.started = self._listening_since = self._last_tick = time.monotonic()
+        self.links.listening(time.monotonic())
         log.info("domain %s: node %s listening on %s (gate pid %d); peers %s (heartbeat every %g s, lost after %g s)",
                  self.cfg.name, self.node, self.me.bind, self.gate.pid,
                  ", ".join(f"{p.name}={p.address}" for p in self.peers.values()) or "none",
@@ -533,48 +501,10 @@ class Domain:
         if now < self._next_beat:
             return
         self._next_beat = now + self.cfg.heartbeat_interval
-        self._discount_own_stall(now)
+        self.links.discount_own_stall(now)
         self._check_gate(now)
-        bound = self.cfg.loss_bound
-        for p in self.peers.values():
-            # "lost": the times this daemon counted the peer lost. A peer that was counted lost
-            # while its link stayed up (it stalled, or a partition ended without a reconnect)
-            # sees the count grow and sends its reports again: they were forgotten here
-            hb = {"t": "hb", "lost": p.counters["losses"]} if p.counters["losses"] else {"t": "hb"}
-            self.send(p.name, hb, heartbeat=True)
-            if p.collision is not None:
-                self._collision_check(p, now)
-            if p.state == PEER_UP and p.last_rx is not None and now - p.last_rx > bound:
-                self._lost(p, f"no message for {now - p.last_rx:.2f} s (heartbeat every {self.cfg.heartbeat_interval:g} s, "
-                              f"lost after {bound:g} s)")
-            elif p.state == PEER_CONNECTING and now - self._listening_since > bound:
-                self._lost(p, f"not heard from since this daemon started listening {now - self._listening_since:.1f} s ago")
-        if self.handler is not None:
-            for p in self.peers.values():
-                if p.resync_due and p.state == PEER_UP and p.connected:
-                    p.resync_due = False
-                    self.handler.on_resync(p.name)
-
-    def _discount_own_stall(self, now: float) -> None:
-        """A tick that comes more than a heartbeat late: this daemon's loop did not run in the
-        meantime, so it read none of what its peers sent (their messages wait in its socket
-        and are read next). That time is not counted as their silence: every peer's last
-        message, and this daemon's start, count as that much later. A peer that really went
-        silent is still counted lost, later by the stalls discounted meanwhile (``stalled_s``
-        in the status sums them): of each late tick, two heartbeat intervals still count."""
-        stall = now - self._last_tick - 2 * self.cfg.heartbeat_interval
-        self._last_tick = now
-        if stall <= 0:
-            return
-        self.stalled_s += stall
-        self._listening_since += stall
-        for p in self.peers.values():
-            if p.last_rx is not None:
-                p.last_rx += stall
-        self._ratelog(logging.WARNING, ("stall",),
-                      "domain %s: this daemon did not run its loop for %.2f s (a long step, or the process was stopped "
-                      "or starved of CPU): that time is not counted as its peers' silence", self.cfg.name,
-                      stall + 2 * self.cfg.heartbeat_interval)
+        self.links.beat(now, self.send)
+        self.links.resyncs()
 
     def _link_events(self, p: Peer) -> None:
         from zmq.utils.monitor import recv_monitor_message
@@ -586,9 +516,7 @@ class Domain:
                 return
             e = ev["event"]
             if e == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                p.connected = True
-                p.counters["connects"] += 1
-                p.resync_due = True  # whatever was dropped while it was down is sent again
+                self.links.link_up(p)
             elif e == zmq.EVENT_DISCONNECTED:
                 p.connected = False
             elif e in _HANDSHAKE_FAILED:
@@ -630,9 +558,7 @@ class Domain:
         try:
             p.dealer.send(data, zmq.NOBLOCK)
         except zmq.ZMQError:
-            p.counters["send_drops"] += 1
-            if not heartbeat:
-                p.resync_due = True
+            self.links.send_failed(p, heartbeat)
             return False
         p.counters["heartbeats_sent" if heartbeat else "messages_sent"] += 1
         t = t if t in MESSAGE_TYPES else "other"
@@ -714,7 +640,7 @@ class Domain:
         if why:
             self._bad(p, why)
             return
-        if not self._heard(p, msg):
+        if not self.links.heard(p, msg["boot"], msg["t"], time.monotonic()):
             return
         t = msg["t"]
         kind = t if t in MESSAGE_TYPES else "other"
@@ -722,7 +648,8 @@ class Domain:
         self.bytes_by_type["received"][kind] += len(data)
         if t == "hb":
             p.counters["heartbeats_received"] += 1
-            self._their_losses(p, msg.get("lost", 0))
+            if not self.links.their_losses(p, msg.get("lost", 0)):
+                self._bad(p, "a heartbeat with a bad loss count")
             return
         p.counters["messages_received"] += 1
         if self.handler is not None:
@@ -731,98 +658,11 @@ class Domain:
             except (KeyError, TypeError, ValueError, IndexError, AttributeError, errors.A2ADError) as exc:
                 self._bad(p, f"a {msg['t']!r} message the daemon could not use ({type(exc).__name__}: {exc})")
 
-    def _their_losses(self, p: Peer, lost) -> None:
-        """A heartbeat's count of the times ``p`` counted this node lost: when it grew, ``p``
-        dropped what this node had reported to it (and its ranks' states) and waits to hear
-        it again, which the link alone would not make happen (it may never have dropped): a
-        full resync to ``p`` is owed. The first count heard from an instance is only noted:
-        its start or this node's own came with a handshake, which owes one anyway."""
-        if isinstance(lost, bool) or not isinstance(lost, int) or not 0 <= lost < 1 << 62:
-            self._bad(p, "a heartbeat with a bad loss count")
-            return
-        if p.their_losses is not None and lost > p.their_losses:
-            p.resync_due = True
-            p.counters["resyncs_asked"] += 1
-            log.warning("domain %s: node %s counted this node lost (%d time(s)) and hears it again: its reports "
-                        "are sent to it again", self.cfg.name, p.name, lost)
-        p.their_losses = lost
-
     def _bad(self, p: Peer, why: str) -> None:
         p.counters["bad_messages"] += 1
         self.counters["bad_messages"] += 1
         self._ratelog(logging.WARNING, ("bad", p.name), "domain %s: dropped a message from node %s: %s",
                       self.cfg.name, p.name, why)
-
-    def _heard(self, p: Peer, msg: dict) -> bool:
-        """Note that ``p`` was heard; False when the message is to be dropped (it comes from a
-        second daemon running as the same node)."""
-        now = time.monotonic()
-        boot = msg["boot"]
-        if p.boot is not None and boot != p.boot:
-            old = p.superseded.get(boot)
-            if old is not None:
-                # an instance that a newer one replaced speaks again: not a restart (a daemon's
-                # instance id is new at every start) but two daemons running as this node, unless
-                # it is a message that was on its way when the other took over (an upgrade)
-                old[1] = now
-                if now - old[0] <= self.cfg.heartbeat_interval and p.collision != boot:
-                    log.debug("domain %s: a late message of node %s's previous instance %s; dropped",
-                              self.cfg.name, p.name, boot.hex())
-                    return False
-                p.counters["collision_drops"] += 1
-                if p.collision != boot:
-                    p.collision = boot
-                    p.counters["name_collisions"] += 1
-                    log.error("domain %s: two daemons run as node %s (instances %s and %s, both heard within "
-                              "%g s; %s is reached at %s): only instance %s is listened to, the other's messages are "
-                              "dropped. Run one daemon per node name: check --node (or the host name) of the "
-                              "daemons of this domain", self.cfg.name, p.name, p.boot.hex(), boot.hex(),
-                              self.cfg.loss_bound, p.name, p.address, p.boot.hex())
-                return False
-            p.superseded[p.boot] = [now, now]
-            while len(p.superseded) > MAX_SUPERSEDED:
-                del p.superseded[min(p.superseded, key=lambda b: p.superseded[b][1])]
-        p.last_rx = now
-        if msg["t"] == "hb":
-            p.last_heartbeat = now
-        restarted = p.boot is not None and p.boot != boot
-        if restarted:
-            p.their_losses = None  # a new instance counts anew
-        p.boot = boot
-        if p.state != PEER_UP or restarted:
-            was = p.state
-            p.state, p.since = PEER_UP, now
-            p.counters["ups"] += 1
-            p.resync_due = True
-            if restarted:
-                log.warning("domain %s: node %s restarted (new daemon instance)", self.cfg.name, p.name)
-            else:
-                log.info("domain %s: node %s is up (was %s)", self.cfg.name, p.name, was)
-            if self.handler is not None:
-                self.handler.on_peer_up(p.name, restarted)
-        return True
-
-    def _collision_check(self, p: Peer, now: float) -> None:
-        """A node-name collision ends once either instance has been silent for the loss bound:
-        the other one, if it still speaks, is then heard as a restart."""
-        other = p.superseded.get(p.collision, [0.0, 0.0])[1]
-        if now - other > self.cfg.loss_bound:
-            log.warning("domain %s: the second daemon running as node %s (instance %s) has been silent for %g s: "
-                        "the name collision is over", self.cfg.name, p.name, p.collision.hex(), now - other)
-            p.collision = None
-        elif p.last_rx is None or now - p.last_rx > self.cfg.loss_bound:
-            log.warning("domain %s: instance %s of node %s went silent while instance %s still speaks: that one is "
-                        "node %s now", self.cfg.name, p.boot.hex() if p.boot else "?", p.name, p.collision.hex(), p.name)
-            p.superseded.pop(p.collision, None)
-            p.collision = None
-
-    def _lost(self, p: Peer, why: str) -> None:
-        was = p.state
-        p.state, p.since = PEER_DOWN, time.monotonic()
-        p.counters["losses"] += 1
-        log.warning("domain %s: node %s is lost (was %s): %s", self.cfg.name, p.name, was, why)
-        if self.handler is not None:
-            self.handler.on_peer_lost(p.name, why)
 
     # ----------------------------------------------------------------- status
     def state(self, node: str) -> str:
@@ -838,9 +678,9 @@ class Domain:
             "heartbeat_interval_s": self.cfg.heartbeat_interval,
             "heartbeat_misses": self.cfg.heartbeat_misses,
             "loss_bound_s": self.cfg.loss_bound,
-            "stalled_s": round(self.stalled_s, 3),
+            "stalled_s": round(self.links.stalled_s, 3),
             "boot": self.boot.hex(),
-            "nodes": [{"name": self.node, "address": self.me.address, "state": "self", "state_for_s": round(now - self.started, 3)}]
+            "nodes": [{"name": self.node, "address": self.me.address, "state": "self", "state_for_s": round(now - self.links.started, 3)}]
             + [p.summary(now) for p in self.peers.values()],
             "name_collisions": sorted(p.name for p in self.peers.values() if p.collision is not None),
             "messages_by_type": {k: dict(v) for k, v in self.by_type.items()},

@@ -16,7 +16,7 @@ import time
 
 from a2ad import errors, layout as L, protocol
 from a2ad.daemon.auth import Peer
-from a2ad.daemon.registry import Redeemed, Registry
+from a2ad.daemon.core.registry import Redeemed, Registry
 from a2ad.fdpass import peer_credentials, send_frame_fds
 
 log = logging.getLogger("a2ad")

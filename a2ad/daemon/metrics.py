@@ -272,7 +272,7 @@ class DaemonCollector:
         for j in jobs:
             if not getattr(j, "degrade", False):
                 continue
-            m = j.mask_summary()
+            m = j.mask_summary(time.monotonic())
             if m["active_mask"] is None:
                 continue
             n_degraded += 1 if m["degraded_s"] else 0

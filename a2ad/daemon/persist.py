@@ -107,7 +107,8 @@ def job_record(job) -> dict:
         "rendezvous_count": job.rendezvous_count,
         "needs_rearm": job.needs_rearm,
         "active_mask": None if getattr(job, "active_mask", None) is None else L.mask_to_bytes(job.active_mask),
-        "created_wall": job.created_wall,
+        # (what the job's age says on the wall clock: informative, not read back)
+        "created_wall": time.time() - max(0.0, time.monotonic() - job.created_at),
         "owner_uid": getattr(job, "owner_uid", None),
         "slots": [_slot_record(s) for s in job.slots],
     }
@@ -116,7 +117,8 @@ def job_record(job) -> dict:
     return rec
 
 
-def job_from_record(rec: dict, fds: dict[str, int], backend, this_node: str | None, used: set[str]):
+def job_from_record(rec: dict, fds: dict[str, int], backend, this_node: str | None, used: set[str],
+                    adopt_control, created_at: float = 0.0):
     """The Job that ``rec`` (a ``job_record``, checked by ``check_job_record``) describes,
     holding the kept fds ``fds`` (fd-store name -> fd): its control block mapped, its rows
     adopted by ``backend``, another node's ranks as that node last reported them. This
@@ -125,25 +127,19 @@ def job_from_record(rec: dict, fds: dict[str, int], backend, this_node: str | No
     fds it took are added to ``used``. ``this_node``: this daemon's node name in its domain
     (None without one). Raises on a record that cannot be adopted."""
     from a2ad import errors
-    from a2ad.control import ControlBlock, hold_job
-    from a2ad.daemon import memfd
-    from a2ad.daemon.fdstore import cb_name, ws_name
-    from a2ad.daemon.jobs import Job, RankSlot
+    from a2ad.daemon.core.jobs import Job, RankSlot
+    from a2ad.daemon.core.names import cb_name, ws_name
 
     name, ep_size = rec["name"], rec["ep_size"]
     cfd = fds.get(cb_name(name))
     if cfd is None:
         raise errors.BackendError("its control block was not kept")
-    check_control_version(cfd, name)
-    if not memfd.adopt_memfd(cfd, L.CONTROL_BLOCK_SIZE, "control block"):
-        log.warning("job %s: its control block cannot be sealed (from an older daemon)", name)
     aux = L.aux_layout(ep_size, rec["spec"]["max_num_tokens"])
-    hold_job(cfd)  # held already when the store kept the daemon's description; taken if not
-    control = ControlBlock.map_fd(cfd)
+    control = adopt_control(cfd, name)
     job = Job(
         name=name, ep_size=ep_size, spec=rec["spec"], size_per_rank=rec["size_per_rank"],
         row_stride=rec["row_stride"], aux=aux, control_fd=cfd, control=control,
-        slots=[RankSlot(rank=r) for r in range(ep_size)], owner_uid=rec.get("owner_uid"),
+        slots=[RankSlot(rank=r) for r in range(ep_size)], owner_uid=rec.get("owner_uid"), created_at=created_at,
     )
     job.generation = rec["generation"]
     dom = rec.get("domain")

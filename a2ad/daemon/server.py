@@ -31,7 +31,8 @@ from a2ad.daemon.backends.base import Backend, default_limits
 from a2ad.daemon.fdbudget import FdBudget, count_fds, raise_nofile_limit
 from a2ad.daemon.fdsock import DEFAULT_HANDSHAKES_PER_UID, FdSocket
 from a2ad.daemon.fdstore import FdStore, NullStore, make_store
-from a2ad.daemon.registry import Job, Limits, Registry
+from a2ad.daemon.core.registry import Job, Limits, Registry
+from a2ad.daemon.hostio import RealHost
 
 log = logging.getLogger("a2ad")
 
@@ -117,7 +118,7 @@ class Daemon:
             max_job_bytes=config.max_job_bytes, max_total_bytes=config.max_total_bytes,
             max_held_joins_per_uid=config.max_held_joins_per_uid, max_jobs_per_uid=config.max_jobs_per_uid,
             max_bytes_per_uid=config.max_bytes_per_uid,
-        ))
+        ), RealHost())
         self.registry.on_rendezvous = self.rendezvous_hist.observe
         self.registry.fd_budget = self._charge_fds
         self.state = persist.StateWriter(config.runtime_dir, reserve=True)
@@ -149,7 +150,7 @@ class Daemon:
 
     def _setup_domain(self, config: Config) -> None:
         from a2ad.daemon.domain import Domain, load_config
-        from a2ad.daemon.federation import Federation
+        from a2ad.daemon.core.federation import Federation
 
         dcfg = load_config(config.domain)
         node = config.node
@@ -454,7 +455,9 @@ class Daemon:
             self.notifier.tick(self)
 
     def _guard(self, what: str, fn, *args) -> None:
-        """Run one event handler; a bug in it is logged and costs that event only."""
+        """Run one event handler; a bug in it is logged and costs that event only. The core
+        decides on the clock it is given: the time of this event."""
+        self.registry.now = time.monotonic()
         try:
             fn(*args)
         except Exception:
@@ -527,6 +530,7 @@ class Daemon:
                 self.registry.counters["bad_requests"] += 1
                 self._send(identity, protocol.encode_error(-1, errors.BadMessage("a request is exactly one frame")))
                 continue
+            self.registry.now = time.monotonic()
             reply = handle(self, identity, frames[1].bytes, _zmq_peer(frames[1]))
             if reply is not None:
                 self._send(identity, reply)
@@ -616,6 +620,7 @@ class Daemon:
 
     # ---------------------------------------------------------------- adoption
     def _adopt(self, fds: dict[str, int], state: dict | None) -> None:
+        self.registry.now = time.monotonic()
         self.registry.adopt_state(state, fds)
 
     # ----------------------------------------------------------------- upgrade
@@ -630,6 +635,7 @@ class Daemon:
         upgrade hands everything to the successor; a fatal error frees nothing."""
         self.notifier.stopping(self)
         reg = self.registry
+        reg.now = time.monotonic()
         log.info("shutting down%s", " after a fatal error" if fatal else "")
         if self.handover:
             log.info("handing %d job(s) over to the successor", len(reg.jobs))

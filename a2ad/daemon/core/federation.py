@@ -72,14 +72,17 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import secrets
-import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgpack
 
-from a2ad import errors, layout as L, protocol
-from a2ad.daemon.domain import PEER_DOWN, Domain, _RateLog
+from a2ad import errors, layout as L, mutations, protocol
+from a2ad.daemon.core.links import PEER_DOWN
+from a2ad.daemon.core.ratelog import RateLog
+
+if TYPE_CHECKING:
+    from a2ad.daemon.domain import Domain
 
 log = logging.getLogger("a2ad")
 
@@ -412,7 +415,7 @@ class Federation:
         #: peer -> job -> bytes of the report of it kept here (bounded: MAX_PEER_JOBS, MAX_PEER_REPORT_BYTES)
         self._held: dict[str, dict[str, int]] = {}
         self._held_bytes: dict[str, int] = {}
-        self._ratelog = _RateLog()
+        self._ratelog = RateLog(lambda: self.reg.now)
         #: the coordinator's "last join seen to release sent" of its latest rendezvous, seconds
         self.coordinated: list[float] = []
 
@@ -437,7 +440,7 @@ class Federation:
         """None when ``node`` is ``name``'s coordinator as this daemon sees the domain, else
         why its ``t`` message is refused (counted and logged)."""
         coord = self.coordinator(name)
-        if node == coord:
+        if node == coord or mutations.active("decide_from_anyone"):
             return None
         self.counters["refused_messages"] += 1
         self._ratelog(logging.WARNING, ("coord", node, t),
@@ -793,7 +796,7 @@ class Federation:
             before = _ranks(old) if old is not None else {}
             if any(rec["state"] == L.RANK_JOINING and before.get(r, {}).get("state") != L.RANK_JOINING
                    for r, rec in _ranks(msg).items()):
-                fj.last_join_at = time.monotonic()
+                fj.last_join_at = self.reg.now
         if node != self.node:
             job = self.reg.jobs.get(name)
             if job is not None and job.domain:
@@ -941,7 +944,7 @@ class Federation:
             log.debug("job %s: node %s answered the rendezvous' prepare with no (%s); trying again", name, node,
                       msg.get("why"))
             fj.attempt = None
-            fj.retry_at = time.monotonic() + RETRY_DELAY
+            fj.retry_at = self.reg.now + RETRY_DELAY
             self._mark(name)
             return
         a.prepared.add(node)
@@ -957,7 +960,7 @@ class Federation:
         release = {"t": "release", "job": name, "attempt": a.id, "generation": a.generation,
                    "rendezvous_count": a.rendezvous_count, "table": a.table}
         self._send_many(a.nodes, release)
-        latency = time.monotonic() - (fj.last_join_at or a.started)
+        latency = self.reg.now - (fj.last_join_at or a.started)
         self.coordinated.append(latency)
         del self.coordinated[:-1000]
         self.counters["rendezvous_coordinated"] += 1
@@ -1222,7 +1225,7 @@ class Federation:
             1 if any(rec["waiting"] == "join" for _, rec in recs.values()) else 0)
         table = [{"rank": r, "node": n, "device": rec["device"], "size": rec["size"], "handle_type": rec["handle_type"],
                   "handle": rec["handle"], "pid": rec["pid"]} for r, (n, rec) in sorted(recs.items())]
-        fj.attempt = Attempt(id=secrets.randbits(62), generation=generation, rearm=rearm, nodes=nodes, seqs=seqs, table=table,
+        fj.attempt = Attempt(id=int.from_bytes(self.reg.host.token(8), "little") >> 2, generation=generation, rearm=rearm, nodes=nodes, seqs=seqs, table=table,
                              rendezvous_count=count, started=now)
         prepare = {"t": "prepare", "job": fj.name, "attempt": fj.attempt.id, "generation": generation, "rearm": rearm,
                    "seqs": fj.attempt.seqs}
@@ -1245,7 +1248,7 @@ class Federation:
                 except (KeyError, TypeError, ValueError, IndexError, AttributeError, errors.A2ADError) as exc:
                     log.error("domain: this node's own %r message could not be used: %s", msg.get("t"), exc)
             dirty, self._coord_dirty = self._coord_dirty, {}
-            now = time.monotonic()
+            now = self.reg.now
             for name in sorted(dirty):
                 fj = self.jobs.get(name)
                 if fj is not None:

@@ -9,15 +9,12 @@ this daemon's own. ``Job.this_node`` is this daemon's own node name in its domai
 
 from __future__ import annotations
 
-import os
-import time
 from dataclasses import dataclass, field
 
 from a2ad import errors, layout as L, protocol
-from a2ad.control import ControlBlock, hold_job
-from a2ad.daemon import memfd
+from a2ad.control import ControlBlock
 from a2ad.daemon.backends.base import Allocation
-from a2ad.daemon.policy import active_mask, admitted_ranks
+from a2ad.daemon.core.policy import active_mask, admitted_ranks
 
 
 @dataclass
@@ -120,8 +117,8 @@ class Job:
     slots: list[RankSlot]
     #: The uid that created the job: only it (or an admin) may join, inspect or end it.
     owner_uid: int | None = None
-    created_at: float = field(default_factory=time.monotonic)
-    created_wall: float = field(default_factory=time.time)
+    #: when the job was created or adopted, on the clock of the events (Registry.now)
+    created_at: float = 0.0
     generation: int = 0
     #: When set, the job is freed at this monotonic time unless a rank comes back.
     grace_deadline: float | None = None
@@ -135,6 +132,9 @@ class Job:
     #: Replacements let into a degraded job while the others kept serving.
     readmits: int = 0
     freed: bool = False
+    #: A domain job whose rows this node re-armed for a coordinator's prepare: its abort word
+    #: and ``needs_rearm`` stay until the release (Registry._rearm).
+    rearm_held: bool = False
     #: A job of a domain: its coordinator decides its rendezvous and re-arms (federation.py).
     domain: bool = False
     #: The domain's decision on the spec has reached this daemon (a job created here before
@@ -172,7 +172,7 @@ class Job:
         others."""
         return self.degrade and self.rendezvous_count > 0 and not self.needs_rearm
 
-    def mask_summary(self) -> dict:
+    def mask_summary(self, now: float) -> dict:
         """The active mask as this daemon decided it, with the admit state the control block
         holds (degrade jobs; None otherwise)."""
         if not self.degrade or self.control is None or getattr(self.control, "_mv", None) is None:
@@ -187,14 +187,14 @@ class Job:
             "active_ranks": L.mask_ranks(admitted),
             "admitting_ranks": L.mask_ranks(mask & ~admitted),
             "mask_generation": cb.mask_generation,
-            "degraded_s": None if not since else round(max(0, time.monotonic_ns() - since) / 1e9, 3),
+            "degraded_s": None if not since else round(max(0, int(now * 1e9) - since) / 1e9, 3),
             "mask_restores": self.mask_restores,
         }
 
-    def mask_wire(self) -> dict:
+    def mask_wire(self, now: float) -> dict:
         """:meth:`mask_summary` as a reply carries it: the mask as ``layout.mask_to_bytes``
         bytes (msgpack carries at most 64-bit ints), the ranks as lists."""
-        m = self.mask_summary()
+        m = self.mask_summary(now)
         if m["active_mask"] is not None:
             m["active_mask"] = L.mask_to_bytes(m["active_mask"])
         return m
@@ -261,7 +261,7 @@ class Job:
             "generation": self.generation,
             "rearms": self.rearms,
             "on_peer_loss": self.spec.get("on_peer_loss", protocol.DEFAULT_PEER_LOSS),
-            **self.mask_wire(),
+            **self.mask_wire(now),
             "readmits": self.readmits,
             "abort": L.ABORT_NAMES.get(self.control.abort_word, str(self.control.abort_word)),
             "age_s": round(now - self.created_at, 3),
@@ -293,18 +293,4 @@ class Job:
                     field=key, job_value=a, requested=b, rank=rank, node=node,
                 )
         return None
-
-
-def new_control_block(ep_size: int, policy: int = L.POLICY_RAISE) -> tuple[int, ControlBlock]:
-    """A sealed memfd (clients cannot shrink it under the daemon's mapping) holding a fresh
-    control block."""
-    fd = memfd.sealed_memfd("a2ad-ctl", L.CONTROL_BLOCK_SIZE)
-    try:
-        hold_job(fd)  # the holder lock: ranks learn when no daemon or fd store holds the job
-        cb = ControlBlock.map_fd(fd)
-    except BaseException:
-        os.close(fd)
-        raise
-    cb.initialize(ep_size, policy)
-    return fd, cb
 

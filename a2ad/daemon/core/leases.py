@@ -17,27 +17,21 @@ registry learns that it is gone.
 from __future__ import annotations
 
 import logging
-import os
-import secrets
-import time
+import hmac
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from a2ad import errors, layout as L
+from a2ad import errors, layout as L, mutations
 from a2ad.daemon.auth import Peer
-from a2ad.daemon.policy import active_mask
+from a2ad.daemon.core.policy import active_mask
 
 if TYPE_CHECKING:
-    from a2ad.daemon.jobs import Job, RankSlot
+    from a2ad.daemon.core.jobs import Job, RankSlot
 
 log = logging.getLogger("a2ad")
 
 #: Seconds a released join's (or a renew's) ticket stays valid.
 TICKET_TTL = 30.0
-
-
-def new_secret() -> bytes:
-    return secrets.token_bytes(32)
 
 
 @dataclass
@@ -60,13 +54,13 @@ class Leases:
         if job is None:
             raise errors.NoSuchJob(f"no job named {name!r}")
         slot = job.slot(rank)
-        if slot.lease is None or not secrets.compare_digest(lease, slot.lease):
+        if slot.lease is None or not hmac.compare_digest(lease, slot.lease):
             raise errors.PermissionDenied(f"job {job.name!r} rank {rank}: the lease does not match its holder")
         return job, slot
 
     def _issue_ticket(self, job: Job, slot: RankSlot, kind: str, now: float) -> bytes:
         self._drop_ticket(slot)
-        ticket = new_secret()
+        ticket = self.host.token(32)
         self.tickets[ticket] = (job, slot.rank)
         slot.ticket, slot.ticket_kind, slot.ticket_expiry = ticket, kind, now + TICKET_TTL
         return ticket
@@ -76,8 +70,19 @@ class Leases:
             self.tickets.pop(slot.ticket, None)
             slot.ticket = slot.ticket_kind = None
 
+    def _check_holder(self, peer: Peer, job: Job, slot: RankSlot, what: str) -> None:
+        """A lease token is the rank's holder's: another uid that got hold of it (a leaked
+        token) may not use it; an admin may."""
+        if peer.uid is None or peer.uid == slot.uid or self.auth.is_admin(peer):
+            return
+        if what == "leave" and mutations.active("leave_any_uid"):
+            return
+        raise errors.PermissionDenied(
+            f"job {job.name!r} rank {slot.rank}: uid {peer.uid} may not {what} with the lease of uid {slot.uid}'s rank")
+
     def leave(self, peer: Peer, f: dict) -> dict:
         job, slot = self._slot_for_lease(f["job"], f["ep_rank"], f["lease"])
+        self._check_holder(peer, job, slot, "leave")
         if not slot.live:
             raise errors.PermissionDenied(f"job {job.name!r} rank {slot.rank} is {L.RANK_STATE_NAMES[slot.state]}, not held")
         slot.leaving = True
@@ -100,7 +105,7 @@ class Leases:
             raise errors.PermissionDenied(f"renew claims pid {f['pid']} but comes from pid {peer.pid}")
         if slot.state != L.RANK_ATTACHED or slot.pid != f["pid"]:
             raise errors.PermissionDenied(f"job {job.name!r} rank {slot.rank} is not attached to pid {f['pid']}")
-        ticket = self._issue_ticket(job, slot, "renew", time.monotonic())
+        ticket = self._issue_ticket(job, slot, "renew", self.now)
         return {"ticket": ticket, "generation": job.generation}
 
     # ------------------------------------------------------------ the fd socket
@@ -136,7 +141,7 @@ class Leases:
             log.info("job %s: rank %d renewed its lease (pid %d)", job.name, slot.rank, slot.pid)
             return
         job.set_rank_state(slot, L.RANK_ATTACHED)
-        slot.attached_at = time.monotonic()
+        slot.attached_at = self.now
         slot.attaches += 1
         self.dirty = True
         self.counters["attaches"] += 1
@@ -181,8 +186,10 @@ class Leases:
         """Watch a rank's process with a pidfd; False when it is already gone."""
         self.drop_pidfd(slot)
         try:
-            slot.pidfd = os.pidfd_open(slot.pid)
+            slot.pidfd = self.host.open_pidfd(slot.pid)
         except (ProcessLookupError, OSError, TypeError):
+            return False
+        if slot.pidfd is None:
             return False
         self.pidfds[slot.pidfd] = (job, slot.rank)
         return True
@@ -190,7 +197,7 @@ class Leases:
     def drop_pidfd(self, slot: RankSlot) -> None:
         if slot.pidfd is not None:
             self.pidfds.pop(slot.pidfd, None)
-            os.close(slot.pidfd)
+            self.host.close_fd(slot.pidfd)
             slot.pidfd = None
 
     def pid_exited(self, pidfd: int) -> None:

@@ -34,23 +34,21 @@ rendezvous and every re-arm of such a job are decided by its coordinator, not by
 from __future__ import annotations
 
 import logging
-import os
-import socket
-import time
 from dataclasses import dataclass
 from typing import Callable
 
-from a2ad import errors, layout as L, protocol
+from a2ad import errors, layout as L, mutations, protocol
 from a2ad.daemon import persist
 from a2ad.daemon.auth import Auth, Peer
 from a2ad.daemon.backends.base import Backend
-from a2ad.daemon.fdstore import FdStore, cb_name, ws_name
-from a2ad.daemon.jobs import Held, Job, RankSlot, new_control_block
-from a2ad.daemon.leases import Leases, Redeemed, new_secret
-from a2ad.daemon.mirror import Mirror
-from a2ad.daemon.policy import LossPolicy, active_mask
+from a2ad.daemon.core.jobs import Held, Job, RankSlot
+from a2ad.daemon.core.names import cb_name, ws_name
+from a2ad.daemon.core.ports import Host, Store
+from a2ad.daemon.core.leases import Leases, Redeemed
+from a2ad.daemon.core.mirror import Mirror
+from a2ad.daemon.core.policy import LossPolicy, active_mask
 
-__all__ = ["Held", "Job", "Limits", "RankSlot", "Redeemed", "Registry", "new_control_block"]
+__all__ = ["Held", "Job", "Limits", "RankSlot", "Redeemed", "Registry"]
 
 log = logging.getLogger("a2ad")
 
@@ -78,8 +76,12 @@ UID_CAPS = (
 
 
 class Registry(Leases, LossPolicy, Mirror):
-    def __init__(self, backend: Backend, store: FdStore, auth: Auth, limits: Limits):
+    def __init__(self, backend: Backend, store: Store, auth: Auth, limits: Limits, host: Host):
         self.backend = backend
+        self.host = host
+        #: the time of the event being handled (a monotonic clock's seconds), set by whoever
+        #: hands the registry an event: the server before each, the simulator from its clock
+        self.now = 0.0
         self.store = store
         self.auth = auth
         self.limits = limits
@@ -109,7 +111,7 @@ class Registry(Leases, LossPolicy, Mirror):
     @property
     def node_name(self) -> str:
         """This daemon's node: its name in the domain, or the short host name."""
-        return self.fed.node if self.fed is not None else socket.gethostname().split(".")[0]
+        return self.fed.node if self.fed is not None else self.host.hostname
 
     def job_for(self, peer: Peer, name: str) -> Job:
         """The job ``name`` as ``peer`` may see it: NoSuchJob for a job of another user (its
@@ -123,15 +125,17 @@ class Registry(Leases, LossPolicy, Mirror):
         return [j for j in self.jobs.values() if self.auth.may_use(peer, j.owner_uid)]
 
     def uid_usage(self, uid: int | None) -> dict[str, int]:
-        """What the jobs ``uid`` created hold on this daemon: jobs, fds (control blocks, rows,
-        lease connections and pidfds) and bytes."""
+        """What the jobs ``uid`` created hold on this daemon: jobs, fds (control blocks, each
+        with the description its mapping keeps; rows, lease connections and pidfds) and bytes."""
         jobs = fds = nbytes = 0
+        per_block = 1 if mutations.active("uid_fds_undercount") else self.host.control_block_fds
         for j in self.jobs.values():
             if j.owner_uid != uid:
                 continue
             jobs += 1
             nbytes += j.job_bytes
-            fds += 1 + sum((s.alloc is not None) + (s.lease_conn is not None) + (s.pidfd is not None) for s in j.slots)
+            fds += per_block + sum((s.alloc is not None) + (s.lease_conn is not None) + (s.pidfd is not None)
+                                   for s in j.slots)
         return {"jobs": jobs, "fds": fds, "bytes": nbytes}
 
     def _check_uid_caps(self, peer: Peer, **need: int) -> None:
@@ -179,7 +183,7 @@ class Registry(Leases, LossPolicy, Mirror):
             slot = self._claim_slot(job, f, peer)
         except BaseException:
             if pidfd is not None:
-                os.close(pidfd)
+                self.host.close_fd(pidfd)
             if job is not None and not job.freed and not job.live_ranks() and job.grace_deadline is None:
                 self._start_grace(job)
             raise
@@ -223,16 +227,13 @@ class Registry(Leases, LossPolicy, Mirror):
                 needed=held + 1, limit=self.limits.max_held_joins_per_uid,
             )
 
-    @staticmethod
-    def _open_pidfd(pid: int) -> int | None:
+    def _open_pidfd(self, pid: int) -> int | None:
         """A pidfd on the joining process, which must exist before anything is created for it
         (None: no pidfd support; a death during the rendezvous is then caught by its timeout)."""
         try:
-            return os.pidfd_open(pid)
+            return self.host.open_pidfd(pid)
         except ProcessLookupError:
             raise errors.InvalidField(f"pid {pid} is not a running process", field="pid") from None
-        except OSError:
-            return None
 
     def _new_job(self, peer: Peer, f: dict, spec: dict) -> Job:
         """The first join of a job creates it (in a domain: as the domain decided it, if it has)."""
@@ -273,6 +274,9 @@ class Registry(Leases, LossPolicy, Mirror):
             raise errors.RankTaken(
                 f"job {name!r} rank {rank} has its workspace on node {slot.node}: a replacement joins through "
                 "that node's daemon", node=slot.node)
+        if slot.live and slot.pid == f["pid"] and slot.lease_conn is None \
+                and not mutations.active("own_rank_refused"):
+            self._supersede(job, slot)
         if slot.live:
             raise errors.RankTaken(
                 f"job {name!r} rank {rank} is held by live pid {slot.pid} ({L.RANK_STATE_NAMES[slot.state]})",
@@ -289,6 +293,27 @@ class Registry(Leases, LossPolicy, Mirror):
             self._allocate(job, slot, f["device"])
         return slot
 
+    def _supersede(self, job: Job, slot: RankSlot) -> None:
+        """The process the daemon holds ``slot`` for joins it again while it holds no lease
+        connection: whatever it had (a join whose reply or handles never reached it, say a
+        redeem reset by an upgrade or restart; or an attachment whose handles it gave up) it
+        does not hold any more, and its new join replaces it. An attached rank counts as
+        gone by its job's policy, exactly as a replacement's predecessor does; a held join is
+        answered as superseded."""
+        why = "joined again without its lease"
+        log.warning("job %s: rank %d's pid %d joins again while the daemon holds the rank %s for it without a lease: "
+                    "the new join replaces it", job.name, slot.rank, slot.pid, L.RANK_STATE_NAMES[slot.state])
+        if slot.state == L.RANK_JOINING:
+            if slot.pending is not None and not slot.readmit_wait:
+                self._fail(slot.pending, errors.StateError("superseded by a newer join of the same process"))
+            slot.pending = None
+            slot.readmit_wait = slot.readmitting = False
+            self._reset_joining(job, slot)
+        else:
+            self._drop_ticket(slot)
+            self.drop_pidfd(slot)
+            self._mark(job, slot, L.RANK_DEAD, why)
+
     def _seat(self, job: Job, slot: RankSlot, peer: Peer, identity: bytes, rid: int, f: dict,
               pidfd: int | None) -> bool:
         """The rank joins its slot: its pid watched, a fresh lease, its reply held until the
@@ -298,17 +323,17 @@ class Registry(Leases, LossPolicy, Mirror):
         job.set_rank_state(slot, L.RANK_JOINING)
         slot.pid, slot.uid, slot.device = f["pid"], peer.uid, f["device"]
         slot.leaving = False
-        slot.joined_at = time.monotonic()
-        slot.lease = new_secret()
+        slot.joined_at = self.now
+        slot.lease = self.host.token(32)
         if pidfd is not None:
             slot.pidfd = pidfd
             self.pidfds[pidfd] = (job, slot.rank)
         timeout = min(f.get("timeout", 60.0), self.limits.max_rendezvous_timeout)
-        slot.pending = Held(identity=identity, request_id=rid, deadline=time.monotonic() + timeout)
+        slot.pending = Held(identity=identity, request_id=rid, deadline=self.now + timeout)
         job.grace_deadline = None
         job.last_join_seen = slot.joined_at
         if job.rendezvous_started is None:
-            job.rendezvous_started = time.monotonic()
+            job.rendezvous_started = self.now
         self.counters["joins"] += 1
         self.dirty = True
         log.info(
@@ -386,12 +411,13 @@ class Registry(Leases, LossPolicy, Mirror):
                 needed=job_bytes, limit=self.limits.max_total_bytes,
             )
         # its control block, the first rank's row and that rank's pidfd (then lease connection)
-        self._check_uid_caps(peer, jobs=1, fds=3, bytes=job_bytes)
+        self._check_uid_caps(peer, jobs=1, fds=self.host.control_block_fds + 2, bytes=job_bytes)
         self.fd_budget(ep_size + 2)
-        cfd, cb = new_control_block(ep_size, L.POLICY_CODES[spec.get("on_peer_loss", protocol.DEFAULT_PEER_LOSS)])
+        cfd, cb = self.host.new_control_block(ep_size, L.POLICY_CODES[spec.get("on_peer_loss", protocol.DEFAULT_PEER_LOSS)])
         job = Job(
             name=name, ep_size=ep_size, spec=spec, size_per_rank=size, row_stride=stride, aux=aux,
             control_fd=cfd, control=cb, slots=[RankSlot(rank=r) for r in range(ep_size)], owner_uid=owner_uid,
+            created_at=self.now,
         )
         self.jobs[name] = job
         self.store.put(cb_name(name), cfd)
@@ -438,7 +464,7 @@ class Registry(Leases, LossPolicy, Mirror):
             if any(s.state == L.RANK_ATTACHED and s.recovering is None for s in job.slots):
                 return  # a survivor has not quiesced yet
             self._rearm(job)
-        now = time.monotonic()
+        now = self.now
         latency = now - max(s.joined_at for s in job.pending()) if job.pending() else 0.0
         for slot in job.recovering():
             self._reply(slot.recovering, {"generation": job.generation})
@@ -501,12 +527,15 @@ class Registry(Leases, LossPolicy, Mirror):
         return {"kind": "workspace", "rank": s.rank, "size": remote["size"], "device": s.device, "node": s.node,
                 "fd": False, "fabric": remote["handle"], "handle_type": remote.get("handle_type")}
 
-    def _rearm(self, job: Job, generation: int | None = None) -> None:
+    def _rearm(self, job: Job, generation: int | None = None, hold: bool = False) -> None:
         """Reset every rank's flags and counters to one agreed state and bump the generation
         (to ``generation``: the one a domain's coordinator picked). Only called while no rank
         can be inside dispatch or combine (all quiesced or joining). In a job that spans nodes
-        each daemon re-arms the rows it holds, all before any rank is released."""
-        t0 = time.monotonic()
+        each daemon re-arms the rows it holds, all before any rank is released; there
+        (``hold``) the job still needs its re-arm, abort word set, until the release comes: an
+        attempt that never releases (another node answered no) leaves this node's ranks, once
+        their recovers time out, told to recover again rather than serving a job that the
+        others did not re-arm."""
         with self.backend.batch():
             for slot in job.slots:
                 if slot.alloc is None:
@@ -522,17 +551,21 @@ class Registry(Leases, LossPolicy, Mirror):
         self._set_mask(job, L.full_mask(job.ep_size))  # every rank takes part from the first round on
         job.generation = job.generation + 1 if generation is None else generation
         job.control.generation = job.generation
-        job.control.clear_abort()
-        job.needs_rearm = False
+        if hold and not mutations.active("prepare_clears_abort"):
+            job.rearm_held = True
+        else:
+            job.control.clear_abort()
+            job.needs_rearm = False
         job.rearms += 1
         self.counters["rearms"] += 1
         self.dirty = True
-        log.info("job %s: re-armed at generation %d in %.1f ms", job.name, job.generation, (time.monotonic() - t0) * 1e3)
+        log.info("job %s: re-armed at generation %d", job.name, job.generation)
 
     # ------------------------------------------------------------------ recover
     def recover(self, peer: Peer, identity: bytes, rid: int, f: dict) -> None:
         """Hold this (attached, quiesced) rank until the job is re-armed with all ranks present."""
         job, slot = self._slot_for_lease(f["job"], f["ep_rank"], f["lease"])
+        self._check_holder(peer, job, slot, "recover")
         if slot.state != L.RANK_ATTACHED:
             raise errors.PermissionDenied(
                 f"job {job.name!r} rank {slot.rank} is {L.RANK_STATE_NAMES[slot.state]}, not attached: join again instead"
@@ -546,7 +579,7 @@ class Registry(Leases, LossPolicy, Mirror):
         timeout = min(f.get("timeout", 60.0), self.limits.max_rendezvous_timeout)
         if slot.recovering is not None:  # a client that gave up and asks again: the new request wins
             self._fail(slot.recovering, errors.StateError("superseded by a newer recover request"))
-        slot.recovering = Held(identity=identity, request_id=rid, deadline=time.monotonic() + timeout)
+        slot.recovering = Held(identity=identity, request_id=rid, deadline=self.now + timeout)
         self.dirty = True
         self._maybe_release(job)
 
@@ -568,7 +601,7 @@ class Registry(Leases, LossPolicy, Mirror):
             self._start_grace(job)
 
     def _start_grace(self, job: Job) -> None:
-        job.grace_deadline = time.monotonic() + self.limits.grace
+        job.grace_deadline = self.now + self.limits.grace
         self.dirty = True
         log.info("job %s: no ranks attached; freed in %.1f s unless one re-attaches", job.name, self.limits.grace)
 
@@ -642,9 +675,15 @@ class Registry(Leases, LossPolicy, Mirror):
                     else:
                         missing = absent
                         lost = sorted({s.node for s in job.slots if s.rank in missing and s.lost_with_node})
+                        # every rank present, yet no re-arm: running ranks that have not quiesced
+                        # (asked to recover) are what the replacement waited for
+                        busy = [] if missing else [r for r in not_quiesced if r != slot.rank]
                         self._fail(slot.pending, errors.RendezvousTimeout(
-                            f"job {job.name!r}: rendezvous timed out waiting for rank(s) {missing}"
-                            + (f" (node(s) {', '.join(lost)} unreachable)" if lost else ""), missing_ranks=missing))
+                            f"job {job.name!r}: rendezvous timed out waiting for rank(s) {missing or busy}"
+                            + (f" (node(s) {', '.join(lost)} unreachable)" if lost else "")
+                            + (" to quiesce: they run and have not asked to recover (a replacement's join waits for "
+                               "the running ranks' recover)" if busy else ""),
+                            missing_ranks=missing or busy))
                     log.warning("job %s: rank %d's rendezvous timed out; missing %s", job.name, slot.rank, missing)
                     slot.pending = None
                     self._reset_joining(job, slot)
@@ -685,7 +724,7 @@ class Registry(Leases, LossPolicy, Mirror):
         self.store.drop(cb_name(job.name))
         job.control.close()
         if job.control_fd >= 0:
-            os.close(job.control_fd)
+            self.host.close_fd(job.control_fd)
             job.control_fd = -1
         log.info("job %s freed (%s)", job.name, why)
 
@@ -695,11 +734,11 @@ class Registry(Leases, LossPolicy, Mirror):
         for slot in job.slots:
             self.drop_pidfd(slot)
             if slot.alloc is not None and slot.alloc.fd >= 0:
-                os.close(slot.alloc.fd)
+                self.host.close_fd(slot.alloc.fd)
                 slot.alloc.fd = -1
         job.control.close()
         if job.control_fd >= 0:
-            os.close(job.control_fd)
+            self.host.close_fd(job.control_fd)
             job.control_fd = -1
 
     # --------------------------------------------------------------- adoption
@@ -711,7 +750,6 @@ class Registry(Leases, LossPolicy, Mirror):
         if state is not None and state.get("backend") != self.backend.name:
             log.error("state file is from a %s daemon; this one runs %s: not adopting", state.get("backend"), self.backend.name)
             state = None
-        t0 = time.monotonic()
         for rec in (state or {}).get("jobs", []):
             why = persist.check_job_record(rec)
             if why is not None:
@@ -723,12 +761,12 @@ class Registry(Leases, LossPolicy, Mirror):
                 log.error("could not re-adopt job %s: %s", rec.get("name"), exc)
         for name, fd in fds.items():
             if name not in used:
-                os.close(fd)
+                self.host.close_fd(fd)
                 self.store.drop(name)
         if self.jobs:
             names = sorted(self.jobs)
-            log.info("re-adopted %d job(s): %s%s (%.1f ms)", len(names), ", ".join(names[:20]),
-                     f" and {len(names) - 20} more" if len(names) > 20 else "", (time.monotonic() - t0) * 1e3)
+            log.info("re-adopted %d job(s): %s%s", len(names), ", ".join(names[:20]),
+                     f" and {len(names) - 20} more" if len(names) > 20 else "")
         self.dirty = True
 
     def adopt(self, record: dict, fds: dict[str, int], used: set[str] | None = None) -> Job:
@@ -738,7 +776,8 @@ class Registry(Leases, LossPolicy, Mirror):
         no daemon ran is a death by its job's policy; a join in progress died with the old
         daemon. The names of the fds it took are added to ``used``."""
         job = persist.job_from_record(record, fds, self.backend, self.fed.node if self.fed is not None else None,
-                                      set() if used is None else used)
+                                      set() if used is None else used, self.host.adopt_control_block,
+                                      created_at=self.now)
         try:
             for srec, slot in zip(record["slots"], job.slots):
                 if slot.node is not None:
@@ -767,7 +806,7 @@ class Registry(Leases, LossPolicy, Mirror):
             except Exception:
                 log.exception("job %s: checking its published active mask failed", job.name)
         if not job.live_ranks():
-            job.grace_deadline = time.monotonic() + self.limits.grace
+            job.grace_deadline = self.now + self.limits.grace
         self.jobs[job.name] = job
         return job
 
@@ -786,7 +825,7 @@ class Registry(Leases, LossPolicy, Mirror):
         when the last importer unmaps; a process that held a rank at free time counts)."""
         keep = []
         for rec in self.released:
-            rec["pids"] = [p for p in rec["pids"] if _alive(p)]
+            rec["pids"] = [p for p in rec["pids"] if self.host.alive(p)]
             if rec["pids"]:
                 keep.append(rec)
         self.released = keep
@@ -796,16 +835,3 @@ class Registry(Leases, LossPolicy, Mirror):
             "released_mapped_jobs": [{"job": r["job"], "bytes": r["bytes"], "pids": r["pids"]} for r in keep],
         }
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped) maps nothing
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True

@@ -16,15 +16,14 @@ coordinator in two steps, ``domain_prepare`` (re-arm this daemon's rows) and
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING
 
-from a2ad import errors, layout as L
-from a2ad.daemon.fdstore import ws_name
-from a2ad.daemon.policy import active_mask
+from a2ad import errors, layout as L, mutations
+from a2ad.daemon.core.names import ws_name
+from a2ad.daemon.core.policy import active_mask
 
 if TYPE_CHECKING:
-    from a2ad.daemon.jobs import Job, RankSlot
+    from a2ad.daemon.core.jobs import Job, RankSlot
 
 log = logging.getLogger("a2ad")
 
@@ -80,9 +79,11 @@ class Mirror:
                 slot.lost_with_node = False  # it died with its node; this is its replacement
             # a report that says joining is its node's from before the rank attached (the node
             # stalled before it sent the next one, which its resync sends now): the next decides
-            if slot.lost_with_node and not (state == L.RANK_JOINING and effects):
+            old_bug = mutations.active("rearm_lost_to_joining_report")
+            if slot.lost_with_node and (old_bug or not (state == L.RANK_JOINING and effects)):
                 slot.lost_with_node = False
-                if effects and state == L.RANK_ATTACHED and slot.state in (L.RANK_DEAD, L.RANK_JOINING):
+                if effects and state == L.RANK_ATTACHED and slot.state in (
+                        (L.RANK_DEAD,) if old_bug else (L.RANK_DEAD, L.RANK_JOINING)):
                     # counted lost with its node, yet alive: the job's rounds cannot agree any
                     # more (the others dropped or aborted it): everyone goes through a re-arm
                     job.needs_rearm = self.dirty = True
@@ -132,7 +133,7 @@ class Mirror:
         job.set_rank_state(slot, state)
         self.dirty = True
         if state == L.RANK_JOINING:
-            job.last_join_seen = time.monotonic()
+            job.last_join_seen = self.now
             job.grace_deadline = None
         elif effects and state in (L.RANK_DEAD, L.RANK_LEFT) and old in (L.RANK_JOINING, L.RANK_ATTACHED):
             self._lose(job, slot, state, old == L.RANK_ATTACHED,
@@ -158,7 +159,7 @@ class Mirror:
         """The first step of a domain rendezvous: re-arm this daemon's rows (``rearm``) or take
         the generation the coordinator picked; no rank is released yet."""
         if rearm:
-            self._rearm(job, generation)
+            self._rearm(job, generation, hold=True)
         elif job.generation != generation:
             job.generation = generation
             job.control.generation = generation
@@ -188,7 +189,11 @@ class Mirror:
                 if slot.state == L.RANK_JOINING:
                     job.set_rank_state(slot, L.RANK_ATTACHED)
                     slot.attaches += 1
-        now = time.monotonic()
+        if job.rearm_held:  # the re-arm this node prepared is the whole job's now
+            job.rearm_held = False
+            job.control.clear_abort()
+            job.needs_rearm = False
+        now = self.now
         for slot in job.recovering():
             self._reply(slot.recovering, {"generation": job.generation})
             slot.recovering = None

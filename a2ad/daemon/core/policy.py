@@ -21,13 +21,12 @@ let into the rounds.
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING
 
 from a2ad import errors, layout as L
 
 if TYPE_CHECKING:
-    from a2ad.daemon.jobs import Job, RankSlot
+    from a2ad.daemon.core.jobs import Job, RankSlot
 
 log = logging.getLogger("a2ad")
 
@@ -113,13 +112,12 @@ class LossPolicy:
         dispatched yet. Its bit is set when it holds its handles (``delivered``); its first
         dispatch asks to be let in and the lowest active rank picks the round
         (docs/PROTOCOL.md, "Degraded mode")."""
-        t0 = time.monotonic()
         self._fresh_row(job, slot, L.ADMIT_JOINED)
         slot.readmitting = True
-        self._release_join(job, slot, time.monotonic())
+        self._release_join(job, slot, self.now)
         self.dirty = True
-        log.info("job %s: rank %d let back in without stopping the others (row re-initialized in %.1f ms); "
-                 "its first dispatch joins the rounds", job.name, slot.rank, (time.monotonic() - t0) * 1e3)
+        log.info("job %s: rank %d let back in without stopping the others (row re-initialized); "
+                 "its first dispatch joins the rounds", job.name, slot.rank)
 
     def _readmit_across(self, job: Job, slot: RankSlot) -> None:
         """A replacement let back into a degrade job that spans nodes, without stopping the
@@ -129,14 +127,13 @@ class LossPolicy:
         other node with live ranks of the job has done the same for it (their reports list
         it in ``admits``: ``take_readmit_acks``), so that no node's ranks can leave it out of a
         round the lowest active rank lets it into (docs/DOMAIN.md, "Failure")."""
-        t0 = time.monotonic()
         self._fresh_row(job, slot, L.ADMIT_ROW)
         self._set_mask(job, active_mask(job) | 1 << slot.rank)
         slot.readmitting = slot.readmit_wait = True
         slot.readmit_acks = set()
         self.dirty = True
-        log.info("job %s: rank %d let back in without stopping the others (row re-initialized in %.1f ms); its join "
-                 "is answered once node(s) %s have taken it back in", job.name, slot.rank, (time.monotonic() - t0) * 1e3,
+        log.info("job %s: rank %d let back in without stopping the others (row re-initialized); its join "
+                 "is answered once node(s) %s have taken it back in", job.name, slot.rank,
                  ", ".join(sorted(self._readmit_nodes(job))) or "(none)")
         self.check_readmits(job)
 
@@ -163,7 +160,7 @@ class LossPolicy:
         if not waiting:
             return
         need = self._readmit_nodes(job)
-        now = time.monotonic()
+        now = self.now
         for s in waiting:
             if need <= s.readmit_acks:
                 s.readmit_wait = False
@@ -197,7 +194,7 @@ class LossPolicy:
         mask &= L.full_mask(job.ep_size)
         changed = mask != job.active_mask
         job.active_mask = mask
-        job.control.set_active_mask(mask, job.ep_size, time.monotonic_ns())
+        job.control.set_active_mask(mask, job.ep_size, int(self.now * 1e9))
         if changed:
             self.dirty = True
         return changed
@@ -210,7 +207,7 @@ class LossPolicy:
         seen = job.control.active_mask
         if seen == job.active_mask:
             return
-        job.control.set_active_mask(job.active_mask, job.ep_size, time.monotonic_ns())
+        job.control.set_active_mask(job.active_mask, job.ep_size, int(self.now * 1e9))
         job.mask_restores += 1
         self.counters["mask_restores"] += 1
         if job.mask_restores == 1 or job.mask_restores % 100 == 0:

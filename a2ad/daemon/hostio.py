@@ -1,0 +1,79 @@
+"""The daemon's side of the core's ``Host`` port (core/ports.py): pidfds, closing fds, the
+process table and control blocks in sealed memfds."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+
+from a2ad import layout as L
+from a2ad.control import ControlBlock, hold_job
+from a2ad.daemon import memfd
+
+log = logging.getLogger("a2ad")
+
+
+class RealHost:
+    #: the control block's memfd, and the descriptor Python's mmap keeps of it (it dup()s
+    #: the fd it maps, so that the mapping can be resized)
+    control_block_fds = 2
+
+    def __init__(self) -> None:
+        self.hostname = socket.gethostname().split(".")[0]
+
+    @staticmethod
+    def open_pidfd(pid: int) -> int | None:
+        try:
+            return os.pidfd_open(pid)
+        except ProcessLookupError:
+            raise
+        except (OSError, TypeError):
+            return None
+
+    @staticmethod
+    def token(n: int) -> bytes:
+        return secrets.token_bytes(n)
+
+    @staticmethod
+    def close_fd(fd: int) -> None:
+        os.close(fd)
+
+    @staticmethod
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        try:  # a zombie (exited, not yet reaped) maps nothing
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return True
+
+    @staticmethod
+    def new_control_block(ep_size: int, policy: int) -> tuple[int, ControlBlock]:
+        """A sealed memfd (clients cannot shrink it under the daemon's mapping) holding a fresh
+        control block."""
+        fd = memfd.sealed_memfd("a2ad-ctl", L.CONTROL_BLOCK_SIZE)
+        try:
+            hold_job(fd)  # the holder lock: ranks learn when no daemon or fd store holds the job
+            cb = ControlBlock.map_fd(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        cb.initialize(ep_size, policy)
+        return fd, cb
+
+    @staticmethod
+    def adopt_control_block(fd: int, job: str) -> ControlBlock:
+        from a2ad.daemon.persist import check_control_version
+
+        check_control_version(fd, job)
+        if not memfd.adopt_memfd(fd, L.CONTROL_BLOCK_SIZE, "control block"):
+            log.warning("job %s: its control block cannot be sealed (from an older daemon)", job)
+        hold_job(fd)  # held already when the store kept the daemon's description; taken if not
+        return ControlBlock.map_fd(fd)
