@@ -1,0 +1,1100 @@
+"""The daemon world: one node's daemon core (the real ``Registry``) serving rank processes
+that join, redeem their tickets, attach, leave, die, stall and come back, while the daemon is
+killed and restarted, upgraded under churn, and its disk fills.
+
+What stands in for the machine, and only that (the core's ports, core/ports.py):
+
+- ``SimHost``: a process table (pids alive or dead), a descriptor table per daemon
+  instance (each fd names a kernel object: a control block's memory, a row, a pidfd), tokens
+  from the seed;
+- ``SimBackend``: rows as kernel objects of the same table (the memory backend seam);
+- the keeper (``SimKeeper``): the fd store across restarts, holding kernel objects by name;
+- the state file: the last records written (a full disk keeps the previous ones).
+
+Everything else is the daemon's own code: the registry decides, ``persist.job_record`` and
+``persist.check_job_record`` write and read its records, ``adopt_state`` re-adopts them. The
+server's part (turning a request into a call, carrying out ``outbox``/``closing``/``dirty``,
+timers at ``next_deadline``) is done here the way server.py and fdsock.py do it.
+
+Invariants checked after every step (``check``):
+
+- ``own-rank-refused``: a process's join is never refused because the daemon holds the rank
+  for that same process while the process does not hold it;
+- ``stranded-rank``: a rank the daemon holds attached for a live process that does not hold
+  it is given back within ``STRANDED_BOUND`` seconds;
+- ``reply-bound``: every request a live process waits in is answered within its timeout (plus
+  one timer tick);
+- ``job-lost``: a job a live, attached process holds is never missing from a running daemon;
+- ``uid-fds``: what the per-uid cap counts (``uid_usage``) is what the daemon really holds for
+  that uid's jobs (rows, control-block descriptions, lease sockets, pidfds);
+- ``fd-leak``: a descriptor the daemon holds belongs to a job it knows or a lease it keeps;
+  closing one it does not hold is a violation too;
+- ``foreign-leave``: a lease token used by another uid is refused;
+- ``loss-signal``: a live attached rank whose peer died sees the abort word (raise) or the
+  peer's bit cleared (degrade) once the daemon has seen the death.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import random
+
+import msgpack
+from dataclasses import dataclass, field
+
+from a2ad import errors, layout as L, protocol
+from a2ad.control import ControlBlock
+from a2ad.daemon import persist
+from a2ad.daemon.auth import Auth, Peer
+from a2ad.daemon.backends.base import Allocation, Backend
+from a2ad.daemon.core.federation import Federation
+from a2ad.daemon.core.links import PEER_DOWN, PEER_UP, Link, Links
+from a2ad.daemon.core.registry import Limits, Registry
+from a2ad.sim.world import Outcome, Violation, register
+
+#: A rank the daemon holds attached for a live process that does not hold it: seconds until it
+#: must be given back (the process's next join, or its death, ends it).
+STRANDED_BOUND = 40.0
+#: how long a rank's recover waits for the others (the client's default is 60 s)
+RECOVER_TIMEOUT = 20.0
+SPEC = dict(max_num_tokens=8, top_k=2, num_experts=8, dispatch_bytes_per_token=64, combine_bytes_per_token=64)
+UIDS = (1001, 1002)
+ROW = 1 << 16
+
+
+# ------------------------------------------------------------------------- the machine
+class Kernel:
+    """Kernel objects (memory, pidfds) that outlive a daemon instance's descriptors."""
+
+    def __init__(self):
+        self.next_obj = 1
+        self.procs: dict[int, bool] = {}  # pid -> alive
+        #: control blocks' memory (what outlives every descriptor of it)
+        self.blocks: dict[object, bytearray] = {}
+
+    def obj(self) -> int:
+        self.next_obj += 1
+        return self.next_obj
+
+
+class SimControlBlock(ControlBlock):
+    """A control block in the simulator's memory; like the daemon's mmap, its mapping keeps a
+    descriptor of its own, given back when it is closed."""
+
+    def __init__(self, mem: bytearray, host: "SimHost", map_fd: int):
+        super().__init__(memoryview(mem))
+        self._host, self._map_fd = host, map_fd
+
+    def set_abort(self, reason: int, rank: int = -1) -> None:
+        super().set_abort(reason, rank)
+        if self._host.on_abort is not None:  # the ranks spinning on it see it within microseconds
+            self._host.on_abort(self)
+
+    def close(self) -> None:
+        if self._map_fd is not None:
+            self._host.close_fd(self._map_fd)
+            self._map_fd = None
+
+
+class SimHost:
+    """The Host port of one daemon instance (core/ports.py)."""
+
+    hostname = "sim"
+    control_block_fds = 2
+
+    def __init__(self, kernel: Kernel, rng: random.Random, problems: list):
+        self.kernel = kernel
+        self.rng = rng
+        self.problems = problems
+        #: fd -> (kind, object, pid or None)
+        self.fds: dict[int, tuple[str, object, int | None]] = {}
+        self.blocks = kernel.blocks
+        self.next_fd = 10
+        #: told when a control block's abort word is set (the world's ranks read it in their rounds)
+        self.on_abort = None
+
+    def _open(self, kind: str, obj, pid=None) -> int:
+        self.next_fd += 1
+        self.fds[self.next_fd] = (kind, obj, pid)
+        return self.next_fd
+
+    def open_pidfd(self, pid: int) -> int | None:
+        if not self.kernel.procs.get(pid, False):
+            raise ProcessLookupError(pid)
+        return self._open("pidfd", ("pid", pid), pid)
+
+    def token(self, n: int) -> bytes:
+        return self.rng.randbytes(n)
+
+    def close_fd(self, fd: int) -> None:
+        if self.fds.pop(fd, None) is None:
+            self.problems.append(("fd-leak", f"closed fd {fd}, which the daemon does not hold"))
+
+    def alive(self, pid: int) -> bool:
+        return self.kernel.procs.get(pid, False)
+
+    def new_control_block(self, ep_size: int, policy: int):
+        mem = bytearray(L.CONTROL_BLOCK_SIZE)
+        obj = ("cb", self.kernel.obj())
+        self.blocks[obj] = mem
+        fd = self._open("cb", obj)
+        cb = SimControlBlock(mem, self, self._open("cb-map", obj))
+        cb.initialize(ep_size, policy)
+        return fd, cb
+
+    def adopt_control_block(self, fd: int, job: str):
+        kind, obj, _ = self.fds[fd]
+        if kind != "cb":
+            raise errors.BackendError(f"kept fd {fd} of job {job!r} is not a control block")
+        return SimControlBlock(self.blocks[obj], self, self._open("cb-map", obj))
+
+    # what the daemon holds (for the invariants)
+    def held(self, kind: str) -> list:
+        return [obj for k, obj, _ in self.fds.values() if k == kind]
+
+
+class SimBackend(Backend):
+    """Rows as kernel objects in the daemon's descriptor table (the memory backend seam)."""
+
+    name = "host"
+
+    def __init__(self, host: SimHost):
+        self.host = host
+        #: rows get a handle other nodes of a domain import them by
+        self.fabric = False
+
+    def check_device(self, device: str) -> None:
+        if device != "host":
+            raise errors.InvalidField(f"device {device!r}: this daemon serves host memory only", field="device")
+
+    def row_stride(self, size_per_rank: int, device: str) -> int:
+        return -(-size_per_rank // 4096) * 4096
+
+    def allocate(self, size_per_rank: int, device: str) -> Allocation:
+        obj = ("row", self.host.kernel.obj())
+        extra = {"fabric_handle": obj[1].to_bytes(32, "little")} if self.fabric else {}
+        return Allocation(fd=self.host._open("row", obj), size=self.row_stride(size_per_rank, device), device=device,
+                          handle_type="memfd", extra=extra)
+
+    def initialize(self, alloc, aux_bytes, flag_offset, initial_round, fresh=False, words=None) -> None:
+        if alloc.fd not in self.host.fds:
+            self.host.problems.append(("fd-leak", f"initialized row fd {alloc.fd}, which the daemon does not hold"))
+
+    def adopt(self, fd, size, device, handle_type, fabric=None) -> Allocation:
+        return Allocation(fd=fd, size=size, device=device, handle_type=handle_type,
+                          extra={"fabric_handle": fabric} if fabric else {})
+
+    def release(self, alloc: Allocation) -> None:
+        if alloc.fd >= 0:
+            self.host.close_fd(alloc.fd)
+            alloc.fd = -1
+
+
+class SimKeeper:
+    """The fd store: kernel objects by name, across daemon instances."""
+
+    def __init__(self):
+        self.kept: dict[str, object] = {}
+
+    def view(self, host: SimHost) -> "KeeperView":
+        return KeeperView(self, host)
+
+
+@dataclass
+class KeeperView:
+    keeper: SimKeeper
+    host: SimHost
+
+    def put(self, name: str, fd: int) -> None:
+        self.keeper.kept[name] = self.host.fds[fd][1]
+
+    def drop(self, name: str) -> None:
+        self.keeper.kept.pop(name, None)
+
+
+# ------------------------------------------------------------------------- a daemon
+class SimConfig:
+    """What the federation and the links read of a domain's configuration."""
+
+    def __init__(self, names: list[str], heartbeat_interval: float, misses: int):
+        self.name = "sim"
+        self.names = names
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_misses = misses
+
+    @property
+    def loss_bound(self) -> float:
+        return self.heartbeat_interval * self.heartbeat_misses
+
+
+class SimBus:
+    """The domain bus port of one daemon instance: messages to its peers go through the
+    world's network; what it hears goes to the links (core/links.py) and the federation, as
+    domain.py hands them over."""
+
+    def __init__(self, world: "World", node: "Node", cfg: SimConfig, boot: bytes):
+        self.world, self.n, self.cfg, self.boot = world, node, cfg, boot
+        self.node = node.name
+        self.peers = {name: Link(name) for name in cfg.names if name != node.name}
+        self.links = Links(cfg.name, self.peers, cfg.heartbeat_interval, cfg.loss_bound, world.now)
+        for p in self.peers.values():  # the transport connects (and reconnects) by itself
+            self.links.link_up(p)
+        self._handler = None
+        self.next_beat = 0.0
+
+    @property
+    def handler(self):
+        return self._handler
+
+    @handler.setter
+    def handler(self, h) -> None:
+        self._handler = h
+        self.links.handler = h
+
+    def state(self, node: str) -> str:
+        return PEER_UP if node == self.node else self.peers[node].state
+
+    def send(self, node: str, msg: dict, heartbeat: bool = False) -> bool:
+        env = {"v": 1, "dom": self.cfg.name, "from": self.node, "boot": self.boot, **msg}
+        data = msgpack.packb(env, use_bin_type=True)
+        ok = self.world.network(self.n, node, data)
+        if ok:
+            self.peers[node].counters["heartbeats_sent" if heartbeat else "messages_sent"] += 1
+        else:
+            self.links.send_failed(self.peers[node], heartbeat)
+        return ok
+
+    def send_many(self, nodes, msg: dict) -> None:
+        for node in nodes:
+            self.send(node, msg)
+
+    def broadcast(self, msg: dict) -> None:
+        for name, p in self.peers.items():
+            if p.state != PEER_DOWN or p.connected:
+                self.send(name, msg)
+
+    def receive(self, sender: str, data: bytes) -> None:
+        """A frame from ``sender``'s connection, as domain.py takes it from the gate."""
+        msg = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        p = self.peers[sender]
+        if not self.links.heard(p, msg["boot"], msg["t"], self.world.now):
+            return
+        if msg["t"] == "hb":
+            p.counters["heartbeats_received"] += 1
+            self.links.their_losses(p, msg.get("lost", 0))
+            return
+        p.counters["messages_received"] += 1
+        try:
+            self._handler.on_message(sender, msg)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, errors.A2ADError) as exc:
+            self.world.log(self.node, f"dropped a {msg['t']!r} from {sender}: {type(exc).__name__}: {exc}")
+
+    def tick(self, now: float) -> None:
+        if now < self.next_beat:
+            return
+        self.next_beat = now + self.cfg.heartbeat_interval
+        self.links.discount_own_stall(now)
+        self.links.beat(now, self.send)
+        self.links.resyncs()
+
+
+class Node:
+    """One node's daemon: its instances come and go, the keeper and the state file stay."""
+
+    def __init__(self, world: "World", name: str, cfg: SimConfig | None):
+        self.world, self.name, self.cfg = world, name, cfg
+        self.keeper = SimKeeper()
+        self.state_records: dict | None = None
+        self.disk_full_until = 0.0
+        self.instance = 0
+        self.reg: Registry | None = None
+        self.host: SimHost | None = None
+        self.bus: SimBus | None = None
+        self.fed = None
+        self.stalled_until = 0.0
+        #: it handled an event since the last check of its descriptors
+        self.touched = False
+
+    @property
+    def up(self) -> bool:
+        return self.reg is not None
+
+    def start(self, adopt: bool, handover: dict | None = None) -> None:
+        w = self.world
+        self.instance += 1
+        self.host = SimHost(w.kernel, random.Random(w.rng.random()), w.problems)
+        self.host.on_abort = lambda cb, node=self: w.abort_seen(node, cb)
+        backend = SimBackend(self.host)
+        reg = Registry(backend, self.keeper.view(self.host), Auth(allow_uids=UIDS), w.limits, self.host)
+        reg.limits.max_fds_per_uid = 10_000
+        reg.now = w.now
+        self.reg = reg
+        if self.cfg is not None:
+            backend.fabric = True
+            self.bus = SimBus(w, self, self.cfg, w.rng.randbytes(8))
+            self.fed = Federation(reg, self.bus, backend.name)
+        if adopt:
+            fds = {name: self.host._open(obj[0], obj) for name, obj in sorted(self.keeper.kept.items())}
+            reg.adopt_state(handover if handover is not None else self.state_records, fds)
+        if self.bus is not None:
+            self.bus.links.listening(w.now)
+            for other in w.nodes.values():  # their links to this node reconnect: a handshake each
+                if other is not self and other.bus is not None:
+                    other.bus.links.link_up(other.bus.peers[self.name])
+        self.carry_out()
+        w.log(self.name, f"instance {self.instance} serving ({len(reg.jobs)} job(s) adopted)")
+
+    def stop(self, why: str) -> None:
+        """The daemon is gone (kill -9, a stop, the end of an upgrade): its descriptors with it,
+        the keeper keeps its copies; every lease connection it held ends."""
+        w = self.world
+        if self.reg is None:
+            return
+        w.log(self.name, f"instance {self.instance} gone ({why})")
+        for p in w.procs.values():
+            if p.conn is not None and p.conn.daemon == (self.name, self.instance) and p.conn.open:
+                p.conn.open = False
+                w.at(w.now + 0.001, f"lease EOF {p.pid}", w.on_lease_eof, p.conn)
+            if p.alive and p.node == self.name and p.waiting_since is not None and p.waiting_in == self.instance:
+                # its request died with the daemon: the client's own timeout ends its wait
+                w.at(p.waiting_since + p.wait_bound - 1.5, f"timeout {p.pid}", w.client_timeout, p, p.rid)
+                p.waiting_since = None
+        self.reg = self.host = self.bus = self.fed = None
+
+    def carry_out(self) -> None:
+        """What the server does after every event: the domain's reports and steps, replies,
+        leases to close, the state file."""
+        w, reg = self.world, self.reg
+        self.touched = True
+        if self.fed is not None:
+            self.fed.flush(True)
+        outbox, reg.outbox = reg.outbox, []
+        for identity, data in outbox:
+            pid = int.from_bytes(identity, "little")
+            reply = protocol.decode_reply(data)
+            w.at(w.now + w.rng.choice((0.0, 0.0, 0.001, 0.01)), f"reply to {pid}", w.on_reply, pid,
+                 (self.name, self.instance), reply)
+        closing, reg.closing = reg.closing, []
+        for conn in closing:
+            if isinstance(conn, LeaseConn) and conn.open:
+                conn.open = False
+                w.at(w.now + 0.001, f"lease EOF {conn.pid}", w.on_lease_eof, conn)
+        if reg.dirty:
+            reg.dirty = False
+            if w.now < self.disk_full_until:
+                w.log(self.name, "state file not written: disk full")
+                w.at(self.disk_full_until, "state retry", self.retry_state, self.instance)
+            else:
+                self.write_state()
+
+    def write_state(self) -> None:
+        self.state_records = {"backend": "host", "jobs": [persist.job_record(j) for j in self.reg.jobs.values()]}
+
+    def retry_state(self, instance: int) -> None:
+        if self.reg is not None and self.instance == instance and self.world.now >= self.disk_full_until:
+            self.write_state()
+
+    def event(self, fn, *args):
+        """One event handed to the daemon at the current time (server.py's ``_guard``)."""
+        self.reg.now = self.world.now
+        try:
+            return fn(*args)
+        finally:
+            self.carry_out()
+
+    def timers(self) -> None:
+        now = self.world.now
+        self.reg.now = now
+        self.reg.expire(now)
+        if self.bus is not None:
+            self.bus.tick(now)
+            self.fed.tick(now)
+        self.carry_out()
+
+
+# ---------------------------------------------------------------------------- actors
+@dataclass(eq=False)
+class LeaseConn:
+    """A lease connection (an fd.sock connection the daemon keeps as a rank's lease)."""
+
+    pid: int
+    daemon: tuple  # (node, instance) it belongs to
+    open: bool = True
+
+
+@dataclass
+class Proc:
+    """A rank process: it runs the client's attach, serves, and leaves, dies or re-joins."""
+
+    pid: int
+    uid: int
+    node: str
+    job: str
+    rank: int
+    ep_size: int
+    policy: str
+    state: str = "idle"  # idle, joining, redeeming, attached, recovering, gone
+    #: renewing its lease after a daemon restart (beside whatever else it does)
+    renewing: bool = False
+    alive: bool = True
+    stalled_until: float = 0.0
+    lease: bytes | None = None
+    conn: LeaseConn | None = None
+    waiting_since: float | None = None
+    wait_bound: float = 0.0
+    #: the daemon instance its request waits in
+    waiting_in: int = 0
+    rid: int = 0
+    tries: int = 0
+    #: the current chain of its own actions (an older one scheduled before a re-attach is dropped)
+    acts: int = 0
+    #: since when the daemon holds it attached while the process does not hold it
+    stranded_since: float | None = None
+
+
+class World:
+    """Rank processes, daemons and the network between them, on one seeded schedule."""
+
+    def __init__(self, name: str, seed: int, mutation: str | None, nodes: int, domain: bool):
+        self.name = name
+        self.seed = seed
+        self.mutation = mutation
+        self.rng = random.Random(seed)
+        self.now = 0.0
+        self.q: list = []
+        self.seq = 0
+        self.trace: list[str] = []
+        self.violations: list[Violation] = []
+        self.problems: list[tuple[str, str]] = []
+        self.faults = 0
+        self.steps = 0
+        self.kernel = Kernel()
+        self.limits = Limits(grace=5.0, max_rendezvous_timeout=30.0, max_fds_per_uid=None)
+        names = [f"n{i}" for i in range(nodes)]
+        self.cfg = SimConfig(names, 0.5, 4) if domain else None
+        self.nodes = {n: Node(self, n, self.cfg) for n in names}
+        self.procs: dict[int, Proc] = {}
+        self.next_pid = 100
+        self.jobs: dict[str, tuple] = {}  # name -> (ep_size, policy, uid, [node of each rank])
+        #: (a, b) -> (until when the link from a to b is cut, "delay" or "reset")
+        self.cut: dict[tuple[str, str], tuple[float, str]] = {}
+        #: per link, the time its last message arrives (links keep their order, as TCP does)
+        self.link_clock: dict[tuple[str, str], float] = {}
+        #: (job, generation) -> the release table first seen for it
+        self.releases: dict[tuple[str, int], bytes] = {}
+        self.last_fault = 0.0
+        self.horizon = 0.0
+        #: seconds after the last fault by which every complete job has converged: a request
+        #: held by a daemon that restarted is lost, and its client asks again only after its own
+        #: timeout (RECOVER_TIMEOUT); then the loss bound three times over (a loss, a resync, a
+        #: re-arm) and the steps of a rendezvous
+        self.settle = RECOVER_TIMEOUT + (3 * self.cfg.loss_bound if domain else 0.0) + 6.0
+        #: faults happen in the first ACTIVE seconds; then the world is left to settle
+        self.active = 50.0
+        for node in self.nodes.values():
+            node.start(adopt=False)
+
+    # ---------------------------------------------------------------- scheduling
+    def at(self, t: float, what: str, fn, *args) -> None:
+        self.seq += 1
+        heapq.heappush(self.q, (t, self.seq, what, fn, args))
+
+    def log(self, actor: str, text: str) -> None:
+        self.trace.append(f"{self.now:9.3f} {actor:>8} {text}")
+
+    def violate(self, invariant: str, detail: str) -> None:
+        self.violations.append(Violation(invariant, detail, self.now))
+        self.log("CHECK", f"VIOLATION {invariant}: {detail}")
+
+    def fault(self, text: str) -> None:
+        self.faults += 1
+        self.last_fault = self.now
+        self.log("fault", text)
+        self.at(self.now + self.settle, "settled?", self.settled, self.faults)
+
+    def settled(self, faults: int) -> None:
+        """``settle`` seconds after a fault with none since: the job must have converged."""
+        if faults == self.faults and not self.violations:
+            self.check_settled()
+
+    def stopped_for(self, node: Node) -> float:
+        return max(0.0, node.stalled_until - self.now)
+
+    def on_node(self, node: Node, what: str, fn, *args) -> bool:
+        """Run ``fn`` as an event of ``node``'s daemon: deferred while its loop is stopped,
+        dropped while no daemon runs there. False when it did not run now."""
+        if node.reg is None:
+            return False
+        if self.now < node.stalled_until:
+            self.at(node.stalled_until, what, self.on_node, node, what, fn, *args)
+            return False
+        node.event(fn, *args)
+        return True
+
+    # ------------------------------------------------------------------ network
+    def network(self, src: Node, dst: str, data: bytes) -> bool:
+        """A frame from ``src`` to node ``dst``, delivered in order after a delay (a TCP
+        connection). On a cut link it waits for the heal (TCP retransmits it then), or, when
+        the cut resets the connection, it is lost with the connection: the transport
+        reconnects at the heal and both ends' links say so (a handshake, a resync owed)."""
+        key = (src.name, dst)
+        until, mode = self.cut.get(key, (0.0, ""))
+        if self.now < until and mode == "reset":
+            return True
+        delay = self.rng.choice((0.0005, 0.001, 0.002, 0.005, 0.05))
+        if self.now < until:
+            delay += until - self.now + self.rng.choice((0.05, 0.2, 1.0))  # the retransmission after the heal
+        t = max(self.now + delay, self.link_clock.get(key, 0.0))
+        self.link_clock[key] = t
+        self.at(t, f"frame {src.name}>{dst}", self.deliver, src.name, src.instance, dst, data)
+        return True
+
+    def deliver(self, src: str, instance: int, dst: str, data: bytes) -> None:
+        node = self.nodes[dst]
+        if node.reg is None:
+            return
+        if self.now < node.stalled_until:  # read when its loop runs again
+            self.at(node.stalled_until, f"frame {src}>{dst}", self.deliver, src, instance, dst, data)
+            return
+        msg = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        if msg.get("t") == "release":
+            self.check_release(dst, msg)
+        node.reg.now = self.now
+        node.bus.receive(src, data)
+        node.carry_out()
+
+    def check_release(self, dst: str, msg: dict) -> None:
+        """One job, one generation, one table: two releases of the same generation of a job
+        with different tables would give ranks different views of the job."""
+        key = (msg.get("job"), msg.get("generation"))
+        table = msgpack.packb(msg.get("table"), use_bin_type=True)
+        first = self.releases.setdefault(key, table)
+        if first != table:
+            self.violate("one-table", f"node {dst} got a release of job {key[0]} generation {key[1]} whose table "
+                                      "differs from another release of that generation")
+
+    # ------------------------------------------------------------------ processes
+    def spawn(self, job: str, rank: int, uid: int | None = None) -> Proc:
+        ep_size, policy, owner, placement = self.jobs[job]
+        self.next_pid += 1
+        p = Proc(pid=self.next_pid, uid=owner if uid is None else uid, node=placement[rank], job=job, rank=rank,
+                 ep_size=ep_size, policy=policy)
+        self.kernel.procs[p.pid] = True
+        self.procs[p.pid] = p
+        self.at(self.now + self.rng.uniform(0, 0.2), f"join {p.pid}", self.join, p)
+        return p
+
+    @staticmethod
+    def peer(p: Proc) -> Peer:
+        return Peer(p.uid, p.uid, p.pid)
+
+    def node_of(self, p: Proc) -> Node:
+        return self.nodes[p.node]
+
+    def join(self, p: Proc) -> None:
+        if not p.alive or p.state != "idle":
+            return
+        node = self.node_of(p)
+        if node.reg is None:  # the client retries until a daemon answers
+            self.at(self.now + 0.5, f"join {p.pid}", self.join, p)
+            return
+        p.rid += 1
+        timeout = self.rng.choice((2.0, 5.0, 10.0)) if self.cfg is None else self.rng.choice((5.0, 10.0, 20.0))
+        f = {"job": p.job, "ep_rank": p.rank, "ep_size": p.ep_size, "spec": dict(SPEC, on_peer_loss=p.policy),
+             "pid": p.pid, "device": "host", "timeout": timeout}
+        p.state = "joining"
+        # (a daemon whose loop is stopped reads the request when it runs again)
+        p.waiting_since, p.wait_bound, p.waiting_in = self.now, timeout + 1.5 + self.stopped_for(node), node.instance
+        self.log(f"p{p.pid}", f"join {p.job} rank {p.rank} on {p.node} (timeout {timeout:g} s)")
+
+        def go():
+            try:
+                node.reg.join(self.peer(p), p.pid.to_bytes(8, "little"), p.rid, f)
+            except errors.A2ADError as exc:
+                self.join_failed(p, exc.code, exc.message, exc.details)
+        self.on_node(node, "join", go)
+
+    def join_failed(self, p: Proc, code: str, message: str, details: dict) -> None:
+        p.state = "idle"
+        p.waiting_since = None
+        self.log(f"p{p.pid}", f"join refused: {code}: {message[:100]}")
+        if code == "rank_taken" and details.get("holder_pid") == p.pid and p.conn is None:
+            self.violate("own-rank-refused", f"pid {p.pid}'s join of {p.job} rank {p.rank} refused as held by itself: "
+                                             f"{message}")
+        p.tries += 1
+        if p.tries < 6:
+            self.at(self.now + self.rng.uniform(0.2, 2.0), f"join {p.pid}", self.join, p)
+        else:
+            self.exit(p, "gave up")
+
+    def on_reply(self, pid: int, daemon: tuple, reply) -> None:
+        p = self.procs.get(pid)
+        node = self.nodes[daemon[0]]
+        if p is None or not p.alive or daemon[1] != node.instance or node.reg is None:
+            return
+        if self.now < p.stalled_until:
+            self.at(p.stalled_until, f"reply to {pid}", self.on_reply, pid, daemon, reply)
+            return
+        if p.state == "joining":
+            p.waiting_since = None
+            if not reply.ok:
+                self.join_failed(p, reply.code, reply.message, reply.payload)
+                return
+            p.lease = reply.payload["lease"]
+            p.state = "redeeming"
+            self.at(self.now + self.rng.choice((0.0, 0.001, 0.05)), f"redeem {pid}", self.redeem, p,
+                    reply.payload["ticket"], "join")
+        elif p.state == "recovering":
+            p.waiting_since = None
+            p.state = "attached"
+            self.log(f"p{p.pid}", f"recovered ({reply.code})")
+            # (a recover that timed out is asked again at once while the job still needs it)
+            self.next_act(p, self.rng.uniform(0.05, 0.2) if not reply.ok else self.rng.uniform(0.1, 4.0))
+
+    def abort_seen(self, node: Node, cb) -> None:
+        """An abort word was set: the ranks of that job on that node leave their rounds and,
+        at their next step, recover."""
+        for p in self.procs.values():
+            if p.alive and p.node == node.name and p.state == "attached" and node.reg is not None:
+                job = node.reg.jobs.get(p.job)
+                if job is not None and job.control is cb:
+                    self.next_act(p, self.rng.uniform(0.001, 0.05) + max(0.0, p.stalled_until - self.now))
+
+    def client_timeout(self, p: Proc, rid: int) -> None:
+        """The client's own wait for a reply the daemon that held it never sent."""
+        if not p.alive or p.rid != rid:
+            return
+        self.log(f"p{p.pid}", f"no reply to its {p.state} (the daemon went away): tries again")
+        if p.state == "joining":
+            p.state = "idle"
+            self.at(self.now + 0.1, f"join {p.pid}", self.join, p)
+        elif p.state == "recovering":
+            p.state = "attached"
+            self.next_act(p, 0.1)
+
+    def redeem(self, p: Proc, ticket: bytes, kind: str) -> None:
+        node = self.node_of(p)
+        if not p.alive or node.reg is None or not (p.state == "redeeming" if kind == "join" else p.renewing):
+            return
+        if self.now < node.stalled_until:
+            self.at(node.stalled_until, f"redeem {p.pid}", self.redeem, p, ticket, kind)
+            return
+        try:
+            r = node.event(node.reg.redeem, ticket, self.peer(p))
+        except errors.A2ADError as exc:
+            self.log(f"p{p.pid}", f"redeem refused: {exc.code}")
+            if kind == "join":
+                p.state = "idle"
+                self.at(self.now + 0.2, f"join {p.pid}", self.join, p)
+            else:
+                p.renewing = False
+                self.exit(p, "could not renew its lease")
+            return
+        conn = LeaseConn(pid=p.pid, daemon=(node.name, node.instance))
+        if kind == "join" and self.rng.random() < 0.03:  # the client stalls or closes before the fds reach it
+            node.event(node.reg.undelivered, r, "client gone")
+            p.state = "idle"
+            self.log(f"p{p.pid}", "handles not delivered")
+            self.at(self.now + 0.3, f"join {p.pid}", self.join, p)
+            return
+        node.event(node.reg.delivered, r, conn)
+        # the fds travel; an upgrade in between resets them (upgrade() below)
+        self.at(self.now + self.rng.choice((0.0, 0.002, 0.2)), f"handles {p.pid}", self.got_handles, p, conn, kind)
+
+    def got_handles(self, p: Proc, conn: LeaseConn, kind: str) -> None:
+        if not p.alive or not conn.open:
+            return
+        if kind == "renew":
+            if p.renewing:
+                p.renewing = False
+                p.conn = conn
+                self.log(f"p{p.pid}", "renewed its lease")
+            return
+        if p.state != "redeeming":
+            return
+        p.conn = conn
+        p.state = "attached"
+        p.tries = 0
+        self.log(f"p{p.pid}", f"attached ({kind})")
+        self.next_act(p, self.rng.uniform(0.5, 8.0))
+
+    def next_act(self, p: Proc, after: float) -> None:
+        p.acts += 1
+        self.at(self.now + after, f"act {p.pid}", self.act, p, p.acts)
+
+    def act(self, p: Proc, chain: int) -> None:
+        """An attached process's next step: serve on, leave, die, stall, ask for a re-arm."""
+        if not p.alive or p.state != "attached" or chain != p.acts:
+            return
+        if self.now < p.stalled_until:
+            self.next_act(p, p.stalled_until - self.now)
+            return
+        node = self.node_of(p)
+        job = node.reg.jobs.get(p.job) if node.reg is not None else None
+        if job is not None and job.control.abort_word:
+            # its next round raises (PeerLost, or a re-arm asked for): it recovers
+            self.recover(p)
+            return
+        x = self.rng.random()
+        if self.now > self.active:  # then quiet: it serves (and recovers when told to)
+            self.next_act(p, self.rng.uniform(0.5, 2.0))
+            return
+        # (in a domain the daemons' faults are what is explored: its ranks churn less)
+        leave, kill = (0.2, 0.4) if self.cfg is None else (0.03, 0.1)
+        if x < leave:
+            self.leave(p)
+        elif x < kill:
+            self.kill(p)
+        elif x < kill + 0.06:
+            self.stall(p, self.rng.uniform(0.5, 10.0))
+            self.next_act(p, p.stalled_until - self.now)
+        elif x < kill + 0.1:
+            self.recover(p)
+        else:
+            self.next_act(p, self.rng.uniform(0.5, 8.0))
+
+    def leave(self, p: Proc) -> None:
+        node = self.node_of(p)
+        if node.reg is not None:
+            try:
+                node.event(node.reg.leave, self.peer(p), {"job": p.job, "ep_rank": p.rank, "lease": p.lease})
+                self.log(f"p{p.pid}", "left")
+            except errors.A2ADError as exc:
+                self.log(f"p{p.pid}", f"leave refused: {exc.code}")
+        self.exit(p, "after leaving")
+
+    def recover(self, p: Proc) -> None:
+        node = self.node_of(p)
+        if node.reg is None or self.now < node.stalled_until:
+            self.next_act(p, 1.0)
+            return
+        p.rid += 1
+        try:
+            node.event(node.reg.recover, self.peer(p), p.pid.to_bytes(8, "little"), p.rid,
+                       {"job": p.job, "ep_rank": p.rank, "lease": p.lease, "timeout": RECOVER_TIMEOUT})
+        except errors.A2ADError as exc:
+            self.log(f"p{p.pid}", f"recover refused: {exc.code}")
+            self.next_act(p, 1.0)
+            return
+        p.state = "recovering"
+        p.waiting_since, p.wait_bound, p.waiting_in = self.now, RECOVER_TIMEOUT + 1.5 + self.stopped_for(node), \
+            node.instance
+        self.log(f"p{p.pid}", "recover")
+
+    def stall(self, p: Proc, seconds: float) -> None:
+        self.fault(f"p{p.pid} stalled {seconds:.1f} s")
+        p.stalled_until = self.now + seconds
+        if p.waiting_since is not None:  # a stalled process reads no reply: its wait is that much longer
+            p.wait_bound += seconds
+
+    def exit(self, p: Proc, why: str) -> None:
+        """The process ends: the kernel closes its lease socket and reports it to its pidfds."""
+        if not p.alive:
+            return
+        p.alive = False
+        p.state = "gone"
+        self.kernel.procs[p.pid] = False
+        self.log(f"p{p.pid}", f"exits ({why})")
+        conn = p.conn
+        if conn is not None and conn.open:
+            self.at(self.now + self.rng.choice((0.0, 0.001, 0.1)), f"lease EOF {p.pid}", self.on_lease_closed, conn)
+        self.at(self.now + self.rng.choice((0.0, 0.001, 0.1)), f"pidfd {p.pid}", self.on_pid_exit, p)
+
+    def kill(self, p: Proc) -> None:
+        self.fault(f"kill -9 p{p.pid} ({p.job} rank {p.rank})")
+        self.exit(p, "kill -9")
+        if self.rng.random() < (0.8 if self.cfg is None else 0.95):  # a replacement comes for the rank
+            self.at(self.now + self.rng.uniform(0.1, 3.0), "replace", self.spawn, p.job, p.rank)
+
+    def on_lease_closed(self, conn: LeaseConn) -> None:
+        """The daemon sees the lease connection end (EOF)."""
+        if not conn.open:
+            return
+        conn.open = False
+        node = self.nodes[conn.daemon[0]]
+        if node.instance == conn.daemon[1]:
+            self.on_node(node, "lease closed", node.reg.lease_closed, conn) if node.reg is not None else None
+
+    def on_pid_exit(self, p: Proc) -> None:
+        node = self.node_of(p)
+        if node.reg is None:
+            return
+        for fd, (kind, obj, opid) in list(node.host.fds.items()):
+            if kind == "pidfd" and opid == p.pid and fd in node.reg.pidfds:
+                self.on_node(node, "pidfd", node.reg.pid_exited, fd)
+
+    def on_lease_eof(self, conn: LeaseConn) -> None:
+        """The client sees its lease connection end: a daemon restart; it renews its lease."""
+        p = self.procs.get(conn.pid)
+        if p is None or not p.alive or p.conn is not conn:
+            return
+        p.conn = None
+        if p.state in ("attached", "recovering"):
+            self.at(self.now + self.rng.uniform(0.05, 1.0), f"renew {p.pid}", self.renew, p)
+
+    def renew(self, p: Proc) -> None:
+        node = self.node_of(p)
+        if not p.alive or p.conn is not None or p.state not in ("attached", "recovering"):
+            return
+        if node.reg is None or self.now < node.stalled_until:
+            self.at(max(self.now + 0.5, node.stalled_until), f"renew {p.pid}", self.renew, p)
+            return
+        try:
+            out = node.event(node.reg.renew, self.peer(p), {"job": p.job, "ep_rank": p.rank, "lease": p.lease,
+                                                             "pid": p.pid})
+        except errors.A2ADError as exc:
+            self.log(f"p{p.pid}", f"renew refused: {exc.code}: {exc.message[:80]}")
+            self.exit(p, "lost its job")
+            return
+        p.renewing = True
+        self.at(self.now + 0.001, f"redeem {p.pid}", self.redeem, p, out["ticket"], "renew")
+
+    # ------------------------------------------------------------------- daemons
+    def upgrade(self, node: Node) -> None:
+        """``a2ad-ctl upgrade``: the successor takes every job over (the state and the fds
+        handed to it); what was in flight on the old daemon's sockets is reset."""
+        if node.reg is None or self.now < node.stalled_until:
+            return
+        self.fault(f"upgrade of {node.name}")
+        node.write_state()
+        handover = node.state_records
+        reset = [p for p in self.procs.values() if p.alive and p.node == node.name and p.state == "redeeming"]
+        for p in reset:  # the old daemon answered the redeem, then exited under it: the client sees a reset
+            p.state = "redeem-reset"
+        node.stop("upgrade hand-over")
+        node.start(adopt=True, handover=handover)
+        for p in reset:
+            if p.alive and p.state == "redeem-reset":
+                self.log(f"p{p.pid}", "its redeem was reset by the upgrade; it joins again")
+                p.state = "idle"
+                self.at(self.now + self.rng.uniform(0.01, 0.5), f"join {p.pid}", self.join, p)
+
+    def restart(self, node: Node, down: float) -> None:
+        self.fault(f"kill -9 of {node.name}'s daemon, back after {down:.1f} s")
+        node.stop("killed")
+        self.at(self.now + down, "daemon start", self._start, node)
+
+    def _start(self, node: Node) -> None:
+        if node.reg is None:
+            node.start(adopt=True)
+
+    def disk_full(self, node: Node, seconds: float) -> None:
+        self.fault(f"{node.name}'s disk full for {seconds:.1f} s")
+        node.disk_full_until = self.now + seconds
+
+    def stall_node(self, node: Node, seconds: float) -> None:
+        self.fault(f"{node.name}'s daemon stopped (SIGSTOP) for {seconds:.1f} s")
+        node.stalled_until = max(node.stalled_until, self.now + seconds)
+        for p in self.procs.values():  # what waits on it waits that much longer
+            if p.alive and p.node == node.name and p.waiting_since is not None:
+                p.wait_bound += seconds + 0.5
+
+    def partition(self, a: list[str], b: list[str], seconds: float, one_way: bool) -> None:
+        mode = self.rng.choice(("delay", "reset"))
+        self.fault(f"{'one-way ' if one_way else ''}partition {a} | {b} for {seconds:.1f} s ({mode})")
+        until = self.now + seconds
+        for x in a:
+            for y in b:
+                if x == y:
+                    continue
+                pairs = [(x, y)] if one_way else [(x, y), (y, x)]
+                for pair in pairs:
+                    self.cut[pair] = (until, mode)
+                if mode == "reset":
+                    self.at(until, "reconnect", self.reconnect, x, y)
+
+    def reconnect(self, a: str, b: str) -> None:
+        """The transport between ``a`` and ``b`` connects again: a handshake at both ends."""
+        for x, y in ((a, b), (b, a)):
+            node = self.nodes[x]
+            if node.bus is not None:
+                node.bus.links.link_up(node.bus.peers[y])
+
+    def steal(self) -> None:
+        """Another user's process presents a lease token it got hold of."""
+        victims = [p for p in self.procs.values() if p.alive and p.state == "attached" and p.lease]
+        if not victims:
+            return
+        v = self.rng.choice(victims)
+        node = self.node_of(v)
+        if node.reg is None or self.now < node.stalled_until:
+            return
+        other = UIDS[1] if v.uid == UIDS[0] else UIDS[0]
+        self.next_pid += 1
+        thief = self.next_pid
+        self.kernel.procs[thief] = True
+        self.fault(f"uid {other} presents {v.job} rank {v.rank}'s lease token")
+        try:
+            node.event(node.reg.leave, Peer(other, other, thief), {"job": v.job, "ep_rank": v.rank, "lease": v.lease})
+        except errors.A2ADError as exc:
+            self.log("thief", f"leave refused: {exc.code}")
+        else:
+            self.violate("foreign-leave", f"uid {other} (pid {thief}) made {v.job} rank {v.rank} (uid {v.uid}) leave "
+                                          "with its lease token")
+        self.kernel.procs[thief] = False
+
+    def timers(self, node: Node) -> None:
+        if node.reg is not None and self.now >= node.stalled_until:
+            node.timers()
+        self.at(self.now + 0.25 if self.now >= node.stalled_until else node.stalled_until, f"timers {node.name}",
+                self.timers, node)
+
+    # -------------------------------------------------------------------- checks
+    def check(self) -> None:
+        for kind, detail in self.problems:
+            self.violate(kind, detail)
+        self.problems.clear()
+        for p in self.procs.values():
+            if not p.alive:
+                continue
+            node = self.node_of(p)
+            reg = node.reg
+            if p.waiting_since is not None and self.now - p.waiting_since > p.wait_bound and reg is not None \
+                    and self.now >= max(p.stalled_until, node.stalled_until):
+                self.violate("reply-bound", f"pid {p.pid} waits in its {p.state} on {p.node} since "
+                                            f"{p.waiting_since:.3f} (bound {p.wait_bound:g} s)")
+                p.waiting_since = None
+            if reg is None:
+                continue
+            job = reg.jobs.get(p.job)
+            if p.state == "attached" and p.conn is not None and job is None and node.instance == p.conn.daemon[1]:
+                self.violate("job-lost", f"pid {p.pid} holds {p.job} rank {p.rank}, which {p.node}'s daemon no "
+                                         "longer has")
+            slot = job.slots[p.rank] if job is not None else None
+            held_for_it = slot is not None and slot.node is None and slot.state == L.RANK_ATTACHED \
+                and slot.pid == p.pid
+            if held_for_it and p.state in ("idle", "joining"):
+                if p.stranded_since is None:
+                    p.stranded_since = self.now
+                elif self.now - p.stranded_since > STRANDED_BOUND:
+                    self.violate("stranded-rank", f"{p.job} rank {p.rank} held attached for pid {p.pid} since "
+                                                  f"{p.stranded_since:.3f}, which does not hold it")
+                    p.stranded_since = None
+            else:
+                p.stranded_since = None
+        for node in self.nodes.values():
+            if node.reg is not None and node.touched:
+                node.touched = False
+                self.check_fds(node)
+
+    def check_fds(self, node: Node) -> None:
+        reg, host = node.reg, node.host
+        owner: dict = {}
+        for job in reg.jobs.values():
+            owner[("cb", job.control_fd)] = job.owner_uid
+            owner[("cb-map", job.control._map_fd)] = job.owner_uid
+            for s in job.slots:
+                if s.alloc is not None and s.alloc.fd >= 0:
+                    owner[("row", s.alloc.fd)] = job.owner_uid
+                if s.pidfd is not None:
+                    owner[("pidfd", s.pidfd)] = job.owner_uid
+        for fd, (kind, obj, pid) in host.fds.items():
+            if (kind, fd) not in owner:
+                self.violate("fd-leak", f"{node.name}'s daemon holds {kind} fd {fd} for no job it knows")
+        for uid in UIDS:
+            counted = reg.uid_usage(uid)["fds"]
+            real = sum(1 for (kind, fd), u in owner.items() if u == uid and fd in host.fds)
+            # and a lease connection is the fd.sock connection the daemon keeps open
+            real += sum(1 for job in reg.jobs.values() if job.owner_uid == uid for s in job.slots
+                        if s.lease_conn is not None)
+            if counted != real:
+                self.violate("uid-fds", f"uid {uid}'s jobs hold {real} fds on {node.name}'s daemon; the per-uid cap "
+                                        f"counts {counted}")
+
+    def check_settled(self) -> None:
+        """Once every fault is long over, for every job with a live process for each of its
+        ranks: every node that holds it agrees on its generation, abort word and active mask,
+        and every one of those processes holds its rank."""
+        complete = {name for name, (ep, _, _, _) in self.jobs.items()
+                    if {p.rank for p in self.procs.values() if p.alive and p.job == name} == set(range(ep))}
+        for name in sorted(complete):
+            seen = {}
+            for node in self.nodes.values():
+                job = node.reg.jobs.get(name) if node.reg is not None else None
+                if job is None or not any(s.node is None and s.state == L.RANK_ATTACHED for s in job.slots):
+                    continue
+                cb = job.control
+                seen[node.name] = (job.generation, cb.abort_word != 0,
+                                   tuple(L.mask_ranks(job.active_mask)) if job.degrade else None)
+            if len(set(seen.values())) > 1:
+                self.violate("converged", f"job {name}: the nodes holding it disagree after the last fault at "
+                                          f"{self.last_fault:.3f}: {seen}")
+        for p in self.procs.values():
+            if p.alive and p.job in complete and p.state not in ("attached", "gone"):
+                self.violate("converged", f"pid {p.pid} ({p.job} rank {p.rank} on {p.node}) is still {p.state} "
+                                          f"{self.now - self.last_fault:.1f} s after the last fault")
+
+    # ---------------------------------------------------------------- the schedule
+    def schedule(self) -> None:
+        names = sorted(self.nodes)
+        for j in range(self.rng.randint(1, 3 if self.cfg is None else 2)):
+            name = f"j{j}"
+            ep = self.rng.choice((1, 2, 2, 3, 4)) if self.cfg is None else self.rng.randint(2, 2 * len(names))
+            placement = [names[r % len(names)] for r in range(ep)] if self.cfg is not None else [names[0]] * ep
+            self.jobs[name] = (ep, self.rng.choice(("raise", "degrade")), UIDS[j % 2], placement)
+            for r in range(ep):
+                self.spawn(name, r)
+        self.horizon = self.active + self.settle + 5.0
+        for node in self.nodes.values():
+            self.at(0.25, f"timers {node.name}", self.timers, node)
+        kinds = ["restart", "upgrade", "upgrade", "disk-full", "steal", "kill-daemon"]
+        if self.cfg is not None:
+            kinds += ["stall-node", "stall-node", "partition", "partition", "one-way"]
+        for _ in range(self.rng.randint(0, 4)):
+            t = self.rng.uniform(3, self.active)
+            what = self.rng.choice(kinds)
+            node = self.nodes[self.rng.choice(names)]
+            if what == "restart":
+                self.at(t, what, self.restart, node, self.rng.uniform(0.0, 2.0))
+            elif what == "kill-daemon":
+                self.at(t, what, self.restart, node, self.rng.uniform(0.5, 4.0))
+            elif what == "upgrade":
+                self.at(t, what, self.upgrade, node)
+            elif what == "disk-full":
+                self.at(t, what, self.disk_full, node, self.rng.uniform(1.0, 10.0))
+            elif what == "stall-node":
+                self.at(t, what, self.stall_node, node, self.rng.choice((0.5, 1.5, 3.0, 8.0)))
+            elif what in ("partition", "one-way"):
+                side = [n for n in names if self.rng.random() < 0.5] or [names[0]]
+                other = [n for n in names if n not in side] or [names[-1]]
+                self.at(t, what, self.partition, side, other, self.rng.choice((0.5, 2.0, 6.0)), what == "one-way")
+            else:
+                self.at(t, what, self.steal)
+
+    def run(self) -> Outcome:
+        self.schedule()
+        while self.q and self.steps < 60000:
+            t, _, what, fn, args = heapq.heappop(self.q)
+            if t > self.horizon:
+                break
+            self.now = t
+            self.steps += 1
+            fn(*args)
+            self.check()
+            if len(self.violations) >= 3:
+                break
+        if not self.violations:
+            self.now = self.horizon
+            self.check_settled()
+        return Outcome(world=self.name, seed=self.seed, steps=self.steps, faults=self.faults,
+                       violations=self.violations, trace=self.trace)
+
+
+def _quiet() -> None:
+    logging.getLogger("a2ad").setLevel(logging.CRITICAL)
+
+
+@register("daemon")
+def run_daemon(seed: int, mutation: str | None = None) -> Outcome:
+    """One node's daemon and up to three jobs of up to four ranks."""
+    _quiet()
+    return World("daemon", seed, mutation, nodes=1, domain=False).run()
+
+
+@register("domain")
+def run_domain(seed: int, mutation: str | None = None) -> Outcome:
+    """Two to four nodes' daemons in a domain, one or two jobs spread over them."""
+    _quiet()
+    rng = random.Random(seed ^ 0x5EED)
+    return World("domain", seed, mutation, nodes=rng.randint(2, 4), domain=True).run()
