@@ -1,7 +1,8 @@
 """A domain of a2ad daemons: the nodes of one multi-node NVLink domain, each running its own
 daemon, that know each other from one small config file and talk over ZeroMQ TCP with CURVE.
 
-What lives here (and nothing about jobs: that is federation.py):
+What lives here (and nothing about jobs: that is core/federation.py; and nothing that decides
+from what is heard who is up or lost: that is core/links.py, which this module calls):
 
 - the config file (TOML, read with ``tomllib``): the domain's name and shared key, the
   heartbeat settings, and the nodes with their addresses (docs/DOMAIN.md has the format);
@@ -318,6 +319,8 @@ class Domain:
         self.gate_restarts = 0
         self._gate_next_try = 0.0
         self._gate_backoff = GATE_BACKOFF[0]
+        #: a gate being started again: (process, our end of its channel, deadline, what it said)
+        self._starting: tuple | None = None
         self._gate_counters: dict = {}
         self._gate_base = {"refused_connections": 0, "zap_requests": 0, "shed_connections": 0}
         self.log_level = logging.getLevelName(logging.getLogger("a2ad").getEffectiveLevel()).lower()
@@ -375,7 +378,30 @@ class Domain:
                 "public": self.public, "allowed": dict(self._allowed), "max_frame": MAX_DOMAIN_FRAME}
 
     def _start_gate(self) -> None:
-        """Start the gate and wait (bounded) for its READY; raises BackendError with its reason."""
+        """Start the gate and wait (bounded) for its READY; raises BackendError with its reason.
+        Only at the daemon's start: a restart waits in the loop (``_spawn_gate``)."""
+        proc, ours = self._spawn_gate()
+        try:
+            line = _read_line(proc.stdout, GATE_START_TIMEOUT)
+        except (OSError, TimeoutError) as exc:
+            _stop(proc)
+            ours.close()
+            raise errors.BackendError(f"domain {self.cfg.name}: the domain gate did not start: {exc}") from None
+        self._gate_said(proc, ours, line)
+
+    def _gate_said(self, proc: subprocess.Popen, ours: socket.socket, line: str) -> None:
+        """A starting gate's first line: READY (it listens: it is the gate now) or why not."""
+        if line != "READY":
+            _stop(proc)
+            ours.close()
+            why = line[6:] if line.startswith("ERROR ") else f"it said {line!r}"
+            raise errors.BackendError(why)
+        ours.setblocking(False)
+        self.gate, self.channel = proc, ours
+        self._rx.clear()
+
+    def _spawn_gate(self) -> tuple[subprocess.Popen, socket.socket]:
+        """Start a gate process and hand it its settings; its READY (or error) comes on its stdout."""
         import msgpack as _mp
 
         from a2ad.runtime import python_command
@@ -395,21 +421,18 @@ class Domain:
         try:
             proc.stdin.write(_mp.packb(self._gate_settings(), use_bin_type=True))
             proc.stdin.close()
-            line = _read_line(proc.stdout, GATE_START_TIMEOUT)
-        except (OSError, TimeoutError) as exc:
+        except OSError as exc:
             _stop(proc)
             ours.close()
             raise errors.BackendError(f"domain {self.cfg.name}: the domain gate did not start: {exc}") from None
-        if line != "READY":
-            _stop(proc)
-            ours.close()
-            why = line[6:] if line.startswith("ERROR ") else f"it said {line!r}"
-            raise errors.BackendError(why)
-        ours.setblocking(False)
-        self.gate, self.channel = proc, ours
-        self._rx.clear()
+        return proc, ours
 
     def _stop_gate(self) -> None:
+        if self._starting is not None:
+            proc, ours = self._starting[0], self._starting[1]
+            self._starting = None
+            _stop(proc)
+            ours.close()
         if self.channel is not None:
             self.channel.close()
             self.channel = None
@@ -421,7 +444,13 @@ class Domain:
         self._gate_counters = {}
 
     def _check_gate(self, now: float) -> None:
-        """A gate that died is started again (after a backoff that doubles while it keeps dying)."""
+        """A gate that died is started again (after a backoff that doubles while it keeps dying).
+        The daemon's loop never waits for it: a starting gate says READY (or why not) on its
+        stdout, which the loop polls with its other sockets (``_starting_gate``); it may take
+        seconds (the gate retries binding an address still in use)."""
+        if self._starting is not None:
+            self._starting_gate(now)
+            return
         if self.gate is not None and self.gate.poll() is None and self.channel is not None:
             return
         if self.gate is not None:
@@ -432,17 +461,55 @@ class Domain:
         if now < self._gate_next_try:
             return
         try:
-            self._start_gate()
+            proc, ours = self._spawn_gate()
         except errors.BackendError as exc:
-            self._gate_next_try = now + self._gate_backoff
-            self._gate_backoff = min(self._gate_backoff * 2, GATE_BACKOFF[1])
-            log.error("domain %s: could not start the domain gate again: %s (retrying in %.1f s)", self.cfg.name,
-                      exc.message, self._gate_next_try - now)
+            self._gate_failed(now, exc.message)
+            return
+        os.set_blocking(proc.stdout.fileno(), False)
+        self._starting = (proc, ours, now + GATE_START_TIMEOUT, bytearray())
+
+    def _starting_gate(self, now: float) -> None:
+        """Read what the gate being started said so far; it is the gate once it says READY."""
+        proc, ours, deadline, buf = self._starting
+        try:
+            while b"\n" not in buf:
+                chunk = os.read(proc.stdout.fileno(), 4096)
+                if not chunk:
+                    break
+                buf += chunk
+        except BlockingIOError:
+            pass
+        except OSError as exc:
+            buf += f"(its stdout failed: {exc})\n".encode()
+        if b"\n" not in buf:
+            if proc.poll() is None and now < deadline:
+                return  # not yet: the loop goes on
+            why = (f"no answer within {GATE_START_TIMEOUT:g} s" if proc.poll() is None else
+                   f"it exited with {proc.returncode} " + (f"saying {bytes(buf).decode(errors='replace')!r}" if buf
+                                                           else "without a word"))
+            self._starting = None
+            _stop(proc)
+            ours.close()
+            self._gate_failed(now, f"domain {self.cfg.name}: the domain gate did not start: {why}")
+            return
+        self._starting = None
+        line = bytes(buf).split(b"\n", 1)[0].decode(errors="replace").strip()
+        proc.stdout.close()
+        try:
+            self._gate_said(proc, ours, line)
+        except errors.BackendError as exc:
+            self._gate_failed(now, exc.message)
             return
         self.gate_restarts += 1
         self._gate_backoff = GATE_BACKOFF[0]
         log.warning("domain %s: domain gate started again (pid %d, %d restart(s))", self.cfg.name, self.gate.pid,
                     self.gate_restarts)
+
+    def _gate_failed(self, now: float, why: str) -> None:
+        self._gate_next_try = now + self._gate_backoff
+        self._gate_backoff = min(self._gate_backoff * 2, GATE_BACKOFF[1])
+        log.error("domain %s: could not start the domain gate again: %s (retrying in %.1f s)", self.cfg.name, why,
+                  self._gate_next_try - now)
 
     def _connect(self, p: Peer) -> None:
         d = self.ctx.socket(zmq.DEALER)
@@ -482,6 +549,8 @@ class Domain:
     def sockets(self) -> list[zmq.Socket]:
         """What the daemon's poller watches for POLLIN."""
         out: list = [self.channel.fileno()] if self.channel is not None else []  # the poller answers with fd numbers
+        if self._starting is not None:
+            out.append(self._starting[0].stdout.fileno())  # a starting gate's READY
         out += [p.monitor for p in self.peers.values() if p.monitor is not None]
         return out
 
@@ -492,6 +561,8 @@ class Domain:
                 self._link_events(p)
         if self.channel is not None and self.channel.fileno() in ready:
             self._receive()
+        if self._starting is not None and self._starting[0].stdout.fileno() in ready:
+            self._starting_gate(time.monotonic())
 
     def next_deadline(self) -> float:
         return self._next_beat
