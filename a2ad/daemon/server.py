@@ -3,12 +3,16 @@ ROUTER (requests), the fd socket (handles and leases), the pidfds of joining ran
 metrics port and timers, and stop (keeping jobs for the next daemon) or hand over to a
 successor.
 
-The rooms: requests are decoded and authorized in commands.py, which calls the registry
-(registry.py: jobs, rendezvous, adoption; its rooms jobs.py, leases.py, policy.py and
-mirror.py); the fd socket is fdsock.py; who may do what is auth.py; the state file is
-persist.py and the fds that outlive the daemon are in fdstore.py. In a domain (``--domain``), the links to the other nodes' daemons are
-domain.py and the jobs that span nodes federation.py; their sockets sit in the same poll
-loop. Nothing here is on the data path.
+The rooms: everything the daemon decides is the core's (core/: the registry, its jobs, leases,
+loss policy and mirror, the domain federation and links), a state machine that reads no clock
+and does no I/O; this module and the others around it are its adapters. Requests are decoded
+and authorized in commands.py, which calls the registry; the fd socket is fdsock.py; who may
+do what is auth.py; the state file is persist.py and the fds that outlive the daemon are in
+fdstore.py; pidfds, closing fds and control blocks are hostio.py's. Every event reaches the
+core through ``_guard``, which gives it the time (``Registry.now``), then carries out what it
+decided (``_deliver``). In a domain (``--domain``), the sockets to the other nodes' daemons
+and the gate are domain.py; the jobs that span nodes are core/federation.py. Nothing here is
+on the data path.
 """
 
 from __future__ import annotations
