@@ -132,9 +132,6 @@ class Job:
     #: Replacements let into a degraded job while the others kept serving.
     readmits: int = 0
     freed: bool = False
-    #: A domain job whose rows this node re-armed for a coordinator's prepare: its abort word
-    #: and ``needs_rearm`` stay until the release (Registry._rearm).
-    rearm_held: bool = False
     #: A job of a domain: its coordinator decides its rendezvous and re-arms (federation.py).
     domain: bool = False
     #: The domain's decision on the spec has reached this daemon (a job created here before

@@ -87,10 +87,13 @@ class Mirror:
                     # counted lost with its node, yet alive: the job's rounds cannot agree any
                     # more (the others dropped or aborted it): everyone goes through a re-arm
                     job.needs_rearm = self.dirty = True
-                    if not job.control.abort_word:
+                    ar = job.control.abort_rank if job.control.abort_word else -1
+                    if not job.control.abort_word or (0 <= ar < job.ep_size and job.slots[ar].node == node
+                                                      and not mutations.active("rearm_unheard_by_lost_node")):
                         # (naming no rank: an abort word naming another node's rank is no news
                         # for the other holders, and that node, which never counted itself
-                        # lost, must hear it)
+                        # lost, must hear it; an abort word that named one of its ranks, set
+                        # when it was counted lost, is replaced for the same reason)
                         job.control.set_abort(L.ABORT_REARM, -1)
                     log.warning("job %s: rank %d on node %s, counted lost with its node, is alive: the job re-arms",
                                 job.name, r, node)
@@ -159,7 +162,7 @@ class Mirror:
         """The first step of a domain rendezvous: re-arm this daemon's rows (``rearm``) or take
         the generation the coordinator picked; no rank is released yet."""
         if rearm:
-            self._rearm(job, generation, hold=True)
+            self._rearm(job, generation)
         elif job.generation != generation:
             job.generation = generation
             job.control.generation = generation
@@ -189,10 +192,6 @@ class Mirror:
                 if slot.state == L.RANK_JOINING:
                     job.set_rank_state(slot, L.RANK_ATTACHED)
                     slot.attaches += 1
-        if job.rearm_held:  # the re-arm this node prepared is the whole job's now
-            job.rearm_held = False
-            job.control.clear_abort()
-            job.needs_rearm = False
         now = self.now
         for slot in job.recovering():
             self._reply(slot.recovering, {"generation": job.generation})

@@ -527,15 +527,11 @@ class Registry(Leases, LossPolicy, Mirror):
         return {"kind": "workspace", "rank": s.rank, "size": remote["size"], "device": s.device, "node": s.node,
                 "fd": False, "fabric": remote["handle"], "handle_type": remote.get("handle_type")}
 
-    def _rearm(self, job: Job, generation: int | None = None, hold: bool = False) -> None:
+    def _rearm(self, job: Job, generation: int | None = None) -> None:
         """Reset every rank's flags and counters to one agreed state and bump the generation
         (to ``generation``: the one a domain's coordinator picked). Only called while no rank
         can be inside dispatch or combine (all quiesced or joining). In a job that spans nodes
-        each daemon re-arms the rows it holds, all before any rank is released; there
-        (``hold``) the job still needs its re-arm, abort word set, until the release comes: an
-        attempt that never releases (another node answered no) leaves this node's ranks, once
-        their recovers time out, told to recover again rather than serving a job that the
-        others did not re-arm."""
+        each daemon re-arms the rows it holds, all before any rank is released."""
         with self.backend.batch():
             for slot in job.slots:
                 if slot.alloc is None:
@@ -549,13 +545,9 @@ class Registry(Leases, LossPolicy, Mirror):
             slot.readmit_acks = set()
             slot.admit_ack = None
         self._set_mask(job, L.full_mask(job.ep_size))  # every rank takes part from the first round on
-        job.generation = job.generation + 1 if generation is None else generation
-        job.control.generation = job.generation
-        if hold and not mutations.active("prepare_clears_abort"):
-            job.rearm_held = True
-        else:
-            job.control.clear_abort()
-            job.needs_rearm = False
+        job.generation = job.control.generation = job.generation + 1 if generation is None else generation
+        job.control.clear_abort()
+        job.needs_rearm = False
         job.rearms += 1
         self.counters["rearms"] += 1
         self.dirty = True
