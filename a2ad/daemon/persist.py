@@ -58,7 +58,7 @@ from pathlib import Path
 
 import msgpack
 
-from a2ad import layout as L
+from a2ad import layout as L, mutations
 from a2ad.runtime import STATE_FILE
 
 log = logging.getLogger("a2ad")
@@ -92,6 +92,10 @@ def _slot_record(s) -> dict:
         rec["node"] = s.node
         rec["lease"] = None
         rec["remote"] = {k: remote.get(k) for k in ("size", "handle_type", "handle")}
+        # counted dead because its node was lost: once that node says it is alive, the job
+        # re-arms; a restart between the two must not make it a death for good
+        if s.lost_with_node and not mutations.active("lost_mark_not_kept"):
+            rec["lost_with_node"] = True
     return rec
 
 
@@ -165,6 +169,7 @@ def job_from_record(rec: dict, fds: dict[str, int], backend, this_node: str | No
                 slot.node, slot.pid, slot.device = srec["node"], srec["pid"], srec["device"]
                 slot.deaths, slot.attaches = srec["deaths"], srec["attaches"]
                 slot.remote = dict(srec.get("remote") or {})
+                slot.lost_with_node = bool(srec.get("lost_with_node", False))
                 job.set_rank_state(slot, srec["state"])
                 continue
             slot.pid, slot.uid, slot.device = srec["pid"], srec["uid"], srec["device"]
@@ -681,6 +686,8 @@ def _check_slot(s, i: int) -> str | None:
         if not isinstance(remote, dict) or not (remote.get("size") is None or _is_int(remote["size"], 1)) or not (
                 remote.get("handle") is None or isinstance(remote["handle"], bytes)):
             return "bad remote row"
+        if not isinstance(s.get("lost_with_node", False), bool):
+            return "bad lost_with_node"
     return None
 
 
