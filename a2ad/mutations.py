@@ -102,3 +102,43 @@ register(
     "admitted_together_wait", "plane",
     "a replacement let in at round E waits for every other rank of E to finish E - 1, also for another "
     "replacement let in at E, which never ran E - 1: the two wait for each other until their timeout", "9dfdb18")
+
+
+# --- the daemon's core (a2ad.daemon.core; caught by the simulator's "daemon" world) ---------
+register(
+    "own_rank_refused", "daemon",
+    "a process whose redeem an upgrade reset joins again and is refused rank_taken as held by its own pid; "
+    "the daemon keeps the rank attached with no lease for as long as the process lives")
+register(
+    "leave_any_uid", "daemon",
+    "a leave is obeyed whoever presents the lease token: another uid that got hold of it ends the rank")
+register(
+    "uid_fds_undercount", "daemon",
+    "the per-uid fd cap counts one descriptor per control block while the daemon holds two (its memfd and "
+    "the one its mapping keeps), so one user gets past the budget")
+
+
+# --- the domain protocol (a2ad.daemon.core; caught by the simulator's "domain" world) -------
+register(
+    "rearm_lost_to_joining_report", "domain",
+    "a node counted lost before it reported its ranks attached resyncs with the report that still says "
+    "joining; applying it drops the mark 'lost with its node', so the next report (attached) never re-arms "
+    "the job and its ranks wait until their timeout", "cf52f1a")
+register(
+    "loss_count_ignored", "domain",
+    "a node counted lost by a peer whose link never dropped (it stalled) ignores the peer's growing loss "
+    "count in its heartbeats and never sends its reports again: the peer keeps its ranks dead", "0e14210")
+register(
+    "decide_from_anyone", "domain",
+    "a daemon takes a job's decide, prepare, release or refusal from any node of the domain, not only from "
+    "the job's coordinator")
+register(
+    "rearm_unheard_by_lost_node", "domain",
+    "in a raise job, the abort word set when a node was counted lost names one of its ranks; once that node "
+    "is heard again with its ranks alive the job re-arms, but the abort word is left naming that rank, which "
+    "is no news for that node: its ranks never learn of the re-arm and wait for the others until their timeout")
+register(
+    "lost_mark_not_kept", "domain",
+    "a remote rank counted dead because its node was lost is written to the state file without that mark: a "
+    "daemon restarted before the node is heard again takes the rank for dead for good, and the job's nodes "
+    "keep different masks")

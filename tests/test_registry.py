@@ -196,13 +196,14 @@ def _tiny_job_bytes() -> int:
 @pytest.mark.parametrize("cap", ["jobs", "fds", "bytes"])
 def test_one_uid_attaching_many_tiny_jobs_stops_at_its_cap_and_another_is_still_served(daemon_factory, cap):
     """A uid attaching one-rank jobs is refused at its cap, and the refusal names the cap; a
-    second uid is served as before, and so is an admin (root). Each tiny job holds 3 fds here:
-    its control block, its row and its rank's lease connection."""
+    second uid is served as before, and so is an admin (root). Each tiny job holds 4 fds here:
+    its control block's memfd and the descriptor its mapping keeps, its row and its rank's lease
+    connection."""
     if os.geteuid() != 0 or _nogroup() is None:
         pytest.skip("needs root and a group with gid 65534 to run clients as other uids")
     option, value, fits = {
         "jobs": ("--max-jobs-per-uid", "4", 4),
-        "fds": ("--max-fds-per-uid", "7", 2),  # 3 + 3 fit; a third job's 3 more do not
+        "fds": ("--max-fds-per-uid", "11", 2),  # 4 + 4 fit; a third job's 4 more do not
         "bytes": ("--max-bytes-per-uid", str(_tiny_job_bytes() * 5 // 2), 2),
     }[cap]
     d = daemon_factory("--group", _nogroup(), option, value)

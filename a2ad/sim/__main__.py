@@ -20,20 +20,13 @@ from .world import WORLDS, Outcome
 
 #: world modules that register themselves on import
 WORLD_MODULES = ("a2ad.sim.plane", "a2ad.sim.daemon")
-#: modules that may be absent from a tree (only their own absence is tolerated)
-OPTIONAL = ("a2ad.sim.daemon",)
 TAIL = 40  # trace lines printed with a violation (all of them with -v)
 DETAILED = 5  # violations printed in full; the others one line each
 
 
 def load_worlds() -> None:
     for name in WORLD_MODULES:
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if name in OPTIONAL and e.name == name:
-                continue
-            raise
+        importlib.import_module(name)
 
 
 def world_names(world: str | None, mutation: str | None) -> list[str]:
@@ -80,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list-mutations", action="store_true", help="list the mutations and exit")
     ap.add_argument("--replay", type=int, metavar="SEED", help="run this one seed and print its whole trace")
     ap.add_argument("-v", "--verbose", action="store_true", help="print whole traces")
+    ap.add_argument("-x", "--exitfirst", action="store_true",
+                    help="stop after the first schedule with a violation (how soon a mutation is caught)")
     args = ap.parse_args(argv)
     load_worlds()
 
@@ -104,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     first_caught: int | None = None
     shown = 0
     per_world: dict[str, int] = {}
+    ran = 0
     for i in range(args.seeds):
+        ran = i + 1
         seed = args.start + i
         out = run_one(seed, names, args.mutation)
         faults += out.faults
@@ -119,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                 v = out.violations[0]
                 print(f"VIOLATION seed {out.seed} world {out.world}: {v.invariant} (--replay {out.seed})")
             shown += 1
+            if args.exitfirst:
+                break
         now = time.monotonic()
         if now - last >= 5.0:
             last = now
@@ -126,15 +125,15 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
     took = time.monotonic() - t0
     worlds = ", ".join(f"{w} {n}" for w, n in sorted(per_world.items()))
-    print(f"sim: seeds {args.start}..{args.start + args.seeds - 1} ({worlds}) in {took:.1f} s "
-          f"({args.seeds / took if took else 0:.0f} seeds/s)")
+    print(f"sim: seeds {args.start}..{args.start + ran - 1} ({worlds}) in {took:.1f} s "
+          f"({ran / took if took else 0:.0f} seeds/s)")
     if args.mutation is not None:
         if first_caught is None:
-            print(f"mutation {args.mutation}: NOT caught in {args.seeds} seeds")
+            print(f"mutation {args.mutation}: NOT caught in {ran} seeds")
         else:
             print(f"mutation {args.mutation}: first caught after {first_caught} seeds "
                   f"(seed {args.start + first_caught - 1})")
-    print(f"sim: {args.seeds} schedules, {faults} faults, {violations} violations")
+    print(f"sim: {ran} schedules, {faults} faults, {violations} violations")
     return 0 if violations == 0 else 1
 
 

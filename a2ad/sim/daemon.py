@@ -43,12 +43,12 @@ import random
 import msgpack
 from dataclasses import dataclass, field
 
-from a2ad import errors, layout as L, protocol
+from a2ad import errors, layout as L, mutations, protocol
 from a2ad.control import ControlBlock
 from a2ad.daemon import persist
 from a2ad.daemon.auth import Auth, Peer
 from a2ad.daemon.backends.base import Allocation, Backend
-from a2ad.daemon.core.federation import Federation
+from a2ad.daemon.core.federation import Federation, coordinator_order
 from a2ad.daemon.core.links import PEER_DOWN, PEER_UP, Link, Links
 from a2ad.daemon.core.registry import Limits, Registry
 from a2ad.sim.world import Outcome, Violation, register
@@ -58,6 +58,9 @@ from a2ad.sim.world import Outcome, Violation, register
 STRANDED_BOUND = 40.0
 #: how long a rank's recover waits for the others (the client's default is 60 s)
 RECOVER_TIMEOUT = 20.0
+#: how long a rank's round waits for a peer that does not serve it (a dispatch or combine wait's
+#: timeout: it then raises PeerTimeout and recovers)
+ROUND_TIMEOUT = 10.0
 SPEC = dict(max_num_tokens=8, top_k=2, num_experts=8, dispatch_bytes_per_token=64, combine_bytes_per_token=64)
 UIDS = (1001, 1002)
 ROW = 1 << 16
@@ -472,7 +475,7 @@ class World:
         self.kernel = Kernel()
         self.limits = Limits(grace=5.0, max_rendezvous_timeout=30.0, max_fds_per_uid=None)
         names = [f"n{i}" for i in range(nodes)]
-        self.cfg = SimConfig(names, 0.5, 4) if domain else None
+        self.cfg = SimConfig(names, 1.0, 3) if domain else None
         self.nodes = {n: Node(self, n, self.cfg) for n in names}
         self.procs: dict[int, Proc] = {}
         self.next_pid = 100
@@ -485,13 +488,18 @@ class World:
         self.releases: dict[tuple[str, int], bytes] = {}
         self.last_fault = 0.0
         self.horizon = 0.0
+        #: the next rank to attach has its daemon stopped right after (before its next report)
+        self.stall_next_attach = False
+        #: job -> since when its live ranks have not all served together (their rounds wait)
+        self.stuck: dict[str, float] = {}
         #: seconds after the last fault by which every complete job has converged: a request
         #: held by a daemon that restarted is lost, and its client asks again only after its own
-        #: timeout (RECOVER_TIMEOUT); then the loss bound three times over (a loss, a resync, a
-        #: re-arm) and the steps of a rendezvous
-        self.settle = RECOVER_TIMEOUT + (3 * self.cfg.loss_bound if domain else 0.0) + 6.0
+        #: timeout (RECOVER_TIMEOUT); a rank serving rounds with a peer that does not serve it
+        #: recovers after its round timeout (ROUND_TIMEOUT); then the loss bound three times
+        #: over (a loss, a resync, a re-arm) and the steps of a rendezvous
+        self.settle = RECOVER_TIMEOUT + ROUND_TIMEOUT + (3 * self.cfg.loss_bound if domain else 0.0) + 6.0
         #: faults happen in the first ACTIVE seconds; then the world is left to settle
-        self.active = 50.0
+        self.active = 40.0
         for node in self.nodes.values():
             node.start(adopt=False)
 
@@ -619,6 +627,11 @@ class World:
         p.state = "idle"
         p.waiting_since = None
         self.log(f"p{p.pid}", f"join refused: {code}: {message[:100]}")
+        holder = details.get("node")
+        if code == "rank_taken" and holder is not None and not any(
+                q.alive and q.job == p.job and q.rank == p.rank and q.node == holder for q in self.procs.values()):
+            self.violate("coordinator-decides", f"pid {p.pid}'s join of {p.job} rank {p.rank} refused as held on "
+                                                f"node {holder}, where no process holds it: {message}")
         if code == "rank_taken" and details.get("holder_pid") == p.pid and p.conn is None:
             self.violate("own-rank-refused", f"pid {p.pid}'s join of {p.job} rank {p.rank} refused as held by itself: "
                                              f"{message}")
@@ -717,6 +730,12 @@ class World:
         p.state = "attached"
         p.tries = 0
         self.log(f"p{p.pid}", f"attached ({kind})")
+        if self.stall_next_attach:
+            # its daemon stops before its next full report says the rank is attached
+            self.stall_next_attach = False
+            node = self.node_of(p)
+            self.at(self.now + self.rng.uniform(0.0, 0.4), "stall-after-attach", self.stall_node, node,
+                    self.rng.choice((3.0, 5.0, 8.0)))
         self.next_act(p, self.rng.uniform(0.5, 8.0))
 
     def next_act(self, p: Proc, after: float) -> None:
@@ -734,6 +753,12 @@ class World:
         job = node.reg.jobs.get(p.job) if node.reg is not None else None
         if job is not None and job.control.abort_word:
             # its next round raises (PeerLost, or a re-arm asked for): it recovers
+            self.recover(p)
+            return
+        stuck = self.stuck.get(p.job)
+        if stuck is not None and self.now - stuck > ROUND_TIMEOUT:
+            # a peer has not served its rounds for the round timeout: PeerTimeout, then recover
+            self.log(f"p{p.pid}", "PeerTimeout")
             self.recover(p)
             return
         x = self.rng.random()
@@ -801,10 +826,10 @@ class World:
             self.at(self.now + self.rng.choice((0.0, 0.001, 0.1)), f"lease EOF {p.pid}", self.on_lease_closed, conn)
         self.at(self.now + self.rng.choice((0.0, 0.001, 0.1)), f"pidfd {p.pid}", self.on_pid_exit, p)
 
-    def kill(self, p: Proc) -> None:
+    def kill(self, p: Proc, replace: bool = False) -> None:
         self.fault(f"kill -9 p{p.pid} ({p.job} rank {p.rank})")
         self.exit(p, "kill -9")
-        if self.rng.random() < (0.8 if self.cfg is None else 0.95):  # a replacement comes for the rank
+        if replace or self.rng.random() < (0.8 if self.cfg is None else 0.95):  # a replacement comes for the rank
             self.at(self.now + self.rng.uniform(0.1, 3.0), "replace", self.spawn, p.job, p.rank)
 
     def on_lease_closed(self, conn: LeaseConn) -> None:
@@ -934,6 +959,38 @@ class World:
                                           "with its lease token")
         self.kernel.procs[thief] = False
 
+    def arm_stall_after_attach(self, job: str) -> None:
+        """A rank of ``job`` is killed and replaced, and the replacement's daemon stops right
+        after the replacement attached."""
+        victims = [p for p in self.procs.values() if p.alive and p.job == job and p.state == "attached"]
+        if victims:
+            self.stall_next_attach = True
+            self.kill(self.rng.choice(victims), replace=True)
+
+    def liar(self, job: str) -> None:
+        """A node that is not the job's coordinator claims, as if it were, that one of the
+        job's ranks is held on it: while a replacement of that rank waits in its join, the
+        others must refuse the claim (only a job's coordinator decides)."""
+        victims = [p for p in self.procs.values() if p.alive and p.job == job and p.state == "attached"]
+        if not victims:
+            return
+        v = self.rng.choice(victims)
+        order = coordinator_order(job, sorted(self.nodes))
+        liar = self.nodes[order[-1]]
+        if liar.reg is None or liar.name == v.node:
+            return
+        self.fault(f"{liar.name} (not {job}'s coordinator) claims rank {v.rank}, while it is replaced")
+        self.kill(v, replace=True)
+        for k in range(20):
+            self.at(self.now + 0.3 * k, "forged refuse_rank", self._forge, liar, job, v.rank)
+
+    def _forge(self, liar: Node, job: str, rank: int) -> None:
+        if liar.bus is None:
+            return
+        for name in self.nodes:
+            if name != liar.name:
+                liar.bus.send(name, {"t": "refuse_rank", "job": job, "rank": rank, "holder": liar.name})
+
     def timers(self, node: Node) -> None:
         if node.reg is not None and self.now >= node.stalled_until:
             node.timers()
@@ -942,6 +999,13 @@ class World:
 
     # -------------------------------------------------------------------- checks
     def check(self) -> None:
+        for name in self.jobs:  # since when a job's live ranks have not all been serving together
+            serving = all(q.state == "attached" and self.now >= q.stalled_until
+                          for q in self.procs.values() if q.alive and q.job == name)
+            if serving:
+                self.stuck.pop(name, None)
+            else:
+                self.stuck.setdefault(name, self.now)
         for kind, detail in self.problems:
             self.violate(kind, detail)
         self.problems.clear()
@@ -1040,7 +1104,7 @@ class World:
             self.at(0.25, f"timers {node.name}", self.timers, node)
         kinds = ["restart", "upgrade", "upgrade", "disk-full", "steal", "kill-daemon"]
         if self.cfg is not None:
-            kinds += ["stall-node", "stall-node", "partition", "partition", "one-way"]
+            kinds += ["stall-node", "stall-node", "partition", "partition", "one-way", "liar", "stall-after-attach"]
         for _ in range(self.rng.randint(0, 4)):
             t = self.rng.uniform(3, self.active)
             what = self.rng.choice(kinds)
@@ -1055,6 +1119,10 @@ class World:
                 self.at(t, what, self.disk_full, node, self.rng.uniform(1.0, 10.0))
             elif what == "stall-node":
                 self.at(t, what, self.stall_node, node, self.rng.choice((0.5, 1.5, 3.0, 8.0)))
+            elif what == "stall-after-attach":
+                self.at(t, what, self.arm_stall_after_attach, self.rng.choice(sorted(self.jobs)))
+            elif what == "liar":
+                self.at(t, what, self.liar, self.rng.choice(sorted(self.jobs)))
             elif what in ("partition", "one-way"):
                 side = [n for n in names if self.rng.random() < 0.5] or [names[0]]
                 other = [n for n in names if n not in side] or [names[-1]]
@@ -1089,7 +1157,8 @@ def _quiet() -> None:
 def run_daemon(seed: int, mutation: str | None = None) -> Outcome:
     """One node's daemon and up to three jobs of up to four ranks."""
     _quiet()
-    return World("daemon", seed, mutation, nodes=1, domain=False).run()
+    with mutations.enabled(mutation):
+        return World("daemon", seed, mutation, nodes=1, domain=False).run()
 
 
 @register("domain")
@@ -1097,4 +1166,5 @@ def run_domain(seed: int, mutation: str | None = None) -> Outcome:
     """Two to four nodes' daemons in a domain, one or two jobs spread over them."""
     _quiet()
     rng = random.Random(seed ^ 0x5EED)
-    return World("domain", seed, mutation, nodes=rng.randint(2, 4), domain=True).run()
+    with mutations.enabled(mutation):
+        return World("domain", seed, mutation, nodes=rng.randint(2, 4), domain=True).run()
