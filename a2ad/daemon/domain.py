@@ -55,6 +55,8 @@ import msgpack
 import zmq
 
 from a2ad import errors
+from a2ad.daemon.core.links import PEER_DOWN, PEER_UP, Link, Links
+from a2ad.daemon.core.ratelog import RateLog
 
 log = logging.getLogger("a2ad")
 
@@ -85,8 +87,6 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 BATCH = 256
 #: Outgoing messages queued per peer link while its connection stands.
 LINK_HWM = 4096
-from a2ad.daemon.core.links import PEER_CONNECTING, PEER_DOWN, PEER_UP, Link, Links  # noqa: E402,F401
-from a2ad.daemon.core.ratelog import RateLog  # noqa: E402
 #: The message types counted by name (``messages_by_type``); anything else counts as "other".
 MESSAGE_TYPES = ("hb", "job", "sync", "decide", "refuse", "refuse_rank", "prepare", "prepared", "release", "destroy")
 #: Seconds the domain gate has to say READY; backoff between restarts of a gate that died.

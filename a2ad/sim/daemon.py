@@ -41,7 +41,7 @@ import logging
 import random
 
 import msgpack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from a2ad import errors, layout as L, mutations, protocol
 from a2ad.control import ControlBlock
@@ -318,10 +318,6 @@ class Node:
         self.stalled_until = 0.0
         #: it handled an event since the last check of its descriptors
         self.touched = False
-
-    @property
-    def up(self) -> bool:
-        return self.reg is not None
 
     def start(self, adopt: bool, handover: dict | None = None) -> None:
         w = self.world
