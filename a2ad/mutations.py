@@ -133,11 +133,6 @@ register(
     "a daemon takes a job's decide, prepare, release or refusal from any node of the domain, not only from "
     "the job's coordinator")
 register(
-    "rearm_unheard_by_lost_node", "domain",
-    "in a raise job, the abort word set when a node was counted lost names one of its ranks; once that node "
-    "is heard again with its ranks alive the job re-arms, but the abort word is left naming that rank, which "
-    "is no news for that node: its ranks never learn of the re-arm and wait for the others until their timeout")
-register(
     "lost_mark_not_kept", "domain",
     "a remote rank counted dead because its node was lost is written to the state file without that mark: a "
     "daemon restarted before the node is heard again takes the rank for dead for good, and the job's nodes "

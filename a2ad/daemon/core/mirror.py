@@ -87,13 +87,10 @@ class Mirror:
                     # counted lost with its node, yet alive: the job's rounds cannot agree any
                     # more (the others dropped or aborted it): everyone goes through a re-arm
                     job.needs_rearm = self.dirty = True
-                    ar = job.control.abort_rank if job.control.abort_word else -1
-                    if not job.control.abort_word or (0 <= ar < job.ep_size and job.slots[ar].node == node
-                                                      and not mutations.active("rearm_unheard_by_lost_node")):
+                    if not job.control.abort_word:
                         # (naming no rank: an abort word naming another node's rank is no news
                         # for the other holders, and that node, which never counted itself
-                        # lost, must hear it; an abort word that named one of its ranks, set
-                        # when it was counted lost, is replaced for the same reason)
+                        # lost, must hear it)
                         job.control.set_abort(L.ABORT_REARM, -1)
                     log.warning("job %s: rank %d on node %s, counted lost with its node, is alive: the job re-arms",
                                 job.name, r, node)
