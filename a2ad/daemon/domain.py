@@ -91,6 +91,8 @@ LINK_HWM = 4096
 MESSAGE_TYPES = ("hb", "job", "sync", "decide", "refuse", "refuse_rank", "prepare", "prepared", "release", "destroy")
 #: Seconds the domain gate has to say READY; backoff between restarts of a gate that died.
 GATE_START_TIMEOUT = 15.0
+#: the most a starting gate's first line (READY, or why not) is read of
+GATE_LINE_MAX = 4096
 GATE_BACKOFF = (0.5, 30.0)
 
 
@@ -472,7 +474,7 @@ class Domain:
         """Read what the gate being started said so far; it is the gate once it says READY."""
         proc, ours, deadline, buf = self._starting
         try:
-            while b"\n" not in buf:
+            while b"\n" not in buf and len(buf) < GATE_LINE_MAX:
                 chunk = os.read(proc.stdout.fileno(), 4096)
                 if not chunk:
                     break
@@ -482,9 +484,10 @@ class Domain:
         except OSError as exc:
             buf += f"(its stdout failed: {exc})\n".encode()
         if b"\n" not in buf:
-            if proc.poll() is None and now < deadline:
+            if proc.poll() is None and now < deadline and len(buf) < GATE_LINE_MAX:
                 return  # not yet: the loop goes on
-            why = (f"no answer within {GATE_START_TIMEOUT:g} s" if proc.poll() is None else
+            why = (f"a first line of more than {GATE_LINE_MAX} bytes" if len(buf) >= GATE_LINE_MAX else
+                   f"no answer within {GATE_START_TIMEOUT:g} s" if proc.poll() is None else
                    f"it exited with {proc.returncode} " + (f"saying {bytes(buf).decode(errors='replace')!r}" if buf
                                                            else "without a word"))
             self._starting = None
