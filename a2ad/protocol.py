@@ -120,6 +120,20 @@ def _device(name: str, v: Any) -> str:
     return v
 
 
+#: Watch threads a join or renew may name (``watch``: their thread ids).
+MAX_WATCH_THREADS = 4
+
+
+def _tids(name: str, v: Any) -> tuple[int, ...]:
+    """Thread ids of the requester's watch threads: up to MAX_WATCH_THREADS distinct ids."""
+    if not isinstance(v, (list, tuple)) or len(v) > MAX_WATCH_THREADS:
+        raise errors.InvalidField(f"{name} must be a list of at most {MAX_WATCH_THREADS} thread ids", field=name)
+    tids = tuple(_int(1, 2**31 - 1)(f"{name}[{i}]", t) for i, t in enumerate(v))
+    if len(set(tids)) != len(tids):
+        raise errors.InvalidField(f"{name} names a thread twice", field=name)
+    return tids
+
+
 def _ticket(name: str, v: Any) -> bytes:
     if not isinstance(v, bytes) or len(v) != TICKET_BYTES:
         raise errors.InvalidField(f"{name} must be {TICKET_BYTES} bytes", field=name)
@@ -198,6 +212,7 @@ REQUESTS: dict[str, dict[str, Field]] = {
         "pid": Field(_int(1, 2**31 - 1)),
         "device": Field(_device),
         "timeout": Field(_number(0.0, 86400.0), required=False),
+        "watch": Field(_tids, required=False),
     },
     "leave": {
         "job": Field(check_job_name),
@@ -215,6 +230,7 @@ REQUESTS: dict[str, dict[str, Field]] = {
         "ep_rank": Field(_int(0, MAX_EP_SIZE - 1)),
         "lease": Field(_ticket),
         "pid": Field(_int(1, 2**31 - 1)),
+        "watch": Field(_tids, required=False),
     },
     "upgrade": {},
     "destroy": {"job": Field(check_job_name)},

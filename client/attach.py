@@ -25,6 +25,7 @@ from a2ad import errors, fdpass, layout as L, protocol, runtime
 from a2ad import control as _cb
 from a2ad.control import ControlBlock, destroyed_message
 
+from . import deathwatch
 from .connection import DaemonClient
 
 #: Extra seconds the client waits beyond its rendezvous timeout for the daemon's verdict.
@@ -222,9 +223,13 @@ class _Shared:
 
     def renew(self, timeout: float = 2.0) -> None:
         with self.lock:
-            reply = self._client.request(
-                "renew", wait=timeout, job=self.job, ep_rank=self.ep_rank, lease=self._lease, pid=os.getpid()
-            )
+            fields = dict(job=self.job, ep_rank=self.ep_rank, lease=self._lease, pid=os.getpid())
+            try:
+                reply = self._client.request("renew", wait=timeout, watch=deathwatch.tids(), **fields)
+            except errors.InvalidField as exc:
+                if exc.details.get("field") != "watch":
+                    raise
+                reply = self._client.request("renew", wait=timeout, **fields)  # a daemon without watch threads
             sock, fds = redeem_ticket(self._client, reply["ticket"], 0, max(timeout, RENEW_REDEEM_TIMEOUT))
             fdpass.close_all(fds)
             if self._lease_sock is not None:
@@ -693,6 +698,9 @@ def _join(job, ep_rank, ep_size, spec, runtime_dir, device, timeout) -> _Shared:
     try:
         hello = client.request("hello", wait=min(timeout, 10.0))
         dev_str, tdev = _device_of(hello["backend"], device)
+        # the threads whose end tells the daemon this process died (a daemon that predates
+        # them does not take the field)
+        watch = {"watch": deathwatch.tids()} if "watch" in (hello.get("features") or ()) else {}
         progress = _Progress(runtime_dir, job, ep_rank, ep_size, timeout)
         try:
             reply = client.request(
@@ -707,6 +715,7 @@ def _join(job, ep_rank, ep_size, spec, runtime_dir, device, timeout) -> _Shared:
                 pid=os.getpid(),
                 device=dev_str,
                 timeout=float(timeout),
+                **watch,
             )
         finally:
             progress.close()

@@ -38,12 +38,14 @@ class Node:
         out, self.reg.outbox = self.reg.outbox, []
         return {int.from_bytes(i, "little"): protocol.decode_reply(d) for i, d in out}
 
-    def join(self, pid: int, uid: int, job: str = "j", rank: int = 0, ep: int = 1, now: float = 0.0):
+    def join(self, pid: int, uid: int, job: str = "j", rank: int = 0, ep: int = 1, now: float = 0.0, watch=None):
         self.kernel.procs[pid] = True
         self.reg.now = now
         self.rid += 1
         f = {"job": job, "ep_rank": rank, "ep_size": ep, "spec": dict(SPEC), "pid": pid, "device": "host",
              "timeout": 10.0}
+        if watch is not None:
+            f["watch"] = watch
         self.reg.join(Peer(uid, uid, pid), pid.to_bytes(8, "little"), self.rid, f)
         return self.replies().get(pid)
 
@@ -121,6 +123,56 @@ def test_the_per_uid_fd_cap_counts_every_descriptor_the_daemon_holds():
         n.join(101, UID, job="k")
     with mutations.enabled("uid_fds_undercount"):  # the old count let it through
         assert n.reg.uid_usage(UID)["fds"] == 3
+
+
+def test_a_watch_thread_ending_is_the_ranks_death_once_and_its_handles_are_given_back():
+    """A join names its watch threads; once attached each is watched (and counted against the
+    uid's fds). One ending is the rank's death: marked once, its lease connection closed by
+    the daemon; the other thread's end and the connection's EOF that follow change nothing."""
+    n = Node()
+    assert n.join(100, UID, ep=2, watch=simd.watch_tids(100)) is None  # held for rank 1
+    n.kernel.procs[101] = True
+    n.reg.join(Peer(UID, UID, 101), (101).to_bytes(8, "little"), 9,
+               {"job": "j", "ep_rank": 1, "ep_size": 2, "spec": dict(SPEC), "pid": 101, "device": "host",
+                "timeout": 10.0, "watch": simd.watch_tids(101)})
+    replies = n.replies()
+    _, conn = n.redeem(100, UID, replies[100])
+    n.redeem(101, UID, replies[101])
+    job = n.reg.jobs["j"]
+    slot = job.slots[0]
+    assert len(slot.watchfds) == 2 and all(fd in n.reg.pidfds for fd in slot.watchfds)
+    assert n.reg.uid_usage(UID)["fds"] == 2 + 2 * (1 + 1 + 2)  # block; per rank: row, lease, 2 threads
+    first, second = slot.watchfds
+    n.kernel.procs[100] = False
+    n.reg.now = 1.0
+    n.reg.pid_exited(first)
+    assert slot.state == L.RANK_DEAD and slot.deaths == 1 and job.control.abort_word
+    assert slot.watchfds == [] and first not in n.reg.pidfds and second not in n.reg.pidfds
+    assert conn in n.reg.closing and slot.lease_conn is None and conn not in n.reg.leases
+    n.reg.pid_exited(second)
+    n.reg.lease_closed(conn)
+    assert slot.deaths == 1 and n.reg.counters["deaths"] == 1
+    # the survivor's threads are still watched; the dead rank's descriptors are all closed
+    assert {kind_obj[1] for kind_obj in n.host.fds.values() if kind_obj[0] == "pidfd"} == \
+        {("tid", t) for t in simd.watch_tids(101)}
+
+
+def test_a_watch_thread_of_a_rank_that_left_or_of_another_process_kills_nothing():
+    n = Node()
+    lease, conn = n.attach(100, UID, watch=simd.watch_tids(100))
+    slot = n.reg.jobs["j"].slots[0]
+    fd = slot.watchfds[0]
+    n.reg.leave(Peer(UID, UID, 100), {"job": "j", "ep_rank": 0, "lease": lease})
+    assert slot.state == L.RANK_LEFT and slot.watchfds == [] and fd not in n.reg.pidfds
+    n.reg.pid_exited(fd)
+    assert slot.state == L.RANK_LEFT and slot.deaths == 0
+    # threads that are not the joining process's are not watched (its lease still is)
+    m = Node()
+    m.attach(200, UID, watch=simd.watch_tids(300))
+    assert m.reg.jobs["j"].slots[0].watchfds == []
+    with pytest.raises(errors.InvalidField, match="at most 4 thread ids"):
+        protocol.parse_request(protocol.encode_request("join", 1, job="j", ep_rank=0, ep_size=1, spec=dict(SPEC),
+                                                       pid=1, device="host", watch=[1, 2, 3, 4, 5]))
 
 
 def test_a_held_join_of_a_stopped_daemon_is_answered_at_its_timeout_with_the_ranks_it_waited_for():

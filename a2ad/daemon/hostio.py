@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import select
 import socket
 
 from a2ad import layout as L
@@ -13,6 +14,9 @@ from a2ad.control import ControlBlock, hold_job
 from a2ad.daemon import memfd
 
 log = logging.getLogger("a2ad")
+
+#: pidfd_open's flag for a handle on one thread (Linux 6.9; the value of O_EXCL)
+PIDFD_THREAD = getattr(os, "PIDFD_THREAD", os.O_EXCL)
 
 
 class RealHost:
@@ -31,6 +35,22 @@ class RealHost:
             raise
         except (OSError, TypeError):
             return None
+
+    @staticmethod
+    def open_thread_pidfd(pid: int, tid: int) -> int | None:
+        if tid == pid:
+            return None  # the leader's pidfd reports the whole process, not the thread
+        try:
+            fd = os.pidfd_open(tid, PIDFD_THREAD)
+        except (OSError, TypeError):
+            return None
+        # checked after the open: the thread the handle names has not ended (it may not be
+        # the one named tid now) and tid is one of pid's threads, so the handle watches a
+        # thread of pid
+        if select.select([fd], [], [], 0)[0] or not os.path.exists(f"/proc/{pid}/task/{tid}"):
+            os.close(fd)
+            return None
+        return fd
 
     @staticmethod
     def token(n: int) -> bytes:

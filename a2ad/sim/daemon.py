@@ -100,6 +100,11 @@ class SimControlBlock(ControlBlock):
             self._map_fd = None
 
 
+def watch_tids(pid: int) -> list[int]:
+    """The thread ids of a simulated rank process's watch threads."""
+    return [pid * 8 + 1, pid * 8 + 2]
+
+
 class SimHost:
     """The Host port of one daemon instance (core/ports.py)."""
 
@@ -126,6 +131,11 @@ class SimHost:
         if not self.kernel.procs.get(pid, False):
             raise ProcessLookupError(pid)
         return self._open("pidfd", ("pid", pid), pid)
+
+    def open_thread_pidfd(self, pid: int, tid: int) -> int | None:
+        if not self.kernel.procs.get(pid, False) or tid not in watch_tids(pid):
+            return None
+        return self._open("pidfd", ("tid", tid), pid)
 
     def token(self, n: int) -> bytes:
         return self.rng.randbytes(n)
@@ -606,7 +616,7 @@ class World:
         p.rid += 1
         timeout = self.rng.choice((2.0, 5.0, 10.0)) if self.cfg is None else self.rng.choice((5.0, 10.0, 20.0))
         f = {"job": p.job, "ep_rank": p.rank, "ep_size": p.ep_size, "spec": dict(SPEC, on_peer_loss=p.policy),
-             "pid": p.pid, "device": "host", "timeout": timeout}
+             "pid": p.pid, "device": "host", "timeout": timeout, "watch": watch_tids(p.pid)}
         p.state = "joining"
         # (a daemon whose loop is stopped reads the request when it runs again)
         p.waiting_since, p.wait_bound, p.waiting_in = self.now, timeout + 1.5 + self.stopped_for(node), node.instance
@@ -810,13 +820,16 @@ class World:
             p.wait_bound += seconds
 
     def exit(self, p: Proc, why: str) -> None:
-        """The process ends: the kernel closes its lease socket and reports it to its pidfds."""
+        """The process ends: its watch threads end first, then the kernel closes its lease
+        socket and reports it to its pidfds."""
         if not p.alive:
             return
         p.alive = False
         p.state = "gone"
         self.kernel.procs[p.pid] = False
         self.log(f"p{p.pid}", f"exits ({why})")
+        for tid in watch_tids(p.pid):
+            self.at(self.now + self.rng.choice((0.0, 0.0001, 0.001)), f"thread {tid} ends", self.on_thread_exit, p, tid)
         conn = p.conn
         if conn is not None and conn.open:
             self.at(self.now + self.rng.choice((0.0, 0.001, 0.1)), f"lease EOF {p.pid}", self.on_lease_closed, conn)
@@ -845,6 +858,14 @@ class World:
             if kind == "pidfd" and opid == p.pid and fd in node.reg.pidfds:
                 self.on_node(node, "pidfd", node.reg.pid_exited, fd)
 
+    def on_thread_exit(self, p: Proc, tid: int) -> None:
+        node = self.node_of(p)
+        if node.reg is None:
+            return
+        for fd, (kind, obj, opid) in list(node.host.fds.items()):
+            if kind == "pidfd" and obj == ("tid", tid) and fd in node.reg.pidfds:
+                self.on_node(node, "thread pidfd", node.reg.pid_exited, fd)
+
     def on_lease_eof(self, conn: LeaseConn) -> None:
         """The client sees its lease connection end: a daemon restart; it renews its lease."""
         p = self.procs.get(conn.pid)
@@ -863,7 +884,7 @@ class World:
             return
         try:
             out = node.event(node.reg.renew, self.peer(p), {"job": p.job, "ep_rank": p.rank, "lease": p.lease,
-                                                             "pid": p.pid})
+                                                             "pid": p.pid, "watch": watch_tids(p.pid)})
         except errors.A2ADError as exc:
             self.log(f"p{p.pid}", f"renew refused: {exc.code}: {exc.message[:80]}")
             self.exit(p, "lost its job")
@@ -1049,6 +1070,8 @@ class World:
                     owner[("row", s.alloc.fd)] = job.owner_uid
                 if s.pidfd is not None:
                     owner[("pidfd", s.pidfd)] = job.owner_uid
+                for fd in s.watchfds:
+                    owner[("pidfd", fd)] = job.owner_uid
         for fd, (kind, obj, pid) in host.fds.items():
             if (kind, fd) not in owner:
                 self.violate("fd-leak", f"{node.name}'s daemon holds {kind} fd {fd} for no job it knows")

@@ -47,6 +47,14 @@ class RankSlot:
     lease_conn: object | None = None
     #: pidfd watching the rank's process while no lease connection stands for it.
     pidfd: int | None = None
+    #: Thread ids of the rank process's watch threads (its join or renew names them): threads
+    #: that end only with the process, each watched with a thread pidfd while the rank holds
+    #: its lease. A sub-thread's end is reported before the process has torn down its memory
+    #: and closed its files, the kernel's slow part of a death: tens of milliseconds sooner
+    #: than the lease connection's end.
+    watch: tuple[int, ...] = ()
+    #: the thread pidfds on ``watch`` (each also in ``Registry.pidfds``)
+    watchfds: list[int] = field(default_factory=list)
     leaving: bool = False
     #: A replacement let into a degraded job without a job-wide re-arm: its bit in the
     #: active mask is set once it holds its handles (see Registry._readmit).

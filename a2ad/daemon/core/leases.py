@@ -106,6 +106,7 @@ class Leases:
         if slot.state != L.RANK_ATTACHED or slot.pid != f["pid"]:
             raise errors.PermissionDenied(f"job {job.name!r} rank {slot.rank} is not attached to pid {f['pid']}")
         ticket = self._issue_ticket(job, slot, "renew", self.now)
+        slot.watch = f.get("watch") or ()
         return {"ticket": ticket, "generation": job.generation}
 
     # ------------------------------------------------------------ the fd socket
@@ -137,6 +138,7 @@ class Leases:
         slot.lease_conn = conn
         self.leases[conn] = (job, slot.rank)
         self.drop_pidfd(slot)
+        self._watch_threads(job, slot)
         if r.kind == "renew":
             log.info("job %s: rank %d renewed its lease (pid %d)", job.name, slot.rank, slot.pid)
             return
@@ -176,6 +178,7 @@ class Leases:
         if job.freed or slot.lease_conn is not conn:
             return
         slot.lease_conn = None
+        self.drop_pidfd(slot)
         if slot.leaving:
             self._mark(job, slot, L.RANK_LEFT, "left")
         else:
@@ -194,11 +197,33 @@ class Leases:
         self.pidfds[slot.pidfd] = (job, slot.rank)
         return True
 
+    def _watch_threads(self, job: Job, slot: RankSlot) -> None:
+        """The rank holds its lease: watch the watch threads its join or renew named (a
+        thread that is not one of its process's is not watched)."""
+        if not slot.watch:
+            return
+        try:
+            self.fd_budget(len(slot.watch))
+        except errors.LimitExceeded:
+            log.warning("job %s: rank %d's watch threads not watched: the daemon is near its open-file limit "
+                        "(its death is seen when its lease connection closes)", job.name, slot.rank)
+            return
+        for tid in slot.watch:
+            fd = self.host.open_thread_pidfd(slot.pid, tid)
+            if fd is not None:
+                slot.watchfds.append(fd)
+                self.pidfds[fd] = (job, slot.rank)
+
     def drop_pidfd(self, slot: RankSlot) -> None:
+        """Stop watching the rank's process: its pidfd and its watch threads' pidfds."""
         if slot.pidfd is not None:
             self.pidfds.pop(slot.pidfd, None)
             self.host.close_fd(slot.pidfd)
             slot.pidfd = None
+        for fd in slot.watchfds:
+            self.pidfds.pop(fd, None)
+            self.host.close_fd(fd)
+        slot.watchfds = []
 
     def pid_exited(self, pidfd: int) -> None:
         entry = self.pidfds.get(pidfd)
@@ -206,8 +231,20 @@ class Leases:
             return
         job, rank = entry
         slot = job.slots[rank]
+        watched = pidfd in slot.watchfds
         self.drop_pidfd(slot)
         if job.freed:
+            return
+        if watched:
+            # a watch thread ended: its process is dying (they end only with it), and its
+            # lease connection would close only once the kernel has torn the process down
+            conn = slot.lease_conn
+            if slot.state != L.RANK_ATTACHED or conn is None or slot.leaving:
+                return
+            self.leases.pop(conn, None)
+            self.closing.append(conn)
+            slot.lease_conn = None
+            self._mark(job, slot, L.RANK_DEAD, "died (its watch thread ended with its process)")
             return
         if slot.state == L.RANK_JOINING:
             slot.pending = None

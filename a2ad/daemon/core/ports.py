@@ -34,6 +34,11 @@ class Host(Protocol):
         """A handle that reports ``pid``'s death (``pid_exited`` is called with it). Raises
         ProcessLookupError when no such process runs; None where deaths cannot be watched."""
 
+    def open_thread_pidfd(self, pid: int, tid: int) -> int | None:
+        """A handle that reports the end of thread ``tid`` of process ``pid`` (``pid_exited``
+        is called with it); None when ``tid`` is not a thread of ``pid`` or threads cannot be
+        watched (a kernel older than 6.9)."""
+
     def token(self, n: int) -> bytes:
         """``n`` unpredictable bytes (tickets, leases, attempt ids)."""
 

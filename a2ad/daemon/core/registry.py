@@ -135,7 +135,7 @@ class Registry(Leases, LossPolicy, Mirror):
             jobs += 1
             nbytes += j.job_bytes
             fds += per_block + sum((s.alloc is not None) + (s.lease_conn is not None) + (s.pidfd is not None)
-                                   for s in j.slots)
+                                   + len(s.watchfds) for s in j.slots)
         return {"jobs": jobs, "fds": fds, "bytes": nbytes}
 
     def _check_uid_caps(self, peer: Peer, **need: int) -> None:
@@ -244,7 +244,7 @@ class Registry(Leases, LossPolicy, Mirror):
         if self.fed is not None:
             # what the domain already decided about this job (another node created it)
             confirmed = self.fed.check_new_job(name, f["ep_size"], spec, peer)
-        job = self._create_job(name, f["ep_size"], spec, peer, f["device"])
+        job = self._create_job(name, f["ep_size"], spec, peer, f["device"], len(f.get("watch") or ()))
         if self.fed is not None:
             self.fed.job_created(job, confirmed)
         return job
@@ -288,7 +288,8 @@ class Registry(Leases, LossPolicy, Mirror):
                 field="device",
             )
         new_row = slot.alloc is None
-        self._check_uid_caps(peer, fds=1 + new_row, bytes=job.row_stride if new_row and job.domain else 0)
+        self._check_uid_caps(peer, fds=1 + new_row + len(f.get("watch") or ()),
+                             bytes=job.row_stride if new_row and job.domain else 0)
         if new_row:
             self._allocate(job, slot, f["device"])
         return slot
@@ -322,6 +323,7 @@ class Registry(Leases, LossPolicy, Mirror):
         self.drop_pidfd(slot)
         job.set_rank_state(slot, L.RANK_JOINING)
         slot.pid, slot.uid, slot.device = f["pid"], peer.uid, f["device"]
+        slot.watch = f.get("watch") or ()
         slot.leaving = False
         slot.joined_at = self.now
         slot.lease = self.host.token(32)
@@ -386,7 +388,7 @@ class Registry(Leases, LossPolicy, Mirror):
         slot.lease = None
         self.dirty = True
 
-    def _create_job(self, name: str, ep_size: int, spec: dict, peer: Peer, device: str) -> Job:
+    def _create_job(self, name: str, ep_size: int, spec: dict, peer: Peer, device: str, watch: int = 0) -> Job:
         owner_uid = peer.uid
         size = spec["workspace_size_per_rank"]
         aux = L.aux_layout(ep_size, spec["max_num_tokens"])
@@ -410,8 +412,9 @@ class Registry(Leases, LossPolicy, Mirror):
                 f"job {name!r} needs {job_bytes} bytes; the daemon holds {total} of its {self.limits.max_total_bytes} limit",
                 needed=job_bytes, limit=self.limits.max_total_bytes,
             )
-        # its control block, the first rank's row and that rank's pidfd (then lease connection)
-        self._check_uid_caps(peer, jobs=1, fds=self.host.control_block_fds + 2, bytes=job_bytes)
+        # its control block, the first rank's row and that rank's pidfd (then lease connection
+        # and watch threads' pidfds)
+        self._check_uid_caps(peer, jobs=1, fds=self.host.control_block_fds + 2 + watch, bytes=job_bytes)
         self.fd_budget(ep_size + 2)
         cfd, cb = self.host.new_control_block(ep_size, L.POLICY_CODES[spec.get("on_peer_loss", protocol.DEFAULT_PEER_LOSS)])
         job = Job(
