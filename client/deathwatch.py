@@ -26,6 +26,14 @@ _pid: int | None = None
 _tids: tuple[int, ...] = ()
 
 
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # another thread of the parent may have held it
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def tids() -> list[int]:
     """This process's watch threads' ids, started on the first call in each process."""
     global _pid, _tids
