@@ -44,14 +44,37 @@ struct CombineFlags {
   __device__ ReadyProbe operator()(int q) const { return ReadyProbe{words + q, round}; }
 };
 
-__device__ __forceinline__ uint64_t combine_word(const CombineParams& p, int round) {
-  return (static_cast<uint64_t>(p.spec) << 32) | static_cast<uint32_t>(round);
-}
-
 // The void combine descriptor (layout.COMBINE_SPEC_VOID: hidden 0, which no real combine
 // publishes): a degrade combine's flag to a source of its round that its dispatch let go of.
 // That source counts nothing from this rank and marks its tokens that went here.
 constexpr uint32_t kCombineSpecVoid = 0;
+
+// A degrade combine's probe (planerules.past_round_is_seen): a word of a later round counts
+// as seen. A target that let this rank go in its next dispatch wrote that round's word, with
+// the void descriptor, over the word of this round that this rank had not read yet; it
+// finished this round and restaged its region, so nothing of it is counted: the probe's
+// value is the void descriptor whatever the word holds.
+struct ReadyOrAheadProbe {
+  const uint64_t* word;
+  int want;
+  __device__ __forceinline__ bool ready(int* value) const {
+    const uint64_t w = ld_acquire_sys_u64(word);
+    const int got = static_cast<int>(static_cast<uint32_t>(w));
+    if (got < want) return false;
+    *value = got == want ? static_cast<int>(w >> 32) : static_cast<int>(kCombineSpecVoid);
+    return true;
+  }
+};
+
+struct CombineFlagsDegraded {
+  const uint64_t* words;
+  int round;
+  __device__ ReadyOrAheadProbe operator()(int q) const { return ReadyOrAheadProbe{words + q, round}; }
+};
+
+__device__ __forceinline__ uint64_t combine_word(const CombineParams& p, int round) {
+  return (static_cast<uint64_t>(p.spec) << 32) | static_cast<uint32_t>(round);
+}
 
 template <typename T>
 struct Elem;
@@ -739,8 +762,9 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
     // Degraded mode (never overlapped): the poller alone waits, letting go of a peer whose
     // bit is cleared, and posts whose flags it saw; every block counts exactly those (a
     // target whose combine descriptor differs is not counted).
-    if (!block_wait<W>(flags, ep, round, p.ctl, layout::PHASE_COMBINE, /*poller=*/true, claim, give_up, &unused, view,
-                    &seen, &bad, static_cast<int>(p.spec))) {
+    const CombineFlagsDegraded flags_or_later{flags.words, round};
+    if (!block_wait<W>(flags_or_later, ep, round, p.ctl, layout::PHASE_COMBINE, /*poller=*/true, claim, give_up, &unused,
+                    view, &seen, &bad, static_cast<int>(p.spec))) {
       return;
     }
     // A target that let this rank go in its dispatch flagged the void descriptor: not a
