@@ -67,6 +67,10 @@ FP8_AMAX_FLOOR = 1e-4
 FP8_BLOCK = 128
 #: a2ad's default bound on every wait for a peer (seconds); ``Buffer(timeout=...)``.
 DEFAULT_TIMEOUT = 60.0
+#: The combine arguments of DeepEP's single-batch-overlap branches (antgroup-opt, hybrid-ep),
+#: refused unless None or False.
+OVERLAP_ARGUMENTS = ("overlap", "packed_recv_count", "comp_signal", "block_m", "threshold", "num_sms", "src_signals",
+                     "src_signal_expect_value")
 #: LL rounds that may be open at once (DeepEP's double buffer).
 MAX_OPEN_ROUNDS = 2
 
@@ -842,9 +846,14 @@ class Buffer:
         """
         self._live()
         if overlap:
-            name = sorted(overlap)[0]
-            raise NotSupported(f"{name}: DeepEP's combine-overlap arguments ({', '.join(sorted(overlap))}) are not "
-                               "offered by a2ad.deep_ep", argument=name)
+            unknown = sorted(set(overlap) - set(OVERLAP_ARGUMENTS))
+            if unknown:
+                raise TypeError(f"low_latency_combine() got an unexpected keyword argument {unknown[0]!r}")
+            for name in OVERLAP_ARGUMENTS:  # given as None / False they ask for nothing
+                if overlap.get(name) is not None and overlap.get(name) is not False:
+                    raise NotSupported(f"{name}: DeepEP's single-batch-overlap combine arguments ("
+                                       f"{', '.join(OVERLAP_ARGUMENTS)}) are not offered by a2ad.deep_ep",
+                                       argument=name)
         if use_logfmt is not False:
             raise NotSupported("use_logfmt: the LogFMT combine format is not offered by a2ad.deep_ep (bf16 only)",
                                argument="use_logfmt")

@@ -422,7 +422,8 @@ def bad_inputs(buf, rank, ep, E, dev) -> int:
     y = torch.zeros_like(recv_x)
     for kw, exc, arg in [
         (dict(use_logfmt=True), deep_ep.NotSupported, "use_logfmt"),
-        (dict(overlap=True, num_sms=3), deep_ep.NotSupported, "num_sms"),
+        (dict(overlap=True, num_sms=3), deep_ep.NotSupported, "overlap"),
+        (dict(overlap=False, comp_signal=torch.zeros(1)), deep_ep.NotSupported, "comp_signal"),
         (dict(x=y.float()), errors.InputError, "x"),
         (dict(topk_weights=w.double()), errors.InputError, "topk_weights"),
         (dict(topk_idx=idx[:2]), errors.InputError, "topk_idx"),
@@ -434,7 +435,10 @@ def bad_inputs(buf, rank, ep, E, dev) -> int:
             buf.low_latency_combine(**args)
         assert got.value.details.get("argument") == arg, (kw.keys(), got.value.details)
         n += 1
-    out, _, _ = buf.low_latency_combine(y, idx, w, handle)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        buf.low_latency_combine(y, idx, w, handle, bogus=1)
+    # overlap arguments that ask for nothing are accepted
+    out, _, _ = buf.low_latency_combine(y, idx, w, handle, overlap=False, packed_recv_count=None)
     assert torch.equal(out.cpu(), torch.zeros(3, HIDDEN, dtype=torch.bfloat16))
     return n
 
@@ -517,6 +521,45 @@ def no_shrink_kill(rank, ep, runtime_dir, init_file, victim):
         _ungroup()
 
 
+def sync_free(rank, ep, runtime_dir, init_file):
+    """CUDA: once a geometry's job exists, dispatch (bf16 and FP8, hook or not) and combine
+    never synchronize with the host (torch.cuda.set_sync_debug_mode("error") raises on any
+    sync); the results are checked afterwards."""
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    group = _group(rank, ep, init_file)
+    E = 2 * ep
+    try:
+        buf = _buffer(group, ep, E, runtime_dir)
+        try:
+            _round(buf, rank, ep, make_inputs(1200, ep, E), E, dev, "warm-up")
+            inputs = make_inputs(1201, ep, E)
+            x, idx, w = (t.to(dev) for t in inputs[rank])
+            torch.cuda.synchronize(dev)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                recv_x, recv_count, handle, _, hook = buf.low_latency_dispatch(x, idx, NUM_MAX, E, use_fp8=False,
+                                                                               return_recv_hook=True)
+                hook()
+                factors = torch.tensor([expert_factor(rank * (E // ep) + le) for le in range(E // ep)],
+                                       device=dev, dtype=torch.float32)
+                y = (recv_x.float() * factors.view(-1, 1, 1)).to(torch.bfloat16)
+                out, _, _ = buf.low_latency_combine(y, idx, w, handle)
+                (q, sc), _, h8, _, _ = buf.low_latency_dispatch(x, idx, NUM_MAX, E, round_scale=True, use_ue8m0=True)
+                buf.low_latency_combine(torch.zeros(q.shape, dtype=torch.bfloat16, device=dev), idx, w, h8)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize(dev)
+            check_dispatch(rank, ep, inputs, E, recv_x.cpu(), recv_count.cpu(),
+                           [handle[0].cpu(), handle[1].cpu(), *handle[2:]], what="sync-free")
+            assert torch.equal(out.cpu(), expected_combine(inputs, rank, E, ep)), "sync-free combine"
+            return True
+        finally:
+            buf.destroy()
+    finally:
+        _ungroup()
+
+
 # ---------------------------------------------------------------------------
 # Tests
 # ---------------------------------------------------------------------------
@@ -587,3 +630,9 @@ def test_ll_on_the_cuda_backend(rank_pool, dataplane_daemons):
     rd = str(dataplane_daemons("cuda").runtime_dir)
     res = rank_pool.run(2, ll_rounds, 2, rd, _init_file(), "cuda", timeout=300.0)
     assert res[0] == res[1] and res[0] > 20
+
+
+@pytest.mark.gpu
+def test_ll_on_the_cuda_backend_never_syncs(rank_pool, dataplane_daemons):
+    rd = str(dataplane_daemons("cuda").runtime_dir)
+    assert rank_pool.run(2, sync_free, 2, rd, _init_file(), timeout=300.0) == [True, True]
