@@ -608,7 +608,7 @@ class Buffer:
         a = MoeAlltoAll(
             _Mapping(self.rank, self.group_size), geo.rt, 1, geo.num_experts,
             _workspace_bytes(self.group_size, geo.rt, geo.hidden), job=name, runtime_dir=self._runtime_dir,
-            device=self._device_arg, timeout=self.timeout, on_peer_loss=self._policy,
+            device=self.device if self.device.type == "cuda" else None, timeout=self.timeout, on_peer_loss=self._policy,
             enable_rank_mask=self.enable_shrink)
         geo.slots.append(a)
         geo.open.append(None)
@@ -799,8 +799,7 @@ class Buffer:
             sc.copy_(pack_ue8m0(scales) if ue8m0 else scales)
         src_info.copy_(meta[:, 0].index_select(0, rows).view(lx, r_total))
         # every slot's row in recv_x (flattened), for combine; slots with no row point at row 0
-        rank_of = torch.empty_like(order)
-        rank_of[order] = torch.arange(order.numel(), device=dev)
+        rank_of = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=dev))
         e = expert.clamp(0, lx - 1)
         within = rank_of - expert_start[e]
         rnd.dest = torch.where(ok & (within < r_total), e * r_total + within, 0)

@@ -368,7 +368,15 @@ def ll_rounds(rank, ep, runtime_dir, init_file, device="cpu"):
                 nb.destroy()
         finally:
             nb._close()
-        return n
+        # comm= (an mpi4py-shaped communicator: Get_rank, Get_size, bcast) instead of group
+        cb = deep_ep.Buffer(None, num_rdma_bytes=buf.num_rdma_bytes, low_latency_mode=True, explicitly_destroy=True,
+                            comm=deep_ep._Comm(group), runtime_dir=runtime_dir, timeout=20.0)
+        try:
+            assert (cb.rank, cb.group_size) == (rank, ep) and cb.job != buf.job
+            _round(cb, rank, ep, make_inputs(850, ep, E), E, dev, "comm=")
+        finally:
+            cb.destroy()
+        return n + 1
     finally:
         _ungroup()
 
