@@ -209,8 +209,9 @@ def quantize_fp8(x: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torc
     xf = x.float().view(t, h // FP8_BLOCK, FP8_BLOCK)
     amax = xf.abs().amax(dim=2).clamp_min(FP8_AMAX_FLOOR)
     scale = amax / FP8_MAX
-    if round_scale:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    if round_scale:  # the next power of two, exactly: scale = m * 2^e with m in [0.5, 1)
+        m, e = torch.frexp(scale)
+        scale = torch.ldexp(torch.ones_like(scale), e - (m == 0.5).to(e.dtype))
     q = (xf * (1.0 / scale).unsqueeze(2)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(t, h), scale
 
@@ -345,7 +346,6 @@ class Buffer:
             raise errors.InputError(f"job must be a name of 1 to 40 characters, got {job!r:.60}", argument="job")
         self.job = job
         self._runtime_dir = runtime_dir
-        self._device_arg = device
         self._policy = "degrade" if self.enable_shrink else "raise"
         #: ranks this rank masked itself (low_latency_update_mask_buffer)
         self._masked: set[int] = set()

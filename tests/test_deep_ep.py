@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers_dataplane import dataplane_daemons, job_name, rank_pool  # noqa: F401  (fixtures)
+from _helpers_dataplane import dataplane_daemons, rank_pool  # noqa: F401  (fixtures)
 from a2ad import errors
 
 HIDDEN = 512
@@ -159,7 +159,8 @@ def check_fp8(rank, ep, inputs, num_experts, recv, recv_count, handle, round_sca
                 exact = amax / 448.0
                 sc = fs[le, begin + i]
                 if round_scale:
-                    assert bool((torch.log2(sc) == torch.round(torch.log2(sc))).all()), f"{what}: scale not a power of 2"
+                    pow2 = torch.log2(sc) == torch.round(torch.log2(sc))
+                    assert bool(pow2.all()), f"{what}: scale not a power of 2"
                     assert bool((sc >= exact).all() and (sc < 2 * exact).all()), f"{what}: rounded scale out of range"
                 else:
                     assert torch.allclose(sc, exact, rtol=1e-6, atol=0), f"{what}: scale {sc} != amax/448 {exact}"
