@@ -569,6 +569,68 @@ def sync_free(rank, ep, runtime_dir, init_file):
         _ungroup()
 
 
+def _full_inputs(seed, ep, E):
+    """Inputs with NUM_MAX tokens on every rank (static shapes for a CUDA graph)."""
+    out = []
+    s = seed
+    while len(out) < ep:
+        for x, idx, w in make_inputs(s, ep, E):
+            if x.shape[0] == NUM_MAX and len(out) < ep:
+                out.append((x, idx, w))
+        s += 1000
+    return out
+
+
+def graph_rounds(rank, ep, runtime_dir, init_file):
+    """CUDA: dispatch, the expert and combine captured in one CUDA graph after an eager round,
+    then replayed with new inputs copied into its static tensors; each replay is a round."""
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    group = _group(rank, ep, init_file)
+    E = 2 * ep
+    try:
+        buf = _buffer(group, ep, E, runtime_dir)
+        try:
+            first = _full_inputs(1300, ep, E)
+            x, idx, w = (t.to(dev).clone() for t in first[rank])
+            factors = torch.tensor([expert_factor(rank * (E // ep) + le) for le in range(E // ep)],
+                                   device=dev, dtype=torch.float32).view(-1, 1, 1)
+
+            def step():
+                recv_x, _, handle, _, hook = buf.low_latency_dispatch(x, idx, NUM_MAX, E, use_fp8=False,
+                                                                      return_recv_hook=True)
+                hook()
+                y = (recv_x.float() * factors).to(torch.bfloat16)
+                return buf.low_latency_combine(y, idx, w, handle)[0]
+
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                out = step()  # eager, on the stream the graph is captured on
+            torch.cuda.current_stream(dev).wait_stream(side)
+            torch.cuda.synchronize(dev)
+            assert torch.equal(out.cpu(), expected_combine(first, rank, E, ep)), "eager round"
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = step()
+            replays = 0
+            for seed in (1400, 1500, 1600):
+                inputs = _full_inputs(seed, ep, E)
+                for dst, src in zip((x, idx, w), inputs[rank]):
+                    dst.copy_(src.to(dev))
+                graph.replay()
+                torch.cuda.synchronize(dev)
+                assert torch.equal(out.cpu(), expected_combine(inputs, rank, E, ep)), f"replay {seed}"
+                replays += 1
+            del graph
+            return replays
+        finally:
+            torch.cuda.synchronize(dev)
+            buf.destroy()
+    finally:
+        _ungroup()
+
+
 # ---------------------------------------------------------------------------
 # Tests
 # ---------------------------------------------------------------------------
@@ -645,3 +707,9 @@ def test_ll_on_the_cuda_backend(rank_pool, dataplane_daemons):
 def test_ll_on_the_cuda_backend_never_syncs(rank_pool, dataplane_daemons):
     rd = str(dataplane_daemons("cuda").runtime_dir)
     assert rank_pool.run(2, sync_free, 2, rd, _init_file(), timeout=300.0) == [True, True]
+
+
+@pytest.mark.gpu
+def test_ll_in_a_cuda_graph(rank_pool, dataplane_daemons):
+    rd = str(dataplane_daemons("cuda").runtime_dir)
+    assert rank_pool.run(2, graph_rounds, 2, rd, _init_file(), timeout=300.0) == [3, 3]
