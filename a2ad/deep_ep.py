@@ -602,6 +602,14 @@ class Buffer:
                 "DeepEP's double buffer holds at most two; combine one first")
         from a2ad.client import MoeAlltoAll
 
+        # a new job's rendezvous needs every rank: after a loss it could only time out
+        self._ctl.check()  # raise jobs: PeerLost at once
+        lost = self._lost()
+        if lost:
+            raise errors.StateError(
+                f"rank(s) {sorted(lost)} of this Buffer were lost: a geometry first dispatched (or a second round of "
+                "one opened) after a loss cannot be set up, since that needs every rank; dispatch each geometry "
+                "once before (a warm-up round does)", lost_ranks=sorted(lost))
         i = len(geo.slots)
         name = f"{self.job}-{geo.num_max}x{geo.hidden}x{geo.num_experts}x{geo.topk}-{i}"
         # every rank makes it at the same call (the same sequence of LL calls on every rank)
