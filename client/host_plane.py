@@ -307,8 +307,10 @@ class HostPlane(Plane):
         self._topk_send[:num_tokens, :top_k].copy_(slot)
         # 3. payload rows to every target, slots in token order
         if num_tokens:  # byte views [T, bytes_per_token] (a reshape of 0 elements has no width)
-            payloads = [p if p.dtype == torch.uint8 and p.dim() == 2 else p.reshape(num_tokens, -1).view(torch.uint8)
-                        for p in payloads]
+            # (a flat view first: torch calls a tensor with a size-1 dimension contiguous whatever
+            # that dimension's stride, e.g. [T, 1] transposed from [1, T], which a byte view refuses)
+            payloads = [p if p.dtype == torch.uint8 and p.dim() == 2
+                        else p.reshape(-1).view(num_tokens, -1).view(torch.uint8) for p in payloads]
         for q in range(ep):
             tokens = sent[:, q].nonzero().squeeze(1)
             n = tokens.numel()

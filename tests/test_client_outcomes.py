@@ -316,6 +316,30 @@ def test_shared_attach_refuses_a_different_spec_locally(daemon):
         a.close()
 
 
+def test_a_payload_whose_size_1_dimension_has_another_stride_is_sent_as_it_reads(daemon):
+    """torch counts ``torch.rand(1, T).t()`` ([T, 1], strides (1, T)) as contiguous; its rows go
+    out and come back as they read, on a one-rank job of a real daemon."""
+    import torch
+
+    from a2ad.client import MoeAlltoAll
+
+    class M:
+        moe_ep_rank, moe_ep_size = 0, 1
+
+    moe = MoeAlltoAll(M(), SOLO["max_num_tokens"], SOLO["top_k"], SOLO["num_experts"], SOLO["workspace_size_per_rank"],
+                      job="stride", runtime_dir=daemon.runtime_dir, timeout=10)
+    try:
+        t = 5
+        odd = torch.rand(1, t).t()
+        assert odd.shape == (t, 1) and odd.stride() == (1, t) and odd.is_contiguous()
+        ids = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2]], dtype=torch.int32)
+        out = moe.dispatch(ids, [odd, ids], t)
+        got, got_ids = out[0], out[1]
+        assert torch.equal(got[0, :t], odd) and torch.equal(got_ids[0, :t], ids)
+    finally:
+        moe.close()
+
+
 # --------------------------------------------------------------------------- fork / spawn
 def spawned_attach(rank, runtime_dir):
     from a2ad.client import attach
