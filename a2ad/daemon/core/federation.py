@@ -79,6 +79,7 @@ import msgpack
 
 from a2ad import errors, layout as L, mutations, protocol
 from a2ad.daemon.core.links import PEER_DOWN
+from a2ad.daemon.core.policy import readmit_nodes
 from a2ad.daemon.core.ratelog import RateLog
 
 if TYPE_CHECKING:
@@ -658,7 +659,7 @@ class Federation:
         fj = self.jobs.get(job.name)
         if fj is None:
             return True
-        return all(fj.views[n].get("admits_known", False) for n in self.reg._readmit_nodes(job) if n in fj.views)
+        return all(fj.views[n].get("admits_known", False) for n in readmit_nodes(job) if n in fj.views)
 
     def holders(self, name: str) -> set[str]:
         """The other nodes that hold rows of job ``name``, as far as this daemon knows: those
