@@ -42,7 +42,7 @@ from a2ad.daemon import persist
 from a2ad.daemon.auth import Auth, Peer
 from a2ad.daemon.backends.base import Backend
 from a2ad.daemon.core.effects import Effects
-from a2ad.daemon.core.jobs import Held, Job, RankSlot
+from a2ad.daemon.core.jobs import Held, Job, JobFacts, RankSlot
 from a2ad.daemon.core.leases import Leases, Redeemed
 from a2ad.daemon.core.mirror import Mirror
 from a2ad.daemon.core.names import cb_name, ws_name
@@ -290,7 +290,8 @@ class Registry:
             confirmed = self.fed.check_new_job(name, f["ep_size"], spec, peer)
         job = self._create_job(name, f["ep_size"], spec, peer, f["device"])
         if self.fed is not None:
-            self.fed.job_created(job, confirmed)
+            job.domain, job.this_node, job.confirmed = True, self.fed.node, confirmed
+            self.fed.job_created(name)  # other nodes' ranks of it, as they reported them
         return job
 
     def _check_job(self, job: Job, peer: Peer, f: dict, spec: dict) -> None:
@@ -302,7 +303,7 @@ class Registry:
         if mismatch is not None:
             self._refuse_waiting(job, mismatch)
             if self.fed is not None and job.domain and job.confirmed:
-                self.fed.spread_refusal(job, mismatch)  # the ranks waiting on other nodes hear it too
+                self.fed.spread_refusal(job.name, mismatch)  # the ranks waiting on other nodes hear it too
             raise mismatch
 
     def _claim_slot(self, job: Job, f: dict, peer: Peer) -> RankSlot:
@@ -390,7 +391,7 @@ class Registry:
         with the others once the rendezvous is complete (in a domain: by its coordinator)."""
         across = job.domain and job.spans
         readmits = self.policy.readmits(job, slot.rank)
-        capable = not across or self.fed is None or self.fed.readmit_capable(job)
+        capable = not across or self.fed is None or self.fed.readmit_capable(job.name, readmit_nodes(job))
         if readmits and capable:
             if across:
                 self.policy.readmit_across(job, slot)  # answered once the other nodes took it back in
@@ -648,28 +649,71 @@ class Registry:
     def pid_exited(self, pidfd: int) -> None:
         self.leasing.pid_exited(pidfd)
 
-    # ------------------------------------------------------------- the mirror
-    def apply_remote(self, job: Job, node: str, ranks: dict[int, dict] | None, fields: dict | None = None,
+    # ------------------------------------------- the domain's calls (federation.py)
+    # The federation knows a job by its name, reads it as plain data (``job_facts``,
+    # ``domain_report``, ``rank_holders``, ``remote_nodes``) and changes it only through these
+    # calls, which the mirror (mirror.py) carries out.
+    def job_facts(self, name: str) -> JobFacts | None:
+        """Job ``name``'s fixed fields and where it stands, or None when no such job is held."""
+        job = self.jobs.get(name)
+        return None if job is None else job.facts()
+
+    def domain_jobs(self) -> list[str]:
+        """The names of the jobs of the domain held here."""
+        return [name for name, job in self.jobs.items() if job.domain and not job.freed]
+
+    def domain_report(self, name: str, backend: str) -> dict:
+        """This daemon's report of domain job ``name`` (``Job.report``)."""
+        return self.jobs[name].report(backend)
+
+    def rank_holders(self, name: str, ranks) -> dict[int, str | None]:
+        """Who holds each of ``ranks`` of job ``name`` (``Job.rank_holders``): this node by its
+        name, another node, or None."""
+        return self.jobs[name].rank_holders(ranks, self.node_name)
+
+    def remote_nodes(self, name: str) -> set[str]:
+        """The other nodes this daemon's copy of job ``name`` places ranks on (none for a job
+        not held here)."""
+        job = self.jobs.get(name)
+        return set() if job is None else {s.node for s in job.slots if s.node is not None}
+
+    def apply_remote(self, name: str, node: str, ranks: dict[int, dict] | None, fields: dict | None = None,
                      why_gone: str = "", known: set[int] | None = None) -> bool:
-        return self.mirror.apply_remote(job, node, ranks, fields, why_gone, known)
+        """``node``'s report of job ``name`` mirrored here (``Mirror.apply_remote``)."""
+        return self.mirror.apply_remote(self.jobs[name], node, ranks, fields, why_gone, known)
 
-    def remote_node_lost(self, job: Job, node: str, why: str) -> None:
-        self.mirror.remote_node_lost(job, node, why)
+    def domain_node_lost(self, node: str, why: str) -> None:
+        """``node`` is lost: its live ranks count as dead in every domain job that places ranks on
+        it (re-adopted jobs too, whose reports may never have come)."""
+        for job in list(self.jobs.values()):
+            if job.domain and any(s.node == node for s in job.slots):
+                self.mirror.remote_node_lost(job, node, why)
 
-    def domain_quiesced(self, job: Job) -> str | None:
-        return self.mirror.domain_quiesced(job)
+    def domain_confirm(self, name: str) -> None:
+        """The domain's decision on job ``name``'s spec reached this daemon and matches it."""
+        job = self.jobs[name]
+        if not job.confirmed:
+            job.confirmed = True
+            self.dirty = True
 
-    def domain_prepare(self, job: Job, generation: int, rearm: bool) -> None:
-        self.mirror.domain_prepare(job, generation, rearm)
+    def domain_quiesced(self, name: str) -> str | None:
+        return self.mirror.domain_quiesced(self.jobs[name])
 
-    def domain_release(self, job: Job, generation: int, rendezvous_count: int, table: list[dict]) -> None:
-        self.mirror.domain_release(job, generation, rendezvous_count, table)
+    def domain_prepare(self, name: str, generation: int, rearm: bool) -> None:
+        self.mirror.domain_prepare(self.jobs[name], generation, rearm)
 
-    def domain_refuse(self, job: Job, exc: errors.A2ADError, drop: bool) -> None:
-        self.mirror.domain_refuse(job, exc, drop)
+    def domain_release(self, name: str, generation: int, rendezvous_count: int, table: list[dict]) -> None:
+        self.mirror.domain_release(self.jobs[name], generation, rendezvous_count, table)
 
-    def domain_refuse_rank(self, job: Job, rank: int, exc: errors.A2ADError) -> None:
-        self.mirror.domain_refuse_rank(job, rank, exc)
+    def domain_refuse(self, name: str, exc: errors.A2ADError, drop: bool) -> None:
+        self.mirror.domain_refuse(self.jobs[name], exc, drop)
+
+    def domain_refuse_rank(self, name: str, rank: int, exc: errors.A2ADError) -> None:
+        self.mirror.domain_refuse_rank(self.jobs[name], rank, exc)
+
+    def domain_destroy(self, name: str, why: str) -> None:
+        """Another node destroyed job ``name``: freed here too."""
+        self.free(self.jobs[name], why)
 
     # ------------------------------------------------------------ rank states
     def _mark(self, job: Job, slot: RankSlot, state: int, why: str) -> None:
@@ -706,7 +750,7 @@ class Registry:
         job = self.job_for(peer, name)
         self.free(job, f"destroyed by request of uid {peer.uid}")
         if self.fed is not None and job.domain:
-            self.fed.spread_destroy(job, f"destroyed on node {job.this_node} by request of uid {peer.uid}")
+            self.fed.spread_destroy(job.name, f"destroyed on node {job.this_node} by request of uid {peer.uid}")
         return {"destroyed": name}
 
     # ----------------------------------------------------------------- timers
