@@ -12,7 +12,9 @@ allocates the rank's row and holds its join. The daemons then share what they ho
   liveness, its row, an abort word that starts on this node); nodes without rows of the
   job hear nothing of it. Every daemon keeps the latest report it got from each node per
   job (``FedJob.views``) and mirrors the other nodes' ranks into its own copy of the job
-  (``Registry.apply_remote``; a release marks the ranks it released attached), where a
+  (``Registry.apply_remote``, by the job's name: this module reads a job held here only as
+  plain data, ``Registry.job_facts`` and ``Registry.domain_report``, and changes it only
+  through the registry's calls; a release marks the ranks it released attached), where a
   remote rank's death or departure goes through the job's policy exactly as a local one
   does: the abort word (raise) or the active mask (degrade) of this node's control block.
   So a rank death reaches the ranks of every node one hop after its own daemon saw it.

@@ -5,6 +5,10 @@ where the ranks read it, in step).
 A slot of a job that spans nodes (federation.py) whose row another node's daemon holds has
 ``RankSlot.node`` set and mirrors what that node reports (mirror.py); every other slot is
 this daemon's own. ``Job.this_node`` is this daemon's own node name in its domain.
+
+The domain protocol (federation.py) does not read these objects: it gets a job as plain
+data through the registry, ``JobFacts`` (``Job.facts``: its fixed fields, whether the
+domain's decision reached it) and its report (``Job.report``: this daemon's ranks of it).
 """
 
 from __future__ import annotations

@@ -1,26 +1,38 @@
-"""The job registry: jobs and their rendezvous, re-arm, recover, timers, free and adoption.
-It owns no socket: callers hand it requests and events, and it answers with a reply or an
-error, and queues what else it decided in two lists that the server carries out:
+"""The job registry: jobs and their rendezvous, re-arm, recover, timers, free and adoption,
+and the one entry point of the core's decisions (the server, the fd socket, the federation
+and the simulator call it). It owns no socket: callers hand it requests and events, and it
+answers with a reply or an error, and leaves what else it decided in its effects
+(effects.py), which the server carries out:
 
 - ``outbox``: (ZeroMQ identity, encoded frame) for held replies it releases (rendezvous,
   recover) or ends with an error (timeouts, spec mismatch, destroy);
-- ``closing``: lease connections (opaque objects of the fd socket) to close.
+- ``closing``: lease connections (opaque objects of the fd socket) to close;
+- ``dirty``: the state file is to be written.
 
-Its rooms:
+The Registry composes its parts; each is an object with its own state and the collaborators
+it is given, and none calls another's private methods:
 
+- ``leasing`` (leases.py, ``Leases``): tickets, lease connections and pidfds, from a released
+  join to an attached rank and to its death or departure; it owns ``tickets``, ``pidfds``
+  and the lease connections, and is given the host port, ``auth``, a way to find a job and
+  one step of the Registry, ``_mark`` (a rank's state after its death or departure);
+- ``policy`` (policy.py, ``LossPolicy``): what losing a rank does by the job's policy,
+  re-admission into a degraded job, the active mask; it owns nothing, and is given the
+  memory backend and two rendezvous steps (``_release_join``, ``_reset_joining``);
+- ``mirror`` (mirror.py, ``Mirror``): in a domain, other nodes' ranks as they report them and
+  the two steps of a rendezvous its coordinator decides; it is given the fd store, the
+  backend, the policy and the Registry's steps it triggers (``_release_join``,
+  ``_reset_joining``, ``_rearm``, ``_start_grace``, ``free``, ``_rendezvous_done``);
 - jobs.py: ``Job`` and ``RankSlot``, and ``Job.set_rank_state``, the one writer of a rank's
   state;
-- leases.py (``Leases``): tickets, lease connections and pidfds, from a released join to an
-  attached rank and to its death or departure;
-- policy.py (``LossPolicy``): what losing a rank does by the job's policy, re-admission into
-  a degraded job, the active mask;
-- mirror.py (``Mirror``): in a domain, other nodes' ranks as they report them and the two
-  steps of a rendezvous its coordinator decides;
 - this module: the Registry itself (join, rendezvous and re-arm, recover, operator requests,
-  timers, teardown, adoption of a previous daemon's jobs).
+  timers, teardown, adoption of a previous daemon's jobs), the thin calls that hand the
+  lease requests to ``leasing``, and the calls the federation makes (by job name: the job as
+  plain data, ``job_facts``, ``domain_report``, ``rank_holders``, ``remote_nodes``; what the
+  domain does to it, ``apply_remote``, ``domain_prepare``, ``domain_release``, ...).
 
 A join in order: ``Registry.join`` (here) seats the rank and holds its reply;
-``_maybe_release`` answers every held join with a ticket (``Leases._issue_ticket``);
+``_maybe_release`` answers every held join with a ticket (``Leases.issue_ticket``);
 ``Leases.redeem`` and ``Leases.delivered`` hand the fds over and make the connection the
 rank's lease.
 
