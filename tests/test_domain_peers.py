@@ -588,18 +588,21 @@ def test_a_replacement_across_nodes_needs_every_node_with_live_ranks_to_answer_r
             "row_stride": 12288, "size_per_rank": 10000, "confirmed": True, "generation": 0, "rendezvous_count": 1,
             "needs_rearm": False, "abort": 0, "abort_rank": -1, "ranks": []}
     new, old = F._check_report(dict(base, admits=[])), F._check_report(base)
-    from a2ad.daemon.core.policy import LossPolicy
+    from a2ad.daemon.core.policy import readmit_nodes
 
     fed = object.__new__(F.Federation)
     fed.jobs = {"j": F.FedJob("j", views={"b": new, "c": old})}
-    fed.reg = LossPolicy  # (what the registry answers: the nodes with live ranks of the job)
     slots = [SimpleNamespace(node=None, live=True), SimpleNamespace(node="b", live=True),
              SimpleNamespace(node="c", live=True)]
     job = SimpleNamespace(name="j", slots=slots)
-    assert not fed.readmit_capable(job)  # node c's daemon predates them
+
+    def capable():  # (the registry names the nodes with live ranks of the job)
+        return fed.readmit_capable(job.name, readmit_nodes(job))
+
+    assert not capable()  # node c's daemon predates them
     slots[2].live = False
-    assert fed.readmit_capable(job)  # c holds no live rank: only b must answer, and it does
+    assert capable()  # c holds no live rank: only b must answer, and it does
     slots[1].node = "d"
-    assert fed.readmit_capable(job)  # no report of d's kept here: nothing says it predates them
+    assert capable()  # no report of d's kept here: nothing says it predates them
     slots[2].live = True
-    assert not fed.readmit_capable(job)
+    assert not capable()

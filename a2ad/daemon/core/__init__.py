@@ -13,13 +13,18 @@ fdsock.py, domain.py, keeper.py) turns I/O into these calls, and the simulator
 
 Its modules:
 
-- ``registry.py``: ``Registry``, join, rendezvous, re-arm, recover, operator requests, timers,
-  teardown, adoption; with its parts ``leases.py`` (tickets, lease connections, pidfds),
-  ``policy.py`` (what a lost rank does by the job's policy; re-admission; the active mask)
-  and ``mirror.py`` (another node's ranks as its reports say; a coordinator's rendezvous);
-- ``jobs.py``: ``Job``, ``RankSlot``, ``Held``: the state;
+- ``registry.py``: ``Registry``, the one entry point: join, rendezvous, re-arm, recover,
+  operator requests, timers, teardown, adoption; it composes its parts, objects with their
+  own state and the collaborators they are given: ``leases.py`` (``Leases``: tickets, lease
+  connections, pidfds), ``policy.py`` (``LossPolicy``: what a lost rank does by the job's
+  policy; re-admission; the active mask) and ``mirror.py`` (``Mirror``: another node's ranks
+  as its reports say; a coordinator's rendezvous); ``effects.py`` (``Effects``): the time of
+  the event and the effects they share;
+- ``jobs.py``: ``Job``, ``RankSlot``, ``Held``: the state; ``JobFacts`` and ``Job.report``:
+  a job as plain data for the domain protocol;
 - ``federation.py``: the domain protocol: reports, coordinators, decisions, refusals, the
-  two-step rendezvous, lost nodes;
+  two-step rendezvous, lost nodes; it reads and changes jobs only through the registry's
+  calls by job name;
 - ``names.py``: the fd store's names; ``links.py``: a peer node's link states;
   ``ratelog.py``: log lines at a bounded rate; ``ports.py``: the seams above.
 """

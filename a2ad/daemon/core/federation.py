@@ -12,7 +12,9 @@ allocates the rank's row and holds its join. The daemons then share what they ho
   liveness, its row, an abort word that starts on this node); nodes without rows of the
   job hear nothing of it. Every daemon keeps the latest report it got from each node per
   job (``FedJob.views``) and mirrors the other nodes' ranks into its own copy of the job
-  (``Registry.apply_remote``; a release marks the ranks it released attached), where a
+  (``Registry.apply_remote``, by the job's name: this module reads a job held here only as
+  plain data, ``Registry.job_facts`` and ``Registry.domain_report``, and changes it only
+  through the registry's calls; a release marks the ranks it released attached), where a
   remote rank's death or departure goes through the job's policy exactly as a local one
   does: the abort word (raise) or the active mask (degrade) of this node's control block.
   So a rank death reaches the ranks of every node one hop after its own daemon saw it.
@@ -82,6 +84,7 @@ from a2ad.daemon.core.links import PEER_DOWN
 from a2ad.daemon.core.ratelog import RateLog
 
 if TYPE_CHECKING:
+    from a2ad.daemon.core.jobs import JobFacts
     from a2ad.daemon.domain import Domain
 
 log = logging.getLogger("a2ad")
@@ -403,6 +406,9 @@ class Federation:
         #: job -> the peers that may hold a report of it from this daemon (a "gone" goes to them)
         self._told: dict[str, set[str]] = {}
         self._inbox: list[dict] = []
+        #: job -> the id of the coordinator's prepare this daemon carried out last for it (the
+        #: release must name it)
+        self._prepared: dict[str, int] = {}
         #: job -> the nodes whose reports changed since the coordinator's last pass over it
         #: (None: look at everything again)
         self._coord_dirty: dict[str, set[str] | None] = {}
@@ -480,73 +486,76 @@ class Federation:
                 return _decision(v)
         return None
 
-    def job_created(self, job, confirmed: bool) -> None:
-        job.domain = True
-        job.this_node = self.node
-        job.confirmed = confirmed
-        fj = self.jobs.get(job.name)
-        if fj is not None:  # other nodes' ranks of it, as they reported them
+    def job_created(self, name: str) -> None:
+        """A join created job ``name`` here (a job of the domain): the other nodes' ranks of it,
+        as they reported them, are mirrored into it."""
+        self._prepared.pop(name, None)  # a prepare carried out for an earlier job of that name
+        job = self.reg.job_facts(name)
+        fj = self.jobs.get(name)
+        if fj is not None and job is not None:
             for n in list(fj.order):
                 v = fj.views.get(n)
                 if v is not None and n != self.node and n not in fj.lost and self._same_job(job, v):
                     self._mirror(job, n, v)
 
-    def spread_refusal(self, job, exc: errors.SpecMismatch) -> None:
+    def spread_refusal(self, name: str, exc: errors.SpecMismatch) -> None:
         d = exc.details
-        self._broadcast_refusal(job.name, "spec", d.get("field"), d.get("job_value"), d.get("requested"), self.node,
-                                {"ep_size": job.ep_size, "spec": job.spec, "owner_uid": job.owner_uid,
-                                 "backend": self.backend, "row_stride": job.row_stride})
+        job = self.reg.job_facts(name)
+        self._broadcast_refusal(name, "spec", d.get("field"), d.get("job_value"), d.get("requested"), self.node,
+                                self._probe(job))
 
-    def spread_destroy(self, job, why: str) -> None:
-        self.bus.broadcast({"t": "destroy", "job": job.name, "why": why})
+    def spread_destroy(self, name: str, why: str) -> None:
+        self.bus.broadcast({"t": "destroy", "job": name, "why": why})
 
     @staticmethod
-    def _same_job(job, view: dict) -> bool:
+    def _same_job(job: JobFacts, view: dict) -> bool:
         return view["ep_size"] == job.ep_size and view["spec"] == job.spec
 
+    def _probe(self, job: JobFacts) -> dict:
+        """Job ``job`` as held here, in the form of a decision (to compare with one)."""
+        return {"ep_size": job.ep_size, "spec": job.spec, "owner_uid": job.owner_uid, "backend": self.backend,
+                "row_stride": job.row_stride}
+
     # ---------------------------------------------------------------- the mirror
-    def _believed(self, job, node: str, ranks: dict[int, dict]) -> dict[int, dict]:
+    def _believed(self, name: str, node: str, ranks: dict[int, dict]) -> dict[int, dict]:
         """The part of ``node``'s report that it may be believed about: its own ranks. A rank
         this daemon holds, or whose row another node holds here, is left out (logged); the
         job's coordinator settles which node keeps a rank two nodes claim."""
         out = {}
+        owners = self.reg.rank_holders(name, ranks)
         for r, rec in ranks.items():
-            if r >= job.ep_size:
-                continue
-            slot = job.slots[r]
-            if slot.node is None and (slot.alloc is not None or slot.live):
-                owner = self.node
-            else:
-                owner = slot.node
+            if r not in owners:
+                continue  # not a rank of the job
+            owner = owners[r]
             if owner is None or owner == node:
                 out[r] = rec
                 continue
             self.counters["claims_refused"] += 1
-            self._ratelog(logging.WARNING, ("claim", job.name, node, r),
-                          "job %s: node %s reports rank %d as its own, which is %s: not believed", job.name, node, r,
+            self._ratelog(logging.WARNING, ("claim", name, node, r),
+                          "job %s: node %s reports rank %d as its own, which is %s: not believed", name, node, r,
                           "this node's" if owner == self.node else f"node {owner}'s")
         return out
 
-    def _mirror(self, job, node: str, view: dict | None, why_gone: str = "", known: set[int] | None = None) -> None:
+    def _mirror(self, job: JobFacts, node: str, view: dict | None, why_gone: str = "",
+                known: set[int] | None = None) -> None:
         """Mirror ``node``'s report ``view`` of ``job`` into the registry's copy (None: the node
         holds the job no more); ranks it let go of may then be another node's. ``known``: the
         ranks of its previous report (what the mirror looks at besides the new one's)."""
+        name = job.name
         if view is None:
-            cleared = self.reg.apply_remote(job, node, None, why_gone=why_gone, known=known)
+            cleared = self.reg.apply_remote(name, node, None, why_gone=why_gone, known=known)
         else:
-            cleared = self.reg.apply_remote(job, node, self._believed(job, node, _ranks(view)), _fields(view),
+            cleared = self.reg.apply_remote(name, node, self._believed(name, node, _ranks(view)), _fields(view),
                                             known=known)
-        fj = self.jobs.get(job.name)
+        fj = self.jobs.get(name)
         if fj is None or (known is not None and not cleared):
             return  # no slot was let go of: no other node's report can hold one now
         for n in list(fj.order):
             v = fj.views.get(n)
             if n in (node, self.node) or n in fj.lost or v is None or not self._same_job(job, v):
                 continue
-            free = [r for r in _ranks(v) if r < job.ep_size and job.slots[r].node is None
-                    and job.slots[r].alloc is None and not job.slots[r].live]
-            if free:
-                self.reg.apply_remote(job, n, self._believed(job, n, _ranks(v)), _fields(v))
+            if any(owner is None for owner in self.reg.rank_holders(name, _ranks(v)).values()):
+                self.reg.apply_remote(name, n, self._believed(name, n, _ranks(v)), _fields(v))
 
     # ------------------------------------------------------- what is kept per peer
     def _hold(self, node: str, name: str, report: dict) -> bool:
@@ -588,42 +597,21 @@ class Federation:
         self._unhold(node, fj.name)
 
     # ------------------------------------------------------------------- reports
-    def _report(self, job) -> dict:
-        ranks = []
-        for s in job.slots:
-            if s.node is not None or (s.alloc is None and not s.live):
-                continue
-            a = s.alloc
-            ranks.append({"rank": s.rank, "state": s.state, "waiting": s.waiting, "pid": s.pid, "device": s.device,
-                          "deaths": s.deaths, "attaches": s.attaches, "size": a.size if a else None,
-                          "handle_type": a.handle_type if a else None, "handle": a.fabric_handle if a else None,
-                          "handle_error": (a.fabric_error or "")[:2000] or None if a else None,
-                          "readmit": s.readmit_wait})
-        cb = job.control
-        # the re-admissions of other nodes' ranks applied here: the answer their nodes wait for
-        admits = [[s.rank, s.admit_ack] for s in job.slots if s.node is not None and s.admit_ack is not None]
-        return {"ep_size": job.ep_size, "spec": job.spec, "owner_uid": job.owner_uid, "backend": self.backend,
-                "row_stride": job.row_stride, "size_per_rank": job.size_per_rank, "confirmed": job.confirmed,
-                "generation": job.generation, "rendezvous_count": job.rendezvous_count, "needs_rearm": job.needs_rearm,
-                "abort": cb.abort_word, "abort_rank": cb.abort_rank, "admits": admits, "ranks": ranks}
-
     def sync_local(self, force: bool = True) -> bool:
         """Send the report of every domain job whose part here changed; True if one did.
         Without ``force``, a change that is only ranks attaching (after the release that
         answered their joins) waits for the next forced pass (every heartbeat interval, or
         a prepare): the attaches of many ranks then share one report."""
         changed = False
-        for name, job in list(self.reg.jobs.items()):
-            if not job.domain or job.freed:
-                continue
-            body = self._report(job)
+        for name in self.reg.domain_jobs():
+            body = self.reg.domain_report(name, self.backend)
             sent = self._sent.get(name)
             if body != sent:
                 if not force and sent is not None and _only_attaching(sent, body):
                     continue
                 self._publish(name, body)
                 changed = True
-        for name in [n for n in self._sent if n not in self.reg.jobs or not self.reg.jobs[n].domain]:
+        for name in [n for n in self._sent if not self._holds(n)]:
             self._publish(name, None)
             changed = True
         self._follow_coordinators()
@@ -648,26 +636,29 @@ class Federation:
         admits = tuple(tuple(a) for a in body["admits"])
         return (body["ep_size"], body["backend"], body["row_stride"], body["owner_uid"], abort, ranks, admits)
 
-    def readmit_capable(self, job) -> bool:
-        """Whether every other node with live ranks of ``job`` answers re-admissions across
+    def _holds(self, name: str) -> bool:
+        """Whether this daemon holds job ``name`` as a job of the domain."""
+        job = self.reg.job_facts(name)
+        return job is not None and job.domain
+
+    def readmit_capable(self, name: str, nodes: set[str]) -> bool:
+        """Whether every other node with live ranks of job ``name`` (``nodes``: the registry
+        names them, ``policy.readmit_nodes``) answers re-admissions across
         nodes: none of its reports kept here lacks ``admits`` (a daemon from before them; the
         replacement then comes back through a re-arm, as in the middle of a rolling upgrade).
         A node whose report this daemon has not kept (its reports reach the nodes holding rows
         only with news for them) counts as answering; if it does not, the held join ends in
         RendezvousTimeout naming it."""
-        fj = self.jobs.get(job.name)
+        fj = self.jobs.get(name)
         if fj is None:
             return True
-        return all(fj.views[n].get("admits_known", False) for n in self.reg._readmit_nodes(job) if n in fj.views)
+        return all(fj.views[n].get("admits_known", False) for n in nodes if n in fj.views)
 
     def holders(self, name: str) -> set[str]:
         """The other nodes that hold rows of job ``name``, as far as this daemon knows: those
         whose reports it keeps and those its copy of the job places ranks on (the release
         table names every one)."""
-        out: set[str] = set()
-        job = self.reg.jobs.get(name)
-        if job is not None:
-            out.update(s.node for s in job.slots if s.node is not None)
+        out: set[str] = self.reg.remote_nodes(name)
         fj = self.jobs.get(name)
         if fj is not None:
             out.update(n for n in fj.views if n not in fj.lost)
@@ -688,6 +679,7 @@ class Federation:
         coord = self.coordinator(name)
         if body is None:
             self._sent.pop(name, None)
+            self._prepared.pop(name, None)
             targets = self._told.pop(name, set()) | self.holders(name) | {coord}
             self._peer_keys.pop(name, None)
             self._coord_of.pop(name, None)
@@ -740,9 +732,7 @@ class Federation:
         for fj in self.jobs.values():
             if node in fj.views or node in self.holders(fj.name):
                 fj.lost.add(node)
-        for job in list(self.reg.jobs.values()):  # re-adopted jobs too, whose reports of it never came
-            if job.domain and any(s.node == node for s in job.slots):
-                self.reg.remote_node_lost(job, node, why)
+        self.reg.domain_node_lost(node, why)  # re-adopted jobs too, whose reports of it never came
         # what it reported is freed (the mirror keeps its ranks, dead); it sends it all again
         # when it is heard again
         for fj in list(self.jobs.values()):
@@ -798,7 +788,7 @@ class Federation:
                    for r, rec in _ranks(msg).items()):
                 fj.last_join_at = self.reg.now
         if node != self.node:
-            job = self.reg.jobs.get(name)
+            job = self.reg.job_facts(name)
             if job is not None and job.domain:
                 known = {rec["rank"] for rec in old["ranks"]} if old is not None and self._same_job(job, old) else None
                 if msg["gone"] or not self._same_job(job, msg):
@@ -809,7 +799,7 @@ class Federation:
         self._gc(fj)
 
     def _gc(self, fj: FedJob) -> None:
-        if not fj.views and fj.name not in self.reg.jobs:
+        if not fj.views and self.reg.job_facts(fj.name) is None:
             self.jobs.pop(fj.name, None)
 
     def _on_sync(self, node: str, msg: dict) -> None:
@@ -824,7 +814,7 @@ class Federation:
                     fj.order.remove(node)
                 fj.lost.discard(node)
                 self._unhold(node, fj.name)
-                job = self.reg.jobs.get(fj.name)
+                job = self.reg.job_facts(fj.name)
                 if job is not None and job.domain:
                     self._mirror(job, node, None, why_gone=f"node {node} no longer holds the job")
                 self._mark(fj.name)
@@ -835,7 +825,7 @@ class Federation:
         decided = _check_decision(msg.get("decision"))
         if self._from_coordinator(node, name, "decide") is not None:
             return
-        job = self.reg.jobs.get(name)
+        job = self.reg.job_facts(name)
         fj = self.jobs.get(name)
         if fj is None:
             if job is None:
@@ -845,16 +835,12 @@ class Federation:
             fj.decided = decided
         if job is None or not job.domain:
             return
-        probe = {"ep_size": job.ep_size, "spec": job.spec, "owner_uid": job.owner_uid, "backend": self.backend,
-                 "row_stride": job.row_stride}
-        diff = _differs(decided, probe)
+        diff = _differs(decided, self._probe(job))
         if diff is None:
-            if not job.confirmed:
-                job.confirmed = True
-                self.reg.dirty = True
+            self.reg.domain_confirm(name)
         elif not job.confirmed:
             kind, fld, a, b = diff
-            self.reg.domain_refuse(job, _spec_error(name, kind, fld, a, b, self.node), drop=True)
+            self.reg.domain_refuse(name, _spec_error(name, kind, fld, a, b, self.node), drop=True)
 
     def _on_refuse(self, node: str, msg: dict) -> None:
         name = _check_name(msg)
@@ -866,7 +852,7 @@ class Federation:
         decided = _check_decision(msg.get("decision")) if msg.get("decision") is not None else None
         if msg["node"] != node and self._from_coordinator(node, name, "refuse") is not None:
             return  # a node refuses its own joins; another node's only the coordinator
-        job = self.reg.jobs.get(name)
+        job = self.reg.job_facts(name)
         self.counters["refusals"] += 1
         if job is None or not job.domain:
             return
@@ -876,10 +862,8 @@ class Federation:
             exc = _spec_error(name, kind, fld, msg.get("job_value"), msg.get("requested"), msg["node"])
         drop = False
         if decided is not None and not job.confirmed:
-            probe = {"ep_size": job.ep_size, "spec": job.spec, "owner_uid": job.owner_uid, "backend": self.backend,
-                     "row_stride": job.row_stride}
-            drop = _differs(decided, probe) is not None
-        self.reg.domain_refuse(job, exc, drop)
+            drop = _differs(decided, self._probe(job)) is not None
+        self.reg.domain_refuse(name, exc, drop)
 
     def _on_refuse_rank(self, node: str, msg: dict) -> None:
         name = _check_name(msg)
@@ -887,10 +871,10 @@ class Federation:
         _need(_int(r, 0, L.MAX_EP_SIZE - 1) and holder in self.nodes, "bad rank refusal")
         if self._from_coordinator(node, name, "refuse_rank") is not None:
             return
-        job = self.reg.jobs.get(name)
+        job = self.reg.job_facts(name)
         if job is None or not job.domain or r >= job.ep_size:
             return
-        self.reg.domain_refuse_rank(job, r, errors.RankTaken(
+        self.reg.domain_refuse_rank(name, r, errors.RankTaken(
             f"job {name!r} rank {r} is held on node {holder} (its join there came first)", node=holder))
         fj = self.jobs.get(name)
         v = fj.views.get(holder) if fj is not None else None
@@ -903,7 +887,7 @@ class Federation:
         _need(_int(attempt) and _int(gen, 0, MAX_GENERATION) and isinstance(rearm, bool) and isinstance(seqs, dict),
               "bad prepare")
         _need(all(n in self.nodes and _boot_seq(v) for n, v in seqs.items()), "bad prepare (report numbers)")
-        job = self.reg.jobs.get(name)
+        job = self.reg.job_facts(name)
         why = self._from_coordinator(node, name, "prepare")  # answered no: a coordinator that thinks
         if why is not None:                                  # itself one tries again soon
             pass
@@ -923,12 +907,12 @@ class Federation:
                         why = f"it has newer news from node {n}"
                         break
             if why is None and rearm:
-                why = self.reg.domain_quiesced(job)
+                why = self.reg.domain_quiesced(name)
             if why is None:
-                self.reg.domain_prepare(job, gen, rearm)
-                job.fed_attempt = attempt
+                self.reg.domain_prepare(name, gen, rearm)
+                self._prepared[name] = attempt
                 # what the prepare changed is no news for the job's other holders (it reached them too)
-                self._peer_keys[name] = self._peer_key(self._report(job))
+                self._peer_keys[name] = self._peer_key(self.reg.domain_report(name, self.backend))
                 self.sync_local()  # the report as prepared goes out before the answer
         self._send(node, {"t": "prepared", "job": name, "attempt": attempt, "ok": why is None, "why": why,
                           "seq": [self.bus.boot, self._seq.get(name, 0)]})
@@ -975,20 +959,20 @@ class Federation:
               and isinstance(table, list), "bad release")
         if self._from_coordinator(node, name, "release") is not None:
             return
-        job = self.reg.jobs.get(name)
-        if job is None or not job.domain or job.fed_attempt != attempt:
+        job = self.reg.job_facts(name)
+        if job is None or not job.domain or self._prepared.get(name) != attempt:
             log.debug("job %s: a release from node %s for another rendezvous attempt; ignored", name, node)
             return
         _check_table(table, job, self.nodes)
-        job.fed_attempt = None
-        self.reg.domain_release(job, gen, count, table)
+        self._prepared.pop(name, None)
+        self.reg.domain_release(name, gen, count, table)
 
     def _on_destroy(self, node: str, msg: dict) -> None:
         name = _check_name(msg)
         _need(_opt_str(msg.get("why"), 500), "bad destroy")
-        job = self.reg.jobs.get(name)
+        job = self.reg.job_facts(name)
         if job is not None and job.domain:
-            self.reg.free(job, msg.get("why") or f"destroyed on node {node}")
+            self.reg.domain_destroy(name, msg.get("why") or f"destroyed on node {node}")
 
     # ------------------------------------------------------------- coordinating
     def _send(self, node: str, msg: dict) -> None:
@@ -1273,13 +1257,14 @@ class Federation:
     # ------------------------------------------------------------------- status
     def job_info(self, name: str) -> dict:
         fj = self.jobs.get(name)
+        job = self.reg.job_facts(name)
         return {
             "coordinator": self.coordinator(name),
             "nodes": sorted((self.holders(name) - (fj.lost if fj is not None else set()))
                             | ({self.node} if fj is not None and self.node in fj.views else set())),
             "lost_nodes": sorted(fj.lost) if fj is not None else [],
-            "tentative": fj is not None and name in self.reg.jobs and not self.reg.jobs[name].confirmed,
-            "rendezvous_count": self.reg.jobs[name].rendezvous_count if name in self.reg.jobs else None,
+            "tentative": fj is not None and job is not None and not job.confirmed,
+            "rendezvous_count": job.rendezvous_count if job is not None else None,
             # this node's latest report of the job: its daemon instance and number
             "report": [self.bus.boot.hex(), self._seq[name]] if name in self._sent else None,
         }

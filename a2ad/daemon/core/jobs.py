@@ -5,6 +5,10 @@ where the ranks read it, in step).
 A slot of a job that spans nodes (federation.py) whose row another node's daemon holds has
 ``RankSlot.node`` set and mirrors what that node reports (mirror.py); every other slot is
 this daemon's own. ``Job.this_node`` is this daemon's own node name in its domain.
+
+The domain protocol (federation.py) does not read these objects: it gets a job as plain
+data through the registry, ``JobFacts`` (``Job.facts``: its fixed fields, whether the
+domain's decision reached it) and its report (``Job.report``: this daemon's ranks of it).
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ class RankSlot:
     watchfds: list[int] = field(default_factory=list)
     leaving: bool = False
     #: A replacement let into a degraded job without a job-wide re-arm: its bit in the
-    #: active mask is set once it holds its handles (see Registry._readmit).
+    #: active mask is set once it holds its handles (see LossPolicy.readmit).
     readmitting: bool = False
     #: A replacement let into a degrade job that spans nodes: its join is held until every
     #: other node with live ranks of the job has taken it back in (set its admit entry to
@@ -112,6 +116,24 @@ class RankSlot:
         }
 
 
+@dataclass(frozen=True)
+class JobFacts:
+    """What the domain protocol (federation.py) may know of a job held here: its fixed
+    fields and where it stands, as plain data (``Job.facts``)."""
+
+    name: str
+    #: a job of a domain (its coordinator decides its rendezvous and re-arms)
+    domain: bool
+    ep_size: int
+    spec: dict
+    owner_uid: int | None
+    row_stride: int
+    size_per_rank: int
+    #: the domain's decision on its spec has reached this daemon
+    confirmed: bool
+    rendezvous_count: int
+
+
 @dataclass
 class Job:
     name: str
@@ -148,8 +170,6 @@ class Job:
     #: The name of the node this daemon is in the job's domain (None without a domain). A
     #: slot's ``node`` names the node holding that rank's row; None there means this one.
     this_node: str | None = None
-    #: The id of the coordinator's prepare this daemon carried out last (its release must match).
-    fed_attempt: int | None = None
     #: When a rank of the job (here or elsewhere) was last seen to start joining.
     last_join_seen: float = 0.0
     #: Degrade jobs: the active-rank mask as this daemon decided it (None until the first
@@ -211,6 +231,46 @@ class Job:
         if self.domain:
             return sum(1 for s in self.slots if s.alloc is not None) * self.row_stride
         return self.ep_size * self.row_stride
+
+    def facts(self) -> JobFacts:
+        return JobFacts(name=self.name, domain=self.domain, ep_size=self.ep_size, spec=self.spec,
+                        owner_uid=self.owner_uid, row_stride=self.row_stride, size_per_rank=self.size_per_rank,
+                        confirmed=self.confirmed, rendezvous_count=self.rendezvous_count)
+
+    def report(self, backend: str) -> dict:
+        """This daemon's part of a domain job as plain data, the body of its report to the
+        other nodes (federation.py): the job's fields, its abort word, the re-admissions of
+        other nodes' ranks applied here (``admits``) and a record of every rank whose row
+        this daemon holds or that is live here."""
+        ranks = []
+        for s in self.slots:
+            if s.node is not None or (s.alloc is None and not s.live):
+                continue
+            a = s.alloc
+            ranks.append({"rank": s.rank, "state": s.state, "waiting": s.waiting, "pid": s.pid, "device": s.device,
+                          "deaths": s.deaths, "attaches": s.attaches, "size": a.size if a else None,
+                          "handle_type": a.handle_type if a else None, "handle": a.fabric_handle if a else None,
+                          "handle_error": (a.fabric_error or "")[:2000] or None if a else None,
+                          "readmit": s.readmit_wait})
+        cb = self.control
+        # the re-admissions of other nodes' ranks applied here: the answer their nodes wait for
+        admits = [[s.rank, s.admit_ack] for s in self.slots if s.node is not None and s.admit_ack is not None]
+        return {"ep_size": self.ep_size, "spec": self.spec, "owner_uid": self.owner_uid, "backend": backend,
+                "row_stride": self.row_stride, "size_per_rank": self.size_per_rank, "confirmed": self.confirmed,
+                "generation": self.generation, "rendezvous_count": self.rendezvous_count,
+                "needs_rearm": self.needs_rearm, "abort": cb.abort_word, "abort_rank": cb.abort_rank, "admits": admits,
+                "ranks": ranks}
+
+    def rank_holders(self, ranks, here: str | None) -> dict[int, str | None]:
+        """For each of ``ranks`` that the job has: the node that holds its row or its live
+        process (``here`` for this daemon), or None when nobody does yet."""
+        out = {}
+        for r in ranks:
+            if not 0 <= r < self.ep_size:
+                continue
+            s = self.slots[r]
+            out[r] = here if s.node is None and (s.alloc is not None or s.live) else s.node
+        return out
 
     def set_rank_state(self, slot: RankSlot, state: int) -> None:
         """The one writer of a rank's state: the slot and the control block's copy together."""

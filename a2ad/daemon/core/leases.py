@@ -10,8 +10,11 @@ registry learns that it is gone.
   until it renews), a pidfd watches its process (``watch_pid``, ``pid_exited``); the server
   polls ``Registry.pidfds``.
 
-``Leases`` is a part of the Registry (registry.py); it uses the registry's ``jobs``,
-``auth``, ``counters``, ``dirty``, ``closing`` and its rank-state step ``_mark``.
+``Leases`` is one of the Registry's parts (registry.py composes them). It owns the tickets,
+the pidfds and the lease connections (``tickets``, ``pidfds``, ``conns``: each names the job
+and rank it stands for); it is given the host port (tokens, pidfds), who may do what
+(``auth``), the shared effects (effects.py), a way to find a job by name, and the one step of
+the Registry it triggers: ``mark(job, slot, state, why)``, a rank's death or departure.
 """
 
 from __future__ import annotations
@@ -19,14 +22,15 @@ from __future__ import annotations
 import logging
 import hmac
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from a2ad import errors, layout as L, mutations
-from a2ad.daemon.auth import Peer
-from a2ad.daemon.core.policy import active_mask
+from a2ad.daemon.auth import Auth, Peer
 
 if TYPE_CHECKING:
+    from a2ad.daemon.core.effects import Effects
     from a2ad.daemon.core.jobs import Job, RankSlot
+    from a2ad.daemon.core.ports import Host
 
 log = logging.getLogger("a2ad")
 
@@ -48,9 +52,25 @@ class Redeemed:
 class Leases:
     """The Registry's tickets, leases and pidfds."""
 
+    def __init__(self, fx: Effects, host: Host, auth: Auth, find_job: Callable[[str], Job | None],
+                 mark: Callable[[Job, RankSlot, int, str], None], fd_budget: Callable[[int], None]):
+        self.fx = fx
+        self.host = host
+        self.auth = auth
+        self._find_job = find_job
+        self._mark = mark
+        #: refuses (LimitExceeded) fds the daemon may not open now
+        self._fd_budget = fd_budget
+        #: ticket -> (job, rank) it was issued for
+        self.tickets: dict[bytes, tuple[Job, int]] = {}
+        #: pidfd -> (job, rank)
+        self.pidfds: dict[int, tuple[Job, int]] = {}
+        #: lease connection -> (job, rank) whose lease it is
+        self.conns: dict[object, tuple[Job, int]] = {}
+
     # --------------------------------------------------------- lease requests
-    def _slot_for_lease(self, name: str, rank: int, lease: bytes) -> tuple[Job, RankSlot]:
-        job = self.jobs.get(name)
+    def slot_for_lease(self, name: str, rank: int, lease: bytes) -> tuple[Job, RankSlot]:
+        job = self._find_job(name)
         if job is None:
             raise errors.NoSuchJob(f"no job named {name!r}")
         slot = job.slot(rank)
@@ -58,19 +78,19 @@ class Leases:
             raise errors.PermissionDenied(f"job {job.name!r} rank {rank}: the lease does not match its holder")
         return job, slot
 
-    def _issue_ticket(self, job: Job, slot: RankSlot, kind: str, now: float) -> bytes:
-        self._drop_ticket(slot)
+    def issue_ticket(self, job: Job, slot: RankSlot, kind: str, now: float) -> bytes:
+        self.drop_ticket(slot)
         ticket = self.host.token(32)
         self.tickets[ticket] = (job, slot.rank)
         slot.ticket, slot.ticket_kind, slot.ticket_expiry = ticket, kind, now + TICKET_TTL
         return ticket
 
-    def _drop_ticket(self, slot: RankSlot) -> None:
+    def drop_ticket(self, slot: RankSlot) -> None:
         if slot.ticket is not None:
             self.tickets.pop(slot.ticket, None)
             slot.ticket = slot.ticket_kind = None
 
-    def _check_holder(self, peer: Peer, job: Job, slot: RankSlot, what: str) -> None:
+    def check_holder(self, peer: Peer, job: Job, slot: RankSlot, what: str) -> None:
         """A lease token is the rank's holder's: another uid that got hold of it (a leaked
         token) may not use it; an admin may."""
         if peer.uid is None or peer.uid == slot.uid or self.auth.is_admin(peer):
@@ -81,8 +101,8 @@ class Leases:
             f"job {job.name!r} rank {slot.rank}: uid {peer.uid} may not {what} with the lease of uid {slot.uid}'s rank")
 
     def leave(self, peer: Peer, f: dict) -> dict:
-        job, slot = self._slot_for_lease(f["job"], f["ep_rank"], f["lease"])
-        self._check_holder(peer, job, slot, "leave")
+        job, slot = self.slot_for_lease(f["job"], f["ep_rank"], f["lease"])
+        self.check_holder(peer, job, slot, "leave")
         if not slot.live:
             raise errors.PermissionDenied(f"job {job.name!r} rank {slot.rank} is {L.RANK_STATE_NAMES[slot.state]}, not held")
         slot.leaving = True
@@ -91,7 +111,7 @@ class Leases:
             # at once, whether or not the client's socket close has arrived yet
             self.lease_closed(slot.lease_conn)
         else:  # left before redeeming its ticket, or adopted after a restart without a lease
-            self._drop_ticket(slot)
+            self.drop_ticket(slot)
             if slot.pending is not None:
                 slot.pending = None
             self.drop_pidfd(slot)
@@ -100,12 +120,12 @@ class Leases:
 
     def renew(self, peer: Peer, f: dict) -> dict:
         """A ticket for a new lease connection (after a daemon restart dropped the old one)."""
-        job, slot = self._slot_for_lease(f["job"], f["ep_rank"], f["lease"])
+        job, slot = self.slot_for_lease(f["job"], f["ep_rank"], f["lease"])
         if peer.pid and peer.pid != f["pid"]:
             raise errors.PermissionDenied(f"renew claims pid {f['pid']} but comes from pid {peer.pid}")
         if slot.state != L.RANK_ATTACHED or slot.pid != f["pid"]:
             raise errors.PermissionDenied(f"job {job.name!r} rank {slot.rank} is not attached to pid {f['pid']}")
-        ticket = self._issue_ticket(job, slot, "renew", self.now)
+        ticket = self.issue_ticket(job, slot, "renew", self.fx.now)
         slot.watch = f.get("watch") or ()
         return {"ticket": ticket, "generation": job.generation}
 
@@ -125,39 +145,31 @@ class Leases:
             raise errors.PermissionDenied(f"ticket belongs to pid {slot.pid}, not to pid {peer.pid}")
         self.auth.check_connect(peer)
         kind = slot.ticket_kind
-        self._drop_ticket(slot)
+        self.drop_ticket(slot)
         fds = [] if kind == "renew" else [s.alloc.fd for s in job.slots if s.node is None] + [job.control_fd]
         return Redeemed(kind=kind, job=job, slot=slot, fds=fds)
 
-    def delivered(self, r: Redeemed, conn: object) -> None:
-        """The redeem's answer went out: ``conn`` is now the rank's lease."""
+    def delivered(self, r: Redeemed, conn: object) -> bool:
+        """The redeem's answer went out: ``conn`` is now the rank's lease. Whether the rank
+        attached by it (a join's handles; not a renewed lease)."""
         slot, job = r.slot, r.job
         if slot.lease_conn is not None and slot.lease_conn is not conn:
-            self.leases.pop(slot.lease_conn, None)
-            self.closing.append(slot.lease_conn)  # a renewed lease replaces the old connection
+            self.conns.pop(slot.lease_conn, None)
+            self.fx.closing.append(slot.lease_conn)  # a renewed lease replaces the old connection
         slot.lease_conn = conn
-        self.leases[conn] = (job, slot.rank)
+        self.conns[conn] = (job, slot.rank)
         self.drop_pidfd(slot)
         self._watch_threads(job, slot)
         if r.kind == "renew":
             log.info("job %s: rank %d renewed its lease (pid %d)", job.name, slot.rank, slot.pid)
-            return
+            return False
         job.set_rank_state(slot, L.RANK_ATTACHED)
-        slot.attached_at = self.now
+        slot.attached_at = self.fx.now
         slot.attaches += 1
-        self.dirty = True
-        self.counters["attaches"] += 1
+        self.fx.dirty = True
+        self.fx.counters["attaches"] += 1
         log.info("job %s: rank %d attached (pid %d)", job.name, slot.rank, slot.pid)
-        if slot.readmitting:
-            slot.readmitting = False
-            if job.serving_degraded and not job.control.abort_word:
-                # it holds its handles: its bit goes back (its admit round still keeps it out
-                # of every round until its first dispatch is let in)
-                self._set_mask(job, active_mask(job) | 1 << slot.rank)
-                job.readmits += 1
-                self.counters["readmits"] += 1
-                log.info("job %s: rank %d is active again (mask generation %d)", job.name, slot.rank,
-                         job.control.mask_generation)
+        return True
 
     def undelivered(self, r: Redeemed, why: str) -> None:
         """The redeem's answer could not be sent (the client closed or stalled): a joining rank
@@ -169,8 +181,8 @@ class Leases:
 
     def lease_closed(self, conn: object) -> None:
         """A lease connection ended (EOF, error, or a leave)."""
-        self.closing.append(conn)
-        entry = self.leases.pop(conn, None)
+        self.fx.closing.append(conn)
+        entry = self.conns.pop(conn, None)
         if entry is None:
             return
         job, rank = entry
@@ -183,6 +195,14 @@ class Leases:
             self._mark(job, slot, L.RANK_LEFT, "left")
         else:
             self._mark(job, slot, L.RANK_DEAD, "died (lease connection closed without leave)")
+
+    def end_lease(self, slot: RankSlot) -> None:
+        """Close ``slot``'s lease connection, if it has one, without counting it an end of the
+        rank (its job is being freed)."""
+        if slot.lease_conn is not None:
+            self.conns.pop(slot.lease_conn, None)
+            self.fx.closing.append(slot.lease_conn)
+            slot.lease_conn = None
 
     # ----------------------------------------------------------------- pidfds
     def watch_pid(self, job: Job, slot: RankSlot) -> bool:
@@ -203,7 +223,7 @@ class Leases:
         if not slot.watch:
             return
         try:
-            self.fd_budget(len(slot.watch))
+            self._fd_budget(len(slot.watch))
         except errors.LimitExceeded:
             log.warning("job %s: rank %d's watch threads not watched: the daemon is near its open-file limit "
                         "(its death is seen when its lease connection closes)", job.name, slot.rank)
@@ -213,6 +233,11 @@ class Leases:
             if fd is not None:
                 slot.watchfds.append(fd)
                 self.pidfds[fd] = (job, slot.rank)
+
+    def hold_pidfd(self, job: Job, slot: RankSlot, pidfd: int) -> None:
+        """Watch ``slot``'s rank by ``pidfd``, already opened on its process (a join's)."""
+        slot.pidfd = pidfd
+        self.pidfds[pidfd] = (job, slot.rank)
 
     def drop_pidfd(self, slot: RankSlot) -> None:
         """Stop watching the rank's process: its pidfd and its watch threads' pidfds."""
@@ -241,14 +266,14 @@ class Leases:
             conn = slot.lease_conn
             if slot.state != L.RANK_ATTACHED or conn is None or slot.leaving:
                 return
-            self.leases.pop(conn, None)
-            self.closing.append(conn)
+            self.conns.pop(conn, None)
+            self.fx.closing.append(conn)
             slot.lease_conn = None
             self._mark(job, slot, L.RANK_DEAD, "died (its watch thread ended with its process)")
             return
         if slot.state == L.RANK_JOINING:
             slot.pending = None
-            self._drop_ticket(slot)
+            self.drop_ticket(slot)
             self._mark(job, slot, L.RANK_DEAD, "died before attaching")
         elif slot.state == L.RANK_ATTACHED and slot.lease_conn is None:
             # adopted after a daemon restart, lease not renewed yet: the pidfd is the lease

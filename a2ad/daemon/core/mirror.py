@@ -9,27 +9,52 @@ coordinator in two steps, ``domain_prepare`` (re-arm this daemon's rows) and
 ``domain_release`` (answer the joins and recovers held here); ``domain_refuse`` and
 ``domain_refuse_rank`` end joins the domain refused.
 
-``Mirror`` is a part of the Registry (registry.py); it uses the registry's ``dirty``,
-``counters``, ``store``, ``backend``, and its rendezvous and rank-state steps.
+``Mirror`` is one of the Registry's parts (registry.py composes them). It owns no state of its
+own (a remote rank's mirror lives in its slot); it is given the fd store and the memory
+backend (a refused rank's row goes), the shared effects (effects.py), the job's loss policy
+(policy.py: what a remote rank's loss does; re-admissions across nodes) and the Registry's
+steps it triggers: ``release_join``, ``reset_joining``, ``rearm``, ``start_grace``, ``free``
+and ``rendezvous_done`` (a rendezvous counted: its latency).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from a2ad import errors, layout as L, mutations
 from a2ad.daemon.core.names import ws_name
-from a2ad.daemon.core.policy import active_mask
+from a2ad.daemon.core.policy import LossPolicy, active_mask
 
 if TYPE_CHECKING:
+    from a2ad.daemon.backends.base import Backend
+    from a2ad.daemon.core.effects import Effects
     from a2ad.daemon.core.jobs import Job, RankSlot
+    from a2ad.daemon.core.ports import Store
 
 log = logging.getLogger("a2ad")
 
 
 class Mirror:
     """The Registry's copy of other nodes' ranks and its steps of a domain rendezvous."""
+
+    def __init__(self, fx: Effects, store: Store, backend: Backend, policy: LossPolicy, *,
+                 release_join: Callable[[Job, RankSlot, float], None],
+                 reset_joining: Callable[[Job, RankSlot], None],
+                 rearm: Callable[[Job, int], None],
+                 start_grace: Callable[[Job], None],
+                 free: Callable[[Job, str], None],
+                 rendezvous_done: Callable[[float], None]):
+        self.fx = fx
+        self.store = store
+        self.backend = backend
+        self.policy = policy
+        self._release_join = release_join
+        self._reset_joining = reset_joining
+        self._rearm = rearm
+        self._start_grace = start_grace
+        self._free = free
+        self._rendezvous_done = rendezvous_done
 
     def apply_remote(self, job: Job, node: str, ranks: dict[int, dict] | None, fields: dict | None = None,
                      why_gone: str = "", known: set[int] | None = None) -> bool:
@@ -53,7 +78,7 @@ class Mirror:
                     slot.remote_waiting = None
                     self._remote_state(job, slot, L.RANK_DEAD, why_gone or f"node {node} no longer holds it")
                 slot.clear_remote()
-                self.dirty = cleared = True
+                self.fx.dirty = cleared = True
         for r, rec in ranks.items():
             if not 0 <= r < job.ep_size:
                 continue
@@ -67,7 +92,7 @@ class Mirror:
             slot.remote_waiting = rec.get("waiting")
             slot.remote = {k: rec.get(k) for k in ("size", "handle_type", "handle", "handle_error")}
             if before != (slot.node, slot.pid, slot.device, slot.deaths, slot.attaches, slot.remote_waiting, slot.remote):
-                self.dirty = True
+                self.fx.dirty = True
             state = rec["state"]
             readmit = bool(rec.get("readmit")) and effects and state in (L.RANK_JOINING, L.RANK_ATTACHED)
             if slot.readmit_wait and not rec.get("readmit") and state == L.RANK_JOINING and slot.state == state:
@@ -86,7 +111,7 @@ class Mirror:
                         (L.RANK_DEAD,) if old_bug else (L.RANK_DEAD, L.RANK_JOINING)):
                     # counted lost with its node, yet alive: the job's rounds cannot agree any
                     # more (the others dropped or aborted it): everyone goes through a re-arm
-                    job.needs_rearm = self.dirty = True
+                    job.needs_rearm = self.fx.dirty = True
                     if not job.control.abort_word:
                         # (naming no rank: an abort word naming another node's rank is no news
                         # for the other holders, and that node, which never counted itself
@@ -98,32 +123,32 @@ class Mirror:
                 self._remote_state(job, slot, state, f"(as node {node} reports)", effects)
             if readmit:
                 # its node let it back in without a job-wide re-arm: here too
-                self.apply_readmit(job, slot, slot.deaths)
+                self.policy.apply_readmit(job, slot, slot.deaths)
             elif slot.admit_ack is not None and not slot.live:
                 # that replacement is gone (a later one comes with its own): a death cleared its
                 # bit already, a held join that timed out takes it away here
                 slot.admit_ack = None
                 if job.serving_degraded:
-                    self._set_mask(job, active_mask(job) & ~(1 << r))
-                self.dirty = True
+                    self.policy.set_mask(job, active_mask(job) & ~(1 << r))
+                self.fx.dirty = True
         if fields is not None and fields.get("admits"):
-            self.take_readmit_acks(job, node, fields["admits"])
-        self.check_readmits(job)
+            self.policy.take_readmit_acks(job, node, fields["admits"])
+        self.policy.check_readmits(job)
         if fields is not None and fields.get("generation") == job.generation:
             word = fields.get("abort", 0)
             if word and word != L.ABORT_DESTROYED and not job.control.abort_word:
                 job.control.set_abort(word, fields.get("abort_rank", -1))
                 job.needs_rearm = True
-                self.dirty = True
+                self.fx.dirty = True
                 log.warning("job %s: %s on node %s (rank %s): this node's ranks are told too", job.name,
                             L.ABORT_NAMES.get(word, f"abort {word}"), node, fields.get("abort_rank"))
             if fields.get("needs_rearm") and not job.needs_rearm and job.rendezvous_count > 0:
                 job.needs_rearm = True
-                self.dirty = True
+                self.fx.dirty = True
         if job.grace_deadline is not None:
             if job.live_ranks():
                 job.grace_deadline = None
-                self.dirty = True
+                self.fx.dirty = True
         elif not any(s.live for s in job.slots):
             self._start_grace(job)
         return cleared
@@ -131,12 +156,12 @@ class Mirror:
     def _remote_state(self, job: Job, slot: RankSlot, state: int, why: str, effects: bool = True) -> None:
         old = slot.state
         job.set_rank_state(slot, state)
-        self.dirty = True
+        self.fx.dirty = True
         if state == L.RANK_JOINING:
-            job.last_join_seen = self.now
+            job.last_join_seen = self.fx.now
             job.grace_deadline = None
         elif effects and state in (L.RANK_DEAD, L.RANK_LEFT) and old in (L.RANK_JOINING, L.RANK_ATTACHED):
-            self._lose(job, slot, state, old == L.RANK_ATTACHED,
+            self.policy.lose(job, slot, state, old == L.RANK_ATTACHED,
                        ("died " if state == L.RANK_DEAD else "left ") + why)
 
     def remote_node_lost(self, job: Job, node: str, why: str) -> None:
@@ -164,7 +189,7 @@ class Mirror:
             job.generation = generation
             job.control.generation = generation
         job.confirmed = True
-        self.dirty = True
+        self.fx.dirty = True
 
     def domain_release(self, job: Job, generation: int, rendezvous_count: int, table: list[dict]) -> None:
         """The second step: every node has prepared; release this daemon's held joins (with
@@ -189,11 +214,11 @@ class Mirror:
                 if slot.state == L.RANK_JOINING:
                     job.set_rank_state(slot, L.RANK_ATTACHED)
                     slot.attaches += 1
-        now = self.now
+        now = self.fx.now
         for slot in job.recovering():
-            self._reply(slot.recovering, {"generation": job.generation})
+            self.fx.reply(slot.recovering, {"generation": job.generation})
             slot.recovering = None
-        self.dirty = True
+        self.fx.dirty = True
         pending = job.pending()
         if not pending:
             log.info("job %s: all %d ranks resumed at generation %d", job.name, job.ep_size, job.generation)
@@ -203,16 +228,12 @@ class Mirror:
             try:
                 self._release_join(job, slot, now)
             except errors.A2ADError as exc:
-                self._fail(slot.pending, exc)
+                self.fx.fail(slot.pending, exc)
                 slot.pending = None
                 self._reset_joining(job, slot)
         job.rendezvous_started = None
         job.rendezvous_count = max(job.rendezvous_count + 1, rendezvous_count)
-        self.counters["rendezvous"] += 1
-        self.rendezvous_latencies.append(latency)
-        del self.rendezvous_latencies[:-1000]
-        if self.on_rendezvous is not None:
-            self.on_rendezvous(latency)
+        self._rendezvous_done(latency)
         log.info("job %s: domain rendezvous done (%d ranks, %d here, generation %d, %.3f ms after the last join "
                  "this daemon saw)", job.name, job.ep_size, len(pending), generation, latency * 1e3)
 
@@ -221,12 +242,12 @@ class Mirror:
         of it held here hears ``exc``; with ``drop`` (this daemon's tentative job lost to
         another spec) the job goes once no local rank holds it."""
         for slot in job.pending():
-            self._fail(slot.pending, exc)
+            self.fx.fail(slot.pending, exc)
             slot.pending = None
             self._reset_joining(job, slot)
             log.warning("job %s: rank %d's join refused by the domain: %s", job.name, slot.rank, exc.message)
         if drop and not any(s.live for s in job.slots if s.node is None):
-            self.free(job, "its spec lost to the domain's")
+            self._free(job, "its spec lost to the domain's")
         elif not job.live_ranks() and job.grace_deadline is None:
             self._start_grace(job)
 
@@ -236,7 +257,7 @@ class Mirror:
         if slot.node is not None:
             return
         if slot.pending is not None:
-            self._fail(slot.pending, exc)
+            self.fx.fail(slot.pending, exc)
             slot.pending = None
             self._reset_joining(job, slot)
         if not slot.live and slot.alloc is not None:
@@ -244,6 +265,6 @@ class Mirror:
             self.backend.release(slot.alloc)
             slot.alloc = None
             job.set_rank_state(slot, L.RANK_EMPTY)
-        self.dirty = True
+        self.fx.dirty = True
         if not job.live_ranks() and job.grace_deadline is None:
             self._start_grace(job)

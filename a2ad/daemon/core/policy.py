@@ -4,8 +4,8 @@ active-rank mask of a degrade job.
 - raise: a death sets the abort word (the survivors leave their waits at once) and the job
   needs a job-wide re-arm; a live rank's departure makes it need one too.
 - degrade: while the job serves, a lost rank's bit leaves the active mask and the others
-  serve on; a replacement is let back in without stopping them (``_readmit``), its bit set
-  once it holds its handles; in a job that spans nodes (``_readmit_across``) its admit round
+  serve on; a replacement is let back in without stopping them (``readmit``), its bit set
+  once it holds its handles; in a job that spans nodes (``readmit_across``) its admit round
   is agreed in its row and its join answered once every node with live ranks set its bit.
 
 The active mask has one name, ``active_mask``: ``Job.active_mask`` is the value this daemon
@@ -14,18 +14,22 @@ copy, which the daemon puts back when a client changed it (``restore_published_m
 ``ControlBlock.admitted_mask`` is another quantity: the ranks of the active mask already
 let into the rounds.
 
-``LossPolicy`` is a part of the Registry (registry.py); it uses the registry's ``backend``,
-``counters``, ``dirty`` and its rendezvous steps (``_release_join``, ``_reset_joining``).
+``LossPolicy`` is one of the Registry's parts (registry.py composes them). It owns no state:
+given a job, it decides its mask or its abort word and re-admissions, with the memory
+backend (a replacement's row), the shared effects (effects.py) and two callbacks for the
+rendezvous steps it triggers (answer a held join, reset a join that ends unanswered).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from a2ad import errors, layout as L
 
 if TYPE_CHECKING:
+    from a2ad.daemon.backends.base import Backend
+    from a2ad.daemon.core.effects import Effects
     from a2ad.daemon.core.jobs import Job, RankSlot
 
 log = logging.getLogger("a2ad")
@@ -57,10 +61,27 @@ def admitted_ranks(job: Job, mask: int) -> int:
     return out
 
 
-class LossPolicy:
-    """The Registry's rank losses, re-admissions and active mask."""
+def readmit_nodes(job: Job) -> set[str]:
+    """The other nodes whose ranks must take a replacement back in before it is released:
+    those with live ranks of the job."""
+    return {s.node for s in job.slots if s.node is not None and s.live}
 
-    def _lose(self, job: Job, slot: RankSlot, state: int, was_live: bool, why: str) -> None:
+
+class LossPolicy:
+    """The Registry's rank losses, re-admissions and active mask. It holds no state of its own:
+    it decides on the job it is given, writes its control block and its rows (``backend``),
+    and triggers two steps of the Registry's rendezvous through the callbacks it is given:
+    ``release_join(job, slot, now)`` (answer a held join) and ``reset_joining(job, slot)``
+    (a join that ends unanswered frees its slot)."""
+
+    def __init__(self, fx: Effects, backend: Backend, release_join: Callable[[Job, RankSlot, float], None],
+                 reset_joining: Callable[[Job, RankSlot], None]):
+        self.fx = fx
+        self.backend = backend
+        self._release_join = release_join
+        self._reset_joining = reset_joining
+
+    def lose(self, job: Job, slot: RankSlot, state: int, was_live: bool, why: str) -> None:
         """What a rank's death or departure does to its job, by the job's policy: a degrade job
         that serves clears its bit; otherwise a death sets the abort word (peers spinning on the
         rank leave their waits at once) and a live rank's departure makes the job need a re-arm.
@@ -82,7 +103,7 @@ class LossPolicy:
                     job.control.set_abort(L.ABORT_PEER_LEFT, slot.rank)
             log.info("job %s: rank %d (pid %s%s) %s", job.name, slot.rank, slot.pid, where, why)
 
-    def _readmits(self, job: Job, rank: int) -> bool:
+    def readmits(self, job: Job, rank: int) -> bool:
         """Whether a join of ``rank`` is let into ``job`` while the others keep serving (a
         degrade job whose admitted ranks run on), instead of waiting for a job-wide re-arm."""
         if not job.serving_degraded or job.control.abort_word or job.recovering():
@@ -106,7 +127,7 @@ class LossPolicy:
         job.control.clear_status(slot.rank)
         job.control.clear_input_error(slot.rank)
 
-    def _readmit(self, job: Job, slot: RankSlot) -> None:
+    def readmit(self, job: Job, slot: RankSlot) -> None:
         """Release a replacement's join at once, without the others (the degrade path of a
         re-arm): only its own row is re-initialized, and its admit round says it has not
         dispatched yet. Its bit is set when it holds its handles (``delivered``); its first
@@ -114,12 +135,12 @@ class LossPolicy:
         (docs/PROTOCOL.md, "Degraded mode")."""
         self._fresh_row(job, slot, L.ADMIT_JOINED)
         slot.readmitting = True
-        self._release_join(job, slot, self.now)
-        self.dirty = True
+        self._release_join(job, slot, self.fx.now)
+        self.fx.dirty = True
         log.info("job %s: rank %d let back in without stopping the others (row re-initialized); "
                  "its first dispatch joins the rounds", job.name, slot.rank)
 
-    def _readmit_across(self, job: Job, slot: RankSlot) -> None:
+    def readmit_across(self, job: Job, slot: RankSlot) -> None:
         """A replacement let back into a degrade job that spans nodes, without stopping the
         others: its own row re-initialized with its row admit word ADMIT_JOINED, its admit
         entry ADMIT_ROW (every node's ranks then read and write its admit round in its row,
@@ -128,20 +149,14 @@ class LossPolicy:
         it in ``admits``: ``take_readmit_acks``), so that no node's ranks can leave it out of a
         round the lowest active rank lets it into (docs/DOMAIN.md, "Failure")."""
         self._fresh_row(job, slot, L.ADMIT_ROW)
-        self._set_mask(job, active_mask(job) | 1 << slot.rank)
+        self.set_mask(job, active_mask(job) | 1 << slot.rank)
         slot.readmitting = slot.readmit_wait = True
         slot.readmit_acks = set()
-        self.dirty = True
+        self.fx.dirty = True
         log.info("job %s: rank %d let back in without stopping the others (row re-initialized); its join "
                  "is answered once node(s) %s have taken it back in", job.name, slot.rank,
-                 ", ".join(sorted(self._readmit_nodes(job))) or "(none)")
+                 ", ".join(sorted(readmit_nodes(job))) or "(none)")
         self.check_readmits(job)
-
-    @staticmethod
-    def _readmit_nodes(job: Job) -> set[str]:
-        """The other nodes whose ranks must take a replacement back in before it is released:
-        those with live ranks of the job."""
-        return {s.node for s in job.slots if s.node is not None and s.live}
 
     def take_readmit_acks(self, job: Job, node: str, admits) -> None:
         """``node``'s report lists the re-admissions it applied (``[rank, deaths]`` pairs):
@@ -154,21 +169,21 @@ class LossPolicy:
                     s.readmit_acks.add(node)
 
     def check_readmits(self, job: Job) -> None:
-        """Answer the held joins of replacements (``_readmit_across``) that every other node
+        """Answer the held joins of replacements (``readmit_across``) that every other node
         with live ranks has taken back in."""
         waiting = [s for s in job.slots if s.node is None and s.readmit_wait and s.pending is not None]
         if not waiting:
             return
-        need = self._readmit_nodes(job)
-        now = self.now
+        need = readmit_nodes(job)
+        now = self.fx.now
         for s in waiting:
             if need <= s.readmit_acks:
                 s.readmit_wait = False
-                self.dirty = True
+                self.fx.dirty = True
                 try:
                     self._release_join(job, s, now)
                 except errors.A2ADError as exc:  # (a row's handle missing): this join fails, nothing else
-                    self._fail(s.pending, exc)
+                    self.fx.fail(s.pending, exc)
                     s.pending = None
                     self._reset_joining(job, s)
                     continue
@@ -183,20 +198,20 @@ class LossPolicy:
         if not job.serving_degraded or job.control.abort_word:
             return  # the job goes through a re-arm, which lets that rank in with everyone
         job.control.set_admit_round(slot.rank, L.ADMIT_ROW)
-        self._set_mask(job, active_mask(job) | 1 << slot.rank)
+        self.set_mask(job, active_mask(job) | 1 << slot.rank)
         slot.admit_ack = deaths
-        self.dirty = True
+        self.fx.dirty = True
         log.info("job %s: rank %d on node %s let back in there: taken back in here too (mask generation %d)",
                  job.name, slot.rank, slot.node, job.control.mask_generation)
 
-    def _set_mask(self, job: Job, mask: int) -> bool:
+    def set_mask(self, job: Job, mask: int) -> bool:
         """Decide the job's active mask, keep it and publish it; whether it changed."""
         mask &= L.full_mask(job.ep_size)
         changed = mask != job.active_mask
         job.active_mask = mask
-        job.control.set_active_mask(mask, job.ep_size, int(self.now * 1e9))
+        job.control.set_active_mask(mask, job.ep_size, int(self.fx.now * 1e9))
         if changed:
-            self.dirty = True
+            self.fx.dirty = True
         return changed
 
     def restore_published_mask(self, job: Job) -> None:
@@ -207,9 +222,9 @@ class LossPolicy:
         seen = job.control.active_mask
         if seen == job.active_mask:
             return
-        job.control.set_active_mask(job.active_mask, job.ep_size, int(self.now * 1e9))
+        job.control.set_active_mask(job.active_mask, job.ep_size, int(self.fx.now * 1e9))
         job.mask_restores += 1
-        self.counters["mask_restores"] += 1
+        self.fx.counters["mask_restores"] += 1
         if job.mask_restores == 1 or job.mask_restores % 100 == 0:
             log.warning("job %s: its control block's active mask was changed to %#x by something other than this "
                         "daemon (a client writing the control block); put back %#x (%d time(s) so far)",
@@ -222,7 +237,7 @@ class LossPolicy:
         holding it (replacements waiting to be let in) are told through the abort word."""
         cb = job.control
         slot.readmitting = slot.readmit_wait = False
-        if self._set_mask(job, active_mask(job) & ~(1 << slot.rank)):
+        if self.set_mask(job, active_mask(job) & ~(1 << slot.rank)):
             log.warning("job %s: rank %d (pid %s) %s; the job serves on with ranks %s (mask generation %d)",
                         job.name, slot.rank, slot.pid, why, L.format_ranks(admitted_ranks(job, job.active_mask)),
                         cb.mask_generation)
@@ -234,6 +249,20 @@ class LossPolicy:
             if any(s.live for s in job.slots if s is not slot) and not cb.abort_word:
                 cb.set_abort(L.ABORT_PEER_LOST, slot.rank)
             log.warning("job %s: no active rank is left; the next rendezvous re-arms every rank", job.name)
+
+    def attached(self, job: Job, slot: RankSlot) -> None:
+        """``slot``'s rank holds its handles now (``Leases.delivered``): a replacement let back
+        into a degraded job (``readmit``) gets its bit back (its admit round still keeps it out
+        of every round until its first dispatch is let in)."""
+        if not slot.readmitting:
+            return
+        slot.readmitting = False
+        if job.serving_degraded and not job.control.abort_word:
+            self.set_mask(job, active_mask(job) | 1 << slot.rank)
+            job.readmits += 1
+            self.fx.counters["readmits"] += 1
+            log.info("job %s: rank %d is active again (mask generation %d)", job.name, slot.rank,
+                     job.control.mask_generation)
 
     def rank_lost_while_away(self, job: Job, slot: RankSlot) -> None:
         """A rank found dead when its job is adopted (it died while no daemon ran): marked as

@@ -1,26 +1,38 @@
-"""The job registry: jobs and their rendezvous, re-arm, recover, timers, free and adoption.
-It owns no socket: callers hand it requests and events, and it answers with a reply or an
-error, and queues what else it decided in two lists that the server carries out:
+"""The job registry: jobs and their rendezvous, re-arm, recover, timers, free and adoption,
+and the one entry point of the core's decisions (the server, the fd socket, the federation
+and the simulator call it). It owns no socket: callers hand it requests and events, and it
+answers with a reply or an error, and leaves what else it decided in its effects
+(effects.py), which the server carries out:
 
 - ``outbox``: (ZeroMQ identity, encoded frame) for held replies it releases (rendezvous,
   recover) or ends with an error (timeouts, spec mismatch, destroy);
-- ``closing``: lease connections (opaque objects of the fd socket) to close.
+- ``closing``: lease connections (opaque objects of the fd socket) to close;
+- ``dirty``: the state file is to be written.
 
-Its rooms:
+The Registry composes its parts; each is an object with its own state and the collaborators
+it is given, and none calls another's private methods:
 
+- ``leasing`` (leases.py, ``Leases``): tickets, lease connections and pidfds, from a released
+  join to an attached rank and to its death or departure; it owns ``tickets``, ``pidfds``
+  and the lease connections, and is given the host port, ``auth``, a way to find a job and
+  one step of the Registry, ``_mark`` (a rank's state after its death or departure);
+- ``policy`` (policy.py, ``LossPolicy``): what losing a rank does by the job's policy,
+  re-admission into a degraded job, the active mask; it owns nothing, and is given the
+  memory backend and two rendezvous steps (``_release_join``, ``_reset_joining``);
+- ``mirror`` (mirror.py, ``Mirror``): in a domain, other nodes' ranks as they report them and
+  the two steps of a rendezvous its coordinator decides; it is given the fd store, the
+  backend, the policy and the Registry's steps it triggers (``_release_join``,
+  ``_reset_joining``, ``_rearm``, ``_start_grace``, ``free``, ``_rendezvous_done``);
 - jobs.py: ``Job`` and ``RankSlot``, and ``Job.set_rank_state``, the one writer of a rank's
   state;
-- leases.py (``Leases``): tickets, lease connections and pidfds, from a released join to an
-  attached rank and to its death or departure;
-- policy.py (``LossPolicy``): what losing a rank does by the job's policy, re-admission into
-  a degraded job, the active mask;
-- mirror.py (``Mirror``): in a domain, other nodes' ranks as they report them and the two
-  steps of a rendezvous its coordinator decides;
 - this module: the Registry itself (join, rendezvous and re-arm, recover, operator requests,
-  timers, teardown, adoption of a previous daemon's jobs).
+  timers, teardown, adoption of a previous daemon's jobs), the thin calls that hand the
+  lease requests to ``leasing``, and the calls the federation makes (by job name: the job as
+  plain data, ``job_facts``, ``domain_report``, ``rank_holders``, ``remote_nodes``; what the
+  domain does to it, ``apply_remote``, ``domain_prepare``, ``domain_release``, ...).
 
 A join in order: ``Registry.join`` (here) seats the rank and holds its reply;
-``_maybe_release`` answers every held join with a ticket (``Leases._issue_ticket``);
+``_maybe_release`` answers every held join with a ticket (``Leases.issue_ticket``);
 ``Leases.redeem`` and ``Leases.delivered`` hand the fds over and make the connection the
 rank's lease.
 
@@ -41,12 +53,13 @@ from a2ad import errors, layout as L, mutations, protocol
 from a2ad.daemon import persist
 from a2ad.daemon.auth import Auth, Peer
 from a2ad.daemon.backends.base import Backend
-from a2ad.daemon.core.jobs import Held, Job, RankSlot
-from a2ad.daemon.core.names import cb_name, ws_name
-from a2ad.daemon.core.ports import Host, Store
+from a2ad.daemon.core.effects import Effects
+from a2ad.daemon.core.jobs import Held, Job, JobFacts, RankSlot
 from a2ad.daemon.core.leases import Leases, Redeemed
 from a2ad.daemon.core.mirror import Mirror
-from a2ad.daemon.core.policy import LossPolicy, active_mask
+from a2ad.daemon.core.names import cb_name, ws_name
+from a2ad.daemon.core.policy import LossPolicy, active_mask, readmit_nodes
+from a2ad.daemon.core.ports import Host, Store
 
 __all__ = ["Held", "Job", "Limits", "RankSlot", "Redeemed", "Registry"]
 
@@ -75,37 +88,87 @@ UID_CAPS = (
 )
 
 
-class Registry(Leases, LossPolicy, Mirror):
+class Registry:
+    """The daemon's jobs and the one entry point of the core's decisions: what the server, the
+    fd socket, the federation and the simulator call. It composes its parts, each with its own
+    state and the collaborators it is given: ``leasing`` (``Leases``: tickets, pidfds, lease
+    connections), ``policy`` (``LossPolicy``: masks, abort words, re-admissions) and
+    ``mirror`` (``Mirror``: other nodes' ranks, the domain rendezvous' steps here); the
+    effects they share are ``fx`` (effects.py)."""
+
     def __init__(self, backend: Backend, store: Store, auth: Auth, limits: Limits, host: Host):
         self.backend = backend
         self.host = host
-        #: the time of the event being handled (a monotonic clock's seconds), set by whoever
-        #: hands the registry an event: the server before each, the simulator from its clock
-        self.now = 0.0
         self.store = store
         self.auth = auth
         self.limits = limits
+        #: the time of the event being handled and the effects decided (``now``, ``outbox``,
+        #: ``closing``, ``dirty``, ``counters`` below are its fields)
+        self.fx = Effects()
         self.jobs: dict[str, Job] = {}
-        self.tickets: dict[bytes, tuple[Job, int]] = {}
-        #: pidfd -> (job, rank)
-        self.pidfds: dict[int, tuple[Job, int]] = {}
-        #: lease connection -> (job, rank) whose lease it is
-        self.leases: dict[object, tuple[Job, int]] = {}
         self.draining = False
-        self.counters = {"joins": 0, "attaches": 0, "detaches": 0, "deaths": 0, "rendezvous": 0,
-                         "bad_requests": 0, "rearms": 0, "refused": 0, "readmits": 0,
-                         "mask_restores": 0}
         self.rendezvous_latencies: list[float] = []
         self.on_rendezvous: Callable[[float], None] | None = None
         #: memory of freed jobs still mapped by processes: [{job, bytes, pids}]
         self.released: list[dict] = []
-        self.outbox: list[tuple[bytes, bytes]] = []
-        self.closing: list[object] = []
-        self.dirty = False
         #: The domain's job federation (federation.py), when the daemon runs in a domain.
         self.fed = None
         #: called before a job is freed, to decide whether the fd-store entries go too
         self.fd_budget: Callable[[int], None] = lambda n: None
+        self.leasing = Leases(self.fx, host, auth, lambda name: self.jobs.get(name), mark=self._mark,
+                              fd_budget=lambda n: self.fd_budget(n))
+        self.policy = LossPolicy(self.fx, backend, release_join=self._release_join, reset_joining=self._reset_joining)
+        self.mirror = Mirror(self.fx, store, backend, self.policy, release_join=self._release_join,
+                             reset_joining=self._reset_joining, rearm=self._rearm, start_grace=self._start_grace,
+                             free=self.free, rendezvous_done=self._rendezvous_done)
+
+    # ------------------------------------------------------------------ effects
+    @property
+    def now(self) -> float:
+        """The time of the event being handled (a monotonic clock's seconds), set by whoever
+        hands the registry an event: the server before each, the simulator from its clock."""
+        return self.fx.now
+
+    @now.setter
+    def now(self, t: float) -> None:
+        self.fx.now = t
+
+    @property
+    def outbox(self) -> list[tuple[bytes, bytes]]:
+        return self.fx.outbox
+
+    @outbox.setter
+    def outbox(self, v: list) -> None:
+        self.fx.outbox = v
+
+    @property
+    def closing(self) -> list[object]:
+        return self.fx.closing
+
+    @closing.setter
+    def closing(self, v: list) -> None:
+        self.fx.closing = v
+
+    @property
+    def dirty(self) -> bool:
+        return self.fx.dirty
+
+    @dirty.setter
+    def dirty(self, v: bool) -> None:
+        self.fx.dirty = v
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return self.fx.counters
+
+    @property
+    def tickets(self) -> dict:
+        return self.leasing.tickets
+
+    @property
+    def pidfds(self) -> dict:
+        """pidfd -> (job, rank): what the server polls for process deaths (``pid_exited``)."""
+        return self.leasing.pidfds
 
     # ------------------------------------------------------------------ lookups
     @property
@@ -153,12 +216,6 @@ class Registry(Leases, LossPolicy, Mirror):
                 f"uid {peer.uid}'s jobs hold {use[key]} {what} on this daemon and this join needs {more} more, "
                 f"over the per-uid cap of {cap} ({option}); end a job first, or ask the operator to raise it",
                 needed=use[key] + more, limit=cap, cap=option)
-
-    def _reply(self, held: Held, payload: dict) -> None:
-        self.outbox.append((held.identity, protocol.encode_reply(held.request_id, payload)))
-
-    def _fail(self, held: Held, exc: errors.A2ADError) -> None:
-        self.outbox.append((held.identity, protocol.encode_error(held.request_id, exc)))
 
     # --------------------------------------------------------------------- join
     def join(self, peer: Peer, identity: bytes, rid: int, f: dict) -> None:
@@ -214,7 +271,7 @@ class Registry(Leases, LossPolicy, Mirror):
             job is not None and job.ep_size == f["ep_size"]
             # (a replacement across nodes is held until the other nodes take it back in: it counts)
             and (all(s.live for s in job.slots if s.rank != rank)
-                 or (self._readmits(job, rank) and not (job.domain and job.spans)))
+                 or (self.policy.readmits(job, rank) and not (job.domain and job.spans)))
         )
         if peer.uid is None or completes:
             return
@@ -246,7 +303,8 @@ class Registry(Leases, LossPolicy, Mirror):
             confirmed = self.fed.check_new_job(name, f["ep_size"], spec, peer)
         job = self._create_job(name, f["ep_size"], spec, peer, f["device"], len(f.get("watch") or ()))
         if self.fed is not None:
-            self.fed.job_created(job, confirmed)
+            job.domain, job.this_node, job.confirmed = True, self.fed.node, confirmed
+            self.fed.job_created(name)  # other nodes' ranks of it, as they reported them
         return job
 
     def _check_job(self, job: Job, peer: Peer, f: dict, spec: dict) -> None:
@@ -258,7 +316,7 @@ class Registry(Leases, LossPolicy, Mirror):
         if mismatch is not None:
             self._refuse_waiting(job, mismatch)
             if self.fed is not None and job.domain and job.confirmed:
-                self.fed.spread_refusal(job, mismatch)  # the ranks waiting on other nodes hear it too
+                self.fed.spread_refusal(job.name, mismatch)  # the ranks waiting on other nodes hear it too
             raise mismatch
 
     def _claim_slot(self, job: Job, f: dict, peer: Peer) -> RankSlot:
@@ -306,13 +364,13 @@ class Registry(Leases, LossPolicy, Mirror):
                     "the new join replaces it", job.name, slot.rank, slot.pid, L.RANK_STATE_NAMES[slot.state])
         if slot.state == L.RANK_JOINING:
             if slot.pending is not None and not slot.readmit_wait:
-                self._fail(slot.pending, errors.StateError("superseded by a newer join of the same process"))
+                self.fx.fail(slot.pending, errors.StateError("superseded by a newer join of the same process"))
             slot.pending = None
             slot.readmit_wait = slot.readmitting = False
             self._reset_joining(job, slot)
         else:
-            self._drop_ticket(slot)
-            self.drop_pidfd(slot)
+            self.leasing.drop_ticket(slot)
+            self.leasing.drop_pidfd(slot)
             self._mark(job, slot, L.RANK_DEAD, why)
 
     def _seat(self, job: Job, slot: RankSlot, peer: Peer, identity: bytes, rid: int, f: dict,
@@ -320,7 +378,7 @@ class Registry(Leases, LossPolicy, Mirror):
         """The rank joins its slot: its pid watched, a fresh lease, its reply held until the
         rendezvous (or the request's timeout). Whether it replaces an earlier holder."""
         replacing = slot.state == L.RANK_DEAD or slot.attaches > 0
-        self.drop_pidfd(slot)
+        self.leasing.drop_pidfd(slot)
         job.set_rank_state(slot, L.RANK_JOINING)
         slot.pid, slot.uid, slot.device = f["pid"], peer.uid, f["device"]
         slot.watch = f.get("watch") or ()
@@ -328,8 +386,7 @@ class Registry(Leases, LossPolicy, Mirror):
         slot.joined_at = self.now
         slot.lease = self.host.token(32)
         if pidfd is not None:
-            slot.pidfd = pidfd
-            self.pidfds[pidfd] = (job, slot.rank)
+            self.leasing.hold_pidfd(job, slot, pidfd)
         timeout = min(f.get("timeout", 60.0), self.limits.max_rendezvous_timeout)
         slot.pending = Held(identity=identity, request_id=rid, deadline=self.now + timeout)
         job.grace_deadline = None
@@ -348,13 +405,13 @@ class Registry(Leases, LossPolicy, Mirror):
         """A seated join: let straight back into a degraded job that kept serving, or released
         with the others once the rendezvous is complete (in a domain: by its coordinator)."""
         across = job.domain and job.spans
-        readmits = self._readmits(job, slot.rank)
-        capable = not across or self.fed is None or self.fed.readmit_capable(job)
+        readmits = self.policy.readmits(job, slot.rank)
+        capable = not across or self.fed is None or self.fed.readmit_capable(job.name, readmit_nodes(job))
         if readmits and capable:
             if across:
-                self._readmit_across(job, slot)  # answered once the other nodes took it back in
+                self.policy.readmit_across(job, slot)  # answered once the other nodes took it back in
             else:
-                self._readmit(job, slot)
+                self.policy.readmit(job, slot)
             return
         if job.domain and job.spans and job.serving_degraded and replacing:
             # the others serve on other nodes, but none of them is known here to be attached and
@@ -374,7 +431,7 @@ class Registry(Leases, LossPolicy, Mirror):
         rendezvous learn it at once too (their group is misconfigured), instead of waiting for
         their timeout. Running ranks are left alone."""
         for slot in job.pending():
-            self._fail(slot.pending, exc)
+            self.fx.fail(slot.pending, exc)
             slot.pending = None
             self._reset_joining(job, slot)
             log.warning("job %s: rank %d's join ended by a mismatching join: %s", job.name, slot.rank, exc.message)
@@ -382,8 +439,8 @@ class Registry(Leases, LossPolicy, Mirror):
             self._start_grace(job)
 
     def _reset_joining(self, job: Job, slot: RankSlot) -> None:
-        self.drop_pidfd(slot)
-        self._drop_ticket(slot)
+        self.leasing.drop_pidfd(slot)
+        self.leasing.drop_ticket(slot)
         job.set_rank_state(slot, L.RANK_EMPTY)
         slot.lease = None
         self.dirty = True
@@ -470,7 +527,7 @@ class Registry(Leases, LossPolicy, Mirror):
         now = self.now
         latency = now - max(s.joined_at for s in job.pending()) if job.pending() else 0.0
         for slot in job.recovering():
-            self._reply(slot.recovering, {"generation": job.generation})
+            self.fx.reply(slot.recovering, {"generation": job.generation})
             slot.recovering = None
         if not job.pending():
             log.info("job %s: all %d ranks resumed at generation %d", job.name, job.ep_size, job.generation)
@@ -481,19 +538,24 @@ class Registry(Leases, LossPolicy, Mirror):
         job.rendezvous_started = None
         job.rendezvous_count += 1
         self.dirty = True
+        self._rendezvous_done(latency)
+        log.info("job %s: rendezvous done (%d ranks, %.3f ms after the last join)", job.name, job.ep_size, latency * 1e3)
+
+    def _rendezvous_done(self, latency: float) -> None:
+        """A rendezvous released its joins, ``latency`` seconds after the last join (counted,
+        kept for the status, observed by ``on_rendezvous``)."""
         self.counters["rendezvous"] += 1
         self.rendezvous_latencies.append(latency)
         del self.rendezvous_latencies[:-1000]
         if self.on_rendezvous is not None:
             self.on_rendezvous(latency)
-        log.info("job %s: rendezvous done (%d ranks, %.3f ms after the last join)", job.name, job.ep_size, latency * 1e3)
 
     def _release_join(self, job: Job, slot: RankSlot, now: float) -> None:
         """Answer ``slot``'s held join: the layout, the handles it will receive, its ticket and lease."""
         handles = [self._handle_entry(job, s) for s in job.slots]
         handles.append({"kind": "control", "size": L.CONTROL_BLOCK_SIZE})
-        self._issue_ticket(job, slot, "join", now)
-        self._reply(slot.pending, {
+        self.leasing.issue_ticket(job, slot, "join", now)
+        self.fx.reply(slot.pending, {
             "job": job.name,
             "ep_rank": slot.rank,
             "ep_size": job.ep_size,
@@ -547,7 +609,7 @@ class Registry(Leases, LossPolicy, Mirror):
             slot.readmitting = slot.readmit_wait = False
             slot.readmit_acks = set()
             slot.admit_ack = None
-        self._set_mask(job, L.full_mask(job.ep_size))  # every rank takes part from the first round on
+        self.policy.set_mask(job, L.full_mask(job.ep_size))  # every rank takes part from the first round on
         job.generation = job.control.generation = job.generation + 1 if generation is None else generation
         job.control.clear_abort()
         job.needs_rearm = False
@@ -559,8 +621,8 @@ class Registry(Leases, LossPolicy, Mirror):
     # ------------------------------------------------------------------ recover
     def recover(self, peer: Peer, identity: bytes, rid: int, f: dict) -> None:
         """Hold this (attached, quiesced) rank until the job is re-armed with all ranks present."""
-        job, slot = self._slot_for_lease(f["job"], f["ep_rank"], f["lease"])
-        self._check_holder(peer, job, slot, "recover")
+        job, slot = self.leasing.slot_for_lease(f["job"], f["ep_rank"], f["lease"])
+        self.leasing.check_holder(peer, job, slot, "recover")
         if slot.state != L.RANK_ATTACHED:
             raise errors.PermissionDenied(
                 f"job {job.name!r} rank {slot.rank} is {L.RANK_STATE_NAMES[slot.state]}, not attached: join again instead"
@@ -573,10 +635,101 @@ class Registry(Leases, LossPolicy, Mirror):
             log.info("job %s: rank %d asks for a re-arm", job.name, slot.rank)
         timeout = min(f.get("timeout", 60.0), self.limits.max_rendezvous_timeout)
         if slot.recovering is not None:  # a client that gave up and asks again: the new request wins
-            self._fail(slot.recovering, errors.StateError("superseded by a newer recover request"))
+            self.fx.fail(slot.recovering, errors.StateError("superseded by a newer recover request"))
         slot.recovering = Held(identity=identity, request_id=rid, deadline=self.now + timeout)
         self.dirty = True
         self._maybe_release(job)
+
+    # ------------------------------------------- leases and the fd socket (leases.py)
+    def leave(self, peer: Peer, f: dict) -> dict:
+        return self.leasing.leave(peer, f)
+
+    def renew(self, peer: Peer, f: dict) -> dict:
+        return self.leasing.renew(peer, f)
+
+    def redeem(self, ticket, peer: Peer) -> Redeemed:
+        return self.leasing.redeem(ticket, peer)
+
+    def delivered(self, r: Redeemed, conn: object) -> None:
+        """The redeem's answer went out: ``conn`` is now the rank's lease; a replacement let
+        back into a degraded job that now holds its handles gets its bit (policy.py)."""
+        if self.leasing.delivered(r, conn):
+            self.policy.attached(r.job, r.slot)
+
+    def undelivered(self, r: Redeemed, why: str) -> None:
+        self.leasing.undelivered(r, why)
+
+    def lease_closed(self, conn: object) -> None:
+        self.leasing.lease_closed(conn)
+
+    def pid_exited(self, pidfd: int) -> None:
+        self.leasing.pid_exited(pidfd)
+
+    # ------------------------------------------- the domain's calls (federation.py)
+    # The federation knows a job by its name, reads it as plain data (``job_facts``,
+    # ``domain_report``, ``rank_holders``, ``remote_nodes``) and changes it only through these
+    # calls, which the mirror (mirror.py) carries out.
+    def job_facts(self, name: str) -> JobFacts | None:
+        """Job ``name``'s fixed fields and where it stands, or None when no such job is held."""
+        job = self.jobs.get(name)
+        return None if job is None else job.facts()
+
+    def domain_jobs(self) -> list[str]:
+        """The names of the jobs of the domain held here."""
+        return [name for name, job in self.jobs.items() if job.domain and not job.freed]
+
+    def domain_report(self, name: str, backend: str) -> dict:
+        """This daemon's report of domain job ``name`` (``Job.report``)."""
+        return self.jobs[name].report(backend)
+
+    def rank_holders(self, name: str, ranks) -> dict[int, str | None]:
+        """Who holds each of ``ranks`` of job ``name`` (``Job.rank_holders``): this node by its
+        name, another node, or None."""
+        return self.jobs[name].rank_holders(ranks, self.node_name)
+
+    def remote_nodes(self, name: str) -> set[str]:
+        """The other nodes this daemon's copy of job ``name`` places ranks on (none for a job
+        not held here)."""
+        job = self.jobs.get(name)
+        return set() if job is None else {s.node for s in job.slots if s.node is not None}
+
+    def apply_remote(self, name: str, node: str, ranks: dict[int, dict] | None, fields: dict | None = None,
+                     why_gone: str = "", known: set[int] | None = None) -> bool:
+        """``node``'s report of job ``name`` mirrored here (``Mirror.apply_remote``)."""
+        return self.mirror.apply_remote(self.jobs[name], node, ranks, fields, why_gone, known)
+
+    def domain_node_lost(self, node: str, why: str) -> None:
+        """``node`` is lost: its live ranks count as dead in every domain job that places ranks on
+        it (re-adopted jobs too, whose reports may never have come)."""
+        for job in list(self.jobs.values()):
+            if job.domain and any(s.node == node for s in job.slots):
+                self.mirror.remote_node_lost(job, node, why)
+
+    def domain_confirm(self, name: str) -> None:
+        """The domain's decision on job ``name``'s spec reached this daemon and matches it."""
+        job = self.jobs[name]
+        if not job.confirmed:
+            job.confirmed = True
+            self.dirty = True
+
+    def domain_quiesced(self, name: str) -> str | None:
+        return self.mirror.domain_quiesced(self.jobs[name])
+
+    def domain_prepare(self, name: str, generation: int, rearm: bool) -> None:
+        self.mirror.domain_prepare(self.jobs[name], generation, rearm)
+
+    def domain_release(self, name: str, generation: int, rendezvous_count: int, table: list[dict]) -> None:
+        self.mirror.domain_release(self.jobs[name], generation, rendezvous_count, table)
+
+    def domain_refuse(self, name: str, exc: errors.A2ADError, drop: bool) -> None:
+        self.mirror.domain_refuse(self.jobs[name], exc, drop)
+
+    def domain_refuse_rank(self, name: str, rank: int, exc: errors.A2ADError) -> None:
+        self.mirror.domain_refuse_rank(self.jobs[name], rank, exc)
+
+    def domain_destroy(self, name: str, why: str) -> None:
+        """Another node destroyed job ``name``: freed here too."""
+        self.free(self.jobs[name], why)
 
     # ------------------------------------------------------------ rank states
     def _mark(self, job: Job, slot: RankSlot, state: int, why: str) -> None:
@@ -584,14 +737,14 @@ class Registry(Leases, LossPolicy, Mirror):
         job.set_rank_state(slot, state)
         self.dirty = True
         if slot.recovering is not None:
-            self._fail(slot.recovering, errors.PermissionDenied(f"rank {slot.rank} is {L.RANK_STATE_NAMES[state]}"))
+            self.fx.fail(slot.recovering, errors.PermissionDenied(f"rank {slot.rank} is {L.RANK_STATE_NAMES[state]}"))
             slot.recovering = None
         if state == L.RANK_DEAD:
             slot.deaths += 1
             self.counters["deaths"] += 1
         else:
             self.counters["detaches"] += 1
-        self._lose(job, slot, state, was_live, why)
+        self.policy.lose(job, slot, state, was_live, why)
         if not job.live_ranks():
             self._start_grace(job)
 
@@ -613,7 +766,7 @@ class Registry(Leases, LossPolicy, Mirror):
         job = self.job_for(peer, name)
         self.free(job, f"destroyed by request of uid {peer.uid}")
         if self.fed is not None and job.domain:
-            self.fed.spread_destroy(job, f"destroyed on node {job.this_node} by request of uid {peer.uid}")
+            self.fed.spread_destroy(job.name, f"destroyed on node {job.this_node} by request of uid {peer.uid}")
         return {"destroyed": name}
 
     # ----------------------------------------------------------------- timers
@@ -635,7 +788,7 @@ class Registry(Leases, LossPolicy, Mirror):
         for job in list(self.jobs.values()):
             if job.degrade:
                 try:  # a failure here must not hold up the other jobs' timers
-                    self.restore_published_mask(job)
+                    self.policy.restore_published_mask(job)
                 except Exception:
                     log.exception("job %s: checking its published active mask failed", job.name)
             # who is absent is taken once, at the moment of the timeouts: a rank whose own wait
@@ -648,32 +801,32 @@ class Registry(Leases, LossPolicy, Mirror):
             for slot in job.slots:
                 if slot.ticket is not None and now >= slot.ticket_expiry:
                     kind = slot.ticket_kind
-                    self._drop_ticket(slot)
+                    self.leasing.drop_ticket(slot)
                     if kind == "join" and slot.state == L.RANK_JOINING:
                         self._mark(job, slot, L.RANK_DEAD, "never redeemed its ticket")
                 if slot.recovering is not None and now >= slot.recovering.deadline:
                     missing = not_quiesced
-                    self._fail(slot.recovering, errors.RendezvousTimeout(
+                    self.fx.fail(slot.recovering, errors.RendezvousTimeout(
                         f"job {job.name!r}: recovery timed out waiting for rank(s) {missing}", missing_ranks=missing))
                     log.warning("job %s: rank %d's recovery timed out; waiting for %s", job.name, slot.rank, missing)
                     slot.recovering = None
                 if slot.pending is not None and now >= slot.pending.deadline:
                     if slot.readmit_wait:  # a replacement across nodes, held for the others' answer
-                        nodes = sorted(self._readmit_nodes(job) - slot.readmit_acks)
+                        nodes = sorted(readmit_nodes(job) - slot.readmit_acks)
                         missing = [s.rank for s in job.slots if s.node in nodes and s.live]
-                        self._fail(slot.pending, errors.RendezvousTimeout(
+                        self.fx.fail(slot.pending, errors.RendezvousTimeout(
                             f"job {job.name!r}: rank {slot.rank}'s re-admission timed out waiting for node(s) "
                             f"{', '.join(nodes)} to take it back in (their live rank(s) {missing})",
                             missing_ranks=missing))
                         slot.readmit_wait = slot.readmitting = False
-                        self._set_mask(job, active_mask(job) & ~(1 << slot.rank))
+                        self.policy.set_mask(job, active_mask(job) & ~(1 << slot.rank))
                     else:
                         missing = absent
                         lost = sorted({s.node for s in job.slots if s.rank in missing and s.lost_with_node})
                         # every rank present, yet no re-arm: running ranks that have not quiesced
                         # (asked to recover) are what the replacement waited for
                         busy = [] if missing else [r for r in not_quiesced if r != slot.rank]
-                        self._fail(slot.pending, errors.RendezvousTimeout(
+                        self.fx.fail(slot.pending, errors.RendezvousTimeout(
                             f"job {job.name!r}: rendezvous timed out waiting for rank(s) {missing or busy}"
                             + (f" (node(s) {', '.join(lost)} unreachable)" if lost else "")
                             + (" to quiesce: they run and have not asked to recover (a replacement's join waits for "
@@ -704,14 +857,11 @@ class Registry(Leases, LossPolicy, Mirror):
         for slot in job.slots:
             for held in (slot.pending, slot.recovering):
                 if held is not None:
-                    self._fail(held, gone)
+                    self.fx.fail(held, gone)
             slot.pending = slot.recovering = None
-            self._drop_ticket(slot)
-            if slot.lease_conn is not None:
-                self.leases.pop(slot.lease_conn, None)
-                self.closing.append(slot.lease_conn)
-                slot.lease_conn = None
-            self.drop_pidfd(slot)
+            self.leasing.drop_ticket(slot)
+            self.leasing.end_lease(slot)
+            self.leasing.drop_pidfd(slot)
             if slot.alloc is not None:
                 self.store.drop(ws_name(job.name, slot.rank))
                 self.backend.release(slot.alloc)
@@ -727,7 +877,7 @@ class Registry(Leases, LossPolicy, Mirror):
         """Close the daemon's own copies of a job's fds without freeing anything (the job lives
         on in the fd store for the next daemon)."""
         for slot in job.slots:
-            self.drop_pidfd(slot)
+            self.leasing.drop_pidfd(slot)
             if slot.alloc is not None and slot.alloc.fd >= 0:
                 self.host.close_fd(slot.alloc.fd)
                 slot.alloc.fd = -1
@@ -779,10 +929,10 @@ class Registry(Leases, LossPolicy, Mirror):
                     continue
                 state = srec["state"]
                 if state == L.RANK_ATTACHED:
-                    if not self.watch_pid(job, slot):
+                    if not self.leasing.watch_pid(job, slot):
                         # died while no daemon ran: what its job's policy does with a death
                         # (raise: abort the job; degrade: clear its bit, the others serve on)
-                        self.rank_lost_while_away(job, slot)
+                        self.policy.rank_lost_while_away(job, slot)
                         continue
                 elif state == L.RANK_JOINING:
                     state = L.RANK_EMPTY  # its join request died with the old daemon
@@ -790,14 +940,14 @@ class Registry(Leases, LossPolicy, Mirror):
                 job.set_rank_state(slot, state)
         except BaseException:
             for slot in job.slots:
-                self.drop_pidfd(slot)
+                self.leasing.drop_pidfd(slot)
             job.control.close()
             raise
         if job.degrade:
             # a client may have written the published mask while no daemon ran; a failure here
             # must not cost the job its adoption (the timer tick checks again)
             try:
-                self.restore_published_mask(job)
+                self.policy.restore_published_mask(job)
             except Exception:
                 log.exception("job %s: checking its published active mask failed", job.name)
         if not job.live_ranks():
