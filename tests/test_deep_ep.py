@@ -552,14 +552,15 @@ def sync_free(rank, ep, runtime_dir, init_file):
             _round(buf, rank, ep, make_inputs(1200, ep, E), E, dev, "warm-up")
             inputs = make_inputs(1201, ep, E)
             x, idx, w = (t.to(dev) for t in inputs[rank])
+            # (a tensor made from a Python list is a host-to-device copy: before the checked part)
+            factors = torch.tensor([expert_factor(rank * (E // ep) + le) for le in range(E // ep)],
+                                   device=dev, dtype=torch.float32)
             torch.cuda.synchronize(dev)
             torch.cuda.set_sync_debug_mode("error")
             try:
                 recv_x, recv_count, handle, _, hook = buf.low_latency_dispatch(x, idx, NUM_MAX, E, use_fp8=False,
                                                                                return_recv_hook=True)
                 hook()
-                factors = torch.tensor([expert_factor(rank * (E // ep) + le) for le in range(E // ep)],
-                                       device=dev, dtype=torch.float32)
                 y = (recv_x.float() * factors.view(-1, 1, 1)).to(torch.bfloat16)
                 out, _, _ = buf.low_latency_combine(y, idx, w, handle)
                 (q, sc), _, h8, _, _ = buf.low_latency_dispatch(x, idx, NUM_MAX, E, round_scale=True, use_ue8m0=True)
