@@ -338,3 +338,42 @@ def ll_check_received(rank: int, what: str, inputs, recv_x, recv_count, num_expe
             got = sorted(tuple(r) for r in recv_x[le, :n].float().tolist())
             exp = sorted(tuple(r) for r in torch.stack(want).float().tolist())
             assert got == exp, f"rank {rank} {what}: expert {e}'s rows differ from its sources' tokens"
+
+
+def ll_dequant(x, scale):
+    """DeepEP's LL FP8 batch ([L, N, H] e4m3, float32 scales [L, N, H / 128]) as float32; bf16
+    (``scale`` None) as float32."""
+    if scale is None:
+        return x.float()
+    lx, n, h = x.shape
+    return (x.float().view(lx, n, h // 128, 128) * scale.float().unsqueeze(3)).view(lx, n, h)
+
+
+def ll_fp8_inputs(inputs):
+    """The round's inputs with each token as DeepEP's FP8 dispatch delivers it (per-128-channel
+    e4m3 with amax / 448 scales, dequantized), for checking what an expert received."""
+    from a2ad.deep_ep import quantize_fp8
+
+    out = []
+    for x, idx, w in inputs:
+        if x.shape[0]:
+            q, s = quantize_fp8(x, False)
+            x = ll_dequant(q.unsqueeze(0), s.unsqueeze(0))[0]
+        out.append((x.float(), idx, w))
+    return out
+
+
+def ll_check_combine(rank: int, what: str, got, inputs, num_experts: int, ep: int, fp8: bool, dead=()):
+    """The combine output against the reference: exact for bf16 dispatch; for FP8 within e4m3's
+    error (3 mantissa bits: 1/16 relative) of the sum of magnitudes, plus bf16's rounding."""
+    import torch
+
+    want = ll_expected_combine(inputs, rank, num_experts, ep, dead)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16, (what, got.shape, got.dtype)
+    if not fp8:
+        assert torch.equal(got, want), f"rank {rank} {what}: combine differs from the reference"
+        return
+    mag = ll_expected_combine([(x.abs(), i, w.abs()) for x, i, w in inputs], rank, num_experts, ep, dead)
+    bound = 0.07 * mag.float() + 1e-2
+    assert bool(((got.float() - want.float()).abs() <= bound).all()), \
+        f"rank {rank} {what}: FP8 combine beyond FP8's error"

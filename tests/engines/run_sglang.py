@@ -34,9 +34,11 @@ from integration_cases import (
     TOP_K,
     die_now,
     killed_at,
+    ll_check_combine,
     ll_check_received,
-    ll_expected_combine,
+    ll_dequant,
     ll_expert_outputs,
+    ll_fp8_inputs,
     ll_round,
     reference_round,
     run_group,
@@ -257,15 +259,6 @@ def _ll_dispatcher(ep, num_experts):
     return d
 
 
-def _dequant(x, scale):
-    import torch
-
-    if scale is None:
-        return x.float()
-    lx, n, h = x.shape
-    return (x.float().view(lx, n, h // 128, 128) * scale.float().unsqueeze(3)).view(lx, n, h)
-
-
 def _ll_layer(d, rank, ep, num_experts, seed, fp8, tokens=None, dead=()):
     """One dispatch / experts / combine through SGLang's dispatcher, checked against the
     reference: bf16 exactly; FP8 (DeepEP's per-128-channel e4m3) against a2ad.deep_ep's
@@ -273,8 +266,6 @@ def _ll_layer(d, rank, ep, num_experts, seed, fp8, tokens=None, dead=()):
     import torch
     from sglang.srt.layers.moe.token_dispatcher import DeepEPLLCombineInput, DeepEPLLDispatchOutput
     from sglang.srt.layers.moe.topk import StandardTopKOutput
-
-    from a2ad.deep_ep import quantize_fp8
 
     inputs = ll_round(seed, ep, num_experts, LL_MAX, LL_HIDDEN, LL_TOPK, tokens, dead)
     x, idx, w = inputs[rank]
@@ -285,28 +276,16 @@ def _ll_layer(d, rank, ep, num_experts, seed, fp8, tokens=None, dead=()):
     assert out.hidden_states.shape == (lx, ep * LL_MAX, LL_HIDDEN), out.hidden_states.shape
     if fp8:
         assert out.hidden_states.dtype == torch.float8_e4m3fn and out.hidden_states_scale is not None
-        # what DeepEP's kernels make of each token: its e4m3 values times its scales
-        ref_inputs = [(_dequant(quantize_fp8(xs, False)[0].view(1, -1, LL_HIDDEN),
-                                quantize_fp8(xs, False)[1].view(1, xs.shape[0], -1)).view(xs.shape)
-                       if xs.shape[0] else xs.float(), i, ws) for xs, i, ws in inputs]
     else:
         assert out.hidden_states.dtype == torch.bfloat16 and out.hidden_states_scale is None
-        ref_inputs = inputs
-    recv = _dequant(out.hidden_states, out.hidden_states_scale)
-    ll_check_received(rank, f"round {seed}", ref_inputs, recv, out.masked_m, num_experts, ep, dead)
+    recv = ll_dequant(out.hidden_states, out.hidden_states_scale)
+    ll_check_received(rank, f"round {seed}", ll_fp8_inputs(inputs) if fp8 else inputs, recv, out.masked_m,
+                      num_experts, ep, dead)
     assert torch.equal(out.topk_ids, idx) and torch.equal(out.topk_weights, w)
     y = ll_expert_outputs(recv, out.masked_m, rank, num_experts, ep)
     got = d.combine(combine_input=DeepEPLLCombineInput(hidden_states=y, topk_ids=out.topk_ids,
                                                        topk_weights=out.topk_weights))
-    want = ll_expected_combine(inputs, rank, num_experts, ep, dead)
-    assert got.shape == want.shape and got.dtype == torch.bfloat16
-    if fp8:  # e4m3 keeps 3 mantissa bits: within 1/16 relative, plus the bf16 rounding
-        bound = 0.07 * ll_expected_combine([(xs.abs(), i, ws.abs()) for xs, i, ws in inputs], rank, num_experts,
-                                           ep, dead).float() + 1e-2
-        assert bool(((got.float() - want.float()).abs() <= bound).all()), \
-            f"rank {rank} round {seed}: FP8 combine beyond FP8's error"
-    else:
-        assert torch.equal(got, want), f"rank {rank} round {seed}: DeepEPDispatcher combine differs from the reference"
+    ll_check_combine(rank, f"round {seed}", got, inputs, num_experts, ep, fp8, dead)
 
 
 def deepep_ll_rounds(rank, ep, runtime_dir, pg_file, num_experts, output_dtype):

@@ -42,9 +42,11 @@ from integration_cases import (
     check_received,
     die_now,
     killed_at,
+    ll_check_combine,
     ll_check_received,
-    ll_expected_combine,
+    ll_dequant,
     ll_expert_outputs,
+    ll_fp8_inputs,
     ll_round,
     reference_round,
     run_group,
@@ -101,12 +103,11 @@ class _RefExperts:
     cls = None
 
     @classmethod
-    def make(cls, rank, ep, num_experts):
+    def make(cls, rank, ep, num_experts, quant_config):
         import torch
         from vllm.model_executor.layers.fused_moe import modular_kernel as mk
         from vllm.model_executor.layers.fused_moe.activation import MoEActivation
         from vllm.model_executor.layers.fused_moe.config import (
-            FUSED_MOE_UNQUANTIZED_CONFIG,
             FusedMoEConfig,
             FusedMoEParallelConfig,
             RoutingMethodType,
@@ -442,12 +443,11 @@ class _LLExperts:
     cls = None
 
     @classmethod
-    def make(cls, rank, ep, num_experts):
+    def make(cls, rank, ep, num_experts, quant_config):
         import torch
         from vllm.model_executor.layers.fused_moe import modular_kernel as mk
         from vllm.model_executor.layers.fused_moe.activation import MoEActivation
         from vllm.model_executor.layers.fused_moe.config import (
-            FUSED_MOE_UNQUANTIZED_CONFIG,
             FusedMoEConfig,
             FusedMoEParallelConfig,
             RoutingMethodType,
@@ -499,9 +499,10 @@ class _LLExperts:
                           global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
                           expert_tokens_meta, apply_router_weight_on_input):
                     counts = expert_tokens_meta.expert_num_tokens
-                    self.seen.append((hidden_states.clone(), counts.clone()))
-                    output.copy_(ll_expert_outputs(hidden_states, counts, self.ep_rank, global_num_experts,
-                                                   self.ep_size))
+                    # FP8 dispatch: DeepEP's e4m3 batch with its scales, as the kernels get it
+                    x = ll_dequant(hidden_states, a1q_scale)
+                    self.seen.append((x, counts.clone()))
+                    output.copy_(ll_expert_outputs(x, counts, self.ep_rank, global_num_experts, self.ep_size))
                     return None
 
             cls.cls = LLRefExperts
@@ -513,27 +514,35 @@ class _LLExperts:
                              num_logical_experts=num_experts, activation=MoEActivation.SILU, device="cpu",
                              routing_method=RoutingMethodType.TopK, moe_parallel_config=pcfg,
                              in_dtype=torch.bfloat16, max_num_tokens=LL_MAX)
-        experts = cls.cls(moe, FUSED_MOE_UNQUANTIZED_CONFIG, max_num_tokens=LL_MAX, num_dispatchers=ep)
+        experts = cls.cls(moe, quant_config, max_num_tokens=LL_MAX, num_dispatchers=ep)
         experts.ep_rank, experts.ep_size, experts.seen = rank, ep, []
         return moe, experts
 
 
-def _ll_kernel(rank, ep, num_experts, manager):
+def _ll_kernel(rank, ep, num_experts, manager, fp8=False):
     """vLLM's own factory picks and builds DeepEPLLPrepareAndFinalize (the manager's
-    get_handle makes the deep_ep.Buffer), in a FusedMoEKernel with the toy experts."""
+    get_handle makes the deep_ep.Buffer), in a FusedMoEKernel with the toy experts. ``fp8``:
+    a block-FP8 (128 x 128) layer, for which vLLM dispatches in DeepEP's FP8."""
+    import torch
     from vllm.model_executor.layers.fused_moe.all2all_utils import maybe_make_prepare_finalize
-    from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+    from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG, fp8_w8a8_moe_quant_config
     from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEKernel
     from vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_ll import DeepEPLLPrepareAndFinalize
 
-    moe, experts = _LLExperts.make(rank, ep, num_experts)
+    nle = num_experts // ep
+    qc = FUSED_MOE_UNQUANTIZED_CONFIG
+    if fp8:
+        qc = fp8_w8a8_moe_quant_config(w1_scale=torch.ones(nle, 2 * LL_HIDDEN // 128, LL_HIDDEN // 128),
+                                       w2_scale=torch.ones(nle, LL_HIDDEN // 128, 2 * LL_HIDDEN // 128),
+                                       block_shape=[128, 128])
+    moe, experts = _LLExperts.make(rank, ep, num_experts, qc)
     assert moe.use_deepep_ll_kernels
-    pf = maybe_make_prepare_finalize(moe, FUSED_MOE_UNQUANTIZED_CONFIG, all2all_manager=manager)
-    assert isinstance(pf, DeepEPLLPrepareAndFinalize), pf
+    pf = maybe_make_prepare_finalize(moe, qc, all2all_manager=manager)
+    assert isinstance(pf, DeepEPLLPrepareAndFinalize) and pf.use_fp8_dispatch is fp8, pf
     return FusedMoEKernel(pf, experts), pf, experts
 
 
-def _ll_layer(kernel, experts, cfg, rank, ep, num_experts, seed, tokens=None, dead=()):
+def _ll_layer(kernel, experts, cfg, rank, ep, num_experts, seed, tokens=None, dead=(), fp8=False):
     """One MoE layer through FusedMoEKernel.apply (DeepEPLLPrepareAndFinalize's prepare:
     low_latency_dispatch with the recv hook; finalize: low_latency_combine into the output),
     the experts' batch and the output checked against the reference."""
@@ -556,10 +565,32 @@ def _ll_layer(kernel, experts, cfg, rank, ep, num_experts, seed, tokens=None, de
                            apply_router_weight_on_input=False)
     assert len(experts.seen) == 1, len(experts.seen)
     recv_x, recv_count = experts.seen[0]
-    ll_check_received(rank, f"round {seed}", inputs, recv_x, recv_count, num_experts, ep, dead)
-    want = ll_expected_combine(inputs, rank, num_experts, ep, dead)
-    assert out.shape == want.shape and torch.equal(out, want), \
-        f"rank {rank} round {seed}: FusedMoEKernel output (DeepEP LL on a2ad) differs from the reference"
+    ll_check_received(rank, f"round {seed}", ll_fp8_inputs(inputs) if fp8 else inputs, recv_x, recv_count,
+                      num_experts, ep, dead)
+    ll_check_combine(rank, f"round {seed} (FusedMoEKernel output)", out, inputs, num_experts, ep, fp8, dead)
+
+
+def _ll_async_layer(pf, rank, ep, num_experts, seed):
+    """DeepEPLLPrepareAndFinalize's async halves, as vLLM's dual-batch overlap drives them:
+    ``prepare_async`` (dispatch with the recv hook; the hook run later), then
+    ``finalize_async`` (combine with ``return_recv_hook``; the output valid after the hook)."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+    from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceDelegate
+
+    inputs = ll_round(seed, ep, num_experts, LL_MAX, LL_HIDDEN, LL_TOPK)
+    x, idx, w = inputs[rank]
+    hook, receiver = pf.prepare_async(x, w, idx, num_experts, None, False, FUSED_MOE_UNQUANTIZED_CONFIG)
+    hook()
+    expert_x, expert_x_scale, meta, _, _ = receiver()
+    counts = meta.expert_num_tokens
+    ll_check_received(rank, f"async round {seed}", inputs, expert_x, counts, num_experts, ep)
+    y = ll_expert_outputs(ll_dequant(expert_x, expert_x_scale), counts, rank, num_experts, ep)
+    out = torch.full((x.shape[0], LL_HIDDEN), 7.0, dtype=torch.bfloat16)
+    recv_hook, _ = pf.finalize_async(out, y, w, idx, False, TopKWeightAndReduceDelegate())
+    assert recv_hook is not None
+    recv_hook()
+    ll_check_combine(rank, f"async round {seed}", out, inputs, num_experts, ep, False)
 
 
 def deepep_ll_rounds(rank, ep, runtime_dir, pg_file, num_experts):
@@ -570,6 +601,7 @@ def deepep_ll_rounds(rank, ep, runtime_dir, pg_file, num_experts):
     cfg, manager = _ll_setup(rank, ep, runtime_dir, pg_file, fault_tolerance=False)
     assert manager.support_fault_tolerance is False
     kernel, pf, experts = _ll_kernel(rank, ep, num_experts, manager)
+    kfp8, pfp8, efp8 = _ll_kernel(rank, ep, num_experts, manager, fp8=True)  # a block-FP8 layer
     buf = pf.buffer
     assert isinstance(buf, a2ad.deep_ep.Buffer) and buf.low_latency_mode and buf.explicitly_destroy
     assert not buf.enable_shrink and buf.group_size == ep and buf.rank == rank
@@ -581,6 +613,12 @@ def deepep_ll_rounds(rank, ep, runtime_dir, pg_file, num_experts):
     assert pf2.buffer is buf
     _ll_layer(kernel2, experts2, cfg, rank, ep, num_experts, 6020)
     _ll_layer(kernel, experts, cfg, rank, ep, num_experts, 6021)
+    assert pfp8.buffer is buf
+    for rnd in range(2):  # FP8 dispatch of the same geometry, between bf16 layers
+        _ll_layer(kfp8, efp8, cfg, rank, ep, num_experts, 6030 + rnd, fp8=True)
+        _ll_layer(kernel, experts, cfg, rank, ep, num_experts, 6040 + rnd)
+    for rnd in range(2):
+        _ll_async_layer(pf, rank, ep, num_experts, 6050 + rnd)
     job = buf.job
     manager.destroy()  # vLLM's destroy: Buffer.destroy() of every cached handle
     with pytest.raises(Exception, match="destroyed"):
