@@ -64,3 +64,30 @@ def test_entry_points_and_extras_are_declared():
     assert extras["vllm"] == [f"vllm>={vllm.VLLM_TESTED[0]},<{vllm.VLLM_TESTED[1]}"]
     assert extras["sglang"] == [f"sglang>={sglang.SGLANG_TESTED[0]},<{sglang.SGLANG_TESTED[1]}"]
     assert "a2ad.integrations" in meta["tool"]["setuptools"]["packages"]
+
+
+def test_deep_ep_switch_serves_import_deep_ep_from_a2ad(monkeypatch):
+    """A2AD_DEEP_EP=1 with the plugins on: ``import deep_ep`` (and the engines' find_spec probe)
+    gives a2ad.deep_ep; either switch off: nothing happens."""
+    import importlib
+    import importlib.util
+
+    import a2ad.deep_ep
+    from a2ad import integrations
+
+    monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
+    for plugins, deep in (("", "1"), ("1", ""), ("1", "0"), ("0", "1")):
+        monkeypatch.setenv("A2AD_ENGINE_PLUGIN", plugins)
+        monkeypatch.setenv("A2AD_DEEP_EP", deep)
+        assert integrations.install_deep_ep() is False and "deep_ep" not in sys.modules
+    monkeypatch.setenv("A2AD_ENGINE_PLUGIN", "1")
+    monkeypatch.setenv("A2AD_DEEP_EP", "1")
+    assert integrations.install_deep_ep() is True
+    assert integrations.install_deep_ep() is True  # idempotent
+    import deep_ep
+
+    assert deep_ep is a2ad.deep_ep and importlib.import_module("deep_ep") is a2ad.deep_ep
+    assert importlib.util.find_spec("deep_ep") is not None
+    from deep_ep import Buffer, Config  # what SGLang's dispatcher module imports
+
+    assert Buffer is a2ad.deep_ep.Buffer and Config is a2ad.deep_ep.Config
