@@ -103,11 +103,12 @@ class _RefExperts:
     cls = None
 
     @classmethod
-    def make(cls, rank, ep, num_experts, quant_config):
+    def make(cls, rank, ep, num_experts):
         import torch
         from vllm.model_executor.layers.fused_moe import modular_kernel as mk
         from vllm.model_executor.layers.fused_moe.activation import MoEActivation
         from vllm.model_executor.layers.fused_moe.config import (
+            FUSED_MOE_UNQUANTIZED_CONFIG,
             FusedMoEConfig,
             FusedMoEParallelConfig,
             RoutingMethodType,
