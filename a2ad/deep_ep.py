@@ -408,23 +408,35 @@ class Buffer:
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
         """A view of this rank's local buffer of ``num_rdma_bytes`` (``use_rdma_buffer``) or
         ``num_nvl_bytes`` bytes, as ``dtype`` from byte ``offset`` (``size``: a shape, else all
-        of it). The buffer is private scratch (allocated at the first call): a2ad's data path
-        does not use it, so zeroing it (vLLM's clean_buffers) is harmless."""
+        of it). a2ad's data path does not use this buffer (its jobs' workspaces are the
+        daemon's), so no memory of that size is held for it:
+
+        - without ``size`` (the rest of the buffer, as vLLM's ``clean_buffers`` asks before
+          zeroing it): a view whose elements all share one zeroed element (stride 0), so that
+          ``zero_()`` / ``fill_()`` work and cost nothing, and an element-wise write is refused
+          by torch ("more than one element ... refers to a single memory location");
+        - with ``size``: private scratch of this rank, grown to ``offset`` + the view's bytes
+          at the first call that needs it (views handed out before keep their memory)."""
         self._live()
         total = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
         elem = torch.empty((), dtype=dtype).element_size()
         offset = _int("offset", offset, 0, total)
-        buf = self._local_buffers.get(use_rdma_buffer)
-        if buf is None:
-            buf = self._local_buffers[use_rdma_buffer] = torch.zeros(total, dtype=torch.uint8, device=self.device)
         if isinstance(size, int):
             size = (size,)
         count = (total - offset) // elem if size is None else math.prod(size)
         if offset + count * elem > total:
             raise errors.InputError(f"{count} elements of {dtype} from byte {offset} exceed the {total}-byte buffer",
                                     argument="size")
-        view = buf[offset: offset + count * elem].view(dtype)
-        return view if size is None else view.view(*size)
+        if size is None:
+            return torch.zeros(1, dtype=dtype, device=self.device).expand(count)
+        end = offset + count * elem
+        buf = self._local_buffers.get(use_rdma_buffer)
+        if buf is None or buf.numel() < end:
+            grown = torch.zeros(end, dtype=torch.uint8, device=self.device)
+            if buf is not None:
+                grown[: buf.numel()].copy_(buf)
+            buf = self._local_buffers[use_rdma_buffer] = grown
+        return buf[offset:end].view(dtype).view(*size)
 
     # --- normal mode (refused) ------------------------------------------------------------
     @staticmethod

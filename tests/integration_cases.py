@@ -265,3 +265,115 @@ def fi_kill9(rank, ep, runtime_dir, pg_file, num_experts, policy, stamp):
         return seen
     finally:
         comm.destroy()
+
+
+# ---------------------------------------------------------------------------
+# DeepEP low-latency rounds (the engines' DeepEP LL paths on a2ad.deep_ep)
+# ---------------------------------------------------------------------------
+def ll_round(seed: int, ep: int, num_experts: int, num_max: int, hidden: int, topk: int, tokens=None, dead=()):
+    """Every rank's (x bf16 [T, hidden], topk_idx int64 [T, topk], weights float32 [T, topk]) of
+    one DeepEP LL round, with small integer values and half-integer weights (every sum exact
+    in bfloat16), about a sixth of the ids -1; dead ranks have no tokens."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    if tokens is None:
+        tokens = torch.randint(1, num_max + 1, (ep,), generator=g).tolist()
+    out = []
+    for r in range(ep):
+        t = 0 if r in dead else tokens[r]
+        idx = torch.rand(t, num_experts, generator=g).argsort(dim=1)[:, :topk].to(torch.int64)
+        idx[torch.rand(t, topk, generator=g) < 1 / 6] = -1
+        x = torch.randint(-4, 5, (t, hidden), generator=g).to(torch.bfloat16)
+        w = torch.randint(1, 5, (t, topk), generator=g).float() * 0.5
+        out.append((x, idx, w))
+    return out
+
+
+def ll_factor(e: int) -> int:
+    """The toy expert e: x * (1 + e % 3)."""
+    return 1 + e % 3
+
+
+def ll_expert_outputs(recv_x, recv_count, rank: int, num_experts: int, ep: int):
+    """The toy experts on DeepEP's expert-major batch ([L, R * num_max, hidden], bf16 or float):
+    valid rows times their expert's factor, the rest zero."""
+    import torch
+
+    lx = num_experts // ep
+    f = torch.tensor([ll_factor(rank * lx + le) for le in range(lx)], dtype=torch.float32).view(lx, 1, 1)
+    valid = torch.arange(recv_x.shape[1]).view(1, -1, 1) < recv_count.view(lx, 1, 1).to(torch.int64)
+    return torch.where(valid, recv_x.float() * f, 0.0).to(torch.bfloat16)
+
+
+def ll_expected_combine(inputs, rank: int, num_experts: int, ep: int, dead=()):
+    """bf16 [T, hidden]: sum over k of w * factor(e) * x (experts of dead ranks count nothing)."""
+    import torch
+
+    x, idx, w = inputs[rank]
+    lx = num_experts // ep
+    acc = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for k in range(idx.shape[1]):
+            e = int(idx[t, k])
+            if e >= 0 and e // lx not in dead:
+                acc[t] += w[t, k] * ll_factor(e) * x[t].float()
+    return acc.to(torch.bfloat16)
+
+
+def ll_check_received(rank: int, what: str, inputs, recv_x, recv_count, num_experts: int, ep: int, dead=()):
+    """Each local expert's valid rows (as a multiset, DeepEP's order being free) and count
+    against every source's tokens naming it."""
+    import torch
+
+    lx = num_experts // ep
+    assert tuple(recv_count.shape) == (lx,), (what, recv_count.shape)
+    for le in range(lx):
+        e = rank * lx + le
+        want = [x[t] for s, (x, idx, _) in enumerate(inputs) if s not in dead
+                for t in (idx == e).any(1).nonzero().flatten().tolist()]
+        n = int(recv_count[le])
+        assert n == len(want), f"rank {rank} {what}: expert {e} received {n} rows, want {len(want)}"
+        if n:
+            got = sorted(tuple(r) for r in recv_x[le, :n].float().tolist())
+            exp = sorted(tuple(r) for r in torch.stack(want).float().tolist())
+            assert got == exp, f"rank {rank} {what}: expert {e}'s rows differ from its sources' tokens"
+
+
+def ll_dequant(x, scale):
+    """DeepEP's LL FP8 batch ([L, N, H] e4m3, float32 scales [L, N, H / 128]) as float32; bf16
+    (``scale`` None) as float32."""
+    if scale is None:
+        return x.float()
+    lx, n, h = x.shape
+    return (x.float().view(lx, n, h // 128, 128) * scale.float().unsqueeze(3)).view(lx, n, h)
+
+
+def ll_fp8_inputs(inputs):
+    """The round's inputs with each token as DeepEP's FP8 dispatch delivers it (per-128-channel
+    e4m3 with amax / 448 scales, dequantized), for checking what an expert received."""
+    from a2ad.deep_ep import quantize_fp8
+
+    out = []
+    for x, idx, w in inputs:
+        if x.shape[0]:
+            q, s = quantize_fp8(x, False)
+            x = ll_dequant(q.unsqueeze(0), s.unsqueeze(0))[0]
+        out.append((x.float(), idx, w))
+    return out
+
+
+def ll_check_combine(rank: int, what: str, got, inputs, num_experts: int, ep: int, fp8: bool, dead=()):
+    """The combine output against the reference: exact for bf16 dispatch; for FP8 within e4m3's
+    error (3 mantissa bits: 1/16 relative) of the sum of magnitudes, plus bf16's rounding."""
+    import torch
+
+    want = ll_expected_combine(inputs, rank, num_experts, ep, dead)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16, (what, got.shape, got.dtype)
+    if not fp8:
+        assert torch.equal(got, want), f"rank {rank} {what}: combine differs from the reference"
+        return
+    mag = ll_expected_combine([(x.abs(), i, w.abs()) for x, i, w in inputs], rank, num_experts, ep, dead)
+    bound = 0.07 * mag.float() + 1e-2
+    assert bool(((got.float() - want.float()).abs() <= bound).all()), \
+        f"rank {rank} {what}: FP8 combine beyond FP8's error"

@@ -345,9 +345,17 @@ def ll_rounds(rank, ep, runtime_dir, init_file, device="cpu"):
             buf.clean_low_latency_buffer(NUM_MAX, HIDDEN, E)  # a barrier
             scratch = buf.get_local_buffer_tensor(torch.int8, use_rdma_buffer=True)
             assert scratch.numel() == buf.num_rdma_bytes and scratch.dtype == torch.int8
+            # vLLM's clean_buffers zeroes the whole buffer: no memory of num_rdma_bytes behind it
+            assert scratch.untyped_storage().nbytes() < 4096, scratch.untyped_storage().nbytes()
             scratch.zero_()
+            assert not bool(scratch.any())
+            with pytest.raises(RuntimeError, match="single memory location"):
+                scratch.copy_(torch.arange(scratch.numel(), device=dev).to(torch.int8))
             part = buf.get_local_buffer_tensor(torch.float32, (4, 8), offset=128, use_rdma_buffer=True)
-            assert part.shape == (4, 8)
+            assert part.shape == (4, 8) and part.dtype == torch.float32
+            part.copy_(torch.arange(32, dtype=torch.float32, device=dev).view(4, 8))
+            again = buf.get_local_buffer_tensor(torch.float32, (4, 8), offset=128, use_rdma_buffer=True)
+            assert torch.equal(again, part) and again.untyped_storage().nbytes() == 128 + 4 * 32
             assert isinstance(deep_ep.Buffer.capture(), deep_ep.EventOverlap)
             stream = buf.get_comm_stream()
             assert (stream is None) == (dev.type == "cpu")

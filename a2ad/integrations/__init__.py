@@ -2,17 +2,49 @@
 (:mod:`a2ad.integrations.flashinfer`) and the vLLM and SGLang plugins
 (:mod:`a2ad.integrations.vllm`, :mod:`a2ad.integrations.sglang`), which an engine loads
 through its plugin entry point and which act only when ``A2AD_ENGINE_PLUGIN=1``
-(docs/ENGINES.md)."""
+(docs/ENGINES.md). With ``A2AD_DEEP_EP=1`` as well, the plugins also make ``import deep_ep``
+give :mod:`a2ad.deep_ep` in the engine's processes (:func:`install_deep_ep`), so that the
+engines' DeepEP low-latency paths run on a2ad."""
 
+import logging
 import os
+import sys
 
 #: The one switch that turns the engine plugins on (off by default).
 SWITCH = "A2AD_ENGINE_PLUGIN"
+#: With the plugins on, also serve the engines' ``import deep_ep`` from :mod:`a2ad.deep_ep`.
+DEEP_EP_SWITCH = "A2AD_DEEP_EP"
+
+_ON = ("1", "true", "yes", "on")
 
 
 def enabled() -> bool:
     """Whether ``A2AD_ENGINE_PLUGIN`` is set to 1 (or true/yes/on)."""
-    return os.environ.get(SWITCH, "").strip().lower() in ("1", "true", "yes", "on")
+    return os.environ.get(SWITCH, "").strip().lower() in _ON
+
+
+def deep_ep_enabled() -> bool:
+    """Whether the plugins are on and ``A2AD_DEEP_EP`` is set to 1 (or true/yes/on)."""
+    return enabled() and os.environ.get(DEEP_EP_SWITCH, "").strip().lower() in _ON
+
+
+def install_deep_ep() -> bool:
+    """Make ``deep_ep`` name :mod:`a2ad.deep_ep` in this process (``sys.modules``), so that an
+    engine's ``import deep_ep`` / ``from deep_ep import Buffer`` and its ``find_spec("deep_ep")``
+    probe get a2ad's drop-in, a DeepEP installed alongside or not. Acts only when
+    :func:`deep_ep_enabled`; returns whether ``deep_ep`` is a2ad's now. Idempotent."""
+    if not deep_ep_enabled():
+        return False
+    import a2ad.deep_ep as mod
+
+    previous = sys.modules.get("deep_ep")
+    if previous is not mod:
+        if previous is not None:
+            logging.getLogger("a2ad.integrations").warning(
+                "a2ad: deep_ep was already imported (%s) before %s=1 took effect; later imports get a2ad.deep_ep",
+                getattr(previous, "__file__", previous), DEEP_EP_SWITCH)
+        sys.modules["deep_ep"] = mod
+    return True
 
 
 def version_tuple(v: str) -> tuple:

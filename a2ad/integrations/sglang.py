@@ -15,6 +15,12 @@ SGLang's ``HookRegistry`` (applied by ``load_plugins``):
   into ``active_ranks`` (int32 on the device, 1 = active) in stream order, without a host
   sync, so SGLang's rebalancing sees a lost rank at the next step instead of after a timeout.
 
+With ``A2AD_DEEP_EP=1`` as well, ``import deep_ep`` gives :mod:`a2ad.deep_ep` in every SGLang
+process, so that ``--moe-a2a-backend deepep --deepep-mode low_latency`` runs SGLang's own
+``DeepEPDispatcher`` (its low-latency implementation and ``DeepEPBuffer``) on a2ad. The
+normal mode (``--deepep-mode normal``, and ``auto``'s prefill batches) is refused by
+:mod:`a2ad.deep_ep` (``NotSupported``), naming ``low_latency``.
+
 Settings (environment): ``A2AD_ON_PEER_LOSS`` (``raise``, the default, or ``degrade``;
 elastic EP needs ``degrade`` to keep serving), ``A2AD_RUNTIME_DIR``, ``A2AD_TIMEOUT``.
 
@@ -26,13 +32,14 @@ from __future__ import annotations
 import logging
 import sys
 
-from . import SWITCH, check_version as _check_version, enabled, env_options
+from . import DEEP_EP_SWITCH, SWITCH, check_version as _check_version, enabled, env_options, install_deep_ep
 
 logger = logging.getLogger("a2ad.integrations.sglang")
 
 #: SGLang versions this plugin was tested with: [low, high).
 SGLANG_TESTED = ("0.5.23", "0.5.24")
 DISPATCHER = "sglang.srt.layers.moe.token_dispatcher.flashinfer.FlashinferDispatcher"
+DEEPEP_MODULE = "sglang.srt.layers.moe.token_dispatcher.deepep"
 _MODULE = DISPATCHER.rsplit(".", 1)[0]
 #: room for each payload's region being padded to 128 bytes (up to 4 payloads)
 _PADDING_SLACK = 4 * 128
@@ -159,6 +166,29 @@ def install() -> None:
     HookRegistry.register(f"{DISPATCHER}.combine", _after_combine, HookType.AFTER)
 
 
+def install_deep_ep_ll() -> bool:
+    """With ``A2AD_DEEP_EP=1``: ``deep_ep`` is :mod:`a2ad.deep_ep` in this process. SGLang's
+    DeepEP dispatcher module imports ``Buffer`` and ``Config`` from it when it is first imported;
+    if that happened before (and found no DeepEP), its names are bound now, as its import
+    would have. Returns whether it acted."""
+    if not install_deep_ep():
+        return False
+    mod = sys.modules.get(DEEPEP_MODULE)
+    if mod is not None and getattr(mod, "Buffer", None) is not sys.modules["deep_ep"].Buffer:
+        import a2ad.deep_ep as dep
+
+        mod.Buffer, mod.Config = dep.Buffer, dep.Config
+        if not hasattr(mod, "sglang_per_token_group_quant_fp8"):
+            try:
+                from sglang.kernels.ops.quantization.fp8_kernel import sglang_per_token_group_quant_fp8
+            except Exception:  # only its normal mode uses it, which a2ad.deep_ep refuses
+                sglang_per_token_group_quant_fp8 = None
+            mod.sglang_per_token_group_quant_fp8 = sglang_per_token_group_quant_fp8
+        mod.use_deepep = True
+        mod._deepep_import_error = None
+    return True
+
+
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point: acts only with ``A2AD_ENGINE_PLUGIN=1``."""
     global _registered
@@ -166,5 +196,9 @@ def register() -> None:
         return
     version = check_version()
     install()
+    deep = install_deep_ep_ll()
     _registered = True
     logger.info("a2ad: SGLang %s's FlashinferDispatcher runs on a2ad (%s=1)", version, SWITCH)
+    if deep:
+        logger.info("a2ad: deep_ep is a2ad.deep_ep (%s=1): --moe-a2a-backend deepep --deepep-mode low_latency "
+                    "runs on a2ad", DEEP_EP_SWITCH)

@@ -19,6 +19,12 @@ a2ad.integrations.vllm:register``) in every vLLM process; it does nothing unless
   ``clean_buffers()`` (re-arms a failed rank, then takes the mask as the new baseline).
 - vLLM's worker sentinel accepts ``flashinfer_nvlink_one_sided`` as a fault-tolerant backend.
 
+With ``A2AD_DEEP_EP=1`` as well, ``import deep_ep`` gives :mod:`a2ad.deep_ep` in every vLLM
+process (and vLLM's cached ``has_deep_ep()`` probe is re-run), so that ``--all2all-backend
+deepep_low_latency`` runs vLLM's own ``DeepEPLLAll2AllManager`` (its ``deep_ep.Buffer``, with
+``enable_shrink`` from ``--enable-fault-tolerance``, and its ``query_active_mask`` /
+``query_fault`` / ``clean_buffers``) and ``DeepEPLLPrepareAndFinalize`` on a2ad.
+
 Settings (environment): ``A2AD_ON_PEER_LOSS`` (``raise``, the default, or ``degrade``),
 ``A2AD_RUNTIME_DIR`` (the daemon's runtime folder; default the daemon's default),
 ``A2AD_TIMEOUT`` (seconds for the rendezvous and every wait on a peer, default 60).
@@ -29,10 +35,11 @@ The plugin refuses a vLLM outside the tested range at load, naming both versions
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import replace
 from typing import Optional
 
-from . import SWITCH, check_version as _check_version, enabled, env_options
+from . import DEEP_EP_SWITCH, SWITCH, check_version as _check_version, enabled, env_options, install_deep_ep
 
 logger = logging.getLogger("a2ad.integrations.vllm")
 
@@ -183,6 +190,19 @@ def install() -> None:
         sentinel.FT_BACKEND_SET = frozenset(sentinel.FT_BACKEND_SET | {BACKEND})
 
 
+def install_deep_ep_ll() -> bool:
+    """With ``A2AD_DEEP_EP=1``: ``deep_ep`` is :mod:`a2ad.deep_ep` in this process, and vLLM's
+    cached module probes (``has_deep_ep()``) forget an earlier answer. Returns whether it acted."""
+    if not install_deep_ep():
+        return False
+    iu = sys.modules.get("vllm.utils.import_utils")
+    for name in ("_has_module", "_has_module_spec"):
+        probe = getattr(iu, name, None)
+        if probe is not None and hasattr(probe, "cache_clear"):
+            probe.cache_clear()
+    return True
+
+
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: acts only with ``A2AD_ENGINE_PLUGIN=1``."""
     global _registered
@@ -192,5 +212,9 @@ def register() -> None:
         return
     version = check_version()
     install()
+    deep = install_deep_ep_ll()
     _registered = True
     logger.info("a2ad: vLLM %s's %s all-to-all runs on a2ad (%s=1)", version, BACKEND, SWITCH)
+    if deep:
+        logger.info("a2ad: deep_ep is a2ad.deep_ep (%s=1): --all2all-backend deepep_low_latency runs on a2ad",
+                    DEEP_EP_SWITCH)
