@@ -137,3 +137,8 @@ register(
     "a remote rank counted dead because its node was lost is written to the state file without that mark: a "
     "daemon restarted before the node is heard again takes the rank for dead for good, and the job's nodes "
     "keep different masks")
+register(
+    "readmit_unseen_by_rankless_node", "domain",
+    "a replacement let back into a degrade job by its node while no other node has live ranks of the job is "
+    "answered at once, so no report of it says readmit: a node whose ranks come back later never sets its "
+    "bit, and the two nodes serve with different masks")

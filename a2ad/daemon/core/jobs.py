@@ -70,6 +70,10 @@ class RankSlot:
     readmit_wait: bool = False  # (of another node's rank: as its node reports)
     #: Nodes that have taken the held replacement back in (see ``readmit_wait``).
     readmit_acks: set = field(default_factory=set)
+    #: Of another node's rank: a replacement of a rank this node counted gone, reported
+    #: while the job serves degraded here; taken back in here once reported attached (its
+    #: node may have answered its join before any report said ``readmit``).
+    replaced: bool = False
     #: A remote rank let back in by its node without a job-wide re-arm: its ``deaths`` count
     #: at that re-admission, which this node has applied (this node's reports list it).
     admit_ack: int | None = None

@@ -95,6 +95,20 @@ class Mirror:
                 self.fx.dirty = True
             state = rec["state"]
             readmit = bool(rec.get("readmit")) and effects and state in (L.RANK_JOINING, L.RANK_ATTACHED)
+            # a replacement its node let in and answered at once, before any report said
+            # readmit: no other node had live ranks of the job to wait for (this one had none
+            # then). Reported joining or attached while this node counts the rank gone and
+            # the job serves degraded here, it is let back in here too once attached, or this
+            # node's ranks would serve without it when they come back
+            if effects and job.serving_degraded and slot.state in (L.RANK_DEAD, L.RANK_LEFT) \
+                    and state in (L.RANK_JOINING, L.RANK_ATTACHED):
+                slot.replaced = True
+            elif state not in (L.RANK_JOINING, L.RANK_ATTACHED):
+                slot.replaced = False
+            came_back = slot.replaced and state == L.RANK_ATTACHED \
+                and not mutations.active("readmit_unseen_by_rankless_node")
+            if came_back:
+                slot.replaced = False
             if slot.readmit_wait and not rec.get("readmit") and state == L.RANK_JOINING and slot.state == state:
                 # its node answered the replacement's held join (every node took it back in): it
                 # counts as attached, as a domain release makes it (its attach is no news here)
@@ -121,7 +135,7 @@ class Mirror:
                                 job.name, r, node)
             if state != slot.state:
                 self._remote_state(job, slot, state, f"(as node {node} reports)", effects)
-            if readmit:
+            if readmit or came_back:
                 # its node let it back in without a job-wide re-arm: here too
                 self.policy.apply_readmit(job, slot, slot.deaths)
             elif slot.admit_ack is not None and not slot.live:
@@ -211,6 +225,7 @@ class Mirror:
                 # released with the others by its own daemon: its node reports it only when that
                 # is news for every holder (federation.Federation._peer_key)
                 slot.remote_waiting = None
+                slot.replaced = False  # let in with every rank of the job
                 if slot.state == L.RANK_JOINING:
                     job.set_rank_state(slot, L.RANK_ATTACHED)
                     slot.attaches += 1
