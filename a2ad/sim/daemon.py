@@ -662,6 +662,11 @@ class World:
                 return
             p.lease = reply.payload["lease"]
             p.state = "redeeming"
+            if self.stall_next_attach:
+                # its daemon stops right after it released the join, before it sees the redeem:
+                # its last report says the rank is joining
+                self.stall_next_attach = False
+                self.stall_node(node, self.rng.choice((3.0, 5.0, 8.0)))
             self.at(self.now + self.rng.choice((0.0, 0.001, 0.05)), f"redeem {pid}", self.redeem, p,
                     reply.payload["ticket"], "join")
         elif p.state == "recovering":
@@ -694,7 +699,18 @@ class World:
 
     def redeem(self, p: Proc, ticket: bytes, kind: str) -> None:
         node = self.node_of(p)
-        if not p.alive or node.reg is None or not (p.state == "redeeming" if kind == "join" else p.renewing):
+        if not p.alive or not (p.state == "redeeming" if kind == "join" else p.renewing):
+            return
+        if node.reg is None:
+            # no daemon listens on fd.sock: the client's connect fails (DaemonUnavailable); a join
+            # is tried again, a renew asked for again once a daemon answers
+            self.log(f"p{p.pid}", "redeem: no daemon listening")
+            if kind == "join":
+                p.state = "idle"
+                self.at(self.now + 0.5, f"join {p.pid}", self.join, p)
+            else:
+                p.renewing = False
+                self.at(self.now + 0.5, f"renew {p.pid}", self.renew, p)
             return
         if self.now < node.stalled_until:
             self.at(node.stalled_until, f"redeem {p.pid}", self.redeem, p, ticket, kind)
@@ -736,12 +752,6 @@ class World:
         p.state = "attached"
         p.tries = 0
         self.log(f"p{p.pid}", f"attached ({kind})")
-        if self.stall_next_attach:
-            # its daemon stops before its next full report says the rank is attached
-            self.stall_next_attach = False
-            node = self.node_of(p)
-            self.at(self.now + self.rng.uniform(0.0, 0.4), "stall-after-attach", self.stall_node, node,
-                    self.rng.choice((3.0, 5.0, 8.0)))
         self.next_act(p, self.rng.uniform(0.5, 8.0))
 
     def next_act(self, p: Proc, after: float) -> None:
@@ -978,11 +988,28 @@ class World:
 
     def arm_stall_after_attach(self, job: str) -> None:
         """A rank of ``job`` is killed and replaced, and the replacement's daemon stops right
-        after the replacement attached."""
+        after it released the replacement's join, before the replacement redeems its ticket
+        and attaches."""
         victims = [p for p in self.procs.values() if p.alive and p.job == job and p.state == "attached"]
         if victims:
             self.stall_next_attach = True
             self.kill(self.rng.choice(victims), replace=True)
+
+    def node_ranks_lost(self, job: str) -> None:
+        """Every rank of ``job`` outside one node is killed, and one rank on that node: its
+        replacement comes first (let back in while no other node has live ranks of the job),
+        the other nodes' replacements seconds later."""
+        alive = [p for p in self.procs.values() if p.alive and p.job == job and p.state == "attached"]
+        keep = [n for n in sorted({p.node for p in alive}) if sum(p.node == n for p in alive) >= 2]
+        if not keep or len({p.node for p in alive}) < 2:
+            return
+        kept = self.rng.choice(keep)
+        self.fault(f"every rank of {job} outside {kept} killed, and one on it")
+        for p in alive:
+            if p.node != kept:
+                self.exit(p, "kill -9")
+                self.at(self.now + self.rng.uniform(3.0, 6.0), "replace", self.spawn, p.job, p.rank)
+        self.kill(self.rng.choice([p for p in alive if p.node == kept]), replace=True)
 
     def liar(self, job: str) -> None:
         """A node that is not the job's coordinator claims, as if it were, that one of the
@@ -1123,7 +1150,8 @@ class World:
             self.at(0.25, f"timers {node.name}", self.timers, node)
         kinds = ["restart", "upgrade", "upgrade", "disk-full", "steal", "kill-daemon"]
         if self.cfg is not None:
-            kinds += ["stall-node", "stall-node", "partition", "partition", "one-way", "liar", "stall-after-attach"]
+            kinds += ["stall-node", "stall-node", "partition", "partition", "one-way", "liar", "stall-after-attach",
+                      "restart-while-lost", "node-ranks-lost"]
         for _ in range(self.rng.randint(0, 4)):
             t = self.rng.uniform(3, self.active)
             what = self.rng.choice(kinds)
@@ -1138,6 +1166,16 @@ class World:
                 self.at(t, what, self.disk_full, node, self.rng.uniform(1.0, 10.0))
             elif what == "stall-node":
                 self.at(t, what, self.stall_node, node, self.rng.choice((0.5, 1.5, 3.0, 8.0)))
+            elif what == "restart-while-lost":
+                # a node is counted lost (stopped past the loss bound) and another node's daemon
+                # is killed and started again before the lost node is heard again
+                other = self.nodes[self.rng.choice([n for n in names if n != node.name])]
+                lost_for = self.rng.uniform(1.6, 2.6) * self.cfg.loss_bound
+                self.at(t, "stall-node", self.stall_node, node, lost_for)
+                self.at(t + self.rng.uniform(1.1, 1.4) * self.cfg.loss_bound, "kill-daemon", self.restart, other,
+                        self.rng.uniform(0.2, 1.0))
+            elif what == "node-ranks-lost":
+                self.at(t, what, self.node_ranks_lost, self.rng.choice(sorted(self.jobs)))
             elif what == "stall-after-attach":
                 self.at(t, what, self.arm_stall_after_attach, self.rng.choice(sorted(self.jobs)))
             elif what == "liar":
