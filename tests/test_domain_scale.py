@@ -80,7 +80,7 @@ def _wide_mask_summary_problem(ep: int) -> str | None:
               slots=[RankSlot(rank=r) for r in range(ep)])
     job.active_mask, job.rendezvous_count = L.full_mask(ep), 1
     try:
-        msgpack.packb(job.mask_wire())
+        msgpack.packb(job.mask_wire(0.0))
     except (OverflowError, TypeError) as exc:
         return f"Job.mask_wire: {type(exc).__name__}: {exc}"
     return None
