@@ -956,6 +956,17 @@ class World:
                 if mode == "reset":
                     self.at(until, "reconnect", self.reconnect, x, y)
 
+    def gate_restart(self, node: Node, seconds: float) -> None:
+        """``node``'s gate dies and its successor binds the domain port ``seconds`` later: the
+        connections other nodes hold to it are reset and refused until then (the daemon itself
+        serves on: it waits for the new gate in its loop)."""
+        self.fault(f"{node.name}'s gate killed, a new one listening after {seconds:.1f} s")
+        until = self.now + seconds
+        for other in self.nodes:
+            if other != node.name:
+                self.cut[(other, node.name)] = (until, "reset")
+                self.at(until, "reconnect", self.reconnect, other, node.name)
+
     def reconnect(self, a: str, b: str) -> None:
         """The transport between ``a`` and ``b`` connects again: a handshake at both ends."""
         for x, y in ((a, b), (b, a)):
@@ -1186,6 +1197,14 @@ class World:
                 self.at(t, what, self.partition, side, other, self.rng.choice((0.5, 2.0, 6.0)), what == "one-way")
             else:
                 self.at(t, what, self.steal)
+        if self.cfg is not None:
+            # a node's gate process is killed and started again; the new one binds the domain
+            # port only after seconds (another process held it): an rng of its own, so that the
+            # schedules above stay what they were
+            grng = random.Random(self.seed * 7919 + 17)
+            if grng.random() < 0.25:
+                self.at(grng.uniform(3, self.active), "gate-restart", self.gate_restart,
+                        self.nodes[grng.choice(names)], grng.uniform(0.05, 5.5))
 
     def run(self) -> Outcome:
         self.schedule()
