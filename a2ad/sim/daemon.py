@@ -490,6 +490,10 @@ class World:
         self.cut: dict[tuple[str, str], tuple[float, str]] = {}
         #: per link, the time its last message arrives (links keep their order, as TCP does)
         self.link_clock: dict[tuple[str, str], float] = {}
+        #: (sender, receiver) -> until when frames on that link may be duplicated or reordered
+        self.mess: dict[tuple[str, str], float] = {}
+        #: the rng of those duplicates and reorderings (apart, so the other schedules stay)
+        self.mess_rng = random.Random(seed * 104729 + 3)
         #: (job, generation) -> the release table first seen for it
         self.releases: dict[tuple[str, int], bytes] = {}
         self.last_fault = 0.0
@@ -559,6 +563,15 @@ class World:
         delay = self.rng.choice((0.0005, 0.001, 0.002, 0.005, 0.05))
         if self.now < until:
             delay += until - self.now + self.rng.choice((0.05, 0.2, 1.0))  # the retransmission after the heal
+        if self.now < self.mess.get(key, 0.0):
+            m = self.mess_rng
+            if m.random() < 0.3:  # a copy comes again later
+                self.at(max(self.now + delay, self.link_clock.get(key, 0.0)) + m.uniform(0.001, 0.5),
+                        f"frame {src.name}>{dst} (again)", self.deliver, src.name, src.instance, dst, data)
+            if m.random() < 0.3:  # this one comes late: frames sent after it overtake it
+                self.at(self.now + delay + m.uniform(0.01, 0.5), f"frame {src.name}>{dst} (late)", self.deliver,
+                        src.name, src.instance, dst, data)
+                return True
         t = max(self.now + delay, self.link_clock.get(key, 0.0))
         self.link_clock[key] = t
         self.at(t, f"frame {src.name}>{dst}", self.deliver, src.name, src.instance, dst, data)
@@ -956,6 +969,10 @@ class World:
                 if mode == "reset":
                     self.at(until, "reconnect", self.reconnect, x, y)
 
+    def mess_link(self, a: str, b: str, seconds: float) -> None:
+        self.fault(f"frames between {a} and {b} duplicated and reordered for {seconds:.1f} s")
+        self.mess[(a, b)] = self.mess[(b, a)] = self.now + seconds
+
     def gate_restart(self, node: Node, seconds: float) -> None:
         """``node``'s gate dies and its successor binds the domain port ``seconds`` later: the
         connections other nodes hold to it are reset and refused until then (the daemon itself
@@ -1205,6 +1222,11 @@ class World:
             if grng.random() < 0.25:
                 self.at(grng.uniform(3, self.active), "gate-restart", self.gate_restart,
                         self.nodes[grng.choice(names)], grng.uniform(0.05, 5.5))
+            if grng.random() < 0.3:
+                # frames between two nodes duplicated and reordered for a while
+                a, b = grng.sample(names, 2)
+                start, length = grng.uniform(2, self.active), grng.uniform(1.0, 10.0)
+                self.at(start, "mess", self.mess_link, a, b, length)
 
     def run(self) -> Outcome:
         self.schedule()
