@@ -98,10 +98,12 @@ class Mirror:
             # a replacement its node let in and answered at once, before any report said
             # readmit: no other node had live ranks of the job to wait for (this one had none
             # then). Reported joining or attached while this node counts the rank gone and
-            # the job serves degraded here, it is let back in here too once attached, or this
+            # the job serves degraded here (a new process or a new attach: not the same one
+            # counted gone by mistake), it is let back in here too once attached, or this
             # node's ranks would serve without it when they come back
             if effects and job.serving_degraded and slot.state in (L.RANK_DEAD, L.RANK_LEFT) \
-                    and state in (L.RANK_JOINING, L.RANK_ATTACHED):
+                    and state in (L.RANK_JOINING, L.RANK_ATTACHED) \
+                    and (slot.pid != before[1] or slot.attaches > before[4]):  # another process, or a new attach
                 slot.replaced = True
             elif state not in (L.RANK_JOINING, L.RANK_ATTACHED):
                 slot.replaced = False
