@@ -209,6 +209,8 @@ class SimKeeper:
 
     def __init__(self):
         self.kept: dict[str, object] = {}
+        #: a keeper that died holds nothing and takes nothing until its successor is filled
+        self.down = False
 
     def view(self, host: SimHost) -> "KeeperView":
         return KeeperView(self, host)
@@ -220,7 +222,8 @@ class KeeperView:
     host: SimHost
 
     def put(self, name: str, fd: int) -> None:
-        self.keeper.kept[name] = self.host.fds[fd][1]
+        if not self.keeper.down:
+            self.keeper.kept[name] = self.host.fds[fd][1]
 
     def drop(self, name: str) -> None:
         self.keeper.kept.pop(name, None)
@@ -922,6 +925,8 @@ class World:
         if node.reg is None or self.now < node.stalled_until:
             return
         self.fault(f"upgrade of {node.name}")
+        if node.keeper.down:  # a daemon that hands over starts a keeper first (fdstore.py close)
+            self.keeper_refill(node, node.instance)
         node.write_state()
         handover = node.state_records
         reset = [p for p in self.procs.values() if p.alive and p.node == node.name and p.state == "redeeming"]
@@ -935,7 +940,32 @@ class World:
                 p.state = "idle"
                 self.at(self.now + self.rng.uniform(0.01, 0.5), f"join {p.pid}", self.join, p)
 
+    def keeper_restart(self, node: Node, down: float) -> None:
+        """``node``'s keeper dies with every fd it held; the daemon notices at its next check
+        and starts another, which it fills with every fd it holds (fdstore.py ``check``)."""
+        if node.reg is None or node.keeper.down:
+            return
+        self.fault(f"{node.name}'s keeper killed, a new one filled after {down:.1f} s")
+        node.keeper.down = True
+        node.keeper.kept.clear()
+        self.at(self.now + down, "keeper refill", self.keeper_refill, node, node.instance)
+
+    def keeper_refill(self, node: Node, instance: int) -> None:
+        if node.reg is None or node.instance != instance:
+            return
+        if self.now < node.stalled_until:
+            self.at(node.stalled_until, "keeper refill", self.keeper_refill, node, instance)
+            return
+        node.keeper.kept = {name: node.host.fds[fd][1] for name, fd in node.reg.all_fds().items()}
+        node.keeper.down = False
+        self.log(node.name, f"keeper filled again ({len(node.keeper.kept)} fds)")
+
     def restart(self, node: Node, down: float) -> None:
+        if node.keeper.down:
+            # a daemon killed while its keeper is down takes the only copies of its fds with it:
+            # a double failure that loses its jobs by design; not scheduled
+            self.log(node.name, "kill -9 of the daemon left out: its keeper is down")
+            return
         self.fault(f"kill -9 of {node.name}'s daemon, back after {down:.1f} s")
         node.stop("killed")
         self.at(self.now + down, "daemon start", self._start, node)
@@ -1214,6 +1244,11 @@ class World:
                 self.at(t, what, self.partition, side, other, self.rng.choice((0.5, 2.0, 6.0)), what == "one-way")
             else:
                 self.at(t, what, self.steal)
+        krng = random.Random(self.seed * 15485863 + 5)
+        if krng.random() < 0.25:
+            # a node's keeper is killed; its daemon starts and fills another within 0.5-2 s
+            self.at(krng.uniform(3, self.active), "keeper-restart", self.keeper_restart,
+                    self.nodes[krng.choice(names)], krng.uniform(0.5, 2.0))
         if self.cfg is not None:
             # a node's gate process is killed and started again; the new one binds the domain
             # port only after seconds (another process held it): an rng of its own, so that the
