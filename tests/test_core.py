@@ -206,7 +206,7 @@ CAUGHT = {
 }
 
 
-@pytest.mark.parametrize("world,seeds", [("daemon", range(30)), ("domain", range(10))])
+@pytest.mark.parametrize("world,seeds", [("daemon", range(30)), ("domain", range(10)), ("wide", range(2))])
 def test_the_worlds_run_clean(world, seeds):
     for seed in seeds:
         out = WORLDS[world](seed, None)

@@ -2,7 +2,7 @@
 
 Seed k (of ``--start S`` .. S+N-1) runs one world chosen from k alone: round robin over the
 sorted names of the worlds that apply (``--world``; else the world of ``--mutation``; else
-every world), so ``--replay k`` with the same ``--world``/``--mutation`` runs exactly the same
+every default world; ``wide``, the large domains, runs only when named), so ``--replay k`` with the same ``--world``/``--mutation`` runs exactly the same
 schedule again and prints its whole trace. The last line is ``sim: N schedules, F faults, V
 violations``; the exit status is 0 only with no violation.
 """
@@ -16,7 +16,7 @@ import time
 
 from a2ad import mutations
 
-from .world import WORLDS, Outcome
+from .world import DEFAULT, WORLDS, Outcome
 
 #: world modules that register themselves on import
 WORLD_MODULES = ("a2ad.sim.plane", "a2ad.sim.daemon")
@@ -41,7 +41,7 @@ def world_names(world: str | None, mutation: str | None) -> list[str]:
         if m.world not in WORLDS:
             raise SystemExit(f"mutation {mutation!r} is caught by world {m.world!r}, which this tree lacks")
         return [m.world]
-    return sorted(WORLDS)
+    return sorted(DEFAULT)
 
 
 def world_for(seed: int, names: list[str]) -> str:

@@ -468,8 +468,11 @@ class Proc:
 class World:
     """Rank processes, daemons and the network between them, on one seeded schedule."""
 
-    def __init__(self, name: str, seed: int, mutation: str | None, nodes: int, domain: bool):
+    def __init__(self, name: str, seed: int, mutation: str | None, nodes: int, domain: bool,
+                 job_size: tuple[int, int] | None = None):
         self.name = name
+        #: (least, most) ranks of the one job of a wide domain; None: the usual jobs
+        self.job_size = job_size
         self.seed = seed
         self.mutation = mutation
         self.rng = random.Random(seed)
@@ -1196,9 +1199,12 @@ class World:
     # ---------------------------------------------------------------- the schedule
     def schedule(self) -> None:
         names = sorted(self.nodes)
-        for j in range(self.rng.randint(1, 3 if self.cfg is None else 2)):
+        for j in range(1 if self.job_size else self.rng.randint(1, 3 if self.cfg is None else 2)):
             name = f"j{j}"
-            ep = self.rng.choice((1, 2, 2, 3, 4)) if self.cfg is None else self.rng.randint(2, 2 * len(names))
+            if self.job_size:
+                ep = self.rng.randint(*self.job_size)
+            else:
+                ep = self.rng.choice((1, 2, 2, 3, 4)) if self.cfg is None else self.rng.randint(2, 2 * len(names))
             placement = [names[r % len(names)] for r in range(ep)] if self.cfg is not None else [names[0]] * ep
             self.jobs[name] = (ep, self.rng.choice(("raise", "degrade")), UIDS[j % 2], placement)
             for r in range(ep):
@@ -1292,6 +1298,21 @@ def run_daemon(seed: int, mutation: str | None = None) -> Outcome:
     _quiet()
     with mutations.enabled(mutation):
         return World("daemon", seed, mutation, nodes=1, domain=False).run()
+
+
+@register("wide", default=False)
+def run_wide(seed: int, mutation: str | None = None) -> Outcome:
+    """A domain of the sizes the docs measure with real daemons: 8-18 nodes with a job of 2 to
+    4 ranks per node (up to ep 72 over 18), or, one seed in four, ep 256 over 4 nodes."""
+    _quiet()
+    rng = random.Random(seed ^ 0x3D1E)
+    if rng.random() < 0.25:
+        nodes, size = 4, (256, 256)
+    else:
+        nodes = rng.randint(8, 18)
+        size = (2 * nodes, 4 * nodes)
+    with mutations.enabled(mutation):
+        return World("wide", seed, mutation, nodes=nodes, domain=True, job_size=size).run()
 
 
 @register("domain")

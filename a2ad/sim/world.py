@@ -34,15 +34,20 @@ RunFn = Callable[[int, Optional[str]], Outcome]
 
 #: name -> run(seed, mutation)
 WORLDS: dict[str, RunFn] = {}
+#: the worlds a run without ``--world`` goes round (the others run only when named)
+DEFAULT: set[str] = set()
 
 
-def register(name: str) -> Callable[[RunFn], RunFn]:
-    """Decorator: add ``run`` to :data:`WORLDS` under ``name``."""
+def register(name: str, default: bool = True) -> Callable[[RunFn], RunFn]:
+    """Decorator: add ``run`` to :data:`WORLDS` under ``name`` (and, with ``default``, to the
+    worlds a run without ``--world`` goes round)."""
 
     def deco(fn: RunFn) -> RunFn:
         if name in WORLDS and WORLDS[name] is not fn:
             raise ValueError(f"world {name!r} is already registered")
         WORLDS[name] = fn
+        if default:
+            DEFAULT.add(name)
         return fn
 
     return deco
