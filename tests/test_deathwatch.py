@@ -76,6 +76,37 @@ def test_a_thread_handle_is_given_only_for_a_thread_of_the_named_process():
         child.wait()
 
 
+def test_a_thread_handle_numbered_past_1024_is_checked_too():
+    """A daemon with many ranks holds fds numbered past 1024 (select()'s limit): the check of a
+    new thread handle works there as well."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the open-file limit ({hard}) leaves no fd numbers past 1024")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    stop = threading.Event()
+    box = []
+    t = threading.Thread(target=lambda: (box.append(threading.get_native_id()), stop.wait(60)))
+    t.start()
+    held = []
+    try:
+        wait_for(lambda: box, 10, "the thread's id")
+        while not held or held[-1] < 1030:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        fd = RealHost.open_thread_pidfd(os.getpid(), box[0])
+        if fd is None:
+            pytest.skip("this kernel has no thread pidfds")
+        assert fd > 1024
+        os.close(fd)
+    finally:
+        stop.set()
+        t.join(10)
+        for h in held:
+            os.close(h)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_kill9_of_an_attached_rank_is_seen_by_its_watch_thread(daemon_factory):
     daemon = daemon_factory("--grace", "5", backend="host")
     procs = [_rank(daemon, "watched", r, 2) for r in range(2)]

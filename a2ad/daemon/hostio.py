@@ -47,7 +47,9 @@ class RealHost:
         # checked after the open: the thread the handle names has not ended (it may not be
         # the one named tid now) and tid is one of pid's threads, so the handle watches a
         # thread of pid
-        if select.select([fd], [], [], 0)[0] or not os.path.exists(f"/proc/{pid}/task/{tid}"):
+        ended = select.poll()  # (poll: a daemon's fds are numbered past select()'s 1024)
+        ended.register(fd, select.POLLIN)
+        if ended.poll(0) or not os.path.exists(f"/proc/{pid}/task/{tid}"):
             os.close(fd)
             return None
         return fd
