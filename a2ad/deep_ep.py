@@ -103,6 +103,16 @@ def _bool(name: str, value) -> bool:
     return value
 
 
+def _finish_mode(async_finish, return_recv_hook) -> tuple[bool, bool]:
+    """A dispatch's or combine's ``async_finish`` and ``return_recv_hook``: bools, not both."""
+    async_finish = _bool("async_finish", async_finish)
+    return_recv_hook = _bool("return_recv_hook", return_recv_hook)
+    if async_finish and return_recv_hook:
+        raise errors.InputError("async_finish and return_recv_hook cannot both be True (as in DeepEP)",
+                                argument="return_recv_hook")
+    return async_finish, return_recv_hook
+
+
 # ---------------------------------------------------------------------------
 # Config, EventOverlap
 # ---------------------------------------------------------------------------
@@ -669,11 +679,7 @@ class Buffer:
         use_fp8 = _bool("use_fp8", use_fp8)
         round_scale = _bool("round_scale", round_scale)
         use_ue8m0 = _bool("use_ue8m0", use_ue8m0)
-        async_finish = _bool("async_finish", async_finish)
-        return_recv_hook = _bool("return_recv_hook", return_recv_hook)
-        if async_finish and return_recv_hook:
-            raise errors.InputError("async_finish and return_recv_hook cannot both be True (as in DeepEP)",
-                                    argument="return_recv_hook")
+        async_finish, return_recv_hook = _finish_mode(async_finish, return_recv_hook)
         num_max = _int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
         num_experts = self._check_experts_count(num_experts)
         dev = self.device
@@ -877,11 +883,7 @@ class Buffer:
             raise NotSupported("use_logfmt: the LogFMT combine format is not offered by a2ad.deep_ep (bf16 only)",
                                argument="use_logfmt")
         zero_copy = _bool("zero_copy", zero_copy)
-        async_finish = _bool("async_finish", async_finish)
-        return_recv_hook = _bool("return_recv_hook", return_recv_hook)
-        if async_finish and return_recv_hook:
-            raise errors.InputError("async_finish and return_recv_hook cannot both be True (as in DeepEP)",
-                                    argument="return_recv_hook")
+        async_finish, return_recv_hook = _finish_mode(async_finish, return_recv_hook)
         rnd = self._round_of(handle)
         if rnd.pending is not None:  # the receive hook was not run: run it now
             rnd.pending()
