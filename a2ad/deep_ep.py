@@ -24,8 +24,12 @@ each (token, k) pair is one a2ad token of a job with ``top_k=1``, so that
   and the source applies the caller's ``topk_weights``, summing in float32 and rounding
   once, DeepEP's numerics.
 
-Everything is torch ops on the tensors' device (CPU on the host backend, CUDA on the CUDA
-backend) with no host synchronization on CUDA. The jobs are ordinary a2ad jobs (the same
+The steps around a2ad's kernels (the pairs' rows and routing before dispatch, the
+expert-major arrangement after it, the outputs back in slot order and the weighted sum in
+combine) are torch ops on the tensors' device (CPU on the host backend, CUDA on the CUDA
+backend) with no host synchronization on CUDA; with ``kernels=True`` (or
+``A2AD_DEEP_EP_KERNELS=1``) a CUDA Buffer runs them as four kernels of a2ad's extension
+instead (``csrc/ll.cu``), with the same results. The jobs are ordinary a2ad jobs (the same
 daemon, rendezvous, checks, masks and degraded mode as ``MoeAlltoAll``): a small one made
 by the constructor (its rendezvous is the collective, and its rounds are the barrier of
 :meth:`Buffer.clean_low_latency_buffer`), and one per (num_max, hidden, num_experts, topk)
@@ -73,6 +77,17 @@ OVERLAP_ARGUMENTS = ("overlap", "packed_recv_count", "comp_signal", "block_m", "
                      "src_signal_expect_value")
 #: LL rounds that may be open at once (DeepEP's double buffer).
 MAX_OPEN_ROUNDS = 2
+#: The environment variable that turns the extension's kernels on for CUDA Buffers made
+#: without ``kernels=``.
+KERNELS_ENV = "A2AD_DEEP_EP_KERNELS"
+#: Shared memory an ll_arrange block may use (its per-(expert, source) counts).
+ARRANGE_SMEM_LIMIT = 48 * 1024
+
+
+def _kernels_from_env() -> bool:
+    import os
+
+    return os.environ.get(KERNELS_ENV, "").strip().lower() not in ("", "0", "no", "false")
 
 
 class NotSupported(errors.InputError, NotImplementedError):
@@ -253,9 +268,10 @@ class _Round:
 
 class _Geometry:
     """The a2ad jobs of one (num_max, hidden, num_experts, topk): up to MAX_OPEN_ROUNDS, each
-    with one round open at a time, and the zero-copy combine buffers."""
+    with one round open at a time, and the zero-copy combine buffers. ``kernels``: its rounds
+    run the extension's kernels (``counts``: each slot's RECV_COUNTERS, which they read)."""
 
-    def __init__(self, num_max, hidden, num_experts, topk):
+    def __init__(self, num_max, hidden, num_experts, topk, kernels=False):
         self.num_max = num_max
         self.hidden = hidden
         self.num_experts = num_experts
@@ -265,6 +281,17 @@ class _Geometry:
         self.open: list = []  # the _Round open on each slot, or None
         self.combine_buffers: list = []
         self.next_combine = 0
+        self.kernels = kernels
+        self.counts: list = []
+        self.arrange_slots = 0
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous and 16-byte aligned, as the extension's kernels read it (a copy only
+    when it is not)."""
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def _workspace_bytes(ep: int, rt: int, hidden: int) -> int:
@@ -295,7 +322,10 @@ class Buffer:
     a2ad's own, keyword-only: ``job`` (a name every rank passes alike, instead of agreeing
     through ``group``/``comm``), ``runtime_dir`` (the daemon's), ``timeout`` (seconds, bound
     of the rendezvous and of every wait on a peer), ``device`` (cuda backend: this rank's
-    GPU, default the current one).
+    GPU, default the current one), ``kernels`` (cuda backend: the steps around a2ad's
+    dispatch and combine as the extension's kernels, ``csrc/ll.cu``, instead of torch ops;
+    default: the ``A2AD_DEEP_EP_KERNELS`` environment variable; True on the host backend
+    is refused).
     """
 
     #: SMs DeepEP's kernels use (its class attribute; a2ad's kernels size themselves).
@@ -305,9 +335,12 @@ class Buffer:
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, use_fabric: bool = False, explicitly_destroy: bool = False,
                  enable_shrink: bool = False, comm=None, *, job: str | None = None, runtime_dir=None,
-                 timeout: float = DEFAULT_TIMEOUT, device=None):
+                 timeout: float = DEFAULT_TIMEOUT, device=None, kernels: bool | None = None):
         self._destroyed = True  # until constructed
         self._ctl = None
+        self._ext = None
+        explicit_kernels = kernels is not None
+        kernels = _bool("kernels", kernels) if explicit_kernels else _kernels_from_env()
         self._geos: dict = {}
         self.num_nvl_bytes = _int("num_nvl_bytes", num_nvl_bytes, 0)
         self.num_rdma_bytes = _int("num_rdma_bytes", num_rdma_bytes, 0)
@@ -370,6 +403,18 @@ class Buffer:
             enable_rank_mask=self.enable_shrink)
         self.device = self._ctl.attachment.device
         self.backend = self._ctl.attachment.backend
+        if kernels and self.device.type != "cuda":
+            if explicit_kernels:
+                self._close()
+                raise errors.InputError(f"kernels=True needs the cuda backend; this Buffer's jobs run on the "
+                                        f"{self.backend} backend", argument="kernels")
+            kernels = False
+        if kernels:
+            from a2ad.client import _ext
+
+            self._ext = _ext.direct()
+        #: whether the steps around a2ad's kernels run as the extension's kernels
+        self.kernels = kernels
         self.runtime = _Runtime(self)
         self._destroyed = False
 
@@ -611,7 +656,17 @@ class Buffer:
                     f"num_rdma_bytes ({self.num_rdma_bytes}) is less than get_low_latency_rdma_size_hint("
                     f"{num_max}, {hidden}, {self.group_size}, {num_experts}) = {need}, as DeepEP asserts",
                     argument="num_rdma_bytes")
-            geo = self._geos[key] = _Geometry(num_max, hidden, num_experts, topk)
+            # the kernels take rows of whole 16-byte vectors and an arrangement whose counts fit
+            # in shared memory; other geometries run the torch ops
+            fits = (hidden % 8 == 0 and 4 * (2 * num_experts + 2 * 256) <= ARRANGE_SMEM_LIMIT
+                    and self.group_size * num_max * topk < 2 ** 31)
+            geo = self._geos[key] = _Geometry(num_max, hidden, num_experts, topk, kernels=self.kernels and fits)
+            if geo.kernels:
+                from a2ad.client.cuda_plane import sm_count
+
+                # ll_arrange's slots per block: a multiple of 32 making about two blocks per SM
+                per = -(-self.group_size * geo.rt // (2 * sm_count(self.device)))
+                geo.arrange_slots = min(256, max(32, -(-per // 32) * 32))
         return geo
 
     def _slot(self, geo: _Geometry) -> int:
@@ -642,6 +697,11 @@ class Buffer:
             enable_rank_mask=self.enable_shrink)
         geo.slots.append(a)
         geo.open.append(None)
+        if geo.kernels:  # this rank's RECV_COUNTERS: how many slots each source filled this round
+            from a2ad.client.moe_alltoall import RECV_COUNTERS_OFFSET_INDEX
+
+            off = int(a.metainfo[RECV_COUNTERS_OFFSET_INDEX])
+            geo.counts.append(a.workspace[self.rank, off:off + 4 * self.group_size].view(torch.int32))
         return i
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
@@ -744,18 +804,23 @@ class Buffer:
         # each (token, k) pair is one token of the top_k=1 job; a pair with no expert (-1) goes
         # to this rank's first expert, and its metadata says it is empty
         n = t * topk
-        flat = idx.reshape(n)
-        valid = flat >= 0
-        tok = torch.arange(n, device=dev, dtype=torch.int32) // topk
-        route = torch.where(valid, flat, self.rank * lx).to(torch.int32).view(n, 1)
-        meta = torch.stack([tok, torch.where(valid, flat, -1).to(torch.int32)], dim=1)
-        if use_fp8:
-            q, scales = quantize_fp8(x, round_scale)
-            payloads = [q.index_select(0, tok), scales.index_select(0, tok), meta]
+        if geo.kernels:
+            route, payloads = self._pack(x, topk_idx, n, hidden, lx, use_fp8, round_scale)
+            sanitize = (None, None)  # the arrangement reads RECV_COUNTERS instead
         else:
-            payloads = [x.index_select(0, tok), meta]
+            flat = idx.reshape(n)
+            valid = flat >= 0
+            tok = torch.arange(n, device=dev, dtype=torch.int32) // topk
+            route = torch.where(valid, flat, self.rank * lx).to(torch.int32).view(n, 1)
+            meta = torch.stack([tok, torch.where(valid, flat, -1).to(torch.int32)], dim=1)
+            if use_fp8:
+                q, scales = quantize_fp8(x, round_scale)
+                payloads = [q.index_select(0, tok), scales.index_select(0, tok), meta]
+            else:
+                payloads = [x.index_select(0, tok), meta]
+            sanitize = (-1, len(payloads) - 1)  # slots no pair filled read as expert -1
         mask = self._caller_mask()
-        received = a2a.dispatch(route, payloads, geo.rt, -1, len(payloads) - 1, active_rank_mask=mask)
+        received = a2a.dispatch(route, payloads, geo.rt, *sanitize, active_rank_mask=mask)
         rnd = _Round(geo, slot, t, topk, dev)
         geo.open[slot] = rnd
 
@@ -783,6 +848,9 @@ class Buffer:
             if rnd.pending is None:
                 return
             rnd.pending = None
+            if geo.kernels:
+                self._arrange_kernel(rnd, received, data, sc, use_ue8m0, recv_count, src_info, layout_range, stats)
+                return
             self._arrange(rnd, received, data, sc, use_ue8m0, recv_count, src_info, layout_range)
             if stats is not None:
                 stats.add_(recv_count)
@@ -792,6 +860,37 @@ class Buffer:
             return recv_x, recv_count, handle, None, receive
         receive()
         return recv_x, recv_count, handle, _event_on(dev) if async_finish else None, None
+
+    def _pack(self, x, topk_idx, n, hidden, lx, use_fp8, round_scale):
+        """The pairs' route and payloads by the extension's ll_pack (what the torch ops of
+        low_latency_dispatch compute)."""
+        dev = self.device
+        x = _aligned(x)
+        topk_idx = topk_idx.contiguous()
+        route = torch.empty(n, 1, dtype=torch.int32, device=dev)
+        meta = torch.empty(n, 2, dtype=torch.int32, device=dev)
+        if use_fp8:
+            rows = torch.empty(n, hidden, dtype=torch.float8_e4m3fn, device=dev)
+            scales = torch.empty(n, hidden // FP8_BLOCK, dtype=torch.float32, device=dev)
+            payloads = [rows, scales, meta]
+        else:
+            rows = torch.empty(n, hidden, dtype=torch.bfloat16, device=dev)
+            scales = None
+            payloads = [rows, meta]
+        if n:
+            self._ext.ll_pack(x, topk_idx, route, meta, rows, scales, self.rank, lx, round_scale)
+        return route, payloads
+
+    def _arrange_kernel(self, rnd: _Round, received, data, sc, ue8m0, recv_count, src_info, layout_range,
+                        stats) -> None:
+        """:meth:`_arrange` by the extension's ll_arrange, which reads the slots each source
+        filled from RECV_COUNTERS (and adds recv_count to ``stats``)."""
+        geo, ep = rnd.geo, self.group_size
+        rnd.dest = torch.empty(ep * geo.rt, dtype=torch.int64, device=self.device)
+        scales = received[1] if sc is not None else None
+        self._ext.ll_arrange(received[-1], geo.counts[rnd.slot], received[0], scales, data, sc, recv_count, src_info,
+                             layout_range, rnd.dest, stats, self.rank, geo.num_experts // ep, geo.num_max,
+                             geo.arrange_slots, ue8m0)
 
     def _arrange(self, rnd: _Round, received, data, sc, ue8m0, recv_count, src_info, layout_range) -> None:
         """The received pairs (``[R, rt]`` slots per source) expert-major: a stable sort by
@@ -919,8 +1018,12 @@ class Buffer:
         a2a = geo.slots[rnd.slot]
         # every received slot's output, in a2ad's combine region (no staging copy)
         region = a2a.get_combine_payload_tensor_in_workspace(geo.rt, geo.hidden, torch.bfloat16)
-        torch.index_select(x.reshape(lx * r_total, geo.hidden), 0, rnd.dest,
-                           out=region.view(ep * geo.rt, geo.hidden))
+        if geo.kernels:  # the slots each source filled only
+            blocks = max(1, min(-(-geo.rt // 8), 256 // ep))
+            self._ext.ll_gather(_aligned(x), rnd.dest, geo.counts[rnd.slot], region, blocks)
+        else:
+            torch.index_select(x.reshape(lx * r_total, geo.hidden), 0, rnd.dest,
+                               out=region.view(ep * geo.rt, geo.hidden))
         rnd.done = True
         geo.open[rnd.slot] = None
         pairs = a2a.combine(region, geo.rt, payload_in_workspace=True, active_rank_mask=self._caller_mask())
@@ -928,6 +1031,12 @@ class Buffer:
 
         def receive() -> None:
             if t == 0:
+                return
+            if geo.kernels:
+                into = result if result.data_ptr() % 16 == 0 else torch.empty_like(result)
+                self._ext.ll_reduce(_aligned(pairs), topk_idx.contiguous(), topk_weights.contiguous(), into)
+                if into is not result:
+                    result.copy_(into)
                 return
             valid = (topk_idx >= 0).unsqueeze(2)
             rows = pairs.view(t, topk, geo.hidden).float() * topk_weights.unsqueeze(2)

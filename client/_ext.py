@@ -39,7 +39,7 @@ import a2ad
 from a2ad import errors
 
 #: Every file of the extension: compiled sources, then headers (all part of the build hash).
-SOURCES = ("dispatch.cu", "combine.cu", "sanitize.cu", "launch.cu", "quantize.cu", "bindings.cpp")
+SOURCES = ("dispatch.cu", "combine.cu", "sanitize.cu", "launch.cu", "quantize.cu", "ll.cu", "bindings.cpp")
 HEADERS = ("moe_a2a.cuh", "primitives.cuh", "launch.cuh", "layout.h")
 DEFAULT_ARCH = "sm_90"
 #: Characters of compiler output kept in a BuildError.

@@ -731,6 +731,229 @@ void quantize_direct(const Tensor& x, Tensor out, Tensor scales, int64_t fmt, in
                   "quantize launch");
 }
 
+// a2ad.deep_ep's local steps (csrc/ll.cu). a2ad/deep_ep.py makes every tensor; these checks
+// keep a direct call inside the tensors it passes.
+void check_ll(const Tensor& t, const Tensor& like, const char* name, std::initializer_list<c10::ScalarType> dtypes) {
+  A2AD_CHECK(t.is_cuda() && t.device() == like.device(), "a2ad: ll: ", name, " must be on ", like.device(), ", got ",
+             t.device());
+  bool ok = false;
+  for (auto d : dtypes) ok = ok || t.scalar_type() == d;
+  A2AD_CHECK(ok, "a2ad: ll: ", name, " has dtype ", t.scalar_type());
+}
+
+void check_dense(const Tensor& t, const char* name, int64_t numel) {
+  A2AD_CHECK(t.is_contiguous() && t.numel() == numel, "a2ad: ll: ", name, " must be contiguous with ", numel,
+             " elements, got ", t.sizes(), " strides ", t.strides());
+}
+
+// rows of [n0, n1, width] whose last two dimensions are dense: the stride of the first, in bytes
+int64_t ll_source_stride_bytes(const Tensor& t, int64_t n0, int64_t n1, int64_t row_bytes, const char* name) {
+  const int64_t es = t.element_size();
+  A2AD_CHECK(t.dim() == 3 && t.size(0) == n0 && t.size(1) == n1 && t.size(2) * es == row_bytes && t.stride(2) == 1 &&
+                 t.stride(1) * es == row_bytes && t.stride(0) >= n1 * t.stride(1),
+             "a2ad: ll: ", name, " must be [", n0, ", ", n1, ", ", row_bytes, " bytes] with dense rows, got ",
+             t.sizes(), " strides ", t.strides());
+  return t.stride(0) * es;
+}
+
+a2ad::LlRouting ll_routing(const Tensor& topk_idx, const Tensor& like) {
+  check_ll(topk_idx, like, "topk_idx", {at::kLong, at::kInt});
+  A2AD_CHECK(topk_idx.dim() == 2 && topk_idx.is_contiguous() && topk_idx.size(1) >= 1 && topk_idx.size(1) <= 32,
+             "a2ad: ll: topk_idx must be a contiguous [T, K <= 32] tensor, got ", topk_idx.sizes());
+  a2ad::LlRouting r{};
+  if (topk_idx.scalar_type() == at::kLong) r.idx64 = topk_idx.data_ptr<int64_t>();
+  else r.idx32 = topk_idx.data_ptr<int32_t>();
+  r.T = topk_idx.size(0);
+  r.K = static_cast<int>(topk_idx.size(1));
+  return r;
+}
+
+void ll_pack_direct(const Tensor& x, const Tensor& topk_idx, Tensor route, Tensor meta, Tensor rows,
+                    const std::optional<Tensor>& scales, int64_t rank, int64_t lx, bool round_scale) {
+  check_ll(x, x, "x", {at::kBFloat16});
+  A2AD_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
+             "a2ad: ll_pack: x must be a contiguous 16-byte aligned [T, H % 8 == 0] tensor, got ", x.sizes());
+  a2ad::LlRouting r = ll_routing(topk_idx, x);
+  A2AD_CHECK(r.T == x.size(0), "a2ad: ll_pack: topk_idx has ", r.T, " rows, x ", x.size(0));
+  const int64_t n = r.T * r.K, H = x.size(1);
+  const bool fp8 = scales.has_value();
+  check_ll(route, x, "route", {at::kInt});
+  check_dense(route, "route", n);
+  check_ll(meta, x, "meta", {at::kInt});
+  check_dense(meta, "meta", 2 * n);
+  if (fp8) {
+    check_ll(rows, x, "rows", {at::kFloat8_e4m3fn, at::kByte});
+    A2AD_CHECK(H % 128 == 0, "a2ad: ll_pack: FP8 needs H % 128 == 0, got ", H);
+    check_ll(*scales, x, "scales", {at::kFloat});
+    check_dense(*scales, "scales", n * (H / 128));
+  } else {
+    check_ll(rows, x, "rows", {at::kBFloat16});
+  }
+  check_dense(rows, "rows", n * H);
+  A2AD_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0, "a2ad: ll_pack: rows must be 16-byte aligned");
+  a2ad::LlPackParams p{};
+  p.x = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  p.routing = r;
+  p.H = static_cast<int>(H);
+  p.rank = static_cast<int>(rank);
+  p.lx = static_cast<int>(lx);
+  p.route = route.data_ptr<int32_t>();
+  p.meta = meta.data_ptr<int32_t>();
+  p.rows = reinterpret_cast<uint8_t*>(rows.data_ptr());
+  p.scales = fp8 ? scales->data_ptr<float>() : nullptr;
+  p.fp8 = fp8;
+  p.round_scale = round_scale;
+  const c10::cuda::CUDAGuard guard(x.device());
+  A2AD_CHECK_CUDA(a2ad::launch_ll_pack(p, c10::cuda::getCurrentCUDAStream(x.device().index()).stream()),
+                  "ll_pack launch");
+}
+
+int64_t ll_arrange_smem_bytes(int64_t lx, int64_t ep, int64_t slots_per_block) {
+  return a2ad::ll_arrange_smem_bytes(static_cast<int>(lx), static_cast<int>(ep), static_cast<int>(slots_per_block));
+}
+
+void ll_arrange_direct(const Tensor& meta, const Tensor& counts, const Tensor& rows, const std::optional<Tensor>& scales,
+                       Tensor out_rows, const std::optional<Tensor>& out_scales, Tensor recv_count, Tensor src_info,
+                       Tensor layout_range, Tensor dest, const std::optional<Tensor>& stats, int64_t rank, int64_t lx,
+                       int64_t num_max, int64_t slots_per_block, bool ue8m0) {
+  check_ll(meta, meta, "meta", {at::kInt});
+  A2AD_CHECK(meta.dim() == 3 && meta.size(2) == 2, "a2ad: ll_arrange: meta must be [ep, rt, 2], got ", meta.sizes());
+  const int64_t ep = meta.size(0), rt = meta.size(1), r_total = ep * num_max;
+  A2AD_CHECK(ep >= 1 && ep <= a2ad::kMaxEpSize && rt >= 1 && lx >= 1 && num_max >= 1 && rank >= 0 && rank < ep,
+             "a2ad: ll_arrange: ep ", ep, ", rt ", rt, ", lx ", lx, ", num_max ", num_max, ", rank ", rank);
+  A2AD_CHECK(slots_per_block >= 32 && slots_per_block % 32 == 0 && slots_per_block <= 1024,
+             "a2ad: ll_arrange: slots_per_block must be a multiple of 32 in [32, 1024], got ", slots_per_block);
+  A2AD_CHECK(ll_arrange_smem_bytes(lx, ep, slots_per_block) <= 48 * 1024,
+             "a2ad: ll_arrange: ", lx * ep, " experts need more than 48 KB of shared memory");
+  const int64_t meta_stride = ll_source_stride_bytes(meta, ep, rt, 8, "meta") / 4;
+  check_ll(counts, meta, "counts", {at::kInt});
+  check_dense(counts, "counts", ep);
+  A2AD_CHECK(rows.is_cuda() && rows.device() == meta.device() && rows.dim() == 3, "a2ad: ll_arrange: rows must be [ep, rt, width] on ",
+             meta.device());
+  const int64_t row_bytes = rows.size(2) * rows.element_size();
+  A2AD_CHECK(row_bytes % 16 == 0 && row_bytes > 0, "a2ad: ll_arrange: a row must be a multiple of 16 bytes, got ", row_bytes);
+  const int64_t rows_stride = ll_source_stride_bytes(rows, ep, rt, row_bytes, "rows");
+  A2AD_CHECK(out_rows.is_cuda() && out_rows.device() == meta.device() && out_rows.is_contiguous() &&
+                 out_rows.numel() * out_rows.element_size() == lx * r_total * row_bytes,
+             "a2ad: ll_arrange: out_rows must be a contiguous [lx, ep * num_max] array of ", row_bytes, "-byte rows");
+  int64_t ns = 0, scales_stride = 0;
+  const bool fp8 = scales.has_value();
+  A2AD_CHECK(fp8 == out_scales.has_value(), "a2ad: ll_arrange: scales and out_scales go together");
+  if (fp8) {
+    check_ll(*scales, meta, "scales", {at::kFloat});
+    ns = scales->dim() == 3 ? scales->size(2) : 0;
+    scales_stride = ll_source_stride_bytes(*scales, ep, rt, 4 * ns, "scales") / 4;
+    A2AD_CHECK(ns >= 1 && (!ue8m0 || ns % 4 == 0), "a2ad: ll_arrange: ", ns, " scales per row");
+    const Tensor& o = *out_scales;
+    check_ll(o, meta, "out_scales", {ue8m0 ? at::kInt : at::kFloat});
+    // DeepEP's layout: [lx, r_total, ns (or ns / 4)] viewed over [lx, ns (or ns / 4), r_total] memory
+    const int64_t cols = ue8m0 ? ns / 4 : ns;
+    A2AD_CHECK(o.dim() == 3 && o.size(0) == lx && o.size(1) == r_total && o.size(2) == cols && o.stride(1) == 1 &&
+                   o.stride(2) == r_total && o.stride(0) == cols * r_total,
+               "a2ad: ll_arrange: out_scales must be [", lx, ", ", r_total, ", ", cols, "] over [", lx, ", ", cols, ", ",
+               r_total, "] memory, got ", o.sizes(), " strides ", o.strides());
+  }
+  check_ll(recv_count, meta, "recv_count", {at::kInt});
+  check_dense(recv_count, "recv_count", lx);
+  check_ll(src_info, meta, "src_info", {at::kInt});
+  check_dense(src_info, "src_info", lx * r_total);
+  check_ll(layout_range, meta, "layout_range", {at::kLong});
+  check_dense(layout_range, "layout_range", lx * ep);
+  check_ll(dest, meta, "dest", {at::kLong});
+  check_dense(dest, "dest", ep * rt);
+  if (stats.has_value()) {
+    check_ll(*stats, meta, "stats", {at::kInt});
+    check_dense(*stats, "stats", lx);
+  }
+  A2AD_CHECK(lx * r_total * row_bytes < (int64_t{1} << 62) && r_total < (int64_t{1} << 31),
+             "a2ad: ll_arrange: the output is too large");
+  a2ad::LlArrangeParams p{};
+  p.meta = meta.data_ptr<int32_t>();
+  p.meta_src_stride = meta_stride;
+  p.counts = counts.data_ptr<int32_t>();
+  p.rows = reinterpret_cast<const uint8_t*>(rows.data_ptr());
+  p.rows_src_stride = rows_stride;
+  p.scales = fp8 ? scales->data_ptr<float>() : nullptr;
+  p.scales_src_stride = scales_stride;
+  p.ep = static_cast<int>(ep);
+  p.rt = static_cast<int>(rt);
+  p.lx = static_cast<int>(lx);
+  p.rank = static_cast<int>(rank);
+  p.ns = static_cast<int>(ns);
+  p.row_bytes = static_cast<int>(row_bytes);
+  p.r_total = static_cast<int>(r_total);
+  p.ue8m0 = fp8 && ue8m0;
+  p.slots_per_block = static_cast<int>(slots_per_block);
+  p.out_rows = reinterpret_cast<uint8_t*>(out_rows.data_ptr());
+  if (fp8) {
+    if (ue8m0) p.out_ue8m0 = reinterpret_cast<uint8_t*>(out_scales->data_ptr());
+    else p.out_scales = out_scales->data_ptr<float>();
+  }
+  p.recv_count = recv_count.data_ptr<int32_t>();
+  p.src_info = src_info.data_ptr<int32_t>();
+  p.layout_range = layout_range.data_ptr<int64_t>();
+  p.dest = dest.data_ptr<int64_t>();
+  p.stats = stats.has_value() ? stats->data_ptr<int32_t>() : nullptr;
+  const c10::cuda::CUDAGuard guard(meta.device());
+  A2AD_CHECK_CUDA(a2ad::launch_ll_arrange(p, c10::cuda::getCurrentCUDAStream(meta.device().index()).stream()),
+                  "ll_arrange launch");
+}
+
+void ll_gather_direct(const Tensor& x, const Tensor& dest, const Tensor& counts, Tensor region, int64_t blocks) {
+  check_ll(region, region, "region", {at::kBFloat16, at::kHalf, at::kFloat, at::kByte});
+  A2AD_CHECK(region.dim() == 3 && region.is_contiguous(), "a2ad: ll_gather: region must be a contiguous [ep, rt, H] tensor");
+  const int64_t ep = region.size(0), rt = region.size(1), row_bytes = region.size(2) * region.element_size();
+  A2AD_CHECK(row_bytes % 16 == 0 && row_bytes > 0 && reinterpret_cast<uintptr_t>(region.data_ptr()) % 16 == 0,
+             "a2ad: ll_gather: region rows must be 16-byte multiples and aligned, got ", row_bytes, " bytes");
+  A2AD_CHECK(x.is_cuda() && x.device() == region.device() && x.is_contiguous() &&
+                 x.scalar_type() == region.scalar_type() && (x.numel() * x.element_size()) % row_bytes == 0 &&
+                 reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
+             "a2ad: ll_gather: x must be a contiguous aligned array of the region's rows and dtype");
+  check_ll(dest, region, "dest", {at::kLong});
+  check_dense(dest, "dest", ep * rt);
+  check_ll(counts, region, "counts", {at::kInt});
+  check_dense(counts, "counts", ep);
+  A2AD_CHECK(blocks >= 1 && blocks <= 65535, "a2ad: ll_gather: blocks must be in [1, 65535], got ", blocks);
+  // dest is not read back to be checked against x (a sync); deep_ep.py writes every entry
+  // through ll_arrange, whose rows are inside [0, lx * ep * num_max)
+  a2ad::LlGatherParams p{};
+  p.x = reinterpret_cast<const uint8_t*>(x.data_ptr());
+  p.dest = dest.data_ptr<int64_t>();
+  p.counts = counts.data_ptr<int32_t>();
+  p.region = reinterpret_cast<uint8_t*>(region.data_ptr());
+  p.ep = static_cast<int>(ep);
+  p.rt = static_cast<int>(rt);
+  p.row_bytes = static_cast<int>(row_bytes);
+  const c10::cuda::CUDAGuard guard(region.device());
+  A2AD_CHECK_CUDA(a2ad::launch_ll_gather(p, static_cast<int>(blocks),
+                                         c10::cuda::getCurrentCUDAStream(region.device().index()).stream()),
+                  "ll_gather launch");
+}
+
+void ll_reduce_direct(const Tensor& pairs, const Tensor& topk_idx, const Tensor& weights, Tensor out) {
+  check_ll(out, out, "out", {at::kBFloat16});
+  A2AD_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(1) % 8 == 0 &&
+                 reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
+             "a2ad: ll_reduce: out must be a contiguous aligned [T, H % 8 == 0] tensor, got ", out.sizes());
+  a2ad::LlRouting r = ll_routing(topk_idx, out);
+  const int64_t H = out.size(1);
+  A2AD_CHECK(r.T == out.size(0), "a2ad: ll_reduce: topk_idx has ", r.T, " rows, out ", out.size(0));
+  check_ll(weights, out, "weights", {at::kFloat});
+  check_dense(weights, "weights", r.T * r.K);
+  check_ll(pairs, out, "pairs", {at::kBFloat16});
+  check_dense(pairs, "pairs", r.T * r.K * H);
+  A2AD_CHECK(reinterpret_cast<uintptr_t>(pairs.data_ptr()) % 16 == 0, "a2ad: ll_reduce: pairs must be 16-byte aligned");
+  a2ad::LlReduceParams p{};
+  p.pairs = reinterpret_cast<const uint16_t*>(pairs.data_ptr());
+  p.routing = r;
+  p.weights = weights.data_ptr<float>();
+  p.out = reinterpret_cast<uint16_t*>(out.data_ptr());
+  p.H = static_cast<int>(H);
+  const c10::cuda::CUDAGuard guard(out.device());
+  A2AD_CHECK_CUDA(a2ad::launch_ll_reduce(p, c10::cuda::getCurrentCUDAStream(out.device().index()).stream()),
+                  "ll_reduce launch");
+}
+
 // Every kernel of the extension loaded on `device` now (csrc/moe_a2a.cuh says why).
 void load_kernels(int64_t device) {
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
@@ -738,6 +961,7 @@ void load_kernels(int64_t device) {
   A2AD_CHECK_CUDA(a2ad::load_combine_kernels(), "loading the combine kernel");
   A2AD_CHECK_CUDA(a2ad::load_sanitize_kernels(), "loading the sanitize kernels");
   A2AD_CHECK_CUDA(a2ad::load_quantize_kernels(), "loading the quantize kernel");
+  A2AD_CHECK_CUDA(a2ad::load_ll_kernels(), "loading the deep_ep kernels");
 }
 
 }  // namespace
@@ -761,4 +985,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize", &quantize_direct, "block quantization (MXFP8/MXFP4/NVFP4) of a combine output", pybind11::arg("x"),
         pybind11::arg("out"), pybind11::arg("scales"), pybind11::arg("fmt"), pybind11::arg("layout"),
         pybind11::arg("scale"), pybind11::arg("scale_t") = pybind11::none());
+  m.def("ll_pack", &ll_pack_direct, "a2ad.deep_ep: a dispatch's (token, k) pairs (csrc/ll.cu)", pybind11::arg("x"),
+        pybind11::arg("topk_idx"), pybind11::arg("route"), pybind11::arg("meta"), pybind11::arg("rows"),
+        pybind11::arg("scales"), pybind11::arg("rank"), pybind11::arg("lx"), pybind11::arg("round_scale"));
+  m.def("ll_arrange", &ll_arrange_direct, "a2ad.deep_ep: the received pairs expert-major (csrc/ll.cu)",
+        pybind11::arg("meta"), pybind11::arg("counts"), pybind11::arg("rows"), pybind11::arg("scales"),
+        pybind11::arg("out_rows"), pybind11::arg("out_scales"), pybind11::arg("recv_count"), pybind11::arg("src_info"),
+        pybind11::arg("layout_range"), pybind11::arg("dest"), pybind11::arg("stats"), pybind11::arg("rank"),
+        pybind11::arg("lx"), pybind11::arg("num_max"), pybind11::arg("slots_per_block"), pybind11::arg("ue8m0"));
+  m.def("ll_arrange_smem_bytes", &ll_arrange_smem_bytes, "shared memory of an ll_arrange block");
+  m.def("ll_gather", &ll_gather_direct, "a2ad.deep_ep: expert outputs into the combine region (csrc/ll.cu)",
+        pybind11::arg("x"), pybind11::arg("dest"), pybind11::arg("counts"), pybind11::arg("region"),
+        pybind11::arg("blocks"));
+  m.def("ll_reduce", &ll_reduce_direct, "a2ad.deep_ep: each token's weighted sum of its pairs (csrc/ll.cu)",
+        pybind11::arg("pairs"), pybind11::arg("topk_idx"), pybind11::arg("weights"), pybind11::arg("out"));
 }

@@ -178,4 +178,72 @@ cudaError_t load_quantize_kernels();
 // Number of SMs of `device` (cached after the first query).
 cudaError_t sm_count(int device, int* out);
 
+// ---------------------------------------------------------------------------------------------
+// a2ad.deep_ep's local steps on the CUDA backend (csrc/ll.cu): a DeepEP low-latency round is
+// a round of a top_k = 1 job whose tokens are the (token, k) pairs.
+// ---------------------------------------------------------------------------------------------
+// A dispatch's routing: topk_idx [T, K], int64 or int32 (one of the pointers is null).
+struct LlRouting {
+  const int64_t* idx64;
+  const int32_t* idx32;
+  int64_t T;
+  int K;
+};
+
+struct LlPackParams {
+  const uint16_t* x;  // bf16 [T, H]
+  LlRouting routing;
+  int H;              // % 8 == 0; % 128 == 0 with fp8
+  int rank, lx;       // this rank, experts per rank
+  int32_t* route;     // [T * K]: the expert, or rank * lx for a pair with none
+  int32_t* meta;      // [T * K, 2]: (token, expert or -1)
+  uint8_t* rows;      // bf16 [T * K, H], or e4m3 [T * K, H] with fp8
+  float* scales;      // fp8: [T * K, H / 128]
+  int fp8, round_scale;
+};
+
+struct LlArrangeParams {
+  const int32_t* meta;  // received (token, expert): source s slot j at meta + s * meta_src_stride + 2 j
+  int64_t meta_src_stride;
+  const int32_t* counts;  // this rank's RECV_COUNTERS [ep]
+  const uint8_t* rows;    // received rows: source s slot j at rows + s * rows_src_stride + j * row_bytes
+  int64_t rows_src_stride;
+  const float* scales;    // fp8: received scales, source s slot j at scales + s * scales_src_stride + j * ns
+  int64_t scales_src_stride;
+  int ep, rt, lx, rank, ns, row_bytes, r_total;  // r_total = ep * num_max
+  int ue8m0;
+  int slots_per_block;    // a multiple of 32
+  uint8_t* out_rows;      // [lx, r_total, row_bytes]
+  float* out_scales;      // fp8 float32 scales: [lx, ns, r_total] in memory
+  uint8_t* out_ue8m0;     // fp8 UE8M0 scales: int32 [lx, ns / 4, r_total] in memory, as bytes
+  int32_t* recv_count;    // [lx]
+  int32_t* src_info;      // [lx, r_total]
+  int64_t* layout_range;  // [lx, ep]
+  int64_t* dest;          // [ep * rt]: each slot's row of out_rows (0: none)
+  int32_t* stats;         // [lx], added to, or null
+};
+
+struct LlGatherParams {
+  const uint8_t* x;       // expert outputs [lx * r_total, row_bytes]
+  const int64_t* dest;    // [ep * rt]
+  const int32_t* counts;  // RECV_COUNTERS [ep]
+  uint8_t* region;        // combine region [ep * rt, row_bytes]
+  int ep, rt, row_bytes;
+};
+
+struct LlReduceParams {
+  const uint16_t* pairs;  // bf16 [T * K, H]
+  LlRouting routing;
+  const float* weights;   // [T, K]
+  uint16_t* out;          // bf16 [T, H]
+  int H;
+};
+
+int ll_arrange_smem_bytes(int lx, int ep, int slots_per_block);
+cudaError_t launch_ll_pack(const LlPackParams& p, cudaStream_t stream);
+cudaError_t launch_ll_arrange(const LlArrangeParams& p, cudaStream_t stream);
+cudaError_t launch_ll_gather(const LlGatherParams& p, int blocks, cudaStream_t stream);
+cudaError_t launch_ll_reduce(const LlReduceParams& p, cudaStream_t stream);
+cudaError_t load_ll_kernels();
+
 }  // namespace a2ad

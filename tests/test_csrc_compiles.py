@@ -78,3 +78,40 @@ def test_quantize_kernel_keeps_its_rounded_arithmetic(tmp_path):
     assert proc.returncode == 0, proc.stderr
     text = ptx.read_text()
     assert "mul.rn.f32" in text and "rcp.rn.f32" in text
+
+
+def _nvcc_include_dirs() -> list[str]:
+    """The include folders nvcc passes to the host compiler (its ``-v`` INCLUDES line)."""
+    proc = subprocess.run(["nvcc", "-v", "-E", "-x", "cu", "/dev/null", "-o", "/dev/null"], capture_output=True,
+                          text=True, timeout=60)
+    dirs = []
+    for line in proc.stderr.splitlines():
+        if "INCLUDES=" in line:
+            dirs += [w[2:] for w in line.split("=", 1)[1].strip().strip('"').split() if w.startswith("-I")]
+            dirs += [w.strip('"') for w in line.split("=", 1)[1].split() if w.strip('"').startswith("/")]
+    return sorted(set(d.strip('"') for d in dirs))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("g++") is None, reason="nvcc or g++ not on PATH")
+@pytest.mark.timeout(300)
+def test_bindings_compile_against_the_installed_torch(tmp_path):
+    """bindings.cpp, the one file that includes torch, passes the C++ compiler's checks against
+    the installed torch's headers and the CUDA runtime's, so a binding's type or signature
+    error is found without a GPU. A CPU-only torch lacks one header generated for CUDA builds
+    (c10/cuda/impl/cuda_cmake_macros.h); it is written here with the macro it holds."""
+    import sysconfig
+
+    import torch.utils.cpp_extension as ce
+
+    inc = list(ce.include_paths())
+    extra = tmp_path / "inc"
+    if not any((Path(d) / "c10/cuda/impl/cuda_cmake_macros.h").is_file() for d in inc):
+        (extra / "c10/cuda/impl").mkdir(parents=True)
+        (extra / "c10/cuda/impl/cuda_cmake_macros.h").write_text("#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    cuda = _nvcc_include_dirs()
+    assert cuda, "nvcc -v named no include folder"
+    cmd = ["g++", "-std=c++17", "-fsyntax-only", "-w", "-DTORCH_EXTENSION_NAME=a2ad_check",
+           "-DTORCH_API_INCLUDE_EXTENSION_H", f"-I{extra}", *[f"-I{d}" for d in inc + cuda],
+           f"-I{sysconfig.get_paths()['include']}", str(CSRC / "bindings.cpp")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr[-6000:]}"

@@ -213,8 +213,9 @@ def _round(buf, rank, ep, inputs, num_experts, dev, what, **dispatch_kw):
     return out
 
 
-def ll_rounds(rank, ep, runtime_dir, init_file, device="cpu"):
-    """Every path of dispatch and combine on one Buffer, each checked, then the error cases."""
+def ll_rounds(rank, ep, runtime_dir, init_file, device="cpu", kernels=False):
+    """Every path of dispatch and combine on one Buffer, each checked, then the error cases.
+    ``kernels``: the CUDA Buffer runs the extension's kernels around a2ad's."""
     import a2ad.deep_ep as deep_ep
 
     dev = torch.device(device if device == "cpu" else f"cuda:{rank % torch.cuda.device_count()}")
@@ -223,7 +224,8 @@ def ll_rounds(rank, ep, runtime_dir, init_file, device="cpu"):
     group = _group(rank, ep, init_file)
     E = 2 * ep
     try:
-        buf = _buffer(group, ep, E, runtime_dir)
+        buf = _buffer(group, ep, E, runtime_dir, kernels=kernels)
+        assert buf.kernels is kernels
         assert (buf.rank, buf.group_size, buf.group) == (rank, ep, group)
         assert buf.low_latency_mode and buf.explicitly_destroy and not buf.enable_shrink
         assert buf.num_rdma_bytes > 0 and buf.num_nvl_bytes == 0 and buf.runtime is not None
@@ -367,6 +369,10 @@ def ll_rounds(rank, ep, runtime_dir, init_file, device="cpu"):
         with pytest.raises(errors.StateError, match="destroyed"):
             buf.low_latency_dispatch(torch.zeros(1, HIDDEN, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int64),
                                      NUM_MAX, E)
+        if dev.type == "cpu":  # the kernels are CUDA's: asked for on the host backend, refused
+            with pytest.raises(errors.InputError, match="kernels=True needs the cuda backend") as got:
+                _buffer(group, ep, E, runtime_dir, kernels=True)
+            assert got.value.details["argument"] == "kernels"
         # a Buffer made for the normal mode, and one without explicitly_destroy
         nb = deep_ep.Buffer(group, num_nvl_bytes=1 << 20, runtime_dir=runtime_dir, timeout=20.0)
         try:
@@ -546,7 +552,7 @@ def no_shrink_kill(rank, ep, runtime_dir, init_file, victim):
         _ungroup()
 
 
-def sync_free(rank, ep, runtime_dir, init_file):
+def sync_free(rank, ep, runtime_dir, init_file, kernels=False):
     """CUDA: once a geometry's job exists, dispatch (bf16 and FP8, hook or not) and combine
     never synchronize with the host (torch.cuda.set_sync_debug_mode("error") raises on any
     sync); the results are checked afterwards."""
@@ -555,7 +561,8 @@ def sync_free(rank, ep, runtime_dir, init_file):
     group = _group(rank, ep, init_file)
     E = 2 * ep
     try:
-        buf = _buffer(group, ep, E, runtime_dir)
+        buf = _buffer(group, ep, E, runtime_dir, kernels=kernels)
+        assert buf.kernels is kernels
         try:
             _round(buf, rank, ep, make_inputs(1200, ep, E), E, dev, "warm-up")
             inputs = make_inputs(1201, ep, E)
@@ -598,7 +605,7 @@ def _full_inputs(seed, ep, E):
     return out
 
 
-def graph_rounds(rank, ep, runtime_dir, init_file):
+def graph_rounds(rank, ep, runtime_dir, init_file, kernels=False):
     """CUDA: dispatch, the expert and combine captured in one CUDA graph after an eager round,
     then replayed with new inputs copied into its static tensors; each replay is a round."""
     dev = torch.device("cuda", rank % torch.cuda.device_count())
@@ -606,7 +613,8 @@ def graph_rounds(rank, ep, runtime_dir, init_file):
     group = _group(rank, ep, init_file)
     E = 2 * ep
     try:
-        buf = _buffer(group, ep, E, runtime_dir)
+        buf = _buffer(group, ep, E, runtime_dir, kernels=kernels)
+        assert buf.kernels is kernels
         try:
             first = _full_inputs(1300, ep, E)
             x, idx, w = (t.to(dev).clone() for t in first[rank])
@@ -644,6 +652,59 @@ def graph_rounds(rank, ep, runtime_dir, init_file):
         finally:
             torch.cuda.synchronize(dev)
             buf.destroy()
+    finally:
+        _ungroup()
+
+
+def kernels_as_ops(rank, ep, runtime_dir, init_file):
+    """CUDA: a Buffer running the extension's kernels and one running the torch ops give the
+    same rounds, bit for bit: the rows of each expert in the same order (a stable sort by
+    expert and source), src_info, layout_range, recv_count, the statistics and combine's
+    output; FP8 (every scale option) within FP8's bound of each other."""
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    group = _group(rank, ep, init_file)
+    E = 4 * ep
+    try:
+        ops = _buffer(group, ep, E, runtime_dir, kernels=False)
+        ker = _buffer(group, ep, E, runtime_dir, kernels=True)
+        assert not ops.kernels and ker.kernels
+        compared = 0
+        try:
+            stats = [torch.zeros(E // ep, dtype=torch.int32, device=dev) for _ in range(2)]
+            for seed in range(1700, 1706):
+                inputs = make_inputs(seed, ep, E, topk=3)
+                x, idx, w = (t.to(dev) for t in inputs[rank])
+                got = []
+                for b, st in zip((ops, ker), stats):
+                    recv_x, recv_count, handle, _, _ = b.low_latency_dispatch(
+                        x, idx, NUM_MAX, E, use_fp8=False, cumulative_local_expert_recv_stats=st)
+                    y = expert_outputs(recv_x.cpu(), rank, E, ep).to(dev)
+                    out, _, _ = b.low_latency_combine(y, idx, w, handle)
+                    got.append((recv_x.cpu(), recv_count.cpu(), handle[0].cpu(), handle[1].cpu(), out.cpu()))
+                (rx0, rc0, si0, lr0, o0), (rx1, rc1, si1, lr1, o1) = got
+                assert torch.equal(rc0, rc1) and torch.equal(lr0, lr1), f"seed {seed}: counts or layout_range"
+                for le in range(E // ep):
+                    c = int(rc0[le])
+                    assert torch.equal(si0[le, :c], si1[le, :c]), f"seed {seed} expert {le}: src_info order"
+                    assert torch.equal(rx0[le, :c], rx1[le, :c]), f"seed {seed} expert {le}: rows"
+                assert torch.equal(o0, o1) and torch.equal(o0, expected_combine(inputs, rank, E, ep)), f"seed {seed}"
+                compared += 1
+            assert torch.equal(stats[0].cpu(), stats[1].cpu())
+            for rnd, (rs, ue) in enumerate([(False, False), (True, False), (True, True)]):
+                inputs = make_inputs(1800 + rnd, ep, E, floats=True)
+                x, idx, w = (t.to(dev) for t in inputs[rank])
+                for b in (ops, ker):
+                    (data, scales), recv_count, handle, _, _ = b.low_latency_dispatch(
+                        x, idx, NUM_MAX, E, round_scale=rs, use_ue8m0=ue)
+                    check_fp8(rank, ep, inputs, E, (data.cpu(), scales.cpu()), recv_count.cpu(),
+                              [handle[0].cpu(), handle[1].cpu()], rs, ue, f"kernels={b.kernels} fp8 {rs} {ue}")
+                    b.low_latency_combine(torch.zeros(data.shape, dtype=torch.bfloat16, device=dev), idx, w, handle)
+                compared += 1
+            return compared
+        finally:
+            ker.destroy()
+            ops.destroy()
     finally:
         _ungroup()
 
@@ -713,20 +774,32 @@ def test_without_shrink_a_dead_peer_is_peer_lost(rank_pool, dataplane_daemons):
     assert res[1] is None and res[0] < 10.0
 
 
+KERNELS = pytest.mark.parametrize("kernels", [False, True], ids=["torch-ops", "kernels"])
+
+
 @pytest.mark.gpu
-def test_ll_on_the_cuda_backend(rank_pool, dataplane_daemons):
+@KERNELS
+def test_ll_on_the_cuda_backend(rank_pool, dataplane_daemons, kernels):
     rd = str(dataplane_daemons("cuda").runtime_dir)
-    res = rank_pool.run(2, ll_rounds, 2, rd, _init_file(), "cuda", timeout=300.0)
+    res = rank_pool.run(2, ll_rounds, 2, rd, _init_file(), "cuda", kernels, timeout=300.0)
     assert res[0] == res[1] and res[0] > 20
 
 
 @pytest.mark.gpu
-def test_ll_on_the_cuda_backend_never_syncs(rank_pool, dataplane_daemons):
+@KERNELS
+def test_ll_on_the_cuda_backend_never_syncs(rank_pool, dataplane_daemons, kernels):
     rd = str(dataplane_daemons("cuda").runtime_dir)
-    assert rank_pool.run(2, sync_free, 2, rd, _init_file(), timeout=300.0) == [True, True]
+    assert rank_pool.run(2, sync_free, 2, rd, _init_file(), kernels, timeout=300.0) == [True, True]
 
 
 @pytest.mark.gpu
-def test_ll_in_a_cuda_graph(rank_pool, dataplane_daemons):
+@KERNELS
+def test_ll_in_a_cuda_graph(rank_pool, dataplane_daemons, kernels):
     rd = str(dataplane_daemons("cuda").runtime_dir)
-    assert rank_pool.run(2, graph_rounds, 2, rd, _init_file(), timeout=300.0) == [3, 3]
+    assert rank_pool.run(2, graph_rounds, 2, rd, _init_file(), kernels, timeout=300.0) == [3, 3]
+
+
+@pytest.mark.gpu
+def test_ll_kernels_give_what_the_torch_ops_give(rank_pool, dataplane_daemons):
+    rd = str(dataplane_daemons("cuda").runtime_dir)
+    assert rank_pool.run(2, kernels_as_ops, 2, rd, _init_file(), timeout=300.0) == [9, 9]
