@@ -466,13 +466,17 @@ def bad_inputs(buf, rank, ep, E, dev) -> int:
     return n
 
 
-def shrink_kill(rank, ep, runtime_dir, init_file, victim, stamp):
+def shrink_kill(rank, ep, runtime_dir, init_file, victim, stamp, device="cpu", kernels=False):
     """enable_shrink: the victim dies by SIGKILL between rounds; the survivors see it masked
-    through low_latency_query_mask_buffer within 1 s, and their rounds go on without it."""
+    through low_latency_query_mask_buffer (returned: seconds from the kill), and their rounds
+    go on without it."""
+    dev = torch.device(device if device == "cpu" else f"cuda:{rank % torch.cuda.device_count()}")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     group = _group(rank, ep, init_file)
     E = 2 * ep
     try:
-        buf = _buffer(group, ep, E, runtime_dir, enable_shrink=True)
+        buf = _buffer(group, ep, E, runtime_dir, enable_shrink=True, kernels=kernels)
         try:
             status = torch.full((ep,), 5, dtype=torch.int32)
             buf.low_latency_query_mask_buffer(status)
@@ -488,8 +492,10 @@ def shrink_kill(rank, ep, runtime_dir, init_file, victim, stamp):
             assert status.tolist() == [0] * ep
             with pytest.raises(errors.InputError, match="itself"):
                 buf.low_latency_update_mask_buffer(rank, True)
-            _round(buf, rank, ep, make_inputs(900, ep, E), E, torch.device("cpu"), "before the loss")
+            _round(buf, rank, ep, make_inputs(900, ep, E), E, dev, "before the loss")
             buf.clean_low_latency_buffer(NUM_MAX, HIDDEN, E)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
             if rank == victim:
                 Path(stamp).write_text(repr(time.monotonic()))
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -499,20 +505,23 @@ def shrink_kill(rank, ep, runtime_dir, init_file, victim, stamp):
                 if status[victim] == 1:
                     break
                 assert time.monotonic() < deadline, "the lost rank never showed in the mask"
-                time.sleep(0.002)
+                time.sleep(0.0005)
             seen = time.monotonic()
             died = float(Path(stamp).read_text())
             assert status.tolist() == [int(r == victim) for r in range(ep)], status
             alive = [r for r in range(ep) if r != victim]
             for rnd in range(2):
                 inputs = make_inputs(1000 + rnd, ep, E)
-                x, idx, w = inputs[rank]
+                x, idx, w = (t.to(dev) for t in inputs[rank])
                 recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, idx, NUM_MAX, E, use_fp8=False)
-                check_dispatch(rank, ep, inputs, E, recv_x, recv_count, handle, alive=alive, what=f"shrunk {rnd}")
-                assert int((handle[1][:, victim] & 0xFFFFFFFF).sum()) == 0
-                y = expert_outputs(recv_x, rank, E, ep)
+                recv_x, recv_count, host_handle = recv_x.cpu(), recv_count.cpu(), [handle[0].cpu(), handle[1].cpu(),
+                                                                                 *handle[2:]]
+                check_dispatch(rank, ep, inputs, E, recv_x, recv_count, host_handle, alive=alive, what=f"shrunk {rnd}")
+                assert int((host_handle[1][:, victim] & 0xFFFFFFFF).sum()) == 0
+                y = expert_outputs(recv_x, rank, E, ep).to(dev)
                 out, _, _ = buf.low_latency_combine(y, idx, w, handle)
-                assert torch.equal(out, expected_combine(inputs, rank, E, ep, alive=alive)), f"shrunk combine {rnd}"
+                assert torch.equal(out.cpu(), expected_combine(inputs, rank, E, ep, alive=alive)), \
+                    f"shrunk combine {rnd}"
             buf.clean_low_latency_buffer(NUM_MAX, HIDDEN, E)
             # a geometry not dispatched before the loss cannot be set up: refused at once
             t0 = time.monotonic()
@@ -797,6 +806,19 @@ def test_ll_on_the_cuda_backend_never_syncs(rank_pool, dataplane_daemons, kernel
 def test_ll_in_a_cuda_graph(rank_pool, dataplane_daemons, kernels):
     rd = str(dataplane_daemons("cuda").runtime_dir)
     assert rank_pool.run(2, graph_rounds, 2, rd, _init_file(), kernels, timeout=300.0) == [3, 3]
+
+
+@pytest.mark.gpu
+@KERNELS
+def test_shrink_on_the_cuda_backend_masks_a_killed_rank_within_10_ms(rank_pool, dataplane_daemons, tmp_path,
+                                                                      kernels):
+    rd = str(dataplane_daemons("cuda").runtime_dir)
+    victim = 2
+    res = rank_pool.run(3, shrink_kill, 3, rd, _init_file(), victim, str(tmp_path / "died"), "cuda", kernels,
+                        timeout=300.0, may_exit=(victim,))
+    assert res[victim] is None
+    for r in (0, 1):
+        assert res[r] < 0.010, f"rank {r} saw the loss {res[r] * 1e3:.1f} ms after the kill"
 
 
 @pytest.mark.gpu
