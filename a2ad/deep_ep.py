@@ -390,8 +390,11 @@ class Buffer:
         self.job = job
         self._runtime_dir = runtime_dir
         self._policy = "degrade" if self.enable_shrink else "raise"
-        #: ranks this rank masked itself (low_latency_update_mask_buffer)
+        #: ranks this rank masked itself (low_latency_update_mask_buffer), and the same as a
+        #: tensor on the device (1 = masked) for the sync-free query
         self._masked: set[int] = set()
+        self._masked_dev = None
+        self._status = None
         self._local_buffers: dict = {}
         # the constructor's job: its rendezvous is the collective DeepEP's constructor runs,
         # its control block reports lost ranks before any dispatch, its rounds are barriers
@@ -403,6 +406,13 @@ class Buffer:
             enable_rank_mask=self.enable_shrink)
         self.device = self._ctl.attachment.device
         self.backend = self._ctl.attachment.backend
+        if self.enable_shrink:
+            from a2ad.integrations._status import RankStatus
+
+            # the constructor's job's control block as device tensors: a dead process is
+            # counted out of every job it held at once, so this job's mask is the Buffer's
+            self._status = RankStatus(self._ctl)
+            self._masked_dev = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
         if kernels and self.device.type != "cuda":
             if explicit_kernels:
                 self._close()
@@ -537,6 +547,8 @@ class Buffer:
         if self._ctl is not None:
             objs.append(self._ctl)
         self._geos = {}
+        if self._status is not None:
+            self._status.close()  # before its job unmaps the control block
         self._ctl = None
         self._local_buffers = {}
         first = None
@@ -586,26 +598,27 @@ class Buffer:
             self._masked.add(r)
         else:
             self._masked.discard(r)
+        self._masked_dev[r] = int(mask)  # a fill on the device, no sync
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
-        """Fill int32 ``[group_size]`` ``mask_status`` (any device) in place: 1 for a masked rank
-        (one this rank masked, or one the daemon counted lost), 0 for an active one. A host
-        read of the jobs' control blocks: a killed rank shows within milliseconds."""
+        """Fill int32 ``[group_size]`` ``mask_status`` in place: 1 for a masked rank (one this
+        rank masked, or one the daemon counted lost), 0 for an active one. The daemon's view is
+        read from the job's control block by a stream-ordered copy to the device: no host sync
+        when ``mask_status`` is on the Buffer's device (it may sit in a CUDA graph, whose
+        replays read the mask as it is then); a killed rank shows within milliseconds."""
         self._need_shrink("low_latency_query_mask_buffer")
         if (not isinstance(mask_status, torch.Tensor) or mask_status.dtype != torch.int32
                 or tuple(mask_status.shape) != (self.group_size,)):
             raise errors.InputError(f"mask_status must be an int32 tensor of shape [{self.group_size}]",
                                     argument="mask_status")
-        status = torch.zeros(self.group_size, dtype=torch.int32)
-        for r in self._lost() | self._masked:
-            status[r] = 1
-        mask_status.copy_(status)
+        mask_status.copy_(torch.maximum(self._status.masked(), self._masked_dev))
 
     def low_latency_clean_mask_buffer(self) -> None:
         """Unmask every rank this rank masked. Ranks the daemon counts lost stay masked until a
         replacement joins (then a2ad lets it back in at a round boundary)."""
         self._need_shrink("low_latency_clean_mask_buffer")
         self._masked.clear()
+        self._masked_dev.zero_()
 
     def _caller_mask(self):
         if not self.enable_shrink:

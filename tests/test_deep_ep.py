@@ -595,9 +595,31 @@ def sync_free(rank, ep, runtime_dir, init_file, kernels=False):
             check_dispatch(rank, ep, inputs, E, recv_x.cpu(), recv_count.cpu(),
                            [handle[0].cpu(), handle[1].cpu(), *handle[2:]], what="sync-free")
             assert torch.equal(out.cpu(), expected_combine(inputs, rank, E, ep)), "sync-free combine"
-            return True
         finally:
             buf.destroy()
+        # the mask API of enable_shrink (vLLM queries it every step) into a device tensor
+        sb = _buffer(group, ep, E, runtime_dir, enable_shrink=True, kernels=kernels)
+        try:
+            other = (rank + 1) % ep
+            status = torch.full((ep,), 7, dtype=torch.int32, device=dev)
+            seen = []
+            torch.cuda.synchronize(dev)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                sb.low_latency_query_mask_buffer(status)
+                seen.append(status.clone())
+                sb.low_latency_update_mask_buffer(other, True)
+                sb.low_latency_query_mask_buffer(status)
+                seen.append(status.clone())
+                sb.low_latency_clean_mask_buffer()
+                sb.low_latency_query_mask_buffer(status)
+                seen.append(status.clone())
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            assert [t.tolist() for t in seen] == [[0] * ep, [int(r == other) for r in range(ep)], [0] * ep], seen
+            return True
+        finally:
+            sb.destroy()
     finally:
         _ungroup()
 
