@@ -42,11 +42,12 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // while the previous kernel on the stream finishes (hiding the launch), and waits for
 // that kernel's completion itself (wait_prior_grid). Graph capture keeps the edge.
 template <typename Params>
-cudaError_t overlapped(void (*kernel)(Params), int grid, int threads, cudaStream_t stream, const Params& params) {
+cudaError_t overlapped(void (*kernel)(Params), dim3 grid, int threads, size_t smem, cudaStream_t stream,
+                       const Params& params) {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.gridDim = grid;
   cfg.blockDim = dim3(static_cast<unsigned>(threads));
-  cfg.dynamicSmemBytes = 0;
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr = {};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -54,6 +55,11 @@ cudaError_t overlapped(void (*kernel)(Params), int grid, int threads, cudaStream
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
   return cudaLaunchKernelEx(&cfg, kernel, params);
+}
+
+template <typename Params>
+cudaError_t overlapped(void (*kernel)(Params), int grid, int threads, cudaStream_t stream, const Params& params) {
+  return overlapped(kernel, dim3(static_cast<unsigned>(grid)), threads, 0, stream, params);
 }
 
 inline int clamp_grid(int64_t want, int64_t most) {

@@ -324,63 +324,30 @@ cudaError_t launch_ll_pack(const LlPackParams& p, cudaStream_t stream) {
   A2AD_DEBUG_ASSERT(p.routing.T >= 0 && p.routing.K >= 1 && p.routing.K <= 32 && p.H % 8 == 0);
   A2AD_DEBUG_ASSERT(!p.fp8 || (p.H % 128 == 0 && p.scales != nullptr));
   if (p.routing.T == 0) return cudaSuccess;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(p.routing.T), static_cast<unsigned>(launch::ceil_div(p.H, kLlChunk)));
-  cfg.blockDim = dim3(kLlThreads);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr = {};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, ll_pack_kernel, p);
+  const dim3 grid(static_cast<unsigned>(p.routing.T), static_cast<unsigned>(launch::ceil_div(p.H, kLlChunk)));
+  return launch::overlapped(ll_pack_kernel, grid, kLlThreads, 0, stream, p);
 }
 
 cudaError_t launch_ll_arrange(const LlArrangeParams& p, cudaStream_t stream) {
   A2AD_DEBUG_ASSERT(p.ep >= 1 && p.rt >= 1 && p.lx >= 1 && p.slots_per_block >= 32 && p.slots_per_block % 32 == 0);
   A2AD_DEBUG_ASSERT(p.row_bytes % 16 == 0 && (!p.ue8m0 || p.ns % 4 == 0));
-  const int smem = ll_arrange_smem_bytes(p.lx, p.ep, p.slots_per_block);
   const int64_t slots = static_cast<int64_t>(p.ep) * p.rt;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(launch::ceil_div(slots, p.slots_per_block)));
-  cfg.blockDim = dim3(kArrangeThreads);
-  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr = {};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, ll_arrange_kernel, p);
+  const dim3 grid(static_cast<unsigned>(launch::ceil_div(slots, p.slots_per_block)));
+  const size_t smem = static_cast<size_t>(ll_arrange_smem_bytes(p.lx, p.ep, p.slots_per_block));
+  return launch::overlapped(ll_arrange_kernel, grid, kArrangeThreads, smem, stream, p);
 }
 
 cudaError_t launch_ll_gather(const LlGatherParams& p, int blocks, cudaStream_t stream) {
   A2AD_DEBUG_ASSERT(p.ep >= 1 && p.rt >= 1 && p.row_bytes % 16 == 0 && blocks >= 1);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(p.ep));
-  cfg.blockDim = dim3(kGatherWarps * 32);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr = {};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, ll_gather_kernel, p);
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(p.ep));
+  return launch::overlapped(ll_gather_kernel, grid, kGatherWarps * 32, 0, stream, p);
 }
 
 cudaError_t launch_ll_reduce(const LlReduceParams& p, cudaStream_t stream) {
   A2AD_DEBUG_ASSERT(p.routing.T >= 0 && p.routing.K >= 1 && p.H % 8 == 0);
   if (p.routing.T == 0) return cudaSuccess;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(p.routing.T), static_cast<unsigned>(launch::ceil_div(p.H, kLlChunk)));
-  cfg.blockDim = dim3(kLlThreads);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr = {};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, ll_reduce_kernel, p);
+  const dim3 grid(static_cast<unsigned>(p.routing.T), static_cast<unsigned>(launch::ceil_div(p.H, kLlChunk)));
+  return launch::overlapped(ll_reduce_kernel, grid, kLlThreads, 0, stream, p);
 }
 
 cudaError_t load_ll_kernels() {
