@@ -91,6 +91,10 @@ class RoundState:
         self.combine_floor = size_per_rank
 
 
+class _LeaseLost(Exception):
+    """Ends the wait for a held request: the daemon end of the lease closed."""
+
+
 @dataclass(eq=False)
 class _Shared:
     """One process's attachment of one rank: the mapping, the control block and the lease.
@@ -185,19 +189,67 @@ class _Shared:
             return self._client.request(rtype, **fields)
 
     def recover(self, timeout: float) -> int:
+        """Wait in the daemon's re-arm, ``timeout`` s in all (plus REPLY_MARGIN for its answer).
+
+        The daemon holds the request until every rank is there, but it does not keep held
+        requests across a restart. So while the request is held, its end of the lease is
+        watched: once it closes, this waits for a daemon to listen again, renews the lease
+        with it and asks again for the time that is left."""
         self.raise_if_destroyed()
+        deadline = time.monotonic() + timeout
         with self.lock:
             self.maintain(force=True)
-            try:
-                reply = self._client.request(
-                    "recover", wait=timeout + REPLY_MARGIN, job=self.job, ep_rank=self.ep_rank, lease=self._lease,
-                    timeout=float(timeout),
+            if not self.lease_alive():
+                self._await_daemon(deadline, timeout)
+            while True:
+                generation = self.control.generation
+                left = max(0.0, deadline - time.monotonic())
+                try:
+                    reply = self._client.request(
+                        "recover", wait=left + REPLY_MARGIN,
+                        on_wait=self._raise_if_lease_lost if self.lease_alive() else None,
+                        wait_step=LEASE_CHECK_EVERY,
+                        job=self.job, ep_rank=self.ep_rank, lease=self._lease, timeout=left,
+                    )
+                except _LeaseLost:
+                    self._client.close()  # the held request went with its daemon: no late answer is read
+                    if self.control.generation != generation:
+                        # re-armed just before the daemon went: only its answer to this rank was lost
+                        self.generation = self.control.generation
+                        return self.generation
+                    self._await_daemon(deadline, timeout)
+                    continue
+                except (errors.JobDestroyed, errors.NoSuchJob):
+                    # destroyed before or while this rank waited (the daemon has no such job left)
+                    raise errors.JobDestroyed(destroyed_message(self.job), job=self.job, reason=L.ABORT_DESTROYED) from None
+                self.generation = reply["generation"]
+                return self.generation
+
+    def _raise_if_lease_lost(self, elapsed: float) -> None:
+        """``on_wait`` of a held request: the daemon end of the lease closed (that daemon is
+        gone, and the request it held with it)."""
+        if not self.lease_alive():
+            raise _LeaseLost
+
+    def _await_daemon(self, deadline: float, timeout: float) -> None:
+        """Until ``deadline``, every LEASE_CHECK_EVERY s: maintain's look (a renewal once a
+        daemon listens; a job no daemon or fd store holds is marked orphaned). Returns once
+        the lease is up again, or once a daemon listens that did not renew it (its answer to
+        the next request says why); raises JobDestroyed for an orphaned job, and
+        DaemonUnavailable when the time is up with no daemon listening."""
+        while True:
+            self.maintain(force=True)
+            self.raise_if_destroyed()
+            if self.lease_alive() or self._daemon_listening():
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise errors.DaemonUnavailable(
+                    f"job {self.job!r} rank {self.ep_rank}: recover waited {timeout:g} s for a daemon to listen at "
+                    f"{self._client.runtime_dir} again (the one holding the job went away); none did",
+                    runtime_dir=str(self._client.runtime_dir), job=self.job, ep_rank=self.ep_rank,
                 )
-            except (errors.JobDestroyed, errors.NoSuchJob):
-                # destroyed before or while this rank waited (the daemon has no such job left)
-                raise errors.JobDestroyed(destroyed_message(self.job), job=self.job, reason=L.ABORT_DESTROYED) from None
-            self.generation = reply["generation"]
-            return self.generation
+            time.sleep(min(LEASE_CHECK_EVERY, left))
 
     def lease_alive(self) -> bool:
         sock = self._lease_sock
@@ -476,7 +528,10 @@ class Attachment:
         stream first; MoeAlltoAll.recover does). Blocks until every rank is present (a dead
         rank replaced by a new process) and has called recover, at most ``timeout`` seconds:
         then RendezvousTimeout naming the missing ranks. A destroyed job cannot be
-        recovered: JobDestroyed at once.
+        recovered: JobDestroyed at once. A daemon that goes away while this waits (killed,
+        stopped, restarted, upgraded) takes the held request with it: this renews the lease
+        with the next daemon and asks it again for the time left; DaemonUnavailable when no
+        daemon listened again within ``timeout``.
 
         Handles that share the attachment recover it once: when another handle already
         re-armed it since this one last looked, and nothing failed since, this returns the

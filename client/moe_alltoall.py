@@ -676,7 +676,9 @@ class MoeAlltoAll:
         replaced by a new process) and has called recover; the daemon then resets every
         rank's flags and counters and bumps the generation. Returns the new generation;
         the state is idle and traffic can resume. ``timeout`` (default: the constructor's)
-        bounds the wait: RendezvousTimeout names the ranks still missing.
+        bounds the wait: RendezvousTimeout names the ranks still missing. A daemon restart
+        while it waits is ridden out: the recover is asked again of the next daemon within
+        the same ``timeout`` (DaemonUnavailable when none listened again in time).
 
         A destroyed job cannot be recovered: JobDestroyed at once (attach again). Objects
         that share this rank's attachment (several MoeAlltoAll of one job and rank in one
