@@ -13,7 +13,7 @@ import time
 import pytest
 
 from a2ad import errors, layout as L
-from helpers import DaemonProcess, RankReports, reap_keeper, wait_for
+from helpers import DaemonProcess, RankReports, end_daemon, reap_keeper, wait_for
 
 HIDDEN, TOP_K, EXPERTS, MAX_T, T = 64, 2, 8, 16, 6
 
@@ -114,7 +114,7 @@ def rank_body(rank, ep, runtime_dir, job, script, cmds, results):
             elif op == "wait":  # wait for the parent's go
                 cmds.get(timeout=120)
             elif op == "recover":
-                gen = a2a.recover(timeout=60)
+                gen = a2a.recover(timeout=step[1] if len(step) > 1 else 60)
                 results.put((rank, "recovered", time.clock_gettime(time.CLOCK_MONOTONIC), gen))
             elif op == "mark":
                 a2a.attachment.workspace[rank, marker_offset(a2a)] = 0xA0 + rank
@@ -298,6 +298,95 @@ def test_daemon_kill9_during_traffic_then_restart_readopts(backend, runtime_dir)
         assert d2.stop() == 0
     finally:
         rk.close()
+        d1.kill9()
+        reap_keeper(runtime_dir)
+
+
+def test_daemon_restart_while_a_rank_waits_in_recover(runtime_dir):
+    """The daemon holds a survivor's recover (the dead rank is missing) and is killed and
+    started again: the held request died with it, so the survivor renews its lease with the
+    new daemon and asks again; once the replacement joined, it returns well within its
+    timeout and both ranks run verified rounds."""
+    job = "rrestart"
+    d1 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "5").start()
+    d2 = None
+    rk = Ranks(2, runtime_dir, job)
+    try:
+        rk.start(0, [("attach",), ("rounds", 0, 3), ("expect_lost", 3), ("recover", 30.0), ("rounds", 100, 10)])
+        rk.start(1, [("attach",), ("rounds", 0, 3), ("hang",)])
+        rk.expect("attached", [0, 1])
+        rk.expect("rounds", [0, 1])
+        rk.expect("hanging", [1])
+        # a process killed while its queue feeder thread still holds the shared queue's
+        # write lock would keep every other rank's reports from arriving
+        time.sleep(0.5)
+        rk.kill(1)
+        (t_lost, lost), = rk.expect("lost", [0], timeout=10).values()
+        assert lost[0] == 1
+        wait_for(lambda: d1.request("job_info", job=job)["ranks"][0]["recovering"], 10, "rank 0 held in recover")
+        # the replacement starts now (its imports overlap the restart) and attaches on the go
+        rk.start(1, [("wait",), ("attach",), ("rounds", 100, 10)])
+        d1.kill9()
+        t_killed = time.clock_gettime(time.CLOCK_MONOTONIC)
+        d2 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "5").start()
+        t_up = time.clock_gettime(time.CLOCK_MONOTONIC)
+        info = d2.request("job_info", job=job)
+        assert [r["state"] for r in info["ranks"]] == ["attached", "dead"], info
+        # the survivor's recover reaches the new daemon before any replacement is there
+        wait_for(lambda: d2.request("job_info", job=job)["ranks"][0]["recovering"], 10,
+                 "rank 0's recover asked again of the new daemon", interval=0.05)
+        t_resent = time.clock_gettime(time.CLOCK_MONOTONIC)
+        rk.go(1)
+        (t_recovered, gen0), = rk.expect("recovered", [0], timeout=15).values()
+        (t_joined, gen1), = rk.expect("attached", [1]).values()
+        print(f"\nhost: a recover held across a daemon kill -9 and restart: held again by the new daemon "
+              f"{t_resent - t_up:.2f} s after it was up; returned {t_recovered - t_resent:.2f} s after the replacement "
+              f"was let go ({t_recovered - t_killed:.2f} s after the kill, {t_recovered - t_lost:.2f} s after the call; "
+              f"timeout 30 s)")
+        assert gen0 == gen1 == 1
+        assert t_recovered - t_lost < 10.0
+        got = rk.expect("rounds", [0, 1])
+        assert all(v == 10 for _, v in got.values())
+        rk.expect("done", [0, 1])
+        info = d2.request("job_info", job=job)
+        assert info["generation"] == 1 and info["rearms"] == 1
+    finally:
+        rk.close()
+        d1.kill9()
+        if d2 is not None:
+            end_daemon(d2, runtime_dir)
+        reap_keeper(runtime_dir)
+
+
+def test_recover_bounded_when_its_daemon_does_not_come_back(runtime_dir):
+    """A recover held by a daemon that is killed and not started again waits for a new one
+    only for the time it was given, then says what it waited for (DaemonUnavailable)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from a2ad.client import attach
+
+    d1 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "5").start()
+    spec = dict(runtime_dir=runtime_dir, timeout=10, max_num_tokens=4, top_k=1, num_experts=2,
+                workspace_size_per_rank=1 << 16)
+    pool = ThreadPoolExecutor(2)
+    joins = [pool.submit(attach, "gone", r, 2, **spec) for r in range(2)]
+    try:
+        atts = [f.result(30) for f in joins]
+        atts[1].close()  # rank 1 leaves: rank 0's recover waits for a replacement
+        wait_for(lambda: d1.request("job_info", job="gone")["ranks"][1]["state"] == "left", 10, "rank 1 left")
+        t0 = time.monotonic()
+        held = pool.submit(atts[0].recover, 3.0)
+        wait_for(lambda: d1.request("job_info", job="gone")["ranks"][0]["recovering"], 10, "rank 0 held in recover")
+        d1.kill9()
+        with pytest.raises(errors.DaemonUnavailable, match="recover waited 3 s for a daemon to listen"):
+            held.result(20)
+        took = time.monotonic() - t0
+        assert 2.5 < took < 6.0, took
+    finally:
+        for f in joins:
+            if f.done() and f.exception() is None:
+                f.result().close()
+        pool.shutdown(wait=True)
         d1.kill9()
         reap_keeper(runtime_dir)
 
