@@ -149,7 +149,8 @@ class Bench:
         for rk in self.ranks:
             for obj in [*rk.buffers.values(), rk.tm]:
                 for p in _planes(obj):
-                    p.sm_budget = self.budget
+                    if p.sm_budget != self.budget:  # (a new budget makes a new plan)
+                        p.sm_budget = self.budget
 
     def close(self) -> None:
         def shut(r):
