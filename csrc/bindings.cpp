@@ -836,6 +836,9 @@ void ll_arrange_direct(const Tensor& meta, const Tensor& counts, const Tensor& r
   A2AD_CHECK(out_rows.is_cuda() && out_rows.device() == meta.device() && out_rows.is_contiguous() &&
                  out_rows.numel() * out_rows.element_size() == lx * r_total * row_bytes,
              "a2ad: ll_arrange: out_rows must be a contiguous [lx, ep * num_max] array of ", row_bytes, "-byte rows");
+  A2AD_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0 && rows_stride % 16 == 0 &&
+                 reinterpret_cast<uintptr_t>(out_rows.data_ptr()) % 16 == 0,
+             "a2ad: ll_arrange: rows and out_rows must be 16-byte aligned (the rows are copied in 16-byte vectors)");
   int64_t ns = 0, scales_stride = 0;
   const bool fp8 = scales.has_value();
   A2AD_CHECK(fp8 == out_scales.has_value(), "a2ad: ll_arrange: scales and out_scales go together");
