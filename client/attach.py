@@ -95,6 +95,25 @@ class _LeaseLost(Exception):
     """Ends the wait for a held request: the daemon end of the lease closed."""
 
 
+class _DaemonGone(Exception):
+    """Ends the wait for a held join: the daemon it was sent to is gone."""
+
+
+def _listening(fd_path) -> bool:
+    """Does a process listen on ``fd_path`` (one non-blocking connect, closed at once)?"""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        probe.setblocking(False)
+        probe.connect(str(fd_path))
+        return True
+    except (BlockingIOError, InterruptedError):
+        return True  # the listener's backlog is full: it is there
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
 @dataclass(eq=False)
 class _Shared:
     """One process's attachment of one rank: the mapping, the control block and the lease.
@@ -340,17 +359,7 @@ class _Shared:
         return True
 
     def _daemon_listening(self) -> bool:
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        try:
-            probe.setblocking(False)
-            probe.connect(str(self._client.fd_path))
-            return True
-        except (BlockingIOError, InterruptedError):
-            return True  # the listener's backlog is full: it is there
-        except OSError:
-            return False
-        finally:
-            probe.close()
+        return _listening(self._client.fd_path)
 
     # ------------------------------------------------------------ checkpoints
     def suspend(self) -> None:
@@ -687,7 +696,11 @@ def attach(
 
     Blocks until all ranks have joined, at most ``timeout`` seconds (then
     RendezvousTimeout listing the missing ranks). Give either
-    ``workspace_size_per_rank`` or both per-token byte counts.
+    ``workspace_size_per_rank`` or both per-token byte counts. A daemon that goes away
+    while this waits (killed, stopped, restarted, upgraded) takes the held join with it:
+    this joins the next daemon anew for the time left; DaemonUnavailable when no daemon
+    listened again within ``timeout``. No daemon listening when it is called:
+    DaemonUnavailable at once.
 
     ``on_peer_loss`` is part of the job's spec (every rank must pass the same: a join with
     another value is refused with SpecMismatch naming the field): ``"raise"`` (a dead or
@@ -749,31 +762,73 @@ def attach(
 
 
 def _join(job, ep_rank, ep_size, spec, runtime_dir, device, timeout) -> _Shared:
+    """Join and wait in the rendezvous: ``timeout`` s from the first sending of the join
+    (plus REPLY_MARGIN for the daemon's answer).
+
+    The daemon holds the join until every rank joined, but it does not keep held requests
+    across a restart. So while the join is held, the daemon's process is watched
+    (_DaemonWatch): once it is gone, this waits for a daemon to listen again and joins
+    anew (hello, then join) for the time that is left."""
     client = DaemonClient(runtime_dir)
+    progress = _Progress(runtime_dir, job, ep_rank, ep_size, timeout)
+    deadline = None  # set when the join is first sent (or its daemon first seen gone)
     try:
-        hello = client.request("hello", wait=min(timeout, 10.0))
-        dev_str, tdev = _device_of(hello["backend"], device)
-        # the threads whose end tells the daemon this process died (a daemon that predates
-        # them does not take the field)
-        watch = {"watch": deathwatch.tids()} if "watch" in (hello.get("features") or ()) else {}
-        progress = _Progress(runtime_dir, job, ep_rank, ep_size, timeout)
-        try:
-            reply = client.request(
-                "join",
-                wait=timeout + REPLY_MARGIN,
-                on_wait=progress if progress.level is not None else None,
-                wait_step=progress.every,
-                job=job,
-                ep_rank=ep_rank,
-                ep_size=ep_size,
-                spec=spec,
-                pid=os.getpid(),
-                device=dev_str,
-                timeout=float(timeout),
-                **watch,
-            )
-        finally:
-            progress.close()
+        while True:
+            try:
+                if deadline is None:
+                    wait = min(timeout, 10.0)
+                else:  # asking anew: within what is left of the join's own wait
+                    wait = min(10.0, max(0.1, deadline + REPLY_MARGIN - time.monotonic()))
+                hello = client.request("hello", wait=wait)
+            except errors.DaemonUnavailable as exc:
+                if deadline is None:
+                    raise
+                # the daemon that listened again went away too, or did not answer in time
+                client.close()
+                if time.monotonic() >= deadline:
+                    raise _no_daemon(client, timeout, job, ep_rank) from exc
+                _await_daemon(client, deadline, timeout, job, ep_rank)
+                continue
+            dev_str, tdev = _device_of(hello["backend"], device)
+            # the threads whose end tells the daemon this process died (a daemon that predates
+            # them does not take the field)
+            watch = {"watch": deathwatch.tids()} if "watch" in (hello.get("features") or ()) else {}
+            try:
+                daemon = _DaemonWatch(client)
+                try:
+                    if deadline is None:
+                        deadline, left = time.monotonic() + timeout, float(timeout)
+                    else:
+                        left = max(0.0, deadline - time.monotonic())
+                    on_wait = _JoinWait(daemon, progress, deadline - timeout)
+                    reply = client.request(
+                        "join",
+                        wait=left + REPLY_MARGIN,
+                        on_wait=on_wait,
+                        wait_step=on_wait.step,
+                        job=job,
+                        ep_rank=ep_rank,
+                        ep_size=ep_size,
+                        spec=spec,
+                        pid=os.getpid(),
+                        device=dev_str,
+                        timeout=left,
+                        **watch,
+                    )
+                    break
+                finally:
+                    daemon.close()
+            except _DaemonGone:
+                client.close()  # the held join went with its daemon: no late answer is read
+                if deadline is None:
+                    deadline = time.monotonic() + timeout
+                elif time.monotonic() >= deadline + REPLY_MARGIN:
+                    raise _no_daemon(client, timeout, job, ep_rank) from None
+                log.info("job %r rank %d: the daemon went away while the join waited; waiting up to %.1f s for one "
+                         "to listen at %s again", job, ep_rank, max(0.0, deadline - time.monotonic()),
+                         client.runtime_dir)
+                _await_daemon(client, deadline, timeout, job, ep_rank)
+        progress.close()
         aux = L.aux_layout(ep_size, reply["spec"]["max_num_tokens"])
         if list(reply["metainfo"]) != aux.metainfo():
             raise errors.ProtocolError("the daemon's workspace layout differs from this client's (version skew?)")
@@ -781,6 +836,116 @@ def _join(job, ep_rank, ep_size, spec, runtime_dir, device, timeout) -> _Shared:
     except BaseException:
         client.close()
         raise
+    finally:
+        progress.close()
+
+
+def _await_daemon(client: DaemonClient, deadline: float, timeout: float, job: str, ep_rank: int) -> None:
+    """Until ``deadline``, every LEASE_CHECK_EVERY s: does a daemon listen at the client's
+    runtime folder? Returns once one does; DaemonUnavailable, saying what was waited for,
+    when the time is up with none listening."""
+    while True:
+        if _listening(client.fd_path):
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _no_daemon(client, timeout, job, ep_rank)
+        time.sleep(min(LEASE_CHECK_EVERY, left))
+
+
+def _no_daemon(client: DaemonClient, timeout: float, job: str, ep_rank: int) -> errors.DaemonUnavailable:
+    return errors.DaemonUnavailable(
+        f"job {job!r} rank {ep_rank}: join waited {timeout:g} s for a daemon to listen at {client.runtime_dir} "
+        "again and take it (the one holding the rendezvous went away); none did",
+        runtime_dir=str(client.runtime_dir), job=job, ep_rank=ep_rank,
+    )
+
+
+class _DaemonWatch:
+    """The process of the daemon a client just talked to (the listener on fd.sock, whose pid
+    SO_PEERCRED gave ``client.daemon_cred``), watched through a pidfd: ``gone()`` is one
+    poll, true once that process exited. Made before a request is sent: the pid is checked
+    against the listener again after the pidfd is opened, so a pid that changed hands in
+    between (a daemon that went, its pid taken by another process) is not watched in its
+    place; a daemon seen gone then raises _DaemonGone at once.
+
+    Where no pidfd can be had (no pidfd_open, a seccomp filter, a pid of 0: the daemon in a
+    pid namespace this process cannot see into), ``gone()`` probes fd.sock instead, every
+    PROBE_EVERY s at most: gone when nothing listens there, or when the listener's pid is
+    another one. With no pid to compare (0), a restart between two probes goes unseen; the
+    join then ends at its timeout, as without a watch."""
+
+    PROBE_EVERY = 1.0
+
+    def __init__(self, client: DaemonClient):
+        self.client = client
+        self.pid = client.daemon_cred[0] if client.daemon_cred else 0
+        self.fd = -1
+        self._next_probe = 0.0
+        if self.pid > 0:
+            try:
+                self.fd = os.pidfd_open(self.pid)
+            except (AttributeError, OSError) as exc:
+                log.debug("cannot open a pidfd on the daemon's pid %d (%s): probing %s instead", self.pid, exc,
+                          client.fd_path)
+        try:
+            if self._probe_gone() or self._exited():
+                raise _DaemonGone
+        except BaseException:
+            self.close()
+            raise
+        self._next_probe = time.monotonic() + self.PROBE_EVERY
+
+    def _exited(self) -> bool:
+        if self.fd < 0:
+            return False
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        return bool(poller.poll(0))
+
+    def _probe_gone(self) -> bool:
+        """Nothing listens on fd.sock, or a process with another pid (or an untrusted uid)."""
+        try:
+            pid = runtime.probe_daemon(self.client.runtime_dir, self.client.trust_uids, busy_wait=0.1)[0]
+        except errors.PermissionDenied:
+            return True  # someone else listens there now (the next hello says who)
+        except errors.DaemonUnavailable as exc:
+            return bool(exc.details.get("stale"))  # a full backlog: it is there
+        return pid != self.pid
+
+    def gone(self) -> bool:
+        if self.fd >= 0:
+            return self._exited()
+        now = time.monotonic()
+        if now < self._next_probe:
+            return False
+        self._next_probe = now + self.PROBE_EVERY
+        return self._probe_gone()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class _JoinWait:
+    """``on_wait`` of a held join: raises _DaemonGone once the daemon holding it is gone
+    (looked at every LEASE_CHECK_EVERY s), and calls ``progress`` every ``progress.every``
+    s with the seconds since the first join was sent."""
+
+    def __init__(self, daemon: _DaemonWatch, progress: "_Progress", started: float):
+        self.daemon, self.progress, self.started = daemon, progress, started
+        self.logs = progress.level is not None
+        self.step = min(LEASE_CHECK_EVERY, progress.every)
+        self._next_progress = time.monotonic() + progress.every
+
+    def __call__(self, elapsed: float) -> None:
+        if self.daemon.gone():
+            raise _DaemonGone
+        now = time.monotonic()
+        if self.logs and now >= self._next_progress:
+            self._next_progress = now + self.progress.every
+            self.progress(now - self.started)
 
 
 def _progress_settings() -> tuple[int | None, float]:

@@ -165,7 +165,9 @@ class MoeAlltoAll:
     device; default the current one). ``timeout``: seconds for the rendezvous and for
     every wait on a peer.
 
-    The constructor joins the job and returns once every rank has joined. Call
+    The constructor joins the job and returns once every rank has joined. A daemon restart
+    while it waits is ridden out: the join is sent again to the next daemon within the same
+    ``timeout`` (DaemonUnavailable when none listened again in time). Call
     :meth:`close` (or use it as a context manager) to leave.
 
     Several objects of one geometry and rank in one process (one per layer, say) share one
