@@ -113,6 +113,8 @@ def rank_body(rank, ep, runtime_dir, job, script, cmds, results):
                 time.sleep(3600)
             elif op == "wait":  # wait for the parent's go
                 cmds.get(timeout=120)
+            elif op == "stamp":  # when the previous step returned
+                results.put((rank, "stamp", t0, None))
             elif op == "recover":
                 gen = a2a.recover(timeout=step[1] if len(step) > 1 else 60)
                 results.put((rank, "recovered", time.clock_gettime(time.CLOCK_MONOTONIC), gen))
@@ -388,6 +390,147 @@ def test_recover_bounded_when_its_daemon_does_not_come_back(runtime_dir):
                 f.result().close()
         pool.shutdown(wait=True)
         d1.kill9()
+        reap_keeper(runtime_dir)
+
+
+def _job_info(d, job):
+    try:
+        return d.request("job_info", job=job)
+    except errors.NoSuchJob:
+        return None
+
+
+def _rank_joining(d, job, rank):
+    info = _job_info(d, job)
+    return info is not None and info["ranks"][rank]["state"] == "joining"
+
+
+@pytest.mark.parametrize("store", ["keeper", "none"])
+def test_daemon_restart_while_a_rank_waits_in_join(runtime_dir, store):
+    """The daemon holds rank 0's join (rank 1 has not joined) and is killed and started
+    again: the held join died with it, so rank 0 sees its daemon's process gone and joins
+    the new daemon anew; once rank 1 joined there, both return well within their timeout
+    and run verified rounds. With the fd keeper the new daemon re-adopts the job (rank 0's
+    slot empty again); with no fd store it has no such job and the resent join makes it."""
+    job = "jrestart"
+    args = ("--backend", "host", "--grace", "5", "--fd-store", store)
+    d1 = DaemonProcess(runtime_dir, *args).start()
+    d2 = None
+    rk = Ranks(2, runtime_dir, job)
+    try:
+        t_call = time.clock_gettime(time.CLOCK_MONOTONIC)
+        rk.start(0, [("attach", 30.0), ("stamp",), ("rounds", 0, 5)])
+        # rank 1 starts now (its imports overlap the restart) and attaches on the go
+        rk.start(1, [("wait",), ("attach", 30.0), ("stamp",), ("rounds", 0, 5)])
+        wait_for(lambda: _rank_joining(d1, job, 0), 20, "rank 0 held in the join", interval=0.05)
+        d1.kill9()
+        t_killed = time.clock_gettime(time.CLOCK_MONOTONIC)
+        d2 = DaemonProcess(runtime_dir, *args).start()
+        t_up = time.clock_gettime(time.CLOCK_MONOTONIC)
+        info = _job_info(d2, job)
+        if store == "keeper":  # re-adopted: the join in progress died with the old daemon
+            assert [r["state"] for r in info["ranks"]] == ["empty", "empty"], info
+        else:
+            assert info is None
+        # rank 0's join reaches the new daemon before rank 1 is let go
+        wait_for(lambda: _rank_joining(d2, job, 0), 10, "rank 0's join sent again to the new daemon", interval=0.05)
+        t_resent = time.clock_gettime(time.CLOCK_MONOTONIC)
+        rk.go(1)
+        t_go = time.clock_gettime(time.CLOCK_MONOTONIC)
+        stamps = rk.expect("stamp", [0, 1], timeout=20)
+        t_joined = stamps[0][0]
+        print(f"\nhost (--fd-store {store}): a join held across a daemon kill -9 and restart: held again by the new "
+              f"daemon {t_resent - t_up:.2f} s after it was up; returned {t_joined - t_go:.2f} s after rank 1 was let go "
+              f"({t_joined - t_killed:.2f} s after the kill, {t_joined - t_call:.2f} s after the process started; "
+              f"timeout 30 s)")
+        assert t_joined - t_go < 10.0
+        got = rk.expect("rounds", [0, 1])
+        assert all(v == 5 for _, v in got.values())
+        rk.expect("done", [0, 1])
+    finally:
+        rk.close()
+        d1.kill9()
+        if d2 is not None:
+            end_daemon(d2, runtime_dir)
+        reap_keeper(runtime_dir)
+
+
+@pytest.mark.parametrize("watch", ["pidfd", "probe"])
+def test_join_bounded_when_its_daemon_does_not_come_back(runtime_dir, monkeypatch, watch):
+    """A join held by a daemon that is killed and not started again waits for a new one only
+    for the time it was given, then says what it waited for (DaemonUnavailable). Where no
+    pidfd can be opened on the daemon, its socket is probed instead."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from a2ad.client import attach
+
+    if watch == "probe":
+        def no_pidfd(pid, flags=0):
+            raise OSError(38, "pidfd_open disabled by the test")
+
+        monkeypatch.setattr(os, "pidfd_open", no_pidfd)
+    d1 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "5").start()
+    spec = dict(runtime_dir=runtime_dir, timeout=3.0, max_num_tokens=4, top_k=1, num_experts=2,
+                workspace_size_per_rank=1 << 16)
+    pool = ThreadPoolExecutor(1)
+    try:
+        t0 = time.monotonic()
+        held = pool.submit(attach, "jgone", 0, 2, **spec)  # rank 1 never joins
+        wait_for(lambda: _rank_joining(d1, "jgone", 0), 10, "rank 0 held in the join")
+        d1.kill9()
+        with pytest.raises(errors.DaemonUnavailable,
+                           match=r"job 'jgone' rank 0: join waited 3 s for a daemon to listen at .* again"):
+            held.result(20)
+        took = time.monotonic() - t0
+        assert 2.5 < took < 6.0, took
+    finally:
+        pool.shutdown(wait=True)
+        d1.kill9()
+        reap_keeper(runtime_dir)
+
+
+def test_join_across_a_daemon_restart_without_a_pidfd(runtime_dir, monkeypatch):
+    """Where no pidfd can be opened on the daemon, a held join sees its daemon gone by
+    probing its socket (nothing listens, then another pid does) and joins the new one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from a2ad.client import attach
+
+    def no_pidfd(pid, flags=0):
+        raise OSError(38, "pidfd_open disabled by the test")
+
+    monkeypatch.setattr(os, "pidfd_open", no_pidfd)
+    job = "jprobe"
+    d1 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "5").start()
+    d2 = None
+    spec = dict(runtime_dir=runtime_dir, timeout=30.0, max_num_tokens=4, top_k=1, num_experts=2,
+                workspace_size_per_rank=1 << 16)
+    pool = ThreadPoolExecutor(2)
+    joins = []
+    try:
+        joins.append(pool.submit(attach, job, 0, 2, **spec))
+        wait_for(lambda: _rank_joining(d1, job, 0), 10, "rank 0 held in the join")
+        d1.kill9()
+        d2 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "5").start()
+        wait_for(lambda: _rank_joining(d2, job, 0), 10, "rank 0's join sent again to the new daemon", interval=0.05)
+        t_go = time.monotonic()
+        joins.append(pool.submit(attach, job, 1, 2, **spec))
+        atts = [f.result(20) for f in joins]
+        took = time.monotonic() - t_go
+        assert took < 10.0, took
+        assert [a.generation for a in atts] == [0, 0]
+        info = d2.request("job_info", job=job)
+        assert [r["state"] for r in info["ranks"]] == ["attached", "attached"], info
+    finally:
+        for f in joins:
+            try:
+                f.result(40).close()
+            except Exception:
+                pass
+        pool.shutdown(wait=True)
+        d1.kill9()
+        if d2 is not None:
+            end_daemon(d2, runtime_dir)
         reap_keeper(runtime_dir)
 
 
