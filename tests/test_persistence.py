@@ -985,7 +985,7 @@ def test_systemd_restart_readopts_the_job_from_listen_fds(runtime_dir, tmp_path,
 
 
 @pytest.mark.full
-def test_daemon_adopts_the_good_record_and_skips_the_bad_one(runtime_dir):
+def test_daemon_adopts_the_good_record_and_skips_the_bad_one(runtime_dir, tmp_path):
     """A real job kept by the keeper across a kill -9, plus a broken record added to the state
     file: the next daemon adopts the job and names the broken record in its log."""
     d1 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "30", "--fd-store", "keeper")
@@ -1005,7 +1005,7 @@ def test_daemon_adopts_the_good_record_and_skips_the_bad_one(runtime_dir):
         state["jobs"].append(broken)
         (runtime_dir / STATE_FILE).write_bytes(msgpack.packb(state, use_bin_type=True))
         d2 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "30", "--fd-store", "keeper")
-        d2.log_path = runtime_dir.parent / f"{runtime_dir.name}-daemon2.log"
+        d2.log_path = tmp_path / "daemon2.log"  # pytest removes it
         d2.start()
         assert [j["name"] for j in d2.request("jobs")["jobs"]] == [job]
         log = d2.log()
@@ -1085,7 +1085,7 @@ def test_keeper_refill_with_a_failing_fd_list_is_retried(runtime_dir, caplog):
 
 # --------------------------------------------------------------------------- versions
 @pytest.mark.full
-def test_a_version1_state_file_with_an_int_mask_is_adopted(runtime_dir):
+def test_a_version1_state_file_with_an_int_mask_is_adopted(runtime_dir, tmp_path):
     """A state file of version 1 (ep_size <= 64: a degrade job's mask as an int) is read by
     this daemon: the record's mask is the daemon's own, so it wins over the published copy
     (0b01 recorded while the block holds 0b11: the copy is put back), and the next state file
@@ -1116,7 +1116,7 @@ def test_a_version1_state_file_with_an_int_mask_is_adopted(runtime_dir):
         if reserve.exists():
             reserve.unlink()  # else its newer copy (version 2) would be taken
         d2 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "30", "--fd-store", "keeper")
-        d2.log_path = runtime_dir.parent / f"{runtime_dir.name}-daemon2.log"
+        d2.log_path = tmp_path / "daemon2.log"  # pytest removes it
         d2.start()
         info = d2.request("job_info", job=job)
         assert L.mask_from_bytes(info["active_mask"]) == 0b01 and info["on_peer_loss"] == "degrade", info
