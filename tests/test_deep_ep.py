@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import tempfile
 import time
 from pathlib import Path
 
@@ -776,32 +775,30 @@ def test_surface_without_a_daemon():
     assert int(packed[0, 0]) == 127 | (120 << 8) | (105 << 16) | (105 << 24)
 
 
-def _init_file() -> str:
-    fd, path = tempfile.mkstemp(prefix="a2ad-gloo-")
-    os.close(fd)
-    os.unlink(path)
-    return path
+def _init_file(tmp_path) -> str:
+    """The rendezvous file of the ranks' gloo group (gloo makes it), in the test's tmp folder."""
+    return str(tmp_path / "gloo-init")
 
 
-def test_ll_dispatch_combine_against_reference(rank_pool, dataplane_daemons):
+def test_ll_dispatch_combine_against_reference(rank_pool, dataplane_daemons, tmp_path):
     rd = str(dataplane_daemons("host").runtime_dir)
-    res = rank_pool.run(3, ll_rounds, 3, rd, _init_file(), timeout=240.0)
+    res = rank_pool.run(3, ll_rounds, 3, rd, _init_file(tmp_path), timeout=240.0)
     assert res[0] == res[1] == res[2] and res[0] > 20
 
 
 def test_shrink_masks_a_killed_rank_and_survivors_go_on(rank_pool, dataplane_daemons, tmp_path):
     rd = str(dataplane_daemons("host").runtime_dir)
     victim = 2
-    res = rank_pool.run(3, shrink_kill, 3, rd, _init_file(), victim, str(tmp_path / "died"), timeout=120.0,
+    res = rank_pool.run(3, shrink_kill, 3, rd, _init_file(tmp_path), victim, str(tmp_path / "died"), timeout=120.0,
                         may_exit=(victim,))
     assert res[victim] is None
     for r in (0, 1):
         assert res[r] < 1.0, f"rank {r} saw the loss {res[r]:.3f} s after the kill"
 
 
-def test_without_shrink_a_dead_peer_is_peer_lost(rank_pool, dataplane_daemons):
+def test_without_shrink_a_dead_peer_is_peer_lost(rank_pool, dataplane_daemons, tmp_path):
     rd = str(dataplane_daemons("host").runtime_dir)
-    res = rank_pool.run(2, no_shrink_kill, 2, rd, _init_file(), 1, timeout=120.0, may_exit=(1,))
+    res = rank_pool.run(2, no_shrink_kill, 2, rd, _init_file(tmp_path), 1, timeout=120.0, may_exit=(1,))
     assert res[1] is None and res[0] < 10.0
 
 
@@ -810,24 +807,24 @@ KERNELS = pytest.mark.parametrize("kernels", [False, True], ids=["torch-ops", "k
 
 @pytest.mark.gpu
 @KERNELS
-def test_ll_on_the_cuda_backend(rank_pool, dataplane_daemons, kernels):
+def test_ll_on_the_cuda_backend(rank_pool, dataplane_daemons, kernels, tmp_path):
     rd = str(dataplane_daemons("cuda").runtime_dir)
-    res = rank_pool.run(2, ll_rounds, 2, rd, _init_file(), "cuda", kernels, timeout=300.0)
+    res = rank_pool.run(2, ll_rounds, 2, rd, _init_file(tmp_path), "cuda", kernels, timeout=300.0)
     assert res[0] == res[1] and res[0] > 20
 
 
 @pytest.mark.gpu
 @KERNELS
-def test_ll_on_the_cuda_backend_never_syncs(rank_pool, dataplane_daemons, kernels):
+def test_ll_on_the_cuda_backend_never_syncs(rank_pool, dataplane_daemons, kernels, tmp_path):
     rd = str(dataplane_daemons("cuda").runtime_dir)
-    assert rank_pool.run(2, sync_free, 2, rd, _init_file(), kernels, timeout=300.0) == [True, True]
+    assert rank_pool.run(2, sync_free, 2, rd, _init_file(tmp_path), kernels, timeout=300.0) == [True, True]
 
 
 @pytest.mark.gpu
 @KERNELS
-def test_ll_in_a_cuda_graph(rank_pool, dataplane_daemons, kernels):
+def test_ll_in_a_cuda_graph(rank_pool, dataplane_daemons, kernels, tmp_path):
     rd = str(dataplane_daemons("cuda").runtime_dir)
-    assert rank_pool.run(2, graph_rounds, 2, rd, _init_file(), kernels, timeout=300.0) == [3, 3]
+    assert rank_pool.run(2, graph_rounds, 2, rd, _init_file(tmp_path), kernels, timeout=300.0) == [3, 3]
 
 
 @pytest.mark.gpu
@@ -836,7 +833,7 @@ def test_shrink_on_the_cuda_backend_masks_a_killed_rank_within_10_ms(rank_pool, 
                                                                       kernels):
     rd = str(dataplane_daemons("cuda").runtime_dir)
     victim = 2
-    res = rank_pool.run(3, shrink_kill, 3, rd, _init_file(), victim, str(tmp_path / "died"), "cuda", kernels,
+    res = rank_pool.run(3, shrink_kill, 3, rd, _init_file(tmp_path), victim, str(tmp_path / "died"), "cuda", kernels,
                         timeout=300.0, may_exit=(victim,))
     assert res[victim] is None
     for r in (0, 1):
@@ -844,6 +841,6 @@ def test_shrink_on_the_cuda_backend_masks_a_killed_rank_within_10_ms(rank_pool, 
 
 
 @pytest.mark.gpu
-def test_ll_kernels_give_what_the_torch_ops_give(rank_pool, dataplane_daemons):
+def test_ll_kernels_give_what_the_torch_ops_give(rank_pool, dataplane_daemons, tmp_path):
     rd = str(dataplane_daemons("cuda").runtime_dir)
-    assert rank_pool.run(2, kernels_as_ops, 2, rd, _init_file(), timeout=300.0) == [9, 9]
+    assert rank_pool.run(2, kernels_as_ops, 2, rd, _init_file(tmp_path), timeout=300.0) == [9, 9]
