@@ -251,24 +251,18 @@ class _Shared:
             raise _LeaseLost
 
     def _await_daemon(self, deadline: float, timeout: float) -> None:
-        """Until ``deadline``, every LEASE_CHECK_EVERY s: maintain's look (a renewal once a
-        daemon listens; a job no daemon or fd store holds is marked orphaned). Returns once
-        the lease is up again, or once a daemon listens that did not renew it (its answer to
-        the next request says why); raises JobDestroyed for an orphaned job, and
-        DaemonUnavailable when the time is up with no daemon listening."""
-        while True:
+        """:func:`_await_daemon` for the held recover, with maintain's look at every step (a
+        renewal once a daemon listens; a job no daemon or fd store holds is marked orphaned,
+        raised as JobDestroyed): returns once the lease is up again, or once a daemon listens
+        that did not renew it (its answer to the next request says why)."""
+
+        def renewed() -> bool:
             self.maintain(force=True)
             self.raise_if_destroyed()
-            if self.lease_alive() or self._daemon_listening():
-                return
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise errors.DaemonUnavailable(
-                    f"job {self.job!r} rank {self.ep_rank}: recover waited {timeout:g} s for a daemon to listen at "
-                    f"{self._client.runtime_dir} again (the one holding the job went away); none did",
-                    runtime_dir=str(self._client.runtime_dir), job=self.job, ep_rank=self.ep_rank,
-                )
-            time.sleep(min(LEASE_CHECK_EVERY, left))
+            return self.lease_alive()
+
+        _await_daemon(self._client, deadline, timeout, self.job, self.ep_rank, "recover",
+                      "again (the one holding the job went away)", renewed)
 
     def lease_alive(self) -> bool:
         sock = self._lease_sock
@@ -840,23 +834,29 @@ def _join(job, ep_rank, ep_size, spec, runtime_dir, device, timeout) -> _Shared:
         progress.close()
 
 
-def _await_daemon(client: DaemonClient, deadline: float, timeout: float, job: str, ep_rank: int) -> None:
-    """Until ``deadline``, every LEASE_CHECK_EVERY s: does a daemon listen at the client's
-    runtime folder? Returns once one does; DaemonUnavailable, saying what was waited for,
-    when the time is up with none listening."""
+_JOIN_GONE = "again and take it (the one holding the rendezvous went away)"
+
+
+def _await_daemon(client: DaemonClient, deadline: float, timeout: float, job: str, ep_rank: int,
+                  what: str = "join", tail: str = _JOIN_GONE, look=None) -> None:
+    """After the daemon holding a request (``what``: "join" or "recover") went away: until
+    ``deadline``, every LEASE_CHECK_EVERY s, ``look()`` (when given; True ends the wait) and
+    whether a daemon listens at the client's runtime folder. Returns once one does;
+    DaemonUnavailable, saying what was waited for, when the time is up with none listening."""
     while True:
-        if _listening(client.fd_path):
+        if (look is not None and look()) or _listening(client.fd_path):
             return
         left = deadline - time.monotonic()
         if left <= 0:
-            raise _no_daemon(client, timeout, job, ep_rank)
+            raise _no_daemon(client, timeout, job, ep_rank, what, tail)
         time.sleep(min(LEASE_CHECK_EVERY, left))
 
 
-def _no_daemon(client: DaemonClient, timeout: float, job: str, ep_rank: int) -> errors.DaemonUnavailable:
+def _no_daemon(client: DaemonClient, timeout: float, job: str, ep_rank: int, what: str = "join",
+               tail: str = _JOIN_GONE) -> errors.DaemonUnavailable:
     return errors.DaemonUnavailable(
-        f"job {job!r} rank {ep_rank}: join waited {timeout:g} s for a daemon to listen at {client.runtime_dir} "
-        "again and take it (the one holding the rendezvous went away); none did",
+        f"job {job!r} rank {ep_rank}: {what} waited {timeout:g} s for a daemon to listen at {client.runtime_dir} "
+        f"{tail}; none did",
         runtime_dir=str(client.runtime_dir), job=job, ep_rank=ep_rank,
     )
 
