@@ -80,8 +80,8 @@ MAX_OPEN_ROUNDS = 2
 #: The environment variable that turns the extension's kernels on for CUDA Buffers made
 #: without ``kernels=``.
 KERNELS_ENV = "A2AD_DEEP_EP_KERNELS"
-#: Shared memory an ll_arrange block may use (its per-(expert, source) counts).
-ARRANGE_SMEM_LIMIT = 48 * 1024
+#: The most slots an ll_arrange block numbers and copies.
+ARRANGE_MAX_SLOTS = 256
 
 
 def _kernels_from_env() -> bool:
@@ -671,15 +671,15 @@ class Buffer:
                     argument="num_rdma_bytes")
             # the kernels take rows of whole 16-byte vectors and an arrangement whose counts fit
             # in shared memory; other geometries run the torch ops
-            fits = (hidden % 8 == 0 and 4 * (2 * num_experts + 2 * 256) <= ARRANGE_SMEM_LIMIT
-                    and self.group_size * num_max * topk < 2 ** 31)
-            geo = self._geos[key] = _Geometry(num_max, hidden, num_experts, topk, kernels=self.kernels and fits)
+            fits = (self.kernels and hidden % 8 == 0 and self.group_size * num_max * topk < 2 ** 31
+                    and self._ext.ll_arrange_fits(num_experts // self.group_size, self.group_size, ARRANGE_MAX_SLOTS))
+            geo = self._geos[key] = _Geometry(num_max, hidden, num_experts, topk, kernels=fits)
             if geo.kernels:
                 from a2ad.client.cuda_plane import sm_count
 
                 # ll_arrange's slots per block: a multiple of 32 making about two blocks per SM
                 per = -(-self.group_size * geo.rt // (2 * sm_count(self.device)))
-                geo.arrange_slots = min(256, max(32, -(-per // 32) * 32))
+                geo.arrange_slots = min(ARRANGE_MAX_SLOTS, max(32, -(-per // 32) * 32))
         return geo
 
     def _slot(self, geo: _Geometry) -> int:

@@ -808,8 +808,12 @@ void ll_pack_direct(const Tensor& x, const Tensor& topk_idx, Tensor route, Tenso
                   "ll_pack launch");
 }
 
-int64_t ll_arrange_smem_bytes(int64_t lx, int64_t ep, int64_t slots_per_block) {
-  return a2ad::ll_arrange_smem_bytes(static_cast<int>(lx), static_cast<int>(ep), static_cast<int>(slots_per_block));
+// An ll_arrange block keeps its per-(expert, source) counts in at most the shared memory a
+// launch gets without opting in to more.
+bool ll_arrange_fits(int64_t lx, int64_t ep, int64_t slots_per_block) {
+  return lx >= 1 && ep >= 1 && lx * ep <= (int64_t{1} << 20) &&
+         a2ad::ll_arrange_smem_bytes(static_cast<int>(lx), static_cast<int>(ep), static_cast<int>(slots_per_block)) <=
+             48 * 1024;
 }
 
 void ll_arrange_direct(const Tensor& meta, const Tensor& counts, const Tensor& rows, const std::optional<Tensor>& scales,
@@ -823,7 +827,7 @@ void ll_arrange_direct(const Tensor& meta, const Tensor& counts, const Tensor& r
              "a2ad: ll_arrange: ep ", ep, ", rt ", rt, ", lx ", lx, ", num_max ", num_max, ", rank ", rank);
   A2AD_CHECK(slots_per_block >= 32 && slots_per_block % 32 == 0 && slots_per_block <= 1024,
              "a2ad: ll_arrange: slots_per_block must be a multiple of 32 in [32, 1024], got ", slots_per_block);
-  A2AD_CHECK(ll_arrange_smem_bytes(lx, ep, slots_per_block) <= 48 * 1024,
+  A2AD_CHECK(ll_arrange_fits(lx, ep, slots_per_block),
              "a2ad: ll_arrange: ", lx * ep, " experts need more than 48 KB of shared memory");
   const int64_t meta_stride = ll_source_stride_bytes(meta, ep, rt, 8, "meta") / 4;
   check_ll(counts, meta, "counts", {at::kInt});
@@ -996,7 +1000,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("out_rows"), pybind11::arg("out_scales"), pybind11::arg("recv_count"), pybind11::arg("src_info"),
         pybind11::arg("layout_range"), pybind11::arg("dest"), pybind11::arg("stats"), pybind11::arg("rank"),
         pybind11::arg("lx"), pybind11::arg("num_max"), pybind11::arg("slots_per_block"), pybind11::arg("ue8m0"));
-  m.def("ll_arrange_smem_bytes", &ll_arrange_smem_bytes, "shared memory of an ll_arrange block");
+  m.def("ll_arrange_fits", &ll_arrange_fits, "whether an ll_arrange block's counts fit its shared memory",
+        pybind11::arg("lx"), pybind11::arg("ep"), pybind11::arg("slots_per_block"));
   m.def("ll_gather", &ll_gather_direct, "a2ad.deep_ep: expert outputs into the combine region (csrc/ll.cu)",
         pybind11::arg("x"), pybind11::arg("dest"), pybind11::arg("counts"), pybind11::arg("region"),
         pybind11::arg("blocks"));
