@@ -14,9 +14,10 @@ distinct experts per token, float32 weights. The token-major pair sends x with t
 ids and weights as payloads and combines the received rows (an identity expert); the
 low-latency pair dispatches x and combines ``recv_x`` with the weights. Before timing, one
 eager round of each is checked against what it must give (small integers: exact sums).
-Timing: each rank's dispatch and combine captured in CUDA graphs, replays queued behind a GPU
-sleep, L2 flushed before every round, the slowest rank's interval per round; medians and
-p10-p90 in microseconds, one line per (T, pair) as it goes, then a markdown table with each
+Timing: ``kernel_timing``'s own loop (``TwoGpuJob.time``: each rank's dispatch and combine
+captured in CUDA graphs, replays queued behind a GPU sleep, L2 flushed before every round,
+the slowest rank's interval per round); medians and p10-p90 in microseconds, the pair being
+the sum of the two medians, one line per (T, pair) as it goes, then a markdown table with each
 low-latency pair's time over the token-major pair's (below 1: the low-latency pair is faster).
 
 ``--dry-run`` runs the same rounds on the host backend (CPU tensors, a tiny geometry, eager
@@ -34,6 +35,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+
+from .kernel_timing import TwoGpuJob, sleep_cycles_per_us
 
 PATHS = ("ops", "kernels")
 
@@ -248,81 +251,59 @@ class Bench:
 
     # --- timing ---------------------------------------------------------------------------
     def time_pair(self, pair: str, path: str | None) -> dict:
+        """Medians and p10-p90 of the pair's dispatch and combine, in us, and the pair (their
+        sum): on CUDA timed by kernel_timing's own loop (``TwoGpuJob.time``), on the host
+        backend by the wall clock of eager rounds."""
         d, c = (self.ll_dispatch, self.ll_combine) if pair == "ll" else (self.tm_dispatch, self.tm_combine)
         a = self.args
-        if not self.cuda:
+        if self.cuda:
+            r = _PairJob(self, lambda q: d(q, path), lambda q: c(q, path)).time(a.rounds, a.chunks, not a.no_l2_flush)
+        else:
             ds, cs = [], []
             for _ in range(a.rounds):
-                td = on_ranks(self.ep, lambda r: _timed(lambda: d(r, path)))
-                tc = on_ranks(self.ep, lambda r: _timed(lambda: c(r, path)))
-                ds.append(max(td))
-                cs.append(max(tc))
-            return _summary(ds, cs, False)
-        from .kernel_timing import sleep_cycles_per_us
+                ds.append(max(on_ranks(self.ep, lambda q: _timed(lambda: d(q, path)))))
+                cs.append(max(on_ranks(self.ep, lambda q: _timed(lambda: c(q, path)))))
+            q = lambda v, f: sorted(v)[min(len(v) - 1, int(f * len(v)))]  # noqa: E731
+            r = {"d": q(ds, 0.5), "c": q(cs, 0.5), "d10": q(ds, 0.1), "d90": q(ds, 0.9), "c10": q(cs, 0.1),
+                 "c90": q(cs, 0.9), "starved": False}
+        r["p"] = r["d"] + r["c"]
+        return r
 
-        if not hasattr(self, "cycles_per_us"):
-            self.cycles_per_us = sleep_cycles_per_us([0])
+
+class _PairJob:
+    """One pair on every rank of a :class:`Bench`, duck-typed like kernel_timing's
+    ``TwoGpuJob`` (as fi_timing's job is) so that ``TwoGpuJob.time`` times it: each rank's
+    dispatch and combine in CUDA graphs, replays behind a GPU sleep, L2 flushed before each
+    round, the slowest rank per round."""
+
+    one_gpu = True
+
+    def __init__(self, bench: Bench, d, c):
+        if not hasattr(bench, "cycles_per_us"):  # measured once per run
+            bench.cycles_per_us = sleep_cycles_per_us([0])
             l2 = int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or (50 << 20))
-            self.flush = torch.empty(2 * l2, dtype=torch.uint8, device=self.dev)
-        graphs = []
-        for r in range(self.ep):
-            cap = torch.cuda.Stream(self.dev)
-            gd, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(gd, stream=cap, capture_error_mode="thread_local"):
-                d(r, path)
-            with torch.cuda.graph(gc, stream=cap, capture_error_mode="thread_local"):
-                c(r, path)
-            graphs.append((gd, gc))
-        torch.cuda.synchronize(self.dev)
-        ds, cs, starved = [], [], False
-        streams = [rk.stream for rk in self.ranks]
-        for _ in range(a.chunks):
-            done = []
-            for s in streams:
-                with torch.cuda.stream(s):
-                    torch.cuda._sleep(int((5000 + 400 * a.rounds) * self.cycles_per_us))
-                    ev = torch.cuda.Event()
-                    ev.record()
-                    done.append(ev)
-            marks = [[] for _ in range(self.ep)]
-            for _i in range(a.rounds):
-                flushed = None
-                if not a.no_l2_flush:
-                    with torch.cuda.stream(streams[0]):
-                        self.flush.zero_()
-                        flushed = torch.cuda.Event()
-                        flushed.record()
-                for r, s in enumerate(streams):
-                    with torch.cuda.stream(s):
-                        if flushed is not None:
-                            s.wait_event(flushed)
-                        m = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-                        m[0].record()
-                        graphs[r][0].replay()
-                        m[1].record()
-                        graphs[r][1].replay()
-                        m[2].record()
-                        marks[r].append(m)
-            starved = starved or any(ev.query() for ev in done)
-            torch.cuda.synchronize(self.dev)
-            for i in range(a.rounds):
-                ds.append(max(marks[r][i][0].elapsed_time(marks[r][i][1]) for r in range(self.ep)) * 1e3)
-                cs.append(max(marks[r][i][1].elapsed_time(marks[r][i][2]) for r in range(self.ep)) * 1e3)
-        del graphs
-        return _summary(ds, cs, starved)
+            bench.flush_buffer = torch.empty(2 * l2, dtype=torch.uint8, device=bench.dev)
+        self.ep_size = bench.ep
+        self.devs = [0] * bench.ep
+        self.streams = [rk.stream for rk in bench.ranks]
+        self.flush = [bench.flush_buffer] * bench.ep
+        self.cycles_per_us = bench.cycles_per_us
+        self.planes = []  # no diagnostics (TwoGpuJob.time sets a diag bit on each plane)
+        self.d, self.c = d, c
+
+    # rank r's stream current, synchronize, one eager round: TwoGpuJob's own (devs are all 0)
+    on = TwoGpuJob.on
+    sync = TwoGpuJob.sync
+    eager_round = TwoGpuJob.eager_round
+
+    def time(self, rounds: int, chunks: int, flush: bool) -> dict:
+        return TwoGpuJob.time(self, 0, rounds=rounds, chunks=chunks, flush=flush)
 
 
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1e6
-
-
-def _summary(ds: list, cs: list, starved: bool) -> dict:
-    q = lambda v, f: sorted(v)[min(len(v) - 1, int(f * len(v)))]  # noqa: E731
-    pair = [a + b for a, b in zip(ds, cs)]
-    return {"d": q(ds, 0.5), "c": q(cs, 0.5), "p": q(pair, 0.5), "d10": q(ds, 0.1), "d90": q(ds, 0.9),
-            "c10": q(cs, 0.1), "c90": q(cs, 0.9), "p10": q(pair, 0.1), "p90": q(pair, 0.9), "starved": starved}
 
 
 def build_parser() -> argparse.ArgumentParser:
