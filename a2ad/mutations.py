@@ -142,3 +142,7 @@ register(
     "a replacement let back into a degrade job by its node while no other node has live ranks of the job is "
     "answered at once, so no report of it says readmit: a node whose ranks come back later never sets its "
     "bit, and the two nodes serve with different masks")
+register(
+    "rejoin_after_undelivered_unseen", "domain",
+    "such a replacement whose first handles were not delivered joins again as the same process: the other "
+    "nodes take it for the one they counted gone by mistake, never let it back in, and serve without it")

@@ -58,6 +58,9 @@ from a2ad.sim.world import Outcome, Violation, register
 STRANDED_BOUND = 40.0
 #: how long a rank's recover waits for the others (the client's default is 60 s)
 RECOVER_TIMEOUT = 20.0
+#: how long a client takes to ask a daemon that came back again for a request its predecessor
+#: held (it sees the daemon go within 1 s, then looks for a listener every 0.5 s and renews)
+RESEND_BOUND = 2.0
 #: how long a rank's round waits for a peer that does not serve it (a dispatch or combine wait's
 #: timeout: it then raises PeerTimeout and recovers)
 ROUND_TIMEOUT = 10.0
@@ -369,8 +372,11 @@ class Node:
                 p.conn.open = False
                 w.at(w.now + 0.001, f"lease EOF {p.pid}", w.on_lease_eof, p.conn)
             if p.alive and p.node == self.name and p.waiting_since is not None and p.waiting_in == self.instance:
-                # its request died with the daemon: the client's own timeout ends its wait
-                w.at(p.waiting_since + p.wait_bound - 1.5, f"timeout {p.pid}", w.client_timeout, p, p.rid)
+                # its request died with the daemon. The client sees it go (a join: its pidfd on the
+                # daemon, polled every 0.5 s, or the fd.sock probe every 1 s; a recover: its lease's
+                # EOF, looked at every 0.5 s) and asks the next daemon again
+                seen = w.rng.choice((0.0005, 0.001, 0.5, 1.0)) if p.state == "joining" else w.rng.uniform(0.001, 0.5)
+                w.at(w.now + seen, f"daemon gone {p.pid}", w.request_lost, p, p.rid)
                 p.waiting_since = None
         self.reg = self.host = self.bus = self.fed = None
 
@@ -457,6 +463,11 @@ class Proc:
     wait_bound: float = 0.0
     #: the daemon instance its request waits in
     waiting_in: int = 0
+    #: when its join's or recover's own wait ends (a request sent again after its daemon went
+    #: away asks for what is left), and the control block it reads (the client's mapping)
+    deadline: float = 0.0
+    cb: object = None
+    sent_generation: int = 0
     rid: int = 0
     tries: int = 0
     #: the current chain of its own actions (an older one scheduled before a re-attach is dropped)
@@ -509,11 +520,11 @@ class World:
         #: job -> since when its live ranks have not all served together (their rounds wait)
         self.stuck: dict[str, float] = {}
         #: seconds after the last fault by which every complete job has converged: a request
-        #: held by a daemon that restarted is lost, and its client asks again only after its own
-        #: timeout (RECOVER_TIMEOUT); a rank serving rounds with a peer that does not serve it
+        #: held by a daemon that restarted is lost, and its client asks the next daemon again
+        #: (RESEND_BOUND); a rank serving rounds with a peer that does not serve it
         #: recovers after its round timeout (ROUND_TIMEOUT); then the loss bound three times
         #: over (a loss, a resync, a re-arm) and the steps of a rendezvous
-        self.settle = RECOVER_TIMEOUT + ROUND_TIMEOUT + (3 * self.cfg.loss_bound if domain else 0.0) + 6.0
+        self.settle = RESEND_BOUND + ROUND_TIMEOUT + (3 * self.cfg.loss_bound if domain else 0.0) + 6.0
         #: faults happen in the first ACTIVE seconds; then the world is left to settle
         self.active = 40.0
         for node in self.nodes.values():
@@ -625,7 +636,8 @@ class World:
     def node_of(self, p: Proc) -> Node:
         return self.nodes[p.node]
 
-    def join(self, p: Proc) -> None:
+    def join(self, p: Proc, timeout: float | None = None) -> None:
+        """Attach (``timeout``: what is left of a join sent again after its daemon went)."""
         if not p.alive or p.state != "idle":
             return
         node = self.node_of(p)
@@ -633,7 +645,9 @@ class World:
             self.at(self.now + 0.5, f"join {p.pid}", self.join, p)
             return
         p.rid += 1
-        timeout = self.rng.choice((2.0, 5.0, 10.0)) if self.cfg is None else self.rng.choice((5.0, 10.0, 20.0))
+        if timeout is None:
+            timeout = self.rng.choice((2.0, 5.0, 10.0)) if self.cfg is None else self.rng.choice((5.0, 10.0, 20.0))
+            p.deadline = self.now + timeout
         f = {"job": p.job, "ep_rank": p.rank, "ep_size": p.ep_size, "spec": dict(SPEC, on_peer_loss=p.policy),
              "pid": p.pid, "device": "host", "timeout": timeout, "watch": watch_tids(p.pid)}
         p.state = "joining"
@@ -704,17 +718,44 @@ class World:
                 if job is not None and job.control is cb:
                     self.next_act(p, self.rng.uniform(0.001, 0.05) + max(0.0, p.stalled_until - self.now))
 
-    def client_timeout(self, p: Proc, rid: int) -> None:
-        """The client's own wait for a reply the daemon that held it never sent."""
-        if not p.alive or p.rid != rid:
+    def request_lost(self, p: Proc, rid: int) -> None:
+        """The client saw the daemon holding its join or recover go (client/attach.py): a
+        recover whose job was re-armed before the daemon went (its control block's generation
+        moved) is done; otherwise it waits for a daemon to listen and asks it again for what is
+        left of its wait."""
+        if not p.alive or p.rid != rid or p.state not in ("joining", "recovering"):
             return
-        self.log(f"p{p.pid}", f"no reply to its {p.state} (the daemon went away): tries again")
-        if p.state == "joining":
-            p.state = "idle"
-            self.at(self.now + 0.1, f"join {p.pid}", self.join, p)
-        elif p.state == "recovering":
+        if p.state == "recovering" and p.cb is not None and p.cb.generation != p.sent_generation:
             p.state = "attached"
-            self.next_act(p, 0.1)
+            self.log(f"p{p.pid}", "its daemon went, after the re-arm: recovered")
+            self.next_act(p, self.rng.uniform(0.1, 4.0))
+            return
+        self.log(f"p{p.pid}", f"its daemon went away during its {p.state}: it asks the next one")
+        self.ask_again(p, rid)
+
+    def ask_again(self, p: Proc, rid: int) -> None:
+        if not p.alive or p.rid != rid or p.state not in ("joining", "recovering"):
+            return
+        node = self.node_of(p)
+        left = p.deadline - self.now
+        # a recover waits for its lease too (maintain renews it once a daemon listens)
+        ready = node.reg is not None and (p.state == "joining" or p.conn is not None)
+        if ready:
+            if p.state == "joining":
+                p.state = "idle"
+                self.join(p, timeout=max(0.0, left))
+            else:
+                self.recover(p, timeout=max(0.0, left))
+            return
+        if left <= 0:  # DaemonUnavailable: no daemon listened again within the wait
+            self.log(f"p{p.pid}", f"its {p.state} waited its time for a daemon to listen again; none did")
+            if p.state == "joining":
+                self.join_failed(p, "daemon_unavailable", "no daemon listened again", {})
+            else:
+                p.state = "attached"
+                self.next_act(p, 0.1)
+            return
+        self.at(self.now + min(0.5, left), f"ask again {p.pid}", self.ask_again, p, rid)
 
     def redeem(self, p: Proc, ticket: bytes, kind: str) -> None:
         node = self.node_of(p)
@@ -824,21 +865,33 @@ class World:
                 self.log(f"p{p.pid}", f"leave refused: {exc.code}")
         self.exit(p, "after leaving")
 
-    def recover(self, p: Proc) -> None:
+    def recover(self, p: Proc, timeout: float | None = None) -> None:
+        """Ask for the re-arm (``timeout``: what is left of a recover sent again after its
+        daemon went)."""
         node = self.node_of(p)
         if node.reg is None or self.now < node.stalled_until:
-            self.next_act(p, 1.0)
+            if timeout is not None:  # sent again: the client waits on, within its own wait
+                self.at(self.now + 0.5, f"ask again {p.pid}", self.ask_again, p, p.rid)
+            else:
+                self.next_act(p, 1.0)
             return
+        if timeout is None:
+            timeout = RECOVER_TIMEOUT
+            p.deadline = self.now + timeout
         p.rid += 1
+        job = node.reg.jobs.get(p.job)
+        p.cb = job.control if job is not None else None
+        p.sent_generation = p.cb.generation if p.cb is not None else 0
         try:
             node.event(node.reg.recover, self.peer(p), p.pid.to_bytes(8, "little"), p.rid,
-                       {"job": p.job, "ep_rank": p.rank, "lease": p.lease, "timeout": RECOVER_TIMEOUT})
+                       {"job": p.job, "ep_rank": p.rank, "lease": p.lease, "timeout": timeout})
         except errors.A2ADError as exc:
             self.log(f"p{p.pid}", f"recover refused: {exc.code}")
+            p.state = "attached"
             self.next_act(p, 1.0)
             return
         p.state = "recovering"
-        p.waiting_since, p.wait_bound, p.waiting_in = self.now, RECOVER_TIMEOUT + 1.5 + self.stopped_for(node), \
+        p.waiting_since, p.wait_bound, p.waiting_in = self.now, timeout + 1.5 + self.stopped_for(node), \
             node.instance
         self.log(f"p{p.pid}", "recover")
 

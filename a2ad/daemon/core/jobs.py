@@ -74,6 +74,8 @@ class RankSlot:
     #: while the job serves degraded here; taken back in here once reported attached (its
     #: node may have answered its join before any report said ``readmit``).
     replaced: bool = False
+    #: Of another node's rank: the state its node's last report gave it (None: none yet).
+    reported: int | None = None
     #: A remote rank let back in by its node without a job-wide re-arm: its ``deaths`` count
     #: at that re-admission, which this node has applied (this node's reports list it).
     admit_ack: int | None = None
@@ -105,7 +107,7 @@ class RankSlot:
         return "recover" if self.recovering is not None else None
 
     def clear_remote(self) -> None:
-        self.node = self.remote_waiting = self.remote = self.admit_ack = None
+        self.node = self.remote_waiting = self.remote = self.admit_ack = self.reported = None
         self.lost_with_node = self.readmit_wait = False
 
     def summary(self, show_pid: bool = True) -> dict:

@@ -101,9 +101,14 @@ class Mirror:
             # the job serves degraded here (a new process or a new attach: not the same one
             # counted gone by mistake), it is let back in here too once attached, or this
             # node's ranks would serve without it when they come back
+            # (or the same process joining again after its node itself reported it gone: a
+            # replacement whose first handles were not delivered)
+            reported_gone = slot.reported in (L.RANK_DEAD, L.RANK_LEFT) \
+                and not mutations.active("rejoin_after_undelivered_unseen")
+            slot.reported = state
             if effects and job.serving_degraded and slot.state in (L.RANK_DEAD, L.RANK_LEFT) \
                     and state in (L.RANK_JOINING, L.RANK_ATTACHED) \
-                    and (slot.pid != before[1] or slot.attaches > before[4]):  # another process, or a new attach
+                    and (slot.pid != before[1] or slot.attaches > before[4] or reported_gone):
                 slot.replaced = True
             elif state not in (L.RANK_JOINING, L.RANK_ATTACHED):
                 slot.replaced = False
