@@ -405,13 +405,15 @@ def _rank_joining(d, job, rank):
     return info is not None and info["ranks"][rank]["state"] == "joining"
 
 
-@pytest.mark.parametrize("store", ["keeper", "none"])
-def test_daemon_restart_while_a_rank_waits_in_join(runtime_dir, store):
+@pytest.mark.parametrize("store,stop", [("keeper", "kill9"), ("none", "kill9"), ("keeper", "sigterm")])
+def test_daemon_restart_while_a_rank_waits_in_join(runtime_dir, store, stop):
     """The daemon holds rank 0's join (rank 1 has not joined) and is killed and started
     again: the held join died with it, so rank 0 sees its daemon's process gone and joins
     the new daemon anew; once rank 1 joined there, both return well within their timeout
-    and run verified rounds. With the fd keeper the new daemon re-adopts the job (rank 0's
-    slot empty again); with no fd store it has no such job and the resent join makes it."""
+    and run verified rounds. After a kill -9, with the fd keeper the new daemon re-adopts the
+    job (rank 0's slot empty again); with no fd store it has no such job and the resent join
+    makes it. A SIGTERM (what systemctl restart sends) frees the job, which has no rank
+    attached, without answering the held join: the same as no fd store."""
     job = "jrestart"
     args = ("--backend", "host", "--grace", "5", "--fd-store", store)
     d1 = DaemonProcess(runtime_dir, *args).start()
@@ -423,12 +425,18 @@ def test_daemon_restart_while_a_rank_waits_in_join(runtime_dir, store):
         # rank 1 starts now (its imports overlap the restart) and attaches on the go
         rk.start(1, [("wait",), ("attach", 30.0), ("stamp",), ("rounds", 0, 5)])
         wait_for(lambda: _rank_joining(d1, job, 0), 20, "rank 0 held in the join", interval=0.05)
-        d1.kill9()
+        if stop == "kill9":
+            d1.kill9()
+        else:
+            d1.proc.send_signal(signal.SIGTERM)
+            assert d1.proc.wait(15) == 0
+            assert f"job {job} freed (daemon shutdown; no rank attached)" in d1.log()
+            assert f"job {job}: 1 held request(s) left unanswered" in d1.log()
         t_killed = time.clock_gettime(time.CLOCK_MONOTONIC)
         d2 = DaemonProcess(runtime_dir, *args).start()
         t_up = time.clock_gettime(time.CLOCK_MONOTONIC)
         info = _job_info(d2, job)
-        if store == "keeper":  # re-adopted: the join in progress died with the old daemon
+        if store == "keeper" and stop == "kill9":  # re-adopted: the join in progress died with the old daemon
             assert [r["state"] for r in info["ranks"]] == ["empty", "empty"], info
         else:
             assert info is None
@@ -439,7 +447,7 @@ def test_daemon_restart_while_a_rank_waits_in_join(runtime_dir, store):
         t_go = time.clock_gettime(time.CLOCK_MONOTONIC)
         stamps = rk.expect("stamp", [0, 1], timeout=20)
         t_joined = stamps[0][0]
-        print(f"\nhost (--fd-store {store}): a join held across a daemon kill -9 and restart: held again by the new "
+        print(f"\nhost (--fd-store {store}, {stop}): a join held across a daemon stop and restart: held again by the new "
               f"daemon {t_resent - t_up:.2f} s after it was up; returned {t_joined - t_go:.2f} s after rank 1 was let go "
               f"({t_joined - t_killed:.2f} s after the kill, {t_joined - t_call:.2f} s after the process started; "
               f"timeout 30 s)")

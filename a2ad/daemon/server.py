@@ -635,8 +635,10 @@ class Daemon:
     # --------------------------------------------------------------- teardown
     def shutdown(self, fatal: bool = False) -> None:
         """Stop. Jobs with attached ranks are kept for the next daemon (state file plus fd
-        store); jobs without any are freed. ``shutdown --free-jobs`` frees every job; an
-        upgrade hands everything to the successor; a fatal error frees nothing."""
+        store); jobs without any are freed, their held joins left unanswered (they die with
+        the daemon and are asked of the next one, which makes the job anew). ``shutdown
+        --free-jobs`` frees every job and ends held joins with JobDestroyed; an upgrade hands
+        everything to the successor; a fatal error frees nothing."""
         self.notifier.stopping(self)
         reg = self.registry
         reg.now = time.monotonic()
@@ -648,7 +650,7 @@ class Daemon:
                 if self.free_on_stop:
                     reg.free(job, "daemon shutdown with --free-jobs")
                 elif not fatal and not job.attached():
-                    reg.free(job, "daemon shutdown; no rank attached")
+                    reg.free(job, "daemon shutdown; no rank attached", fail_held=False)
             if reg.jobs:
                 log.info("stopping: %d job(s) with attached ranks kept for the next daemon: %s",
                          len(reg.jobs), ", ".join(sorted(reg.jobs)[:20]))

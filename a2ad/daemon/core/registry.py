@@ -841,9 +841,11 @@ class Registry:
                 self.free(job, "grace period over")
 
     # --------------------------------------------------------------- teardown
-    def free(self, job: Job, why: str) -> None:
+    def free(self, job: Job, why: str, fail_held: bool = True) -> None:
         """Free a job now: its ranks see ABORT_DESTROYED, held replies end with JobDestroyed,
-        its memory and fd-store entries are released."""
+        its memory and fd-store entries are released. ``fail_held=False`` (a daemon that stops
+        with the job in its rendezvous): the held joins and recovers get no reply; they die
+        with the daemon, as on a kill -9, and their clients ask the next daemon again."""
         if job.freed:
             return
         self.jobs.pop(job.name, None)
@@ -854,10 +856,15 @@ class Registry:
         if holders:
             self.released.append({"job": job.name, "bytes": job.job_bytes, "pids": holders})
         gone = errors.JobDestroyed(f"job {job.name!r} was destroyed ({why})")
+        left = 0
         for slot in job.slots:
             for held in (slot.pending, slot.recovering):
-                if held is not None:
+                if held is None:
+                    continue
+                if fail_held:
                     self.fx.fail(held, gone)
+                else:
+                    left += 1
             slot.pending = slot.recovering = None
             self.leasing.drop_ticket(slot)
             self.leasing.end_lease(slot)
@@ -872,6 +879,9 @@ class Registry:
             self.host.close_fd(job.control_fd)
             job.control_fd = -1
         log.info("job %s freed (%s)", job.name, why)
+        if left:
+            log.info("job %s: %d held request(s) left unanswered; their clients ask the next daemon again",
+                     job.name, left)
 
     def release_handles(self, job: Job) -> None:
         """Close the daemon's own copies of a job's fds without freeing anything (the job lives
