@@ -598,7 +598,7 @@ class Buffer:
             self._masked.add(r)
         else:
             self._masked.discard(r)
-        self._masked_dev[r] = int(mask)  # a fill on the device, no sync
+        self._masked_dev.narrow(0, r, 1).fill_(int(mask))  # a fill kernel on the device, no copy or sync
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
         """Fill int32 ``[group_size]`` ``mask_status`` in place: 1 for a masked rank (one this
