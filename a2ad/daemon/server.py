@@ -470,13 +470,17 @@ class Daemon:
 
     def _deliver(self, reports: bool = True) -> None:
         """Carry out what the registry decided: the domain's reports and rendezvous steps (the
-        reports wait with ``reports=False``, while a batch of requests is being handled),
-        replies, lease connections to close."""
+        reports wait with ``reports=False``), then the state file, then replies and lease
+        connections to close. No reply leaves before the state it reflects is written: a
+        daemon killed right after answering must not come back without what it answered (a
+        job, a generation). (The federation reads the registry's change flag, which writing
+        the state file clears: it goes first.)"""
         if self.fed is not None:
             try:
                 self.fed.flush(reports)
             except Exception:
                 log.exception("internal error in the domain federation (the daemon keeps serving)")
+        self._persist()
         outbox, self.registry.outbox = self.registry.outbox, []
         for identity, data in outbox:
             self._send(identity, data)
@@ -484,8 +488,17 @@ class Daemon:
             self.fdsock.close_pending()
 
     def _flush(self) -> None:
-        """What the registry decided, then the state file (at most once per loop turn)."""
+        """What the registry decided, and then the state file again for what delivering it
+        changed (a lease closed, say)."""
         self._deliver()
+        self._persist()
+
+    def _persist(self) -> None:
+        """Write the state file if the registry changed it (a failing disk backs off: the
+        state is kept in memory, and a reply is not held back for it). Once the jobs are
+        handed to a successor, the state file is the successor's."""
+        if self.handover:
+            return
         if self.registry.dirty:
             self.registry.dirty = False
             self.state.mark_dirty()
@@ -537,8 +550,9 @@ class Daemon:
             self.registry.now = time.monotonic()
             reply = handle(self, identity, frames[1].bytes, _zmq_peer(frames[1]))
             if reply is not None:
-                self._send(identity, reply)
-            self._deliver(reports=False)
+                # in the outbox with the registry's own replies: it goes out once the state it
+                # reflects is written, with the rest of the batch (one write for the batch)
+                self.registry.outbox.append((identity, reply))
             self.notifier.tick(self)
 
     def _send(self, identity: bytes, data: bytes) -> None:

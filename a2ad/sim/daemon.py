@@ -381,12 +381,14 @@ class Node:
         self.reg = self.host = self.bus = self.fed = None
 
     def carry_out(self) -> None:
-        """What the server does after every event: the domain's reports and steps, replies,
-        leases to close, the state file."""
+        """What the server does after every event: the domain's reports and steps, the state
+        file, then replies and leases to close (and the state file again for what those
+        changed)."""
         w, reg = self.world, self.reg
         self.touched = True
         if self.fed is not None:
             self.fed.flush(True)
+        self.persist()
         outbox, reg.outbox = reg.outbox, []
         for identity, data in outbox:
             pid = int.from_bytes(identity, "little")
@@ -398,6 +400,10 @@ class Node:
             if isinstance(conn, LeaseConn) and conn.open:
                 conn.open = False
                 w.at(w.now + 0.001, f"lease EOF {conn.pid}", w.on_lease_eof, conn)
+        self.persist()
+
+    def persist(self) -> None:
+        w, reg = self.world, self.reg
         if reg.dirty:
             reg.dirty = False
             if w.now < self.disk_full_until:
