@@ -116,6 +116,11 @@ register(
     "uid_fds_undercount", "daemon",
     "the per-uid fd cap counts one descriptor per control block while the daemon holds two (its memfd and "
     "the one its mapping keeps), so one user gets past the budget")
+register(
+    "held_failed_on_stop", "daemon",
+    "a daemon stopped (SIGTERM) while a job without attached ranks holds joins frees the job and ends the "
+    "held joins with JobDestroyed; their clients give up, where they could have joined the next daemon",
+    "caa20de")
 
 
 # --- the domain protocol (a2ad.daemon.core; caught by the simulator's "domain" world) -------
@@ -128,6 +133,11 @@ register(
     "loss_count_ignored", "domain",
     "a node counted lost by a peer whose link never dropped (it stalled) ignores the peer's growing loss "
     "count in its heartbeats and never sends its reports again: the peer keeps its ranks dead", "0e14210")
+register(
+    "domain_job_freed_on_stop", "domain",
+    "a daemon stopped (SIGTERM) frees a job of the domain that has no rank attached on its node, though its "
+    "joins there were reported: the coordinator releases the rendezvous with the freed rows, and the job the "
+    "re-sent joins make on the next daemon is released at the same generation with other rows")
 register(
     "decide_from_anyone", "domain",
     "a daemon takes a job's decide, prepare, release or refusal from any node of the domain, not only from "

@@ -12,6 +12,7 @@ import pytest
 from a2ad import errors, layout as L, mutations, protocol
 from a2ad.daemon import persist
 from a2ad.daemon.auth import Auth, Peer
+from a2ad.daemon.core.names import cb_name, ws_name
 from a2ad.daemon.core.registry import Limits, Registry
 from a2ad.sim import daemon as simd
 from a2ad.sim.world import WORLDS
@@ -200,7 +201,8 @@ def test_a_held_join_of_a_stopped_daemon_is_answered_at_its_timeout_with_the_ran
 #: --mutation NAME``); a change to a world's schedules moves them, and the test then looks
 #: through the first 2,000 seeds as the simulator does
 CAUGHT = {
-    "own_rank_refused": 455, "leave_any_uid": 17, "uid_fds_undercount": 0, "loss_count_ignored": 115,
+    "own_rank_refused": 540, "leave_any_uid": 17, "uid_fds_undercount": 0, "loss_count_ignored": 115,
+    "held_failed_on_stop": 12, "domain_job_freed_on_stop": 331,
     "rearm_lost_to_joining_report": 323, "lost_mark_not_kept": 247, "decide_from_anyone": 29,
     "readmit_unseen_by_rankless_node": 494, "rejoin_after_undelivered_unseen": 494,
 }
@@ -232,3 +234,31 @@ def test_a_seed_replays_exactly(world):
     assert a.trace == b.trace and a.steps == b.steps and a.faults == b.faults
     assert WORLDS[world](8, None).trace != a.trace
 
+
+
+def test_a_stop_frees_a_rendezvous_without_answering_its_held_joins_and_keeps_attached_jobs():
+    """Registry.stop (SIGTERM): a job whose only rank is held in its join is freed, the join
+    left unanswered (it asks the next daemon); a job with an attached rank is kept with its
+    rows and control block in the keeper; a job of a domain with no rank attached is kept
+    too. ``free_jobs`` frees everything and ends held joins with JobDestroyed."""
+    a = Node()
+    a.attach(100, UID, job="served")
+    assert a.join(101, UID, job="pending", rank=0, ep=2) is None  # held: rank 1 never came
+    a.join(102, UID, job="dom", rank=0, ep=2)
+    a.reg.jobs["dom"].domain = True  # (as the federation marks a job of the domain)
+    kept = a.reg.stop(free_jobs=False)
+    assert sorted(j.name for j in kept) == ["dom", "served"]
+    assert a.replies() == {}  # the held joins: no answer
+    assert cb_name("pending") not in a.keeper.kept and ws_name("pending", 0) not in a.keeper.kept
+    for name in ("dom", "served"):
+        assert cb_name(name) in a.keeper.kept and ws_name(name, 0) in a.keeper.kept
+    b = a.restart()  # (the test's restart has no federation: the local job only)
+    assert b.reg.jobs["served"].slots[0].state == L.RANK_ATTACHED
+
+    c = Node()
+    c.attach(200, UID, job="served")
+    assert c.join(201, UID, job="pending", rank=0, ep=2) is None
+    assert c.reg.stop(free_jobs=True) == []
+    reply = c.replies()[201]
+    assert not reply.ok and reply.code == "job_destroyed", reply
+    assert c.keeper.kept == {}

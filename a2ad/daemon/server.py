@@ -660,13 +660,10 @@ class Daemon:
         if self.handover:
             log.info("handing %d job(s) over to the successor", len(reg.jobs))
         else:
-            for job in list(reg.jobs.values()):
-                if self.free_on_stop:
-                    reg.free(job, "daemon shutdown with --free-jobs")
-                elif not fatal and not job.attached():
-                    reg.free(job, "daemon shutdown; no rank attached", fail_held=False)
+            if self.free_on_stop or not fatal:  # (a fatal error frees nothing it was not asked to)
+                reg.stop(free_jobs=self.free_on_stop)
             if reg.jobs:
-                log.info("stopping: %d job(s) with attached ranks kept for the next daemon: %s",
+                log.info("stopping: %d job(s) kept for the next daemon: %s",
                          len(reg.jobs), ", ".join(sorted(reg.jobs)[:20]))
                 self._log_kept(list(reg.jobs.values()))
             self._flush()

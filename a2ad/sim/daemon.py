@@ -326,6 +326,8 @@ class Node:
         self.keeper = SimKeeper()
         self.state_records: dict | None = None
         self.disk_full_until = 0.0
+        #: instances that stopped gracefully: the replies they sent before going still arrive
+        self.flushed: set[int] = set()
         self.instance = 0
         self.reg: Registry | None = None
         self.host: SimHost | None = None
@@ -379,6 +381,17 @@ class Node:
                 w.at(w.now + seen, f"daemon gone {p.pid}", w.request_lost, p, p.rid)
                 p.waiting_since = None
         self.reg = self.host = self.bus = self.fed = None
+
+    def shutdown(self) -> None:
+        """A stop (SIGTERM), as the server's ``shutdown``: the registry's stop (a job with no
+        attached rank freed, its held joins left unanswered; the others kept), its replies
+        sent, the state file written; then the daemon is gone."""
+        if self.reg is None:
+            return
+        self.event(self.reg.stop, False)
+        self.write_state()
+        self.flushed.add(self.instance)
+        self.stop("stopped (SIGTERM)")
 
     def carry_out(self) -> None:
         """What the server does after every event: the domain's reports and steps, the state
@@ -672,6 +685,8 @@ class World:
         p.state = "idle"
         p.waiting_since = None
         self.log(f"p{p.pid}", f"join refused: {code}: {message[:100]}")
+        if code == "job_destroyed":  # nothing here destroys a job a rank is joining
+            self.violate("join-destroyed", f"pid {p.pid}'s join of {p.job} rank {p.rank} ended: {message}")
         holder = details.get("node")
         if code == "rank_taken" and holder is not None and not any(
                 q.alive and q.job == p.job and q.rank == p.rank and q.node == holder for q in self.procs.values()):
@@ -689,8 +704,10 @@ class World:
     def on_reply(self, pid: int, daemon: tuple, reply) -> None:
         p = self.procs.get(pid)
         node = self.nodes[daemon[0]]
-        if p is None or not p.alive or daemon[1] != node.instance or node.reg is None:
+        if p is None or not p.alive:
             return
+        if (daemon[1] != node.instance or node.reg is None) and daemon[1] not in node.flushed:
+            return  # lost with a daemon that was killed
         if self.now < p.stalled_until:
             self.at(p.stalled_until, f"reply to {pid}", self.on_reply, pid, daemon, reply)
             return
@@ -1032,6 +1049,13 @@ class World:
         node.stop("killed")
         self.at(self.now + down, "daemon start", self._start, node)
 
+    def graceful_restart(self, node: Node, down: float) -> None:
+        if node.reg is None or self.now < node.stalled_until:
+            return
+        self.fault(f"{node.name}'s daemon stopped (SIGTERM), started again after {down:.1f} s")
+        node.shutdown()
+        self.at(self.now + down, "daemon start", self._start, node)
+
     def _start(self, node: Node) -> None:
         if node.reg is None:
             node.start(adopt=True)
@@ -1309,6 +1333,12 @@ class World:
                 self.at(t, what, self.partition, side, other, self.rng.choice((0.5, 2.0, 6.0)), what == "one-way")
             else:
                 self.at(t, what, self.steal)
+        srng = random.Random(self.seed * 2654435761 + 11)  # (an rng of its own: the schedules above stay)
+        if srng.random() < 0.3:
+            # a daemon stopped (SIGTERM, as systemctl restart does) and started again: early, while
+            # the jobs' first joins are held, or later
+            t = srng.uniform(0.05, 1.5) if srng.random() < 0.5 else srng.uniform(3, self.active)
+            self.at(t, "stop", self.graceful_restart, self.nodes[srng.choice(names)], srng.uniform(0.1, 2.0))
         krng = random.Random(self.seed * 15485863 + 5)
         if krng.random() < 0.25:
             # a node's keeper is killed; its daemon starts and fills another within 0.5-2 s

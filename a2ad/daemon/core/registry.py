@@ -841,6 +841,21 @@ class Registry:
                 self.free(job, "grace period over")
 
     # --------------------------------------------------------------- teardown
+    def stop(self, free_jobs: bool = False) -> list[Job]:
+        """The daemon stops (SIGTERM, ``a2ad-ctl shutdown``). ``free_jobs``: every job is freed
+        and its held requests end with JobDestroyed. Otherwise a job with no attached rank is
+        freed without answering its held joins (they die with the daemon, as on a kill -9,
+        and their clients ask the next daemon, which makes the job anew), and the others are
+        kept for the next daemon. A job of a domain is kept whatever its ranks here: the other
+        nodes hold this node's rows in its rendezvous table, and a job made anew would give the
+        same generation other rows. Returns the kept jobs."""
+        for job in list(self.jobs.values()):
+            if free_jobs:
+                self.free(job, "daemon shutdown with --free-jobs")
+            elif not job.attached() and (not job.domain or mutations.active("domain_job_freed_on_stop")):
+                self.free(job, "daemon shutdown; no rank attached", fail_held=mutations.active("held_failed_on_stop"))
+        return list(self.jobs.values())
+
     def free(self, job: Job, why: str, fail_held: bool = True) -> None:
         """Free a job now: its ranks see ABORT_DESTROYED, held replies end with JobDestroyed,
         its memory and fd-store entries are released. ``fail_held=False`` (a daemon that stops
