@@ -117,6 +117,11 @@ register(
     "the per-uid fd cap counts one descriptor per control block while the daemon holds two (its memfd and "
     "the one its mapping keeps), so one user gets past the budget")
 register(
+    "generation_from_record", "daemon",
+    "a daemon re-adopting a job takes its generation from the state record even when the control block shows "
+    "a later re-arm (one the state file could not hold): the ranks ran that generation, and the next re-arm "
+    "reuses it")
+register(
     "held_failed_on_stop", "daemon",
     "a daemon stopped (SIGTERM) while a job without attached ranks holds joins frees the job and ends the "
     "held joins with JobDestroyed; their clients give up, where they could have joined the next daemon",

@@ -62,9 +62,14 @@ class Node:
         self.reg.delivered(r, conn)
         return reply.payload["lease"], conn
 
-    def restart(self) -> "Node":
-        """The daemon stops (an upgrade hands over its state); a new one adopts the kept jobs."""
-        state = {"backend": "host", "jobs": [persist.job_record(j) for j in self.reg.jobs.values()]}
+    def state(self) -> dict:
+        """What the state file would hold now."""
+        return {"backend": "host", "jobs": [persist.job_record(j) for j in self.reg.jobs.values()]}
+
+    def restart(self, state: dict | None = None) -> "Node":
+        """The daemon stops (an upgrade hands over its state); a new one adopts the kept jobs
+        (from ``state``: an older state file, say)."""
+        state = self.state() if state is None else state
         new = Node(self.kernel, self.keeper)
         fds = {name: new.host._open(obj[0], obj) for name, obj in sorted(self.keeper.kept.items())}
         new.reg.adopt_state(state, fds)
@@ -202,7 +207,7 @@ def test_a_held_join_of_a_stopped_daemon_is_answered_at_its_timeout_with_the_ran
 #: through the first 2,000 seeds as the simulator does
 CAUGHT = {
     "own_rank_refused": 540, "leave_any_uid": 17, "uid_fds_undercount": 0, "loss_count_ignored": 115,
-    "held_failed_on_stop": 12, "domain_job_freed_on_stop": 331,
+    "held_failed_on_stop": 12, "domain_job_freed_on_stop": 331, "generation_from_record": 1045,
     "rearm_lost_to_joining_report": 323, "lost_mark_not_kept": 247, "decide_from_anyone": 29,
     "readmit_unseen_by_rankless_node": 494, "rejoin_after_undelivered_unseen": 494,
 }
@@ -262,3 +267,39 @@ def test_a_stop_frees_a_rendezvous_without_answering_its_held_joins_and_keeps_at
     reply = c.replies()[201]
     assert not reply.ok and reply.code == "job_destroyed", reply
     assert c.keeper.kept == {}
+
+
+def _rearm_both(n: Node, leases: list, now: float) -> dict:
+    """Both ranks of job "j" recover; the replies (the re-arm's generation)."""
+    n.reg.now = now
+    for r, lease in enumerate(leases):
+        n.reg.recover(Peer(UID, UID, 100 + r), (100 + r).to_bytes(8, "little"), 50 + r,
+                      {"job": "j", "ep_rank": r, "lease": lease, "timeout": 10.0})
+    return n.replies()
+
+
+def test_a_rearm_the_state_file_missed_is_taken_from_the_control_block():
+    """The state file does not hold a re-arm (it could not be written, then a kill -9): the
+    next daemon adopts the job at the control block's generation, which its ranks ran, not
+    the record's; the next re-arm goes past it instead of reusing it (the old bug does)."""
+    def run():
+        a = Node()
+        assert a.join(100, UID, rank=0, ep=2) is None  # held until rank 1 joins
+        a.kernel.procs[101] = True
+        a.reg.join(Peer(UID, UID, 101), (101).to_bytes(8, "little"), 99, {
+            "job": "j", "ep_rank": 1, "ep_size": 2, "spec": dict(SPEC), "pid": 101, "device": "host", "timeout": 10.0})
+        replies = a.replies()
+        leases = [a.redeem(pid, UID, replies[pid])[0] for pid in (100, 101)]
+        stale = a.state()  # the last state file written: generation 0
+        got = _rearm_both(a, leases, 1.0)
+        assert {p: rep.payload["generation"] for p, rep in got.items()} == {100: 1, 101: 1}
+        b = a.restart(stale)
+        job = b.reg.jobs["j"]
+        return job.generation, job.needs_rearm, _rearm_both(b, leases, 2.0)
+
+    generation, needs, got = run()
+    assert (generation, needs) == (1, False)
+    assert {p: rep.payload["generation"] for p, rep in got.items()} == {100: 2, 101: 2}
+    with mutations.enabled("generation_from_record"):
+        generation, _, got = run()
+    assert generation == 0 and {rep.payload["generation"] for rep in got.values()} == {1}  # a generation reused

@@ -1229,6 +1229,11 @@ class World:
             if node.reg is not None and node.touched:
                 node.touched = False
                 self.check_fds(node)
+                for job in node.reg.jobs.values():
+                    if not job.freed and job.generation != job.control.generation:
+                        self.violate("generation-kept", f"{node.name}'s daemon holds job {job.name} at generation "
+                                                        f"{job.generation}; its control block says "
+                                                        f"{job.control.generation}")
 
     def check_fds(self, node: Node) -> None:
         reg, host = node.reg, node.host

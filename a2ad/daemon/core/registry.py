@@ -948,6 +948,15 @@ class Registry:
         job = persist.job_from_record(record, fds, self.backend, self.fed.node if self.fed is not None else None,
                                       set() if used is None else used, self.host.adopt_control_block,
                                       created_at=self.now)
+        seen = job.control.generation
+        if seen > job.generation and not mutations.active("generation_from_record"):
+            # a re-arm the state file did not hold (it could not be written, or the daemon died
+            # between the re-arm and the write): its ranks run at the control block's generation,
+            # and a re-arm to the record's next one would reuse a generation they ran
+            log.warning("job %s: its control block is at generation %d, its state record at %d: a re-arm the "
+                        "state file did not hold; taking %d", job.name, seen, job.generation, seen)
+            job.generation = seen
+            job.needs_rearm = False  # (what it waited for is done; a later need shows in the abort word)
         try:
             for srec, slot in zip(record["slots"], job.slots):
                 if slot.node is not None:
