@@ -682,6 +682,17 @@ class Buffer:
                 geo.arrange_slots = min(ARRANGE_MAX_SLOTS, max(32, -(-per // 32) * 32))
         return geo
 
+    def _prepare_geometry(self, num_max: int, hidden: int, num_experts: int, topk: int) -> None:
+        """Make the jobs of a geometry's first low-latency round now, as its first dispatch
+        would (a collective: every rank calls it, with no round of the geometry open). For a
+        process whose ranks share one GPU: their planes' SM budgets can then be split before
+        any round runs, where a first dispatch would run with the whole GPU on every rank."""
+        self._live()
+        geo = self._geometry(_int("num_max", num_max, 1), _int("hidden", hidden, 1),
+                             self._check_experts_count(num_experts), _int("topk", topk, 1))
+        if not geo.slots:
+            self._slot(geo)
+
     def _slot(self, geo: _Geometry) -> int:
         for i, r in enumerate(geo.open):
             if r is None:

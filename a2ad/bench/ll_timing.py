@@ -137,6 +137,10 @@ class Bench:
                     None, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True,
                     comm=_LocalComm(r, self.ep), job=f"llb-{path}-{stamp}", runtime_dir=self.rd, device=dev,
                     timeout=a.timeout, kernels=(path == "kernels") if self.cuda else None)
+                # the geometry's jobs now, so that their planes get their share of the SMs before
+                # any round (its first dispatch would make them and run with the whole GPU, beside
+                # the other rank's doing the same)
+                rk.buffers[path]._prepare_geometry(self.num_max, self.H, self.E, self.k)
             rk.tm = MoeAlltoAll(SimpleNamespace(moe_ep_rank=r, moe_ep_size=self.ep), self.num_max, self.k, self.E,
                                 hidden_size=self.H, job=f"llb-tm-{stamp}", runtime_dir=self.rd, device=dev,
                                 timeout=a.timeout)
@@ -230,8 +234,7 @@ class Bench:
             with self._ctx(r):
                 return c(r, path)
 
-        on_ranks(self.ep, step_d)  # a geometry's first dispatch makes its jobs (collective)
-        self._split_sms()
+        on_ranks(self.ep, step_d)
         outs = on_ranks(self.ep, step_c)
         if self.cuda:
             torch.cuda.synchronize(self.dev)
@@ -239,6 +242,10 @@ class Bench:
 
     def check(self, pair: str, path: str | None) -> None:
         outs = self.eager_round(pair, path)
+        if pair == "ll":  # the round ran in the job made (and given its SMs) before it
+            made = [len(g.slots) for rk in self.ranks for g in rk.buffers[path]._geos.values()]
+            if made != [1] * self.ep:
+                raise AssertionError(f"ll {path}: the round made jobs of its own ({made} per rank and geometry)")
         for rk, out in zip(self.ranks, outs):
             if pair == "ll" and self.args.fp8:  # the FP8 round combines zeros (exact whatever FP8 did)
                 want = torch.zeros_like(rk.want_ll)

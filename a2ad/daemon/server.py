@@ -470,17 +470,20 @@ class Daemon:
 
     def _deliver(self, reports: bool = True) -> None:
         """Carry out what the registry decided: the domain's reports and rendezvous steps (the
-        reports wait with ``reports=False``), then the state file, then replies and lease
-        connections to close. No reply leaves before the state it reflects is written: a
-        daemon killed right after answering must not come back without what it answered (a
-        job, a generation). (The federation reads the registry's change flag, which writing
-        the state file clears: it goes first.)"""
+        reports wait with ``reports=False``), then the state file when there are replies to
+        send, then the replies and lease connections to close. No reply leaves before the
+        state it reflects is written: a daemon killed right after answering must not come
+        back without what it answered (a job, a generation). Without replies the write waits
+        for the end of the loop's turn (``_flush``): a turn's redeems are one write. (The
+        federation reads the registry's change flag, which writing the state file clears: it
+        goes first.)"""
         if self.fed is not None:
             try:
                 self.fed.flush(reports)
             except Exception:
                 log.exception("internal error in the domain federation (the daemon keeps serving)")
-        self._persist()
+        if self.registry.outbox:
+            self._persist()  # (without replies to send it waits for the end of the loop's turn: one write)
         outbox, self.registry.outbox = self.registry.outbox, []
         for identity, data in outbox:
             self._send(identity, data)
