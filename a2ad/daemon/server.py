@@ -468,10 +468,9 @@ class Daemon:
             log.exception("internal error in %s (the daemon keeps serving)", what)
         self._deliver()
 
-    def _deliver(self, reports: bool = True) -> None:
-        """Carry out what the registry decided: the domain's reports and rendezvous steps (the
-        reports wait with ``reports=False``), then the state file when there are replies to
-        send, then the replies and lease connections to close. No reply leaves before the
+    def _deliver(self) -> None:
+        """Carry out what the registry decided: the domain's reports and rendezvous steps, then
+        the state file when there are replies to send, then the replies and lease connections to close. No reply leaves before the
         state it reflects is written: a daemon killed right after answering must not come
         back without what it answered (a job, a generation). Without replies the write waits
         for the end of the loop's turn (``_flush``): a turn's redeems are one write. (The
@@ -479,7 +478,7 @@ class Daemon:
         goes first.)"""
         if self.fed is not None:
             try:
-                self.fed.flush(reports)
+                self.fed.flush()
             except Exception:
                 log.exception("internal error in the domain federation (the daemon keeps serving)")
         if self.registry.outbox:

@@ -1053,6 +1053,8 @@ class World:
         if node.reg is None or self.now < node.stalled_until:
             return
         self.fault(f"{node.name}'s daemon stopped (SIGTERM), started again after {down:.1f} s")
+        if node.keeper.down:  # a daemon that stops keeping jobs starts a keeper first (fdstore.py close)
+            self.keeper_refill(node, node.instance)
         node.shutdown()
         self.at(self.now + down, "daemon start", self._start, node)
 
