@@ -40,6 +40,11 @@ class Node:
         return {int.from_bytes(i, "little"): protocol.decode_reply(d) for i, d in out}
 
     def join(self, pid: int, uid: int, job: str = "j", rank: int = 0, ep: int = 1, now: float = 0.0, watch=None):
+        """``pid`` joins: its reply, None while held (any other reply of the event is dropped)."""
+        self._join(pid, uid, job, rank, ep, now, watch)
+        return self.replies().get(pid)
+
+    def _join(self, pid: int, uid: int, job: str, rank: int, ep: int, now: float, watch) -> None:
         self.kernel.procs[pid] = True
         self.reg.now = now
         self.rid += 1
@@ -48,7 +53,16 @@ class Node:
         if watch is not None:
             f["watch"] = watch
         self.reg.join(Peer(uid, uid, pid), pid.to_bytes(8, "little"), self.rid, f)
-        return self.replies().get(pid)
+
+    def attach_all(self, pids: list[int], uid: int, watch=None) -> list[tuple[bytes, object]]:
+        """Ranks 0..n-1 of job "j" join (pid i as rank i), each held until the last one came,
+        then redeem their tickets: every rank's lease and connection. ``watch``: the thread ids
+        each pid's join names (a function of the pid)."""
+        for r, pid in enumerate(pids):
+            self._join(pid, uid, "j", r, len(pids), 0.0, None if watch is None else watch(pid))
+            assert r == len(pids) - 1 or not self.reg.outbox, f"rank {r}'s join answered before every rank came"
+        replies = self.replies()
+        return [self.redeem(pid, uid, replies[pid]) for pid in pids]
 
     def attach(self, pid: int, uid: int, **kw) -> tuple[bytes, object]:
         """Join, redeem the ticket and take the handles: the rank's lease and its connection."""
@@ -136,14 +150,7 @@ def test_a_watch_thread_ending_is_the_ranks_death_once_and_its_handles_are_given
     uid's fds). One ending is the rank's death: marked once, its lease connection closed by
     the daemon; the other thread's end and the connection's EOF that follow change nothing."""
     n = Node()
-    assert n.join(100, UID, ep=2, watch=simd.watch_tids(100)) is None  # held for rank 1
-    n.kernel.procs[101] = True
-    n.reg.join(Peer(UID, UID, 101), (101).to_bytes(8, "little"), 9,
-               {"job": "j", "ep_rank": 1, "ep_size": 2, "spec": dict(SPEC), "pid": 101, "device": "host",
-                "timeout": 10.0, "watch": simd.watch_tids(101)})
-    replies = n.replies()
-    _, conn = n.redeem(100, UID, replies[100])
-    n.redeem(101, UID, replies[101])
+    (_, conn), _ = n.attach_all([100, 101], UID, watch=simd.watch_tids)
     job = n.reg.jobs["j"]
     slot = job.slots[0]
     assert len(slot.watchfds) == 2 and all(fd in n.reg.pidfds for fd in slot.watchfds)
@@ -185,13 +192,7 @@ def test_a_held_join_of_a_stopped_daemon_is_answered_at_its_timeout_with_the_ran
     """Every rank present, yet a replacement's join times out: it names the running ranks that
     did not quiesce instead of 'waiting for rank(s) []'."""
     n = Node()
-    assert n.join(100, UID, rank=0, ep=2) is None  # held until rank 1 joins
-    n.kernel.procs[101] = True
-    n.reg.join(Peer(UID, UID, 101), (101).to_bytes(8, "little"), 99, {
-        "job": "j", "ep_rank": 1, "ep_size": 2, "spec": dict(SPEC), "pid": 101, "device": "host", "timeout": 10.0})
-    replies = n.replies()
-    for pid in (100, 101):
-        n.redeem(pid, UID, replies[pid])
+    n.attach_all([100, 101], UID)
     n.reg.now = 1.0
     n.reg.lease_closed(n.reg.jobs["j"].slots[1].lease_conn)  # rank 1 dies; a replacement joins
     assert n.join(102, UID, rank=1, ep=2, now=2.0) is None  # held: rank 0 runs on
@@ -284,12 +285,7 @@ def test_a_rearm_the_state_file_missed_is_taken_from_the_control_block():
     the record's; the next re-arm goes past it instead of reusing it (the old bug does)."""
     def run():
         a = Node()
-        assert a.join(100, UID, rank=0, ep=2) is None  # held until rank 1 joins
-        a.kernel.procs[101] = True
-        a.reg.join(Peer(UID, UID, 101), (101).to_bytes(8, "little"), 99, {
-            "job": "j", "ep_rank": 1, "ep_size": 2, "spec": dict(SPEC), "pid": 101, "device": "host", "timeout": 10.0})
-        replies = a.replies()
-        leases = [a.redeem(pid, UID, replies[pid])[0] for pid in (100, 101)]
+        leases = [lease for lease, _ in a.attach_all([100, 101], UID)]
         stale = a.state()  # the last state file written: generation 0
         got = _rearm_both(a, leases, 1.0)
         assert {p: rep.payload["generation"] for p, rep in got.items()} == {100: 1, 101: 1}
