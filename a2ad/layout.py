@@ -677,6 +677,8 @@ CONTROL_VERSION = 2
 CB_MAGIC = 0
 CB_VERSION = 4
 CB_GENERATION = 8
+#: Largest generation a job takes: a re-arm adds one, and the word is a u64.
+MAX_GENERATION = 2**63 - 1
 CB_ABORT = 16
 CB_ABORT_RANK = 20
 CB_EP_SIZE = 24

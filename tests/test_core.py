@@ -299,3 +299,17 @@ def test_a_rearm_the_state_file_missed_is_taken_from_the_control_block():
     with mutations.enabled("generation_from_record"):
         generation, _, got = run()
     assert generation == 0 and {rep.payload["generation"] for rep in got.values()} == {1}  # a generation reused
+
+
+def test_a_generation_no_rearm_writes_is_not_adopted():
+    """The ranks map the control block writable: a client that wrote a generation past any a
+    re-arm writes (the u64's last value) does not get it adopted, and the next re-arm is the
+    record's next generation, not a u64 overflow."""
+    a = Node()
+    leases = [lease for lease, _ in a.attach_all([100, 101], UID)]
+    a.reg.jobs["j"].control.generation = 2**64 - 1
+    b = a.restart()
+    assert b.reg.jobs["j"].generation == 0
+    got = _rearm_both(b, leases, 1.0)
+    assert {p: rep.payload["generation"] for p, rep in got.items()} == {100: 1, 101: 1}
+    assert b.reg.jobs["j"].control.generation == 1

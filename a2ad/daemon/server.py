@@ -470,9 +470,10 @@ class Daemon:
 
     def _deliver(self) -> None:
         """Carry out what the registry decided: the domain's reports and rendezvous steps, then
-        the state file when there are replies to send, then the replies and lease connections to close. No reply leaves before the
-        state it reflects is written: a daemon killed right after answering must not come
-        back without what it answered (a job, a generation). Without replies the write waits
+        the state file when there are replies to send, then the replies and lease connections
+        to close. No reply leaves before the state it reflects is written: a daemon killed
+        right after answering must not come back without what it answered (a job, a
+        generation). Without replies the write waits
         for the end of the loop's turn (``_flush``): a turn's redeems are one write. (The
         federation reads the registry's change flag, which writing the state file clears: it
         goes first.)"""

@@ -112,7 +112,7 @@ MAX_REFUSAL_TEXT = 4000
 MAX_REFUSAL_VALUE = 256
 #: Largest rank counter (deaths, attaches) and generation or rendezvous count a report may carry.
 MAX_COUNT = 2**31 - 1
-MAX_GENERATION = 2**63 - 1
+MAX_GENERATION = L.MAX_GENERATION
 #: A report's job-wide fields and a rank record's fields: nothing else of a report is kept.
 REPORT_FIELDS = ("ep_size", "spec", "owner_uid", "backend", "row_stride", "size_per_rank", "confirmed", "generation",
                  "rendezvous_count", "needs_rearm", "abort", "abort_rank", "admits")

@@ -949,7 +949,11 @@ class Registry:
                                       set() if used is None else used, self.host.adopt_control_block,
                                       created_at=self.now)
         seen = job.control.generation
-        if seen > job.generation and not mutations.active("generation_from_record"):
+        if seen > L.MAX_GENERATION:
+            # no re-arm writes that: a client of the job (its ranks map the block writable) did
+            log.error("job %s: its control block's generation %d is past any a re-arm writes; keeping the state "
+                      "record's %d", job.name, seen, job.generation)
+        elif seen > job.generation and not mutations.active("generation_from_record"):
             # a re-arm the state file did not hold (it could not be written, or the daemon died
             # between the re-arm and the write): its ranks run at the control block's generation,
             # and a re-arm to the record's next one would reuse a generation they ran
