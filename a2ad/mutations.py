@@ -122,6 +122,11 @@ register(
     "a later re-arm (one the state file could not hold): the ranks ran that generation, and the next re-arm "
     "reuses it")
 register(
+    "handles_before_record", "daemon",
+    "a redeemed join's rank is recorded attached only once its handles went out, and the state file is "
+    "written at the end of the server's turn: a daemon killed in between comes back with the rank joining "
+    "(so free) while its process holds the handles and runs")
+register(
     "held_failed_on_stop", "daemon",
     "a daemon stopped (SIGTERM) while a job without attached ranks holds joins frees the job and ends the "
     "held joins with JobDestroyed; their clients give up, where they could have joined the next daemon",

@@ -463,6 +463,54 @@ def test_daemon_restart_while_a_rank_waits_in_join(runtime_dir, store, stop):
         reap_keeper(runtime_dir)
 
 
+def test_a_daemon_killed_as_a_rank_takes_its_handles_comes_back_holding_the_rank(runtime_dir):
+    """kill -9 of the daemon the moment a rank's handles reach it: the state file already
+    holds the rank attached (the daemon writes it before the handles go out), so the next
+    daemon, which the keeper gives the job's fds, holds the rank for that process; the
+    process renews its lease there and leaves. (Had the write come after the handles, the
+    next daemon would hold the rank as free and refuse the renew of a process running on it.)"""
+    from a2ad.client.attach import redeem_ticket
+    from a2ad.connection import DaemonClient
+    from a2ad import fdpass
+
+    spec = dict(max_num_tokens=16, top_k=2, num_experts=8, dispatch_bytes_per_token=64, combine_bytes_per_token=64)
+    args = ("--backend", "host", "--grace", "5", "--fd-store", "keeper")
+    d1 = DaemonProcess(runtime_dir, *args).start()
+    d2 = None
+    held: list = []
+    try:
+        for round_ in range(3):
+            job = f"jtaken{round_}"
+            with DaemonClient(runtime_dir, timeout=10) as c:
+                rep = c.request("join", job=job, ep_rank=0, ep_size=1, spec=spec, pid=os.getpid(), device="host",
+                                timeout=10)
+                sock, fds = redeem_ticket(c, rep["ticket"], 2, 10.0)
+            d1.kill9()  # at once: no state write after the answer can have happened
+            held += [sock, fds]
+            d2 = DaemonProcess(runtime_dir, *args).start()
+            info = d2.request("job_info", job=job)
+            assert info["ranks"][0]["state"] == "attached" and info["ranks"][0]["pid"] == os.getpid(), info
+            with DaemonClient(runtime_dir, timeout=10) as c:
+                out = c.request("renew", job=job, ep_rank=0, lease=rep["lease"], pid=os.getpid())
+                lease_sock, none = redeem_ticket(c, out["ticket"], 0, 10.0)
+                assert none == []
+                held.append(lease_sock)
+                c.request("leave", job=job, ep_rank=0, lease=rep["lease"])
+            wait_for(lambda: _job_info(d2, job) is None or _job_info(d2, job)["ranks"][0]["state"] == "left", 10,
+                     "the rank left")
+            d1, d2 = d2, None
+    finally:
+        for h in held:
+            if isinstance(h, list):
+                fdpass.close_all(h)
+            else:
+                h.close()
+        d1.kill9()
+        if d2 is not None:
+            end_daemon(d2, runtime_dir)
+        reap_keeper(runtime_dir)
+
+
 @pytest.mark.parametrize("watch", ["pidfd", "probe"])
 def test_join_bounded_when_its_daemon_does_not_come_back(runtime_dir, monkeypatch, watch):
     """A join held by a daemon that is killed and not started again waits for a new one only

@@ -1,6 +1,11 @@
 """The companion fd socket (``fd.sock``): accept connections, read one ticket frame, hand the
 redeemed fds over with SCM_RIGHTS, and keep the connection as the rank's lease until EOF.
 
+A redeemed ticket's fds are not sent at once: the redeem is queued (``ready``) and the server
+sends the turn's queue (``send_ready``) after writing the state file, which then holds the
+rank as attached. A daemon killed in between comes back holding the rank for its process;
+that process saw its connection end without an answer and joins again.
+
 Nothing a client does here can stop the daemon: every error on a connection (a reset, a
 broken pipe, garbage, a stall) ends that connection only; running out of fds on accept
 sheds the newest connection instead of spinning or dying; handshakes are capped per uid.
@@ -40,6 +45,8 @@ class FdConn:
         self.buf = bytearray()
         self.deadline = time.monotonic() + HANDSHAKE_TIMEOUT
         self.lease = False
+        #: the ticket was redeemed; its answer waits in FdSocket.ready
+        self.redeemed = False
 
     def fileno(self) -> int:
         return self.fd
@@ -63,6 +70,8 @@ class FdSocket:
             raise
         self.listener.setblocking(False)
         self.conns: dict[int, FdConn] = {}
+        #: redeems whose answers go out at the end of the server's turn (``send_ready``)
+        self.ready: list[tuple[FdConn, Redeemed]] = []
         #: one spare fd, given up to accept-and-close a connection when the process is out of fds
         self._spare: int | None = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         self.shed = 0
@@ -156,8 +165,10 @@ class FdSocket:
                 self.close_pending()
             return
         if not data:
-            self.close(conn)
+            self.close(conn)  # (a redeemed one: send_ready finds it gone)
             return
+        if conn.redeemed:
+            return  # (nothing is to come before its answer)
         conn.buf += data
         if len(conn.buf) < 4:
             return
@@ -172,7 +183,31 @@ class FdSocket:
         except errors.A2ADError as exc:
             self.refuse(conn, exc)
             return
-        self._deliver(conn, redeemed)
+        conn.redeemed = True
+        conn.buf.clear()
+        self.ready.append((conn, redeemed))
+
+    def send_ready(self) -> None:
+        """Answer the queued redeems (the state file was written since they were made): those
+        still valid get their fds; a redeem that events since made stale (its job freed, its
+        rank's process dead or joined again) is refused; one whose client went is undelivered."""
+        ready, self.ready = self.ready, []
+        for conn, r in ready:
+            if self.conns.get(conn.fd) is not conn:
+                self.registry.undelivered(r, "its connection closed before the answer went out")
+                continue
+            exc = self.registry.undeliverable(r)
+            if exc is not None:
+                self.refuse(conn, exc)
+                continue
+            self._deliver(conn, r)
+
+    def drop_ready(self) -> None:
+        """Close the queued redeems' connections unanswered (the jobs were handed to a
+        successor: their clients join again there)."""
+        ready, self.ready = self.ready, []
+        for conn, _ in ready:
+            self.close(conn)
 
     def _deliver(self, conn: FdConn, r: Redeemed) -> None:
         answer = {"v": protocol.PROTOCOL_VERSION, "ok": True, "code": "ok", "message": "", "nfds": len(r.fds)}
@@ -185,7 +220,6 @@ class FdSocket:
             self.registry.undelivered(r, f"{type(exc).__name__}: {exc}")
             return
         conn.lease = True
-        conn.buf.clear()
         self.registry.delivered(r, conn)
 
     def refuse(self, conn: FdConn, exc: errors.A2ADError) -> None:
@@ -205,14 +239,15 @@ class FdSocket:
 
     def expire(self, now: float) -> None:
         for conn in list(self.conns.values()):
-            if not conn.lease and now >= conn.deadline:
+            if not conn.lease and not conn.redeemed and now >= conn.deadline:
                 self.refuse(conn, errors.BadTicket("no ticket was presented in time"))
 
     def next_deadline(self) -> float | None:
-        times = [c.deadline for c in self.conns.values() if not c.lease]
+        times = [c.deadline for c in self.conns.values() if not c.lease and not c.redeemed]
         return min(times) if times else None
 
     def shutdown(self) -> None:
+        self.ready = []
         for conn in list(self.conns.values()):
             self.close(conn)
         self.listener.close()

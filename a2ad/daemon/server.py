@@ -492,9 +492,17 @@ class Daemon:
 
     def _flush(self) -> None:
         """What the registry decided, and then the state file again for what delivering it
-        changed (a lease closed, say)."""
+        changed (a lease closed, say); then the handles of the turn's redeems, which the state
+        file now records as attached (and the state file again for what sending them changed).
+        After a hand-over they are not sent: their clients join again at the successor."""
         self._deliver()
         self._persist()
+        if self.fdsock is not None and self.fdsock.ready:
+            if self.handover:
+                self.fdsock.drop_ready()
+                return
+            self._guard("fd socket answers", self.fdsock.send_ready)
+            self._persist()
 
     def _persist(self) -> None:
         """Write the state file if the registry changed it (a failing disk backs off: the

@@ -64,6 +64,9 @@ RESEND_BOUND = 2.0
 #: how long a rank's round waits for a peer that does not serve it (a dispatch or combine wait's
 #: timeout: it then raises PeerTimeout and recovers)
 ROUND_TIMEOUT = 10.0
+#: When the server answers a redeem after the event that made it: at the end of its loop's
+#: turn, once the state file holds the attach.
+ANSWER_DELAY = 0.0001
 SPEC = dict(max_num_tokens=8, top_k=2, num_experts=8, dispatch_bytes_per_token=64, combine_bytes_per_token=64)
 UIDS = (1001, 1002)
 ROW = 1 << 16
@@ -336,10 +339,21 @@ class Node:
         self.stalled_until = 0.0
         #: it handled an event since the last check of its descriptors
         self.touched = False
+        #: the lease connections the current instance made (closed when it goes)
+        self.conns: list[LeaseConn] = []
+        #: the state file missed a change (a full disk), and the current instance adopted
+        #: from such a file: what it holds may lag what its clients hold
+        self.unwritten = False
+        self.adopted_stale = False
+        #: kill the daemon at the next answer to a join's redeem: "before" it or "after" it
+        #: (before the state write that follows), or None
+        self.kill_mid_redeem: str | None = None
 
     def start(self, adopt: bool, handover: dict | None = None) -> None:
         w = self.world
         self.instance += 1
+        self.conns = []
+        self.adopted_stale = adopt and self.unwritten and handover is None
         self.host = SimHost(w.kernel, random.Random(w.rng.random()), w.problems)
         self.host.on_abort = lambda cb, node=self: w.abort_seen(node, cb)
         backend = SimBackend(self.host)
@@ -369,6 +383,9 @@ class Node:
         if self.reg is None:
             return
         w.log(self.name, f"instance {self.instance} gone ({why})")
+        for conn in self.conns:  # (one whose fds were still on their way delivers them first: got_handles)
+            if conn.open and not any(p.conn is conn for p in w.procs.values()):
+                conn.open = False
         for p in w.procs.values():
             if p.conn is not None and p.conn.daemon == (self.name, self.instance) and p.conn.open:
                 p.conn.open = False
@@ -420,12 +437,14 @@ class Node:
         if reg.dirty:
             reg.dirty = False
             if w.now < self.disk_full_until:
+                self.unwritten = True
                 w.log(self.name, "state file not written: disk full")
                 w.at(self.disk_full_until, "state retry", self.retry_state, self.instance)
             else:
                 self.write_state()
 
     def write_state(self) -> None:
+        self.unwritten = False
         self.state_records = {"backend": "host", "jobs": [persist.job_record(j) for j in self.reg.jobs.values()]}
 
     def retry_state(self, instance: int) -> None:
@@ -530,6 +549,8 @@ class World:
         self.mess: dict[tuple[str, str], float] = {}
         #: the rng of those duplicates and reorderings (apart, so the other schedules stay)
         self.mess_rng = random.Random(seed * 104729 + 3)
+        #: the rng of the kills in the middle of a redeem's answer (apart, likewise)
+        self.mrng = random.Random(seed * 7907 + 29)
         #: (job, generation) -> the release table first seen for it
         self.releases: dict[tuple[str, int], bytes] = {}
         self.last_fault = 0.0
@@ -809,32 +830,94 @@ class World:
                 p.renewing = False
                 self.exit(p, "could not renew its lease")
             return
-        conn = LeaseConn(pid=p.pid, daemon=(node.name, node.instance))
-        if kind == "join" and self.rng.random() < 0.03:  # the client stalls or closes before the fds reach it
-            node.event(node.reg.undelivered, r, "client gone")
+        # (drawn here, where the answer used to be sent in the same event: the schedules stay)
+        gone = kind == "join" and self.rng.random() < 0.03  # the client stalls or closes before the fds reach it
+        travel = None if gone else self.rng.choice((0.0, 0.002, 0.2))
+        # the server answers the turn's redeems at its end, once the state file holds them
+        self.at(self.now + ANSWER_DELAY, f"answer {p.pid}", self.answer, p, node, node.instance, r, kind, travel)
+
+    def answer(self, p: Proc, node: Node, instance: int, r, kind: str, travel: float | None) -> None:
+        """The end of the server's turn (server.py ``_flush``): the state file was written
+        (``carry_out`` of the redeem's event), now the redeem's answer goes out, and then the
+        state file again for what that changed. A daemon that went before it leaves the
+        client's connection without an answer: a join's process joins again (a renew asks again
+        once its lease ends, as it would). An armed ``kill-mid-redeem`` kills the daemon here,
+        before the answer or after it and before the write that follows."""
+        if node.instance != instance or node.reg is None:
+            if kind == "join" and p.alive and p.state == "redeeming":
+                self.log(f"p{p.pid}", "its redeem got no answer: the daemon went; it joins again")
+                p.state = "idle"
+                self.at(self.now + self.rng.uniform(0.05, 1.0), f"join {p.pid}", self.join, p)
+            elif kind == "renew" and p.alive:
+                p.renewing = False
+            return
+        if self.now < node.stalled_until:
+            self.at(node.stalled_until, f"answer {p.pid}", self.answer, p, node, instance, r, kind, travel)
+            return
+        when = node.kill_mid_redeem if kind == "join" else None
+        if when == "before":
+            node.kill_mid_redeem = None
+            self.restart(node, self.mrng.uniform(0.1, 2.0), "after it recorded a redeem, before its answer")
+            if node.reg is None:
+                self.answer(p, node, instance, r, kind, travel)
+                return
+        reg = node.reg
+        reg.now = self.now
+        exc = reg.undeliverable(r)
+        if exc is not None:
+            node.carry_out()
+            self.log(f"p{p.pid}", f"redeem refused at its answer: {exc.code}")
+            if kind == "join" and p.state == "redeeming":
+                p.state = "idle"
+                self.at(self.now + 0.2, f"join {p.pid}", self.join, p)
+            elif kind == "renew":
+                p.renewing = False
+            return
+        if travel is None:
+            reg.undelivered(r, "client gone")
+            node.carry_out()
             p.state = "idle"
             self.log(f"p{p.pid}", "handles not delivered")
             self.at(self.now + 0.3, f"join {p.pid}", self.join, p)
             return
-        node.event(node.reg.delivered, r, conn)
+        conn = LeaseConn(pid=p.pid, daemon=(node.name, node.instance))
+        node.conns.append(conn)
+        reg.delivered(r, conn)
         # the fds travel; an upgrade in between resets them (upgrade() below)
-        self.at(self.now + self.rng.choice((0.0, 0.002, 0.2)), f"handles {p.pid}", self.got_handles, p, conn, kind)
+        self.at(self.now + travel, f"handles {p.pid}", self.got_handles, p, conn, kind)
+        if when == "after":
+            node.kill_mid_redeem = None
+            self.restart(node, self.mrng.uniform(0.1, 2.0), "after it sent a redeem's handles, before the "
+                                                              "state write that follows")
+            if node.reg is None:
+                return
+        node.carry_out()
 
     def got_handles(self, p: Proc, conn: LeaseConn, kind: str) -> None:
-        if not p.alive or not conn.open:
+        """The answer reaches the client. Its fds were queued on the socket before the daemon
+        could go: a connection closed since (its daemon killed) still delivers them, and the
+        client then sees its lease end and renews."""
+        if not p.alive:
             return
         if kind == "renew":
             if p.renewing:
                 p.renewing = False
-                p.conn = conn
-                self.log(f"p{p.pid}", "renewed its lease")
+                if conn.open:
+                    p.conn = conn
+                    self.log(f"p{p.pid}", "renewed its lease")
+                else:
+                    self.at(self.now + self.rng.uniform(0.05, 1.0), f"renew {p.pid}", self.renew, p)
             return
         if p.state != "redeeming":
             return
-        p.conn = conn
         p.state = "attached"
         p.tries = 0
-        self.log(f"p{p.pid}", f"attached ({kind})")
+        if conn.open:
+            p.conn = conn
+            self.log(f"p{p.pid}", f"attached ({kind})")
+        else:
+            self.log(f"p{p.pid}", f"attached ({kind}); its daemon went after sending the handles: it renews")
+            self.at(self.now + self.rng.uniform(0.05, 1.0), f"renew {p.pid}", self.renew, p)
         self.next_act(p, self.rng.uniform(0.5, 8.0))
 
     def next_act(self, p: Proc, after: float) -> None:
@@ -992,6 +1075,9 @@ class World:
                                                              "pid": p.pid, "watch": watch_tids(p.pid)})
         except errors.A2ADError as exc:
             self.log(f"p{p.pid}", f"renew refused: {exc.code}: {exc.message[:80]}")
+            if not node.adopted_stale:
+                self.violate("attach-kept", f"pid {p.pid} holds the handles of {p.job} rank {p.rank}; {node.name}'s "
+                                            f"daemon (instance {node.instance}) refused its renew: {exc.message}")
             self.exit(p, "lost its job")
             return
         p.renewing = True
@@ -1039,13 +1125,13 @@ class World:
         node.keeper.down = False
         self.log(node.name, f"keeper filled again ({len(node.keeper.kept)} fds)")
 
-    def restart(self, node: Node, down: float) -> None:
+    def restart(self, node: Node, down: float, when: str = "") -> None:
         if node.keeper.down:
             # a daemon killed while its keeper is down takes the only copies of its fds with it:
             # a double failure that loses its jobs by design; not scheduled
             self.log(node.name, "kill -9 of the daemon left out: its keeper is down")
             return
-        self.fault(f"kill -9 of {node.name}'s daemon, back after {down:.1f} s")
+        self.fault(f"kill -9 of {node.name}'s daemon{' ' + when if when else ''}, back after {down:.1f} s")
         node.stop("killed")
         self.at(self.now + down, "daemon start", self._start, node)
 
@@ -1061,6 +1147,10 @@ class World:
     def _start(self, node: Node) -> None:
         if node.reg is None:
             node.start(adopt=True)
+
+    def arm_kill_mid_redeem(self, node: Node, when: str) -> None:
+        self.log(node.name, f"armed: a kill -9 {when} the next answer to a join's redeem")
+        node.kill_mid_redeem = when
 
     def disk_full(self, node: Node, seconds: float) -> None:
         self.fault(f"{node.name}'s disk full for {seconds:.1f} s")
@@ -1346,6 +1436,14 @@ class World:
             # the jobs' first joins are held, or later
             t = srng.uniform(0.05, 1.5) if srng.random() < 0.5 else srng.uniform(3, self.active)
             self.at(t, "stop", self.graceful_restart, self.nodes[srng.choice(names)], srng.uniform(0.1, 2.0))
+        if self.mrng.random() < 0.3:
+            # a daemon killed in the middle of answering a join's redeem: after the state file
+            # recorded the attach and before the handles went out, or after they went out and
+            # before the state write that follows; armed early (the first joins) or later (a
+            # replacement's)
+            t = self.mrng.uniform(0.0, 1.5) if self.mrng.random() < 0.5 else self.mrng.uniform(3, self.active)
+            self.at(t, "kill-mid-redeem", self.arm_kill_mid_redeem, self.nodes[self.mrng.choice(names)],
+                    self.mrng.choice(("before", "after")))
         krng = random.Random(self.seed * 15485863 + 5)
         if krng.random() < 0.25:
             # a node's keeper is killed; its daemon starts and fills another within 0.5-2 s

@@ -2,9 +2,12 @@
 registry learns that it is gone.
 
 - A released join carries a one-use *ticket* (``TICKET_TTL`` seconds) and a *lease*
-  secret. The rank presents the ticket on fd.sock (``redeem``); the handles go out and that
-  connection becomes its lease connection (``delivered``): the rank is attached, and the
-  connection's end is its death or, after a ``leave``, its departure (``lease_closed``).
+  secret. The rank presents the ticket on fd.sock (``redeem``); it is attached from then on
+  (``attach``: the state file records it before the handles go out, so a daemon killed
+  after sending them comes back holding the rank for its process); the handles go out and
+  that connection becomes its lease connection (``delivered``), whose end is its death or,
+  after a ``leave``, its departure (``lease_closed``). A redeem whose handles cannot be sent
+  is a death (``undelivered``).
 - Later requests (leave, recover, renew) prove their holder with the lease secret.
 - While no lease connection stands for a rank (joining, or adopted after a daemon restart
   until it renews), a pidfd watches its process (``watch_pid``, ``pid_exited``); the server
@@ -47,6 +50,13 @@ class Redeemed:
     job: Job
     slot: RankSlot
     fds: list[int]
+    #: the process it was redeemed by
+    pid: int = 0
+    #: whether the rank was attached at the redeem (a join's), before its handles go out
+    attached: bool = False
+    #: the slot's attach count after the redeem: a later attach of the rank (a re-join in
+    #: between) makes this redeem stale
+    attaches: int = 0
 
 
 class Leases:
@@ -147,11 +157,39 @@ class Leases:
         kind = slot.ticket_kind
         self.drop_ticket(slot)
         fds = [] if kind == "renew" else [s.alloc.fd for s in job.slots if s.node is None] + [job.control_fd]
-        return Redeemed(kind=kind, job=job, slot=slot, fds=fds)
+        return Redeemed(kind=kind, job=job, slot=slot, fds=fds, pid=slot.pid, attaches=slot.attaches)
+
+    def attach(self, r: Redeemed) -> None:
+        """A join's ticket was redeemed: the rank is attached, its handles about to go out (by
+        the server, once the state file holds this). Until they did (``delivered``) its pidfd
+        still watches its process."""
+        slot, job = r.slot, r.job
+        job.set_rank_state(slot, L.RANK_ATTACHED)
+        slot.attached_at = self.fx.now
+        slot.attaches += 1
+        r.attached, r.attaches = True, slot.attaches
+        self.fx.dirty = True
+        self.fx.counters["attaches"] += 1
+        log.info("job %s: rank %d attached (pid %d)", job.name, slot.rank, slot.pid)
+
+    def undeliverable(self, r: Redeemed) -> errors.A2ADError | None:
+        """Why the handles of a redeem made earlier in the server's turn may not go out any
+        more (None: they may): its job was freed, or its rank changed hands or state in
+        between (its process died, left, or joined again)."""
+        job, slot = r.job, r.slot
+        if job.freed:
+            return errors.JobDestroyed(f"job {job.name!r} was freed before the handles went out")
+        want = L.RANK_ATTACHED if r.attached or r.kind == "renew" else L.RANK_JOINING
+        if slot.pid != r.pid or slot.state != want or (r.attached and (slot.attaches != r.attaches
+                                                                        or slot.lease_conn is not None)):
+            return errors.BadTicket(f"job {job.name!r} rank {slot.rank} is {L.RANK_STATE_NAMES[slot.state]} "
+                                    f"(pid {slot.pid}) since the ticket was redeemed")
+        return None
 
     def delivered(self, r: Redeemed, conn: object) -> bool:
         """The redeem's answer went out: ``conn`` is now the rank's lease. Whether the rank
-        attached by it (a join's handles; not a renewed lease)."""
+        attached by it only now (a join's handles sent before the attach was recorded: what
+        the ``handles_before_record`` mutation puts back)."""
         slot, job = r.slot, r.job
         if slot.lease_conn is not None and slot.lease_conn is not conn:
             self.conns.pop(slot.lease_conn, None)
@@ -163,18 +201,15 @@ class Leases:
         if r.kind == "renew":
             log.info("job %s: rank %d renewed its lease (pid %d)", job.name, slot.rank, slot.pid)
             return False
-        job.set_rank_state(slot, L.RANK_ATTACHED)
-        slot.attached_at = self.fx.now
-        slot.attaches += 1
-        self.fx.dirty = True
-        self.fx.counters["attaches"] += 1
-        log.info("job %s: rank %d attached (pid %d)", job.name, slot.rank, slot.pid)
+        if r.attached:
+            return False
+        self.attach(r)
         return True
 
     def undelivered(self, r: Redeemed, why: str) -> None:
         """The redeem's answer could not be sent (the client closed or stalled): a joining rank
         never got its handles, so it is dead to the job; a renewing rank keeps its pidfd lease."""
-        if r.job.freed or r.kind == "renew":
+        if r.job.freed or r.kind == "renew" or self.undeliverable(r) is not None:
             return
         log.warning("job %s: rank %d's handles could not be delivered (%s)", r.job.name, r.slot.rank, why)
         self._mark(r.job, r.slot, L.RANK_DEAD, "never received its handles")

@@ -648,11 +648,22 @@ class Registry:
         return self.leasing.renew(peer, f)
 
     def redeem(self, ticket, peer: Peer) -> Redeemed:
-        return self.leasing.redeem(ticket, peer)
+        """A ticket presented on fd.sock. A join's rank is attached at once (a replacement let
+        back into a degraded job gets its bit, policy.py): the caller sends the handles only
+        once the state file holds the attach (``dirty``), and then says whether they went out
+        (``delivered``, ``undelivered``); ``undeliverable`` first, where other events came in
+        between."""
+        r = self.leasing.redeem(ticket, peer)
+        if r.kind == "join" and not mutations.active("handles_before_record"):
+            self.leasing.attach(r)
+            self.policy.attached(r.job, r.slot)
+        return r
+
+    def undeliverable(self, r: Redeemed) -> errors.A2ADError | None:
+        return self.leasing.undeliverable(r)
 
     def delivered(self, r: Redeemed, conn: object) -> None:
-        """The redeem's answer went out: ``conn`` is now the rank's lease; a replacement let
-        back into a degraded job that now holds its handles gets its bit (policy.py)."""
+        """The redeem's answer went out: ``conn`` is now the rank's lease."""
         if self.leasing.delivered(r, conn):
             self.policy.attached(r.job, r.slot)
 
