@@ -768,65 +768,77 @@ def _join(job, ep_rank, ep_size, spec, runtime_dir, device, timeout) -> _Shared:
     deadline = None  # set when the join is first sent (or its daemon first seen gone)
     try:
         while True:
-            try:
-                if deadline is None:
-                    wait = min(timeout, 10.0)
-                else:  # asking anew: within what is left of the join's own wait
-                    wait = min(10.0, max(0.1, deadline + REPLY_MARGIN - time.monotonic()))
-                hello = client.request("hello", wait=wait)
-            except errors.DaemonUnavailable as exc:
-                if deadline is None:
-                    raise
-                # the daemon that listened again went away too, or did not answer in time
-                client.close()
-                if time.monotonic() >= deadline:
-                    raise _no_daemon(client, timeout, job, ep_rank) from exc
-                _await_daemon(client, deadline, timeout, job, ep_rank)
-                continue
-            dev_str, tdev = _device_of(hello["backend"], device)
-            # the threads whose end tells the daemon this process died (a daemon that predates
-            # them does not take the field)
-            watch = {"watch": deathwatch.tids()} if "watch" in (hello.get("features") or ()) else {}
-            try:
-                daemon = _DaemonWatch(client)
+            while True:
                 try:
                     if deadline is None:
-                        deadline, left = time.monotonic() + timeout, float(timeout)
-                    else:
-                        left = max(0.0, deadline - time.monotonic())
-                    on_wait = _JoinWait(daemon, progress, deadline - timeout)
-                    reply = client.request(
-                        "join",
-                        wait=left + REPLY_MARGIN,
-                        on_wait=on_wait,
-                        wait_step=on_wait.step,
-                        job=job,
-                        ep_rank=ep_rank,
-                        ep_size=ep_size,
-                        spec=spec,
-                        pid=os.getpid(),
-                        device=dev_str,
-                        timeout=left,
-                        **watch,
-                    )
-                    break
-                finally:
-                    daemon.close()
-            except _DaemonGone:
-                client.close()  # the held join went with its daemon: no late answer is read
-                if deadline is None:
-                    deadline = time.monotonic() + timeout
-                elif time.monotonic() >= deadline + REPLY_MARGIN:
-                    raise _no_daemon(client, timeout, job, ep_rank) from None
-                log.info("job %r rank %d: the daemon went away while the join waited; waiting up to %.1f s for one "
-                         "to listen at %s again", job, ep_rank, max(0.0, deadline - time.monotonic()),
-                         client.runtime_dir)
+                        wait = min(timeout, 10.0)
+                    else:  # asking anew: within what is left of the join's own wait
+                        wait = min(10.0, max(0.1, deadline + REPLY_MARGIN - time.monotonic()))
+                    hello = client.request("hello", wait=wait)
+                except errors.DaemonUnavailable as exc:
+                    if deadline is None:
+                        raise
+                    # the daemon that listened again went away too, or did not answer in time
+                    client.close()
+                    if time.monotonic() >= deadline:
+                        raise _no_daemon(client, timeout, job, ep_rank) from exc
+                    _await_daemon(client, deadline, timeout, job, ep_rank)
+                    continue
+                dev_str, tdev = _device_of(hello["backend"], device)
+                # the threads whose end tells the daemon this process died (a daemon that predates
+                # them does not take the field)
+                watch = {"watch": deathwatch.tids()} if "watch" in (hello.get("features") or ()) else {}
+                try:
+                    daemon = _DaemonWatch(client)
+                    try:
+                        if deadline is None:
+                            deadline, left = time.monotonic() + timeout, float(timeout)
+                        else:
+                            left = max(0.0, deadline - time.monotonic())
+                        on_wait = _JoinWait(daemon, progress, deadline - timeout)
+                        reply = client.request(
+                            "join",
+                            wait=left + REPLY_MARGIN,
+                            on_wait=on_wait,
+                            wait_step=on_wait.step,
+                            job=job,
+                            ep_rank=ep_rank,
+                            ep_size=ep_size,
+                            spec=spec,
+                            pid=os.getpid(),
+                            device=dev_str,
+                            timeout=left,
+                            **watch,
+                        )
+                        break
+                    finally:
+                        daemon.close()
+                except _DaemonGone:
+                    client.close()  # the held join went with its daemon: no late answer is read
+                    if deadline is None:
+                        deadline = time.monotonic() + timeout
+                    elif time.monotonic() >= deadline + REPLY_MARGIN:
+                        raise _no_daemon(client, timeout, job, ep_rank) from None
+                    log.info("job %r rank %d: the daemon went away while the join waited; waiting up to %.1f s for one "
+                             "to listen at %s again", job, ep_rank, max(0.0, deadline - time.monotonic()),
+                             client.runtime_dir)
+                    _await_daemon(client, deadline, timeout, job, ep_rank)
+            progress.close()
+            aux = L.aux_layout(ep_size, reply["spec"]["max_num_tokens"])
+            if list(reply["metainfo"]) != aux.metainfo():
+                raise errors.ProtocolError("the daemon's workspace layout differs from this client's (version skew?)")
+            try:
+                return _redeem(client, reply, aux, tdev)
+            except errors.DaemonUnavailable as exc:
+                # the daemon went between its answer and the ticket's: the next one holds the
+                # rank free (a join in progress) or attached for this process (the state file
+                # recorded the redeem); either way a join of this process takes it
+                if not exc.details.get("gone") or time.monotonic() >= deadline:
+                    raise
+                client.close()
+                log.info("job %r rank %d: the daemon went before it answered the ticket (%s); joining again within "
+                         "the %.1f s left", job, ep_rank, exc.message, max(0.0, deadline - time.monotonic()))
                 _await_daemon(client, deadline, timeout, job, ep_rank)
-        progress.close()
-        aux = L.aux_layout(ep_size, reply["spec"]["max_num_tokens"])
-        if list(reply["metainfo"]) != aux.metainfo():
-            raise errors.ProtocolError("the daemon's workspace layout differs from this client's (version skew?)")
-        return _redeem(client, reply, aux, tdev)
     except BaseException:
         client.close()
         raise
@@ -1015,12 +1027,17 @@ def redeem_ticket(client: DaemonClient, ticket: bytes, nfds: int, timeout: float
         try:
             sock.connect(str(client.fd_path))
         except OSError as exc:
-            raise errors.DaemonUnavailable(f"cannot connect to {client.fd_path}: {exc}") from None
-        fdpass.send_frame(sock, {"v": protocol.PROTOCOL_VERSION, "ticket": ticket})
+            raise errors.DaemonUnavailable(f"cannot connect to {client.fd_path}: {exc}", gone=True) from None
         try:
+            fdpass.send_frame(sock, {"v": protocol.PROTOCOL_VERSION, "ticket": ticket})
             answer, fds = fdpass.recv_frame_fds(sock, timeout=timeout)
-        except (TimeoutError, ConnectionError, OSError) as exc:
-            raise errors.DaemonUnavailable(f"no answer to the ticket from {client.fd_path}: {exc}") from None
+        except TimeoutError as exc:
+            raise errors.DaemonUnavailable(f"no answer to the ticket from {client.fd_path} within {timeout:g} s: "
+                                           f"{exc}") from None
+        except (ConnectionError, OSError) as exc:
+            # the connection ended unanswered: the daemon went (killed, stopped, upgraded)
+            raise errors.DaemonUnavailable(f"no answer to the ticket from {client.fd_path}: {exc}",
+                                           gone=True) from None
         if not isinstance(answer, dict) or not answer.get("ok"):
             code = answer.get("code", "protocol_error") if isinstance(answer, dict) else "protocol_error"
             msg = answer.get("message", "bad answer") if isinstance(answer, dict) else "bad answer"

@@ -3,6 +3,7 @@ peers, a replacement re-attaches and the job resumes, a killed daemon loses noth
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -505,6 +506,63 @@ def test_a_daemon_killed_as_a_rank_takes_its_handles_comes_back_holding_the_rank
                 fdpass.close_all(h)
             else:
                 h.close()
+        d1.kill9()
+        if d2 is not None:
+            end_daemon(d2, runtime_dir)
+        reap_keeper(runtime_dir)
+
+
+@pytest.mark.parametrize("when", ["before-connect", "unanswered"])
+def test_a_rank_whose_daemon_goes_before_answering_its_ticket_joins_the_next_one(runtime_dir, monkeypatch, caplog,
+                                                                                 when):
+    """The daemon goes after it answered the join and before it answered the ticket: killed
+    before the client connects to fd.sock, or (stopped, then killed) with the ticket sent and
+    unanswered. attach() does not fail: it waits for the next daemon (the keeper gave it the
+    job) and joins again within its timeout, and holds the rank there."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from a2ad.client import attach
+
+    module = sys.modules["a2ad.client.attach"]
+    real = module.redeem_ticket
+    calls: list = []
+
+    def daemon_goes_first(client, ticket, nfds, timeout):
+        calls.append(ticket)
+        if len(calls) == 1:  # the join's ticket: the fault, then the real redeem
+            if when == "before-connect":
+                d1.kill9()
+            else:
+                os.kill(d1.pid, signal.SIGSTOP)  # it cannot read the ticket; killed 0.3 s later
+                threading.Timer(0.3, d1.kill9).start()
+        return real(client, ticket, nfds, timeout)
+
+    monkeypatch.setattr(module, "redeem_ticket", daemon_goes_first)
+    caplog.set_level(logging.INFO, logger=module.log.name)
+    args = ("--backend", "host", "--grace", "5", "--fd-store", "keeper")
+    d1 = DaemonProcess(runtime_dir, *args).start()
+    d2 = None
+    spec = dict(runtime_dir=runtime_dir, timeout=20.0, max_num_tokens=4, top_k=1, num_experts=2,
+                workspace_size_per_rank=1 << 16)
+    pool = ThreadPoolExecutor(1)
+    att = None
+    try:
+        fut = pool.submit(attach, "jticket", 0, 1, **spec)
+        wait_for(lambda: d1.proc.poll() is not None, 10, "the daemon killed")
+        time.sleep(0.3)  # the client sees its connect fail or its connection end
+        assert not fut.done(), fut.exception() if fut.done() else None
+        d2 = DaemonProcess(runtime_dir, *args).start()
+        att = fut.result(20)
+        assert len(calls) == 2, calls  # the first ticket, then the new join's
+        info = d2.request("job_info", job="jticket")
+        assert info["ranks"][0]["state"] == "attached" and info["ranks"][0]["pid"] == os.getpid(), info
+        assert any("the daemon went before it answered the ticket" in r.getMessage() for r in caplog.records), \
+            [r.getMessage() for r in caplog.records]
+    finally:
+        if att is not None:
+            att.close()
+        pool.shutdown(wait=True)
         d1.kill9()
         if d2 is not None:
             end_daemon(d2, runtime_dir)
