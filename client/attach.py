@@ -692,7 +692,8 @@ def attach(
     RendezvousTimeout listing the missing ranks). Give either
     ``workspace_size_per_rank`` or both per-token byte counts. A daemon that goes away
     while this waits (killed, stopped, restarted, upgraded) takes the held join with it:
-    this joins the next daemon anew for the time left; DaemonUnavailable when no daemon
+    this joins the next daemon anew for the time left, as it does when the daemon went after
+    answering the join and before answering its ticket; DaemonUnavailable when no daemon
     listened again within ``timeout``. No daemon listening when it is called:
     DaemonUnavailable at once.
 
@@ -762,7 +763,8 @@ def _join(job, ep_rank, ep_size, spec, runtime_dir, device, timeout) -> _Shared:
     The daemon holds the join until every rank joined, but it does not keep held requests
     across a restart. So while the join is held, the daemon's process is watched
     (_DaemonWatch): once it is gone, this waits for a daemon to listen again and joins
-    anew (hello, then join) for the time that is left."""
+    anew (hello, then join) for the time that is left. The same when the daemon went
+    between its answer and the ticket's (redeem_ticket's DaemonUnavailable with ``gone``)."""
     client = DaemonClient(runtime_dir)
     progress = _Progress(runtime_dir, job, ep_rank, ep_size, timeout)
     deadline = None  # set when the join is first sent (or its daemon first seen gone)
