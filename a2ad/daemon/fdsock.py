@@ -193,14 +193,19 @@ class FdSocket:
         rank's process dead or joined again) is refused; one whose client went is undelivered."""
         ready, self.ready = self.ready, []
         for conn, r in ready:
-            if self.conns.get(conn.fd) is not conn:
-                self.registry.undelivered(r, "its connection closed before the answer went out")
-                continue
-            exc = self.registry.undeliverable(r)
-            if exc is not None:
-                self.refuse(conn, exc)
-                continue
-            self._deliver(conn, r)
+            try:
+                if self.conns.get(conn.fd) is not conn:
+                    self.registry.undelivered(r, "its connection closed before the answer went out")
+                    continue
+                exc = self.registry.undeliverable(r)
+                if exc is not None:
+                    self.refuse(conn, exc)
+                    continue
+                self._deliver(conn, r)
+            except Exception:  # a bug costs this answer only: its client sees the connection end
+                log.exception("fd socket: internal error answering pid %s's ticket", conn.pid)
+                if not conn.lease:
+                    self.close(conn)
 
     def drop_ready(self) -> None:
         """Close the queued redeems' connections unanswered (the jobs were handed to a
