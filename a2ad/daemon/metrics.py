@@ -42,7 +42,7 @@ RENDEZVOUS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25
 
 _COUNTER_HELP = {
     "joins": "Join requests accepted (a rank entered a rendezvous).",
-    "attaches": "Ranks that redeemed their ticket and received the workspace handles.",
+    "attaches": "Ranks that redeemed their ticket: attached, their workspace handles then sent (one that could not be sent is a death too).",
     "detaches": "Ranks that left cleanly.",
     "deaths": "Ranks that died (lease closed without a leave, or gone before attaching).",
     "rendezvous": "Rendezvous completed (all ranks of a job released together).",
