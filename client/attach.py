@@ -1043,6 +1043,13 @@ def redeem_ticket(client: DaemonClient, ticket: bytes, nfds: int, timeout: float
         if not isinstance(answer, dict) or not answer.get("ok"):
             code = answer.get("code", "protocol_error") if isinstance(answer, dict) else "protocol_error"
             msg = answer.get("message", "bad answer") if isinstance(answer, dict) else "bad answer"
+            issuer = client.daemon_cred[0] if client.daemon_cred else 0
+            listener = _listener_pid(sock)
+            if code == "bad_ticket" and issuer > 0 and listener > 0 and listener != issuer:
+                # another daemon listens now (restarted, upgraded): the ticket was the old one's
+                raise errors.DaemonUnavailable(
+                    f"the daemon that issued the ticket (pid {issuer}) went; pid {listener} listens at "
+                    f"{client.fd_path} now and does not know it: {msg}", gone=True)
             raise errors.from_reply(code, msg)
         if len(fds) != nfds:
             raise errors.ProtocolError(f"expected {nfds} file descriptors, received {len(fds)}")
@@ -1052,6 +1059,14 @@ def redeem_ticket(client: DaemonClient, ticket: bytes, nfds: int, timeout: float
         fdpass.close_all(fds)
         sock.close()
         raise
+
+
+def _listener_pid(sock: socket.socket) -> int:
+    """The pid of the daemon at the other end of an fd.sock connection (0: unknown)."""
+    try:
+        return fdpass.peer_credentials(sock)[0]
+    except OSError:
+        return 0
 
 
 def _row_handles(reply: dict) -> list:

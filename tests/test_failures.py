@@ -512,13 +512,14 @@ def test_a_daemon_killed_as_a_rank_takes_its_handles_comes_back_holding_the_rank
         reap_keeper(runtime_dir)
 
 
-@pytest.mark.parametrize("when", ["before-connect", "unanswered"])
+@pytest.mark.parametrize("when", ["before-connect", "unanswered", "restarted"])
 def test_a_rank_whose_daemon_goes_before_answering_its_ticket_joins_the_next_one(runtime_dir, monkeypatch, caplog,
                                                                                  when):
     """The daemon goes after it answered the join and before it answered the ticket: killed
-    before the client connects to fd.sock, or (stopped, then killed) with the ticket sent and
-    unanswered. attach() does not fail: it waits for the next daemon (the keeper gave it the
-    job) and joins again within its timeout, and holds the rank there."""
+    before the client connects to fd.sock, (stopped, then killed) with the ticket sent and
+    unanswered, or killed and already replaced by a new daemon that does not know the ticket.
+    attach() does not fail: it waits for the next daemon (the keeper gave it the job) and
+    joins again within its timeout, and holds the rank there."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -533,11 +534,15 @@ def test_a_rank_whose_daemon_goes_before_answering_its_ticket_joins_the_next_one
         if len(calls) == 1:  # the join's ticket: the fault, then the real redeem
             if when == "before-connect":
                 d1.kill9()
+            elif when == "restarted":
+                d1.kill9()
+                started.append(DaemonProcess(runtime_dir, *args).start())
             else:
                 os.kill(d1.pid, signal.SIGSTOP)  # it cannot read the ticket; killed 0.3 s later
                 threading.Timer(0.3, d1.kill9).start()
         return real(client, ticket, nfds, timeout)
 
+    started: list = []
     monkeypatch.setattr(module, "redeem_ticket", daemon_goes_first)
     caplog.set_level(logging.INFO, logger=module.log.name)
     args = ("--backend", "host", "--grace", "5", "--fd-store", "keeper")
@@ -550,9 +555,13 @@ def test_a_rank_whose_daemon_goes_before_answering_its_ticket_joins_the_next_one
     try:
         fut = pool.submit(attach, "jticket", 0, 1, **spec)
         wait_for(lambda: d1.proc.poll() is not None, 10, "the daemon killed")
-        time.sleep(0.3)  # the client sees its connect fail or its connection end
-        assert not fut.done(), fut.exception() if fut.done() else None
-        d2 = DaemonProcess(runtime_dir, *args).start()
+        if when == "restarted":
+            wait_for(lambda: started or fut.done(), 20, "the next daemon started")
+            d2 = started[0] if started else None
+        else:
+            time.sleep(0.3)  # the client sees its connect fail or its connection end
+            assert not fut.done(), fut.exception() if fut.done() else None
+            d2 = DaemonProcess(runtime_dir, *args).start()
         att = fut.result(20)
         assert len(calls) == 2, calls  # the first ticket, then the new join's
         info = d2.request("job_info", job="jticket")
@@ -564,8 +573,8 @@ def test_a_rank_whose_daemon_goes_before_answering_its_ticket_joins_the_next_one
             att.close()
         pool.shutdown(wait=True)
         d1.kill9()
-        if d2 is not None:
-            end_daemon(d2, runtime_dir)
+        for d in {id(d): d for d in [d2, *started] if d is not None}.values():
+            end_daemon(d, runtime_dir)
         reap_keeper(runtime_dir)
 
 
