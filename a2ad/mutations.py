@@ -107,7 +107,8 @@ register(
 # --- the daemon's core (a2ad.daemon.core; caught by the simulator's "daemon" world) ---------
 register(
     "own_rank_refused", "daemon",
-    "a process whose redeem an upgrade reset joins again and is refused rank_taken as held by its own pid; "
+    "a process whose redeem went unanswered (its daemon went after recording it, or an upgrade reset it) joins "
+    "again and is refused rank_taken as held by its own pid; "
     "the daemon keeps the rank attached with no lease for as long as the process lives")
 register(
     "leave_any_uid", "daemon",

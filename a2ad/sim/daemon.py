@@ -341,6 +341,9 @@ class Node:
         self.touched = False
         #: the lease connections the current instance made (closed when it goes)
         self.conns: list[LeaseConn] = []
+        #: the redeems the current instance has not answered yet (the end of its turn):
+        #: (process, Redeemed, kind, travel)
+        self.answers: list = []
         #: the state file missed a change (a full disk), and the current instance adopted
         #: from such a file: what it holds may lag what its clients hold
         self.unwritten = False
@@ -352,7 +355,7 @@ class Node:
     def start(self, adopt: bool, handover: dict | None = None) -> None:
         w = self.world
         self.instance += 1
-        self.conns = []
+        self.conns, self.answers = [], []
         self.adopted_stale = adopt and self.unwritten and handover is None
         self.host = SimHost(w.kernel, random.Random(w.rng.random()), w.problems)
         self.host.on_abort = lambda cb, node=self: w.abort_seen(node, cb)
@@ -400,11 +403,17 @@ class Node:
         self.reg = self.host = self.bus = self.fed = None
 
     def shutdown(self) -> None:
-        """A stop (SIGTERM), as the server's ``shutdown``: the registry's stop (a job with no
-        attached rank freed, its held joins left unanswered; the others kept), its replies
-        sent, the state file written; then the daemon is gone."""
+        """A stop (SIGTERM), as the server's ``shutdown``: the answers of its last turn sent,
+        the registry's stop (a job with no attached rank freed, its held joins left unanswered;
+        the others kept), its replies sent, the state file written; then the daemon is gone."""
         if self.reg is None:
             return
+        # the stop comes at the end of the server's turn, whose answers go out first (and no
+        # kill is aimed at them: the daemon stops)
+        armed, self.kill_mid_redeem = self.kill_mid_redeem, None
+        for p, r, kind, travel in list(self.answers):
+            self.world.answer(p, self, self.instance, r, kind, travel)
+        self.kill_mid_redeem = armed
         self.event(self.reg.stop, False)
         self.write_state()
         self.flushed.add(self.instance)
@@ -834,6 +843,7 @@ class World:
         gone = kind == "join" and self.rng.random() < 0.03  # the client stalls or closes before the fds reach it
         travel = None if gone else self.rng.choice((0.0, 0.002, 0.2))
         # the server answers the turn's redeems at its end, once the state file holds them
+        node.answers.append((p, r, kind, travel))
         self.at(self.now + ANSWER_DELAY, f"answer {p.pid}", self.answer, p, node, node.instance, r, kind, travel)
 
     def answer(self, p: Proc, node: Node, instance: int, r, kind: str, travel: float | None) -> None:
@@ -843,6 +853,11 @@ class World:
         client's connection without an answer: a join's process joins again (a renew asks again
         once its lease ends, as it would). An armed ``kill-mid-redeem`` kills the daemon here,
         before the answer or after it and before the write that follows."""
+        if node.instance == instance and node.reg is not None:
+            mine = [a for a in node.answers if a[1] is r]
+            if not mine:
+                return  # (answered already: its daemon stopped at the end of that turn)
+            node.answers.remove(mine[0])
         if node.instance != instance or node.reg is None:
             if kind == "join" and p.alive and p.state == "redeeming":
                 self.log(f"p{p.pid}", "its redeem got no answer: the daemon went; it joins again")
@@ -1086,7 +1101,10 @@ class World:
     # ------------------------------------------------------------------- daemons
     def upgrade(self, node: Node) -> None:
         """``a2ad-ctl upgrade``: the successor takes every job over (the state and the fds
-        handed to it); what was in flight on the old daemon's sockets is reset."""
+        handed to it). The old daemon's queued answers to redeems are dropped (``answer``:
+        their processes join again); handles it already sent still arrive (``got_handles``:
+        their processes renew at the successor); a ticket not yet presented is unknown to the
+        successor (``redeem``: refused, its process joins again)."""
         if node.reg is None or self.now < node.stalled_until:
             return
         self.fault(f"upgrade of {node.name}")
@@ -1094,16 +1112,8 @@ class World:
             self.keeper_refill(node, node.instance)
         node.write_state()
         handover = node.state_records
-        reset = [p for p in self.procs.values() if p.alive and p.node == node.name and p.state == "redeeming"]
-        for p in reset:  # the old daemon answered the redeem, then exited under it: the client sees a reset
-            p.state = "redeem-reset"
         node.stop("upgrade hand-over")
         node.start(adopt=True, handover=handover)
-        for p in reset:
-            if p.alive and p.state == "redeem-reset":
-                self.log(f"p{p.pid}", "its redeem was reset by the upgrade; it joins again")
-                p.state = "idle"
-                self.at(self.now + self.rng.uniform(0.01, 0.5), f"join {p.pid}", self.join, p)
 
     def keeper_restart(self, node: Node, down: float) -> None:
         """``node``'s keeper dies with every fd it held; the daemon notices at its next check
