@@ -857,17 +857,18 @@ class World:
             mine = [a for a in node.answers if a[1] is r]
             if not mine:
                 return  # (answered already: its daemon stopped at the end of that turn)
+            if self.now < node.stalled_until:
+                self.at(node.stalled_until, f"answer {p.pid}", self.answer, p, node, instance, r, kind, travel)
+                return
             node.answers.remove(mine[0])
-        if node.instance != instance or node.reg is None:
+        else:
             if kind == "join" and p.alive and p.state == "redeeming":
                 self.log(f"p{p.pid}", "its redeem got no answer: the daemon went; it joins again")
                 p.state = "idle"
                 self.at(self.now + self.rng.uniform(0.05, 1.0), f"join {p.pid}", self.join, p)
-            elif kind == "renew" and p.alive:
-                p.renewing = False
-            return
-        if self.now < node.stalled_until:
-            self.at(node.stalled_until, f"answer {p.pid}", self.answer, p, node, instance, r, kind, travel)
+            elif kind == "renew" and p.alive and p.renewing:
+                p.renewing = False  # (its lease stays down: the client renews again, with backoff)
+                self.at(self.now + 0.5, f"renew {p.pid}", self.renew, p)
             return
         when = node.kill_mid_redeem if kind == "join" else None
         if when == "before":
@@ -885,8 +886,9 @@ class World:
             if kind == "join" and p.state == "redeeming":
                 p.state = "idle"
                 self.at(self.now + 0.2, f"join {p.pid}", self.join, p)
-            elif kind == "renew":
-                p.renewing = False
+            elif kind == "renew" and p.renewing:
+                p.renewing = False  # (asked again: a rank no longer attached for it is refused there)
+                self.at(self.now + 0.5, f"renew {p.pid}", self.renew, p)
             return
         if travel is None:
             reg.undelivered(r, "client gone")
