@@ -615,6 +615,10 @@ def sync_free(rank, ep, runtime_dir, init_file, kernels=False):
                 seen.append(status.clone())
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize(dev)
+            # no rank leaves the job (destroy) before every rank read the mask: a rank that left
+            # is masked in its peers' view, as it should be
+            torch.distributed.barrier(group)
             assert [t.tolist() for t in seen] == [[0] * ep, [int(r == other) for r in range(ep)], [0] * ep], seen
             return True
         finally:
