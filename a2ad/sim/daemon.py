@@ -839,7 +839,7 @@ class World:
                 p.renewing = False
                 self.exit(p, "could not renew its lease")
             return
-        # (drawn here, where the answer used to be sent in the same event: the schedules stay)
+        # (drawn at the redeem, so that the world's rng does not depend on when the answer goes out)
         gone = kind == "join" and self.rng.random() < 0.03  # the client stalls or closes before the fds reach it
         travel = None if gone else self.rng.choice((0.0, 0.002, 0.2))
         # the server answers the turn's redeems at its end, once the state file holds them
@@ -850,8 +850,8 @@ class World:
         """The end of the server's turn (server.py ``_flush``): the state file was written
         (``carry_out`` of the redeem's event), now the redeem's answer goes out, and then the
         state file again for what that changed. A daemon that went before it leaves the
-        client's connection without an answer: a join's process joins again (a renew asks again
-        once its lease ends, as it would). An armed ``kill-mid-redeem`` kills the daemon here,
+        client's connection without an answer: a join's process joins again, a renew is asked
+        again (the client's lease upkeep). An armed ``kill-mid-redeem`` kills the daemon here,
         before the answer or after it and before the write that follows."""
         if node.instance == instance and node.reg is not None:
             mine = [a for a in node.answers if a[1] is r]
