@@ -473,10 +473,9 @@ class Daemon:
         the state file when there are replies to send, then the replies and lease connections
         to close. No reply leaves before the state it reflects is written: a daemon killed
         right after answering must not come back without what it answered (a job, a
-        generation). Without replies the write waits
-        for the end of the loop's turn (``_flush``): a turn's redeems are one write. (The
-        federation reads the registry's change flag, which writing the state file clears: it
-        goes first.)"""
+        generation). Without replies the write waits for the end of the loop's turn
+        (``_flush``): a turn's redeems are one write. (The federation reads the registry's
+        change flag, which writing the state file clears: it goes first.)"""
         if self.fed is not None:
             try:
                 self.fed.flush()

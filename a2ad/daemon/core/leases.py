@@ -186,10 +186,8 @@ class Leases:
                                     f"(pid {slot.pid}) since the ticket was redeemed")
         return None
 
-    def delivered(self, r: Redeemed, conn: object) -> bool:
-        """The redeem's answer went out: ``conn`` is now the rank's lease. Whether the rank
-        attached by it only now (a join's handles sent before the attach was recorded: what
-        the ``handles_before_record`` mutation puts back)."""
+    def delivered(self, r: Redeemed, conn: object) -> None:
+        """The redeem's answer went out: ``conn`` is now the rank's lease."""
         slot, job = r.slot, r.job
         if slot.lease_conn is not None and slot.lease_conn is not conn:
             self.conns.pop(slot.lease_conn, None)
@@ -200,16 +198,11 @@ class Leases:
         self._watch_threads(job, slot)
         if r.kind == "renew":
             log.info("job %s: rank %d renewed its lease (pid %d)", job.name, slot.rank, slot.pid)
-            return False
-        if r.attached:
-            return False
-        self.attach(r)
-        return True
 
     def undelivered(self, r: Redeemed, why: str) -> None:
         """The redeem's answer could not be sent (the client closed or stalled): a joining rank
         never got its handles, so it is dead to the job; a renewing rank keeps its pidfd lease."""
-        if r.job.freed or r.kind == "renew" or self.undeliverable(r) is not None:
+        if r.kind == "renew" or self.undeliverable(r) is not None:  # (a freed job's too)
             return
         log.warning("job %s: rank %d's handles could not be delivered (%s)", r.job.name, r.slot.rank, why)
         self._mark(r.job, r.slot, L.RANK_DEAD, "never received its handles")

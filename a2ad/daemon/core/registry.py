@@ -655,17 +655,22 @@ class Registry:
         between."""
         r = self.leasing.redeem(ticket, peer)
         if r.kind == "join" and not mutations.active("handles_before_record"):
-            self.leasing.attach(r)
-            self.policy.attached(r.job, r.slot)
+            self._attach(r)
         return r
+
+    def _attach(self, r: Redeemed) -> None:
+        self.leasing.attach(r)
+        self.policy.attached(r.job, r.slot)
 
     def undeliverable(self, r: Redeemed) -> errors.A2ADError | None:
         return self.leasing.undeliverable(r)
 
     def delivered(self, r: Redeemed, conn: object) -> None:
-        """The redeem's answer went out: ``conn`` is now the rank's lease."""
-        if self.leasing.delivered(r, conn):
-            self.policy.attached(r.job, r.slot)
+        """The redeem's answer went out: ``conn`` is now the rank's lease (and, under the
+        ``handles_before_record`` mutation, only now is a join's rank attached)."""
+        self.leasing.delivered(r, conn)
+        if r.kind == "join" and not r.attached:
+            self._attach(r)
 
     def undelivered(self, r: Redeemed, why: str) -> None:
         self.leasing.undelivered(r, why)
