@@ -875,6 +875,20 @@ def _no_daemon(client: DaemonClient, timeout: float, job: str, ep_rank: int, wha
     )
 
 
+def _daemon_gone(client: DaemonClient, pid: int) -> bool:
+    """Whether the daemon of ``pid`` no longer listens on fd.sock (one probe): nothing
+    listens there, or a process with another pid (or an untrusted uid). ``pid`` as this
+    process reads it (SO_PEERCRED): 0 for a daemon in a pid namespace it cannot see into,
+    which every probe reads as 0 too, so that a restart of such a daemon goes unseen."""
+    try:
+        now = runtime.probe_daemon(client.runtime_dir, client.trust_uids, busy_wait=0.1)[0]
+    except errors.PermissionDenied:
+        return True  # someone else listens there now (the next hello says who)
+    except errors.DaemonUnavailable as exc:
+        return bool(exc.details.get("stale"))  # a full backlog: it is there
+    return now != pid
+
+
 class _DaemonWatch:
     """The process of the daemon a client just talked to (the listener on fd.sock, whose pid
     SO_PEERCRED gave ``client.daemon_cred``), watched through a pidfd: ``gone()`` is one
@@ -918,14 +932,7 @@ class _DaemonWatch:
         return bool(poller.poll(0))
 
     def _probe_gone(self) -> bool:
-        """Nothing listens on fd.sock, or a process with another pid (or an untrusted uid)."""
-        try:
-            pid = runtime.probe_daemon(self.client.runtime_dir, self.client.trust_uids, busy_wait=0.1)[0]
-        except errors.PermissionDenied:
-            return True  # someone else listens there now (the next hello says who)
-        except errors.DaemonUnavailable as exc:
-            return bool(exc.details.get("stale"))  # a full backlog: it is there
-        return pid != self.pid
+        return _daemon_gone(self.client, self.pid)
 
     def gone(self) -> bool:
         if self.fd >= 0:
@@ -1025,31 +1032,33 @@ def redeem_ticket(client: DaemonClient, ticket: bytes, nfds: int, timeout: float
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     fds: list[int] = []
     try:
+        # ``gone`` on the DaemonUnavailable below: the daemon that issued the ticket went
+        # (killed, stopped, upgraded), so a new join can take the rank from the next one; not
+        # where that daemon is still there (it shed the connection, say)
+        issuer = client.daemon_cred[0] if client.daemon_cred else 0
         sock.settimeout(timeout)
         try:
             sock.connect(str(client.fd_path))
         except OSError as exc:
-            raise errors.DaemonUnavailable(f"cannot connect to {client.fd_path}: {exc}", gone=True) from None
+            raise errors.DaemonUnavailable(f"cannot connect to {client.fd_path}: {exc}",
+                                           gone=_daemon_gone(client, issuer)) from None
         try:
             fdpass.send_frame(sock, {"v": protocol.PROTOCOL_VERSION, "ticket": ticket})
             answer, fds = fdpass.recv_frame_fds(sock, timeout=timeout)
         except TimeoutError as exc:
             raise errors.DaemonUnavailable(f"no answer to the ticket from {client.fd_path} within {timeout:g} s: "
                                            f"{exc}") from None
-        except (ConnectionError, OSError) as exc:
-            # the connection ended unanswered: the daemon went (killed, stopped, upgraded)
+        except (ConnectionError, OSError) as exc:  # the connection ended unanswered
             raise errors.DaemonUnavailable(f"no answer to the ticket from {client.fd_path}: {exc}",
-                                           gone=True) from None
+                                           gone=_daemon_gone(client, issuer)) from None
         if not isinstance(answer, dict) or not answer.get("ok"):
             code = answer.get("code", "protocol_error") if isinstance(answer, dict) else "protocol_error"
             msg = answer.get("message", "bad answer") if isinstance(answer, dict) else "bad answer"
-            issuer = client.daemon_cred[0] if client.daemon_cred else 0
-            listener = _listener_pid(sock)
-            if code == "bad_ticket" and issuer > 0 and listener > 0 and listener != issuer:
+            if code == "bad_ticket" and issuer > 0 and _daemon_gone(client, issuer):
                 # another daemon listens now (restarted, upgraded): the ticket was the old one's
                 raise errors.DaemonUnavailable(
-                    f"the daemon that issued the ticket (pid {issuer}) went; pid {listener} listens at "
-                    f"{client.fd_path} now and does not know it: {msg}", gone=True)
+                    f"the daemon that issued the ticket (pid {issuer}) went; the one listening at "
+                    f"{client.fd_path} now does not know it: {msg}", gone=True)
             raise errors.from_reply(code, msg)
         if len(fds) != nfds:
             raise errors.ProtocolError(f"expected {nfds} file descriptors, received {len(fds)}")
@@ -1059,14 +1068,6 @@ def redeem_ticket(client: DaemonClient, ticket: bytes, nfds: int, timeout: float
         fdpass.close_all(fds)
         sock.close()
         raise
-
-
-def _listener_pid(sock: socket.socket) -> int:
-    """The pid of the daemon at the other end of an fd.sock connection (0: unknown)."""
-    try:
-        return fdpass.peer_credentials(sock)[0]
-    except OSError:
-        return 0
 
 
 def _row_handles(reply: dict) -> list:

@@ -578,6 +578,38 @@ def test_a_rank_whose_daemon_goes_before_answering_its_ticket_joins_the_next_one
         reap_keeper(runtime_dir)
 
 
+def test_a_ticket_left_unanswered_by_a_daemon_still_there_is_not_its_daemon_gone(runtime_dir):
+    """What decides that a rank joins again after its ticket went unanswered: the daemon that
+    issued it no longer listens (nothing does, or another pid). A daemon still listening
+    (one that shed the connection, say) is not gone: the error is raised, no join is sent
+    again."""
+    import importlib
+
+    from a2ad.connection import DaemonClient
+
+    module = importlib.import_module("a2ad.client.attach")
+    d1 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "5").start()
+    d2 = None
+    try:
+        client = DaemonClient(runtime_dir)
+        try:
+            pid = client.check_daemon()[0]
+            assert pid == d1.pid
+            assert module._daemon_gone(client, pid) is False
+            d1.kill9()
+            assert module._daemon_gone(client, pid) is True  # nothing listens
+            d2 = DaemonProcess(runtime_dir, "--backend", "host", "--grace", "5").start()
+            assert module._daemon_gone(client, pid) is True  # another pid listens
+            assert module._daemon_gone(client, d2.pid) is False
+        finally:
+            client.close()
+    finally:
+        d1.kill9()
+        if d2 is not None:
+            end_daemon(d2, runtime_dir)
+        reap_keeper(runtime_dir)
+
+
 @pytest.mark.parametrize("watch", ["pidfd", "probe"])
 def test_join_bounded_when_its_daemon_does_not_come_back(runtime_dir, monkeypatch, watch):
     """A join held by a daemon that is killed and not started again waits for a new one only
