@@ -819,8 +819,7 @@ class World:
             # is tried again, a renew asked for again once a daemon answers
             self.log(f"p{p.pid}", "redeem: no daemon listening")
             if kind == "join":
-                p.state = "idle"
-                self.at(self.now + 0.5, f"join {p.pid}", self.join, p)
+                self.join_later(p, 0.5)
             else:
                 p.renewing = False
                 self.at(self.now + 0.5, f"renew {p.pid}", self.renew, p)
@@ -833,8 +832,7 @@ class World:
         except errors.A2ADError as exc:
             self.log(f"p{p.pid}", f"redeem refused: {exc.code}")
             if kind == "join":
-                p.state = "idle"
-                self.at(self.now + 0.2, f"join {p.pid}", self.join, p)
+                self.join_later(p, 0.2)
             else:
                 p.renewing = False
                 self.exit(p, "could not renew its lease")
@@ -845,6 +843,12 @@ class World:
         # the server answers the turn's redeems at its end, once the state file holds them
         node.answers.append((p, r, kind, travel))
         self.at(self.now + ANSWER_DELAY, f"answer {p.pid}", self.answer, p, node, node.instance, r, kind, travel)
+
+    def join_later(self, p: Proc, after: float) -> None:
+        """``p`` does not hold its rank (its redeem failed or went unanswered): it joins again
+        ``after`` seconds later."""
+        p.state = "idle"
+        self.at(self.now + after, f"join {p.pid}", self.join, p)
 
     def answer(self, p: Proc, node: Node, instance: int, r, kind: str, travel: float | None) -> None:
         """The end of the server's turn (server.py ``_flush``): the state file was written
@@ -864,8 +868,7 @@ class World:
         else:
             if kind == "join" and p.alive and p.state == "redeeming":
                 self.log(f"p{p.pid}", "its redeem got no answer: the daemon went; it joins again")
-                p.state = "idle"
-                self.at(self.now + self.rng.uniform(0.05, 1.0), f"join {p.pid}", self.join, p)
+                self.join_later(p, self.rng.uniform(0.05, 1.0))
             elif kind == "renew" and p.alive and p.renewing:
                 p.renewing = False  # (its lease stays down: the client renews again, with backoff)
                 self.at(self.now + 0.5, f"renew {p.pid}", self.renew, p)
@@ -884,8 +887,7 @@ class World:
             node.carry_out()
             self.log(f"p{p.pid}", f"redeem refused at its answer: {exc.code}")
             if kind == "join" and p.state == "redeeming":
-                p.state = "idle"
-                self.at(self.now + 0.2, f"join {p.pid}", self.join, p)
+                self.join_later(p, 0.2)
             elif kind == "renew" and p.renewing:
                 p.renewing = False  # (asked again: a rank no longer attached for it is refused there)
                 self.at(self.now + 0.5, f"renew {p.pid}", self.renew, p)
@@ -893,9 +895,8 @@ class World:
         if travel is None:
             reg.undelivered(r, "client gone")
             node.carry_out()
-            p.state = "idle"
             self.log(f"p{p.pid}", "handles not delivered")
-            self.at(self.now + 0.3, f"join {p.pid}", self.join, p)
+            self.join_later(p, 0.3)
             return
         conn = LeaseConn(pid=p.pid, daemon=(node.name, node.instance))
         node.conns.append(conn)
