@@ -770,61 +770,8 @@ def _join(job, ep_rank, ep_size, spec, runtime_dir, device, timeout) -> _Shared:
     deadline = None  # set when the join is first sent (or its daemon first seen gone)
     try:
         while True:
-            while True:
-                try:
-                    if deadline is None:
-                        wait = min(timeout, 10.0)
-                    else:  # asking anew: within what is left of the join's own wait
-                        wait = min(10.0, max(0.1, deadline + REPLY_MARGIN - time.monotonic()))
-                    hello = client.request("hello", wait=wait)
-                except errors.DaemonUnavailable as exc:
-                    if deadline is None:
-                        raise
-                    # the daemon that listened again went away too, or did not answer in time
-                    client.close()
-                    if time.monotonic() >= deadline:
-                        raise _no_daemon(client, timeout, job, ep_rank) from exc
-                    _await_daemon(client, deadline, timeout, job, ep_rank)
-                    continue
-                dev_str, tdev = _device_of(hello["backend"], device)
-                # the threads whose end tells the daemon this process died (a daemon that predates
-                # them does not take the field)
-                watch = {"watch": deathwatch.tids()} if "watch" in (hello.get("features") or ()) else {}
-                try:
-                    daemon = _DaemonWatch(client)
-                    try:
-                        if deadline is None:
-                            deadline, left = time.monotonic() + timeout, float(timeout)
-                        else:
-                            left = max(0.0, deadline - time.monotonic())
-                        on_wait = _JoinWait(daemon, progress, deadline - timeout)
-                        reply = client.request(
-                            "join",
-                            wait=left + REPLY_MARGIN,
-                            on_wait=on_wait,
-                            wait_step=on_wait.step,
-                            job=job,
-                            ep_rank=ep_rank,
-                            ep_size=ep_size,
-                            spec=spec,
-                            pid=os.getpid(),
-                            device=dev_str,
-                            timeout=left,
-                            **watch,
-                        )
-                        break
-                    finally:
-                        daemon.close()
-                except _DaemonGone:
-                    client.close()  # the held join went with its daemon: no late answer is read
-                    if deadline is None:
-                        deadline = time.monotonic() + timeout
-                    elif time.monotonic() >= deadline + REPLY_MARGIN:
-                        raise _no_daemon(client, timeout, job, ep_rank) from None
-                    log.info("job %r rank %d: the daemon went away while the join waited; waiting up to %.1f s for one "
-                             "to listen at %s again", job, ep_rank, max(0.0, deadline - time.monotonic()),
-                             client.runtime_dir)
-                    _await_daemon(client, deadline, timeout, job, ep_rank)
+            reply, tdev, deadline = _ask_join(client, progress, job, ep_rank, ep_size, spec, device, timeout,
+                                              deadline)
             progress.close()
             aux = L.aux_layout(ep_size, reply["spec"]["max_num_tokens"])
             if list(reply["metainfo"]) != aux.metainfo():
@@ -846,6 +793,68 @@ def _join(job, ep_rank, ep_size, spec, runtime_dir, device, timeout) -> _Shared:
         raise
     finally:
         progress.close()
+
+
+def _ask_join(client: DaemonClient, progress: "_Progress", job: str, ep_rank: int, ep_size: int, spec: dict, device,
+              timeout: float, deadline: float | None) -> tuple[dict, torch.device, float]:
+    """Send the join (hello first) and wait for its answer: the reply, the device and the
+    join's deadline (set at its first sending, or when its daemon is first seen gone). A
+    daemon that goes while the join is held is waited for and asked again for the time left."""
+    while True:
+        try:
+            if deadline is None:
+                wait = min(timeout, 10.0)
+            else:  # asking anew: within what is left of the join's own wait
+                wait = min(10.0, max(0.1, deadline + REPLY_MARGIN - time.monotonic()))
+            hello = client.request("hello", wait=wait)
+        except errors.DaemonUnavailable as exc:
+            if deadline is None:
+                raise
+            # the daemon that listened again went away too, or did not answer in time
+            client.close()
+            if time.monotonic() >= deadline:
+                raise _no_daemon(client, timeout, job, ep_rank) from exc
+            _await_daemon(client, deadline, timeout, job, ep_rank)
+            continue
+        dev_str, tdev = _device_of(hello["backend"], device)
+        # the threads whose end tells the daemon this process died (a daemon that predates
+        # them does not take the field)
+        watch = {"watch": deathwatch.tids()} if "watch" in (hello.get("features") or ()) else {}
+        try:
+            daemon = _DaemonWatch(client)
+            try:
+                if deadline is None:
+                    deadline, left = time.monotonic() + timeout, float(timeout)
+                else:
+                    left = max(0.0, deadline - time.monotonic())
+                on_wait = _JoinWait(daemon, progress, deadline - timeout)
+                reply = client.request(
+                    "join",
+                    wait=left + REPLY_MARGIN,
+                    on_wait=on_wait,
+                    wait_step=on_wait.step,
+                    job=job,
+                    ep_rank=ep_rank,
+                    ep_size=ep_size,
+                    spec=spec,
+                    pid=os.getpid(),
+                    device=dev_str,
+                    timeout=left,
+                    **watch,
+                )
+                return reply, tdev, deadline
+            finally:
+                daemon.close()
+        except _DaemonGone:
+            client.close()  # the held join went with its daemon: no late answer is read
+            if deadline is None:
+                deadline = time.monotonic() + timeout
+            elif time.monotonic() >= deadline + REPLY_MARGIN:
+                raise _no_daemon(client, timeout, job, ep_rank) from None
+            log.info("job %r rank %d: the daemon went away while the join waited; waiting up to %.1f s for one "
+                     "to listen at %s again", job, ep_rank, max(0.0, deadline - time.monotonic()),
+                     client.runtime_dir)
+            _await_daemon(client, deadline, timeout, job, ep_rank)
 
 
 _JOIN_GONE = "again and take it (the one holding the rendezvous went away)"
