@@ -294,6 +294,15 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
+def _early(a2a) -> bool:
+    """Whether the kernel after ``a2a``'s dispatch or combine (which wait for the peers) may be
+    scheduled while that one still runs: not where the ranks share this GPU (their planes
+    split its SMs, ``sm_budget``), since its waiting blocks could take the room the peers'
+    kernels need to finish what that one waits for."""
+    plane = getattr(a2a, "_plane", None)
+    return not getattr(plane, "sm_budget", 0)
+
+
 def _workspace_bytes(ep: int, rt: int, hidden: int) -> int:
     """A row that holds both the bf16 and the FP8 dispatch of ``rt`` pairs per peer (the rows,
     the scales, two int32 of metadata), each region 128-byte aligned, and a bf16 combine."""
@@ -914,7 +923,7 @@ class Buffer:
         scales = received[1] if sc is not None else None
         self._ext.ll_arrange(received[-1], geo.counts[rnd.slot], received[0], scales, data, sc, recv_count, src_info,
                              layout_range, rnd.dest, stats, self.rank, geo.num_experts // ep, geo.num_max,
-                             geo.arrange_slots, ue8m0)
+                             geo.arrange_slots, ue8m0, _early(geo.slots[rnd.slot]))
 
     def _arrange(self, rnd: _Round, received, data, sc, ue8m0, recv_count, src_info, layout_range) -> None:
         """The received pairs (``[R, rt]`` slots per source) expert-major: a stable sort by
@@ -1058,7 +1067,8 @@ class Buffer:
                 return
             if geo.kernels:
                 into = result if result.data_ptr() % 16 == 0 else torch.empty_like(result)
-                self._ext.ll_reduce(_aligned(pairs), topk_idx.contiguous(), topk_weights.contiguous(), into)
+                self._ext.ll_reduce(_aligned(pairs), topk_idx.contiguous(), topk_weights.contiguous(), into,
+                                    _early(a2a))
                 if into is not result:
                     result.copy_(into)
                 return

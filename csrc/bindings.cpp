@@ -819,7 +819,7 @@ bool ll_arrange_fits(int64_t lx, int64_t ep, int64_t slots_per_block) {
 void ll_arrange_direct(const Tensor& meta, const Tensor& counts, const Tensor& rows, const std::optional<Tensor>& scales,
                        Tensor out_rows, const std::optional<Tensor>& out_scales, Tensor recv_count, Tensor src_info,
                        Tensor layout_range, Tensor dest, const std::optional<Tensor>& stats, int64_t rank, int64_t lx,
-                       int64_t num_max, int64_t slots_per_block, bool ue8m0) {
+                       int64_t num_max, int64_t slots_per_block, bool ue8m0, bool early) {
   check_ll(meta, meta, "meta", {at::kInt});
   A2AD_CHECK(meta.dim() == 3 && meta.size(2) == 2, "a2ad: ll_arrange: meta must be [ep, rt, 2], got ", meta.sizes());
   const int64_t ep = meta.size(0), rt = meta.size(1), r_total = ep * num_max;
@@ -902,7 +902,7 @@ void ll_arrange_direct(const Tensor& meta, const Tensor& counts, const Tensor& r
   p.dest = dest.data_ptr<int64_t>();
   p.stats = stats.has_value() ? stats->data_ptr<int32_t>() : nullptr;
   const c10::cuda::CUDAGuard guard(meta.device());
-  A2AD_CHECK_CUDA(a2ad::launch_ll_arrange(p, c10::cuda::getCurrentCUDAStream(meta.device().index()).stream()),
+  A2AD_CHECK_CUDA(a2ad::launch_ll_arrange(p, c10::cuda::getCurrentCUDAStream(meta.device().index()).stream(), early),
                   "ll_arrange launch");
 }
 
@@ -937,7 +937,7 @@ void ll_gather_direct(const Tensor& x, const Tensor& dest, const Tensor& counts,
                   "ll_gather launch");
 }
 
-void ll_reduce_direct(const Tensor& pairs, const Tensor& topk_idx, const Tensor& weights, Tensor out) {
+void ll_reduce_direct(const Tensor& pairs, const Tensor& topk_idx, const Tensor& weights, Tensor out, bool early) {
   check_ll(out, out, "out", {at::kBFloat16});
   A2AD_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(1) % 8 == 0 &&
                  reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
@@ -957,7 +957,7 @@ void ll_reduce_direct(const Tensor& pairs, const Tensor& topk_idx, const Tensor&
   p.out = reinterpret_cast<uint16_t*>(out.data_ptr());
   p.H = static_cast<int>(H);
   const c10::cuda::CUDAGuard guard(out.device());
-  A2AD_CHECK_CUDA(a2ad::launch_ll_reduce(p, c10::cuda::getCurrentCUDAStream(out.device().index()).stream()),
+  A2AD_CHECK_CUDA(a2ad::launch_ll_reduce(p, c10::cuda::getCurrentCUDAStream(out.device().index()).stream(), early),
                   "ll_reduce launch");
 }
 
@@ -999,12 +999,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("meta"), pybind11::arg("counts"), pybind11::arg("rows"), pybind11::arg("scales"),
         pybind11::arg("out_rows"), pybind11::arg("out_scales"), pybind11::arg("recv_count"), pybind11::arg("src_info"),
         pybind11::arg("layout_range"), pybind11::arg("dest"), pybind11::arg("stats"), pybind11::arg("rank"),
-        pybind11::arg("lx"), pybind11::arg("num_max"), pybind11::arg("slots_per_block"), pybind11::arg("ue8m0"));
+        pybind11::arg("lx"), pybind11::arg("num_max"), pybind11::arg("slots_per_block"), pybind11::arg("ue8m0"),
+        pybind11::arg("early") = true);
   m.def("ll_arrange_fits", &ll_arrange_fits, "whether an ll_arrange block's counts fit its shared memory",
         pybind11::arg("lx"), pybind11::arg("ep"), pybind11::arg("slots_per_block"));
   m.def("ll_gather", &ll_gather_direct, "a2ad.deep_ep: expert outputs into the combine region (csrc/ll.cu)",
         pybind11::arg("x"), pybind11::arg("dest"), pybind11::arg("counts"), pybind11::arg("region"),
         pybind11::arg("blocks"));
   m.def("ll_reduce", &ll_reduce_direct, "a2ad.deep_ep: each token's weighted sum of its pairs (csrc/ll.cu)",
-        pybind11::arg("pairs"), pybind11::arg("topk_idx"), pybind11::arg("weights"), pybind11::arg("out"));
+        pybind11::arg("pairs"), pybind11::arg("topk_idx"), pybind11::arg("weights"), pybind11::arg("out"),
+        pybind11::arg("early") = true);
 }

@@ -41,9 +41,13 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Launch `kernel` with programmatic stream serialization allowed: it may be scheduled
 // while the previous kernel on the stream finishes (hiding the launch), and waits for
 // that kernel's completion itself (wait_prior_grid). Graph capture keeps the edge.
+// `early` false: an ordinary launch (scheduled once that kernel completed). A kernel that
+// follows one waiting for peers takes it where the peers share this GPU: launched early,
+// its blocks would sit on SMs waiting for that kernel, and the peers' kernels, which that
+// kernel waits for, might not find room.
 template <typename Params>
 cudaError_t overlapped(void (*kernel)(Params), dim3 grid, int threads, size_t smem, cudaStream_t stream,
-                       const Params& params) {
+                       const Params& params, bool early = true) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(static_cast<unsigned>(threads));
@@ -53,7 +57,7 @@ cudaError_t overlapped(void (*kernel)(Params), dim3 grid, int threads, size_t sm
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = &attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = early ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kernel, params);
 }
 

@@ -328,13 +328,13 @@ cudaError_t launch_ll_pack(const LlPackParams& p, cudaStream_t stream) {
   return launch::overlapped(ll_pack_kernel, grid, kLlThreads, 0, stream, p);
 }
 
-cudaError_t launch_ll_arrange(const LlArrangeParams& p, cudaStream_t stream) {
+cudaError_t launch_ll_arrange(const LlArrangeParams& p, cudaStream_t stream, bool early) {
   A2AD_DEBUG_ASSERT(p.ep >= 1 && p.rt >= 1 && p.lx >= 1 && p.slots_per_block >= 32 && p.slots_per_block % 32 == 0);
   A2AD_DEBUG_ASSERT(p.row_bytes % 16 == 0 && (!p.ue8m0 || p.ns % 4 == 0));
   const int64_t slots = static_cast<int64_t>(p.ep) * p.rt;
   const dim3 grid(static_cast<unsigned>(launch::ceil_div(slots, p.slots_per_block)));
   const size_t smem = static_cast<size_t>(ll_arrange_smem_bytes(p.lx, p.ep, p.slots_per_block));
-  return launch::overlapped(ll_arrange_kernel, grid, kArrangeThreads, smem, stream, p);
+  return launch::overlapped(ll_arrange_kernel, grid, kArrangeThreads, smem, stream, p, early);
 }
 
 cudaError_t launch_ll_gather(const LlGatherParams& p, int blocks, cudaStream_t stream) {
@@ -343,11 +343,11 @@ cudaError_t launch_ll_gather(const LlGatherParams& p, int blocks, cudaStream_t s
   return launch::overlapped(ll_gather_kernel, grid, kGatherWarps * 32, 0, stream, p);
 }
 
-cudaError_t launch_ll_reduce(const LlReduceParams& p, cudaStream_t stream) {
+cudaError_t launch_ll_reduce(const LlReduceParams& p, cudaStream_t stream, bool early) {
   A2AD_DEBUG_ASSERT(p.routing.T >= 0 && p.routing.K >= 1 && p.H % 8 == 0);
   if (p.routing.T == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(p.routing.T), static_cast<unsigned>(launch::ceil_div(p.H, kLlChunk)));
-  return launch::overlapped(ll_reduce_kernel, grid, kLlThreads, 0, stream, p);
+  return launch::overlapped(ll_reduce_kernel, grid, kLlThreads, 0, stream, p, early);
 }
 
 cudaError_t load_ll_kernels() {

@@ -241,9 +241,11 @@ struct LlReduceParams {
 
 int ll_arrange_smem_bytes(int lx, int ep, int slots_per_block);
 cudaError_t launch_ll_pack(const LlPackParams& p, cudaStream_t stream);
-cudaError_t launch_ll_arrange(const LlArrangeParams& p, cudaStream_t stream);
+// ll_arrange and ll_reduce follow a kernel that waits for the peers (dispatch, combine):
+// `early` false launches them once it completed (ranks sharing one GPU; launch.cuh says why).
+cudaError_t launch_ll_arrange(const LlArrangeParams& p, cudaStream_t stream, bool early);
 cudaError_t launch_ll_gather(const LlGatherParams& p, int blocks, cudaStream_t stream);
-cudaError_t launch_ll_reduce(const LlReduceParams& p, cudaStream_t stream);
+cudaError_t launch_ll_reduce(const LlReduceParams& p, cudaStream_t stream, bool early);
 cudaError_t load_ll_kernels();
 
 }  // namespace a2ad
