@@ -27,9 +27,9 @@ each (token, k) pair is one a2ad token of a job with ``top_k=1``, so that
 The steps around a2ad's kernels (the pairs' rows and routing before dispatch, the
 expert-major arrangement after it, the outputs back in slot order and the weighted sum in
 combine) are torch ops on the tensors' device (CPU on the host backend, CUDA on the CUDA
-backend) with no host synchronization on CUDA; with ``kernels=True`` (or
-``A2AD_DEEP_EP_KERNELS=1``) a CUDA Buffer runs them as four kernels of a2ad's extension
-instead (``csrc/ll.cu``), with the same results. The jobs are ordinary a2ad jobs (the same
+backend) with no host synchronization on CUDA; a CUDA Buffer runs them as four kernels of
+a2ad's extension instead (``csrc/ll.cu``), with the same results, unless made with
+``kernels=False`` (or ``A2AD_DEEP_EP_KERNELS=0``). The jobs are ordinary a2ad jobs (the same
 daemon, rendezvous, checks, masks and degraded mode as ``MoeAlltoAll``): a small one made
 by the constructor (its rendezvous is the collective, and its rounds are the barrier of
 :meth:`Buffer.clean_low_latency_buffer`), and one per (num_max, hidden, num_experts, topk)
@@ -77,8 +77,8 @@ OVERLAP_ARGUMENTS = ("overlap", "packed_recv_count", "comp_signal", "block_m", "
                      "src_signal_expect_value")
 #: LL rounds that may be open at once (DeepEP's double buffer).
 MAX_OPEN_ROUNDS = 2
-#: The environment variable that turns the extension's kernels on for CUDA Buffers made
-#: without ``kernels=``.
+#: The environment variable that turns the extension's kernels off (0, no, false) for CUDA
+#: Buffers made without ``kernels=``; they run them by default.
 KERNELS_ENV = "A2AD_DEEP_EP_KERNELS"
 #: The most slots an ll_arrange block numbers and copies.
 ARRANGE_MAX_SLOTS = 256
@@ -87,7 +87,7 @@ ARRANGE_MAX_SLOTS = 256
 def _kernels_from_env() -> bool:
     import os
 
-    return os.environ.get(KERNELS_ENV, "").strip().lower() not in ("", "0", "no", "false")
+    return os.environ.get(KERNELS_ENV, "1").strip().lower() not in ("0", "no", "false")
 
 
 class NotSupported(errors.InputError, NotImplementedError):
@@ -333,8 +333,8 @@ class Buffer:
     of the rendezvous and of every wait on a peer), ``device`` (cuda backend: this rank's
     GPU, default the current one), ``kernels`` (cuda backend: the steps around a2ad's
     dispatch and combine as the extension's kernels, ``csrc/ll.cu``, instead of torch ops;
-    default: the ``A2AD_DEEP_EP_KERNELS`` environment variable; True on the host backend
-    is refused).
+    default: on, unless the ``A2AD_DEEP_EP_KERNELS`` environment variable is 0; True on the
+    host backend is refused).
     """
 
     #: SMs DeepEP's kernels use (its class attribute; a2ad's kernels size themselves).

@@ -787,6 +787,21 @@ def test_surface_without_a_daemon():
     assert int(packed[0, 0]) == 127 | (120 << 8) | (105 << 16) | (105 << 24)
 
 
+def test_kernels_are_the_default_unless_the_environment_turns_them_off(monkeypatch):
+    """A CUDA Buffer made without kernels= runs the extension's kernels; A2AD_DEEP_EP_KERNELS=0
+    (or no, false) turns them off (a host-backend Buffer never runs them: the rounds above)."""
+    import a2ad.deep_ep as deep_ep
+
+    monkeypatch.delenv(deep_ep.KERNELS_ENV, raising=False)
+    assert deep_ep._kernels_from_env() is True
+    for off in ("0", "no", "False", " false "):
+        monkeypatch.setenv(deep_ep.KERNELS_ENV, off)
+        assert deep_ep._kernels_from_env() is False, off
+    for on in ("1", "yes", ""):
+        monkeypatch.setenv(deep_ep.KERNELS_ENV, on)
+        assert deep_ep._kernels_from_env() is True, on
+
+
 def _init_file(tmp_path) -> str:
     """The rendezvous file of the ranks' gloo group (gloo makes it), in the test's tmp folder."""
     return str(tmp_path / "gloo-init")
