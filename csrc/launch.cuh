@@ -41,10 +41,10 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Launch `kernel` with programmatic stream serialization allowed: it may be scheduled
 // while the previous kernel on the stream finishes (hiding the launch), and waits for
 // that kernel's completion itself (wait_prior_grid). Graph capture keeps the edge.
-// `early` false: an ordinary launch (scheduled once that kernel completed). A kernel that
-// follows one waiting for peers takes it where the peers share this GPU: launched early,
-// its blocks would sit on SMs waiting for that kernel, and the peers' kernels, which that
-// kernel waits for, might not find room.
+// `early` false: an ordinary launch (scheduled once that kernel completed). It is for a
+// kernel behind one that waits for its peers, where those peers run on this GPU too:
+// launched early, its blocks would sit on SMs waiting, and might take the room the peers'
+// kernels need to finish what the kernel before it waits for.
 template <typename Params>
 cudaError_t overlapped(void (*kernel)(Params), dim3 grid, int threads, size_t smem, cudaStream_t stream,
                        const Params& params, bool early = true) {
