@@ -323,9 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, help="experts per token (default 8; 4 with --dry-run)")
     p.add_argument("--num-experts", type=int, help="experts in the model (default 256; 16 with --dry-run)")
     p.add_argument("--ep", type=int, default=2, help="ranks, all on cuda:0 (default 2)")
-    p.add_argument("--paths", default="ops,kernels",
-                   help="the low-latency pair's local steps to time: ops (torch ops), kernels (csrc/ll.cu), or both "
-                        "(default ops,kernels)")
+    p.add_argument("--paths", default="kernels",
+                   help="the low-latency pair's local steps to time: kernels (csrc/ll.cu, a2ad.deep_ep's default on "
+                        "CUDA), ops (torch ops), or both as ops,kernels (default kernels)")
     p.add_argument("--fp8", action="store_true", help="the low-latency dispatch in FP8 (its combine stays bf16)")
     p.add_argument("--rounds", type=int, default=50, help="rounds per chunk (default 50)")
     p.add_argument("--chunks", type=int, default=8, help="chunks, each behind one GPU sleep (default 8)")
