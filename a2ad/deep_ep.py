@@ -27,9 +27,11 @@ each (token, k) pair is one a2ad token of a job with ``top_k=1``, so that
 The steps around a2ad's kernels (the pairs' rows and routing before dispatch, the
 expert-major arrangement after it, the outputs back in slot order and the weighted sum in
 combine) are torch ops on the tensors' device (CPU on the host backend, CUDA on the CUDA
-backend) with no host synchronization on CUDA; a CUDA Buffer runs them as four kernels of
-a2ad's extension instead (``csrc/ll.cu``), with the same results, unless made with
-``kernels=False`` (or ``A2AD_DEEP_EP_KERNELS=0``). The jobs are ordinary a2ad jobs (the same
+backend) with no host synchronization on CUDA; a CUDA Buffer runs them as kernels of a2ad's
+extension instead (``csrc/ll.cu`` around dispatch, and combine's low-latency pairs
+instantiation, which stages through the arrangement's index and sums each token's weighted
+pairs itself), with the same results, unless made with ``kernels=False`` (or
+``A2AD_DEEP_EP_KERNELS=0``). The jobs are ordinary a2ad jobs (the same
 daemon, rendezvous, checks, masks and degraded mode as ``MoeAlltoAll``): a small one made
 by the constructor (its rendezvous is the collective, and its rounds are the barrier of
 :meth:`Buffer.clean_low_latency_buffer`), and one per (num_max, hidden, num_experts, topk)
@@ -295,10 +297,10 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def _early(a2a) -> bool:
-    """Whether the kernel after ``a2a``'s dispatch or combine (which wait for the peers) may be
-    scheduled while that one still runs: not where the ranks share this GPU (their planes
-    split its SMs, ``sm_budget``), since its waiting blocks could take the room the peers'
-    kernels need to finish what that one waits for."""
+    """Whether the kernel after ``a2a``'s dispatch (which waits for the peers) may be scheduled
+    while that one still runs: not where the ranks share this GPU (their planes split its SMs,
+    ``sm_budget``), since its waiting blocks could take the room the peers' kernels need to
+    finish what that one waits for."""
     plane = getattr(a2a, "_plane", None)
     return not getattr(plane, "sm_budget", 0)
 
@@ -332,9 +334,9 @@ class Buffer:
     through ``group``/``comm``), ``runtime_dir`` (the daemon's), ``timeout`` (seconds, bound
     of the rendezvous and of every wait on a peer), ``device`` (cuda backend: this rank's
     GPU, default the current one), ``kernels`` (cuda backend: the steps around a2ad's
-    dispatch and combine as the extension's kernels, ``csrc/ll.cu``, instead of torch ops;
-    default: on, unless the ``A2AD_DEEP_EP_KERNELS`` environment variable is 0; True on the
-    host backend is refused).
+    dispatch and combine as the extension's kernels instead of torch ops; default: on, unless
+    the ``A2AD_DEEP_EP_KERNELS`` environment variable is 0; True on the host backend is
+    refused).
     """
 
     #: SMs DeepEP's kernels use (its class attribute; a2ad's kernels size themselves).
@@ -1049,14 +1051,28 @@ class Buffer:
                 raise errors.InputError(f"combine_wait_recv_cost_stats must be int64 [{ep}] on {dev}",
                                         argument="combine_wait_recv_cost_stats")
         a2a = geo.slots[rnd.slot]
+        if geo.kernels:
+            # one kernel: its staging reads each received slot's row from x through dest, and
+            # each token's weighted sum of its pairs is pulled straight into the result
+            rnd.done = True
+            geo.open[rnd.slot] = None
+            result = out if out is not None and out.data_ptr() % 16 == 0 else torch.empty(
+                t, geo.hidden, dtype=torch.bfloat16, device=dev)
+            a2a._combine_pairs(_aligned(x), geo.rt, rnd.dest, topk_idx.contiguous(), topk_weights.contiguous(), result,
+                               active_rank_mask=self._caller_mask())
+            if out is not None and result is not out:
+                out.copy_(result)
+                result = out
+
+            def done() -> None:  # the result is complete on the stream already
+                return None
+
+            if return_recv_hook:
+                return result, None, done
+            return result, _event_on(dev) if async_finish else None, None
         # every received slot's output, in a2ad's combine region (no staging copy)
         region = a2a.get_combine_payload_tensor_in_workspace(geo.rt, geo.hidden, torch.bfloat16)
-        if geo.kernels:  # the slots each source filled only
-            blocks = max(1, min(-(-geo.rt // 8), 256 // ep))
-            self._ext.ll_gather(_aligned(x), rnd.dest, geo.counts[rnd.slot], region, blocks)
-        else:
-            torch.index_select(x.reshape(lx * r_total, geo.hidden), 0, rnd.dest,
-                               out=region.view(ep * geo.rt, geo.hidden))
+        torch.index_select(x.reshape(lx * r_total, geo.hidden), 0, rnd.dest, out=region.view(ep * geo.rt, geo.hidden))
         rnd.done = True
         geo.open[rnd.slot] = None
         pairs = a2a.combine(region, geo.rt, payload_in_workspace=True, active_rank_mask=self._caller_mask())
@@ -1064,13 +1080,6 @@ class Buffer:
 
         def receive() -> None:
             if t == 0:
-                return
-            if geo.kernels:
-                into = result if result.data_ptr() % 16 == 0 else torch.empty_like(result)
-                self._ext.ll_reduce(_aligned(pairs), topk_idx.contiguous(), topk_weights.contiguous(), into,
-                                    _early(a2a))
-                if into is not result:
-                    result.copy_(into)
                 return
             valid = (topk_idx >= 0).unsqueeze(2)
             rows = pairs.view(t, topk, geo.hidden).float() * topk_weights.unsqueeze(2)

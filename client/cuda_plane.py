@@ -155,6 +155,7 @@ class CudaPlane(Plane):
         # dispatcher); torch.compile, which cannot trace them, gets the ops
         direct = _ext.direct()
         _load_kernels(direct, att.workspace.device)
+        self._ops_direct = direct
         self._dispatch_op = direct.dispatch
         self._combine_op = direct.combine
         self._sanitize_op = direct.sanitize
@@ -285,6 +286,25 @@ class CudaPlane(Plane):
             output.copy_(out)
             return output
         return out
+
+    def combine_pairs(self, x: torch.Tensor, stage_index: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor,
+                      output: torch.Tensor, rt: int, pl: L.PayloadLayout, *, caller_mask=None) -> None:
+        """Combine a round whose tokens are the (token, k) pairs of ``topk_idx`` ``[T, K]``
+        (a2ad.deep_ep; the job's top_k is 1): ``x`` holds the expert outputs (contiguous bf16
+        rows), slot (s, j)'s being row ``stage_index[s * rt + j]``; ``output`` bf16 ``[T,
+        hidden]`` gets each token's sum over k of ``weights[t, k]`` times its pair's row, in
+        float32 in k order, rounded once (pairs with a negative id left out). One kernel: the
+        staging reads x through stage_index, and the pull sums the weighted pairs."""
+        hidden = x.shape[-1]
+        spec = L.combine_spec(hidden, x.dtype, False, False)
+        degraded = None
+        if self.degrade:
+            degraded = torch.empty(topk_idx.shape[0], dtype=torch.bool, device=x.device)
+        self._ops_direct.combine_pairs(x, self.att.workspace, self.plan, rt, pl.combine_offset, stage_index, topk_idx,
+                                       weights, output, degraded, spec, caller_mask, -1)
+        if degraded is not None:
+            self._degraded = degraded
+            self._combined = True
 
     def degraded_tokens(self) -> torch.Tensor | None:
         """``[local_num_tokens]`` bool on the device, of the last combine (degrade jobs): True for

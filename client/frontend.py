@@ -447,12 +447,19 @@ class Front:
 
     def combine(self, owner, payload, rt, payload_in_workspace=False, *, local_num_tokens=None,
                 combine_payload_offset=None, output=None, low_precision=False, caller_mask=None,
-                end_round=None) -> torch.Tensor:
+                end_round=None, pairs=None) -> torch.Tensor:
         """Check, combine the round ``owner`` dispatched, close it; returns ``[T, hidden]``.
 
         ``payload_in_workspace=True`` takes two placements: this rank's combine region
         (used in place) or FlashInfer's place for it, ``combine_payload_offset`` of this
-        rank's row (staged into the region); anything else is refused."""
+        rank's row (staged into the region); anything else is refused.
+
+        ``pairs`` (CUDA planes; a2ad.deep_ep): ``(stage_index, topk_idx, weights)``, the
+        round's tokens being (token, k) pairs of ``topk_idx`` ``[T, K]``: the payload is any
+        contiguous bf16 array of expert-output rows, slot (s, j) being its row
+        ``stage_index[s * rt + j]``, and ``output`` (required, bf16 ``[T, hidden]``) gets
+        each token's sum over k of ``weights[t, k]`` times its pair's row (pairs whose id is
+        negative left out)."""
         att = self.att
         rounds = att.rounds
         rnd = rounds.round
@@ -485,6 +492,8 @@ class Front:
             raise errors.InputError(f"payload must be bfloat16, float16 or float32, got {payload.dtype}",
                                     argument="payload")
         shape = payload.shape
+        if pairs is not None:
+            return self._combine_pairs(owner, rnd, payload, rt, pairs, output, caller_mask, end_round)
         if len(shape) != 3 or shape[0] != self.ep_size or shape[1] != rt or shape[2] < 1:
             raise errors.InputError(
                 f"payload must be [ep_size={self.ep_size}, runtime_max_tokens_per_rank={rt}, hidden], "
@@ -550,6 +559,37 @@ class Front:
             copy_to.copy_(out)
             return copy_to
         return out
+
+    def _combine_pairs(self, owner, rnd, x, rt, pairs, output, caller_mask, end_round) -> torch.Tensor:
+        """:meth:`combine` of a round of (token, k) pairs (its ``pairs`` argument)."""
+        att = self.att
+        rounds = att.rounds
+        combine_pairs = getattr(rnd.plane, "combine_pairs", None)
+        if combine_pairs is None:
+            raise errors.BackendError("combining (token, k) pairs needs the CUDA backend's kernels")
+        if x.dtype is not torch.bfloat16 or x.dim() < 2 or not x.is_contiguous():
+            raise errors.InputError(f"payload must be a contiguous bfloat16 array of rows, got {list(x.shape)} "
+                                    f"{x.dtype}", argument="payload")
+        hidden = x.shape[-1]
+        stage_index, topk_idx, weights = pairs
+        if topk_idx.dim() != 2 or topk_idx.shape[0] * topk_idx.shape[1] != rnd.local_num_tokens:
+            raise errors.InputError(f"topk_idx must be [T, K] with T * K = the {rnd.local_num_tokens} pairs this rank "
+                                    f"dispatched, got {list(topk_idx.shape)}", argument="topk_idx")
+        if output is None:
+            raise errors.InputError("combining pairs needs output", argument="output")
+        output = self._check_output(output, topk_idx.shape[0], hidden, torch.bfloat16)
+        layout = self.combine_layout(rnd, hidden * x.element_size())
+        rounds.combine_floor = layout.combine_offset
+        try:
+            combine_pairs(x, stage_index, topk_idx, weights, output, rt, layout, caller_mask=caller_mask)
+        finally:
+            if rounds.owner is owner:
+                rounds.owner = rounds.round = None
+            if end_round is not None:
+                end_round()
+        if not att.control.quiet(self.ep_rank):
+            rnd.plane.check_input()
+        return output
 
     def _unaliased(self, payload, layout, nbytes, rt):
         """A payload that lies partly over the combine region would overlap itself when staged."""

@@ -606,6 +606,17 @@ class MoeAlltoAll:
 
         return finish_output(out, output_dtype, output_scales, output_scalar_scale, sf_layout, output, copy=True)
 
+    def _combine_pairs(self, x: torch.Tensor, runtime_max_tokens_per_rank: int, stage_index: torch.Tensor,
+                       topk_idx: torch.Tensor, weights: torch.Tensor, output: torch.Tensor, *,
+                       active_rank_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Combine a round whose tokens are the (token, k) pairs of ``topk_idx`` (a top_k = 1
+        job's, on the CUDA backend; a2ad.deep_ep's): ``Front.combine``'s ``pairs`` says what."""
+        if self._closed or self._att.forked:
+            self._live()
+        mask = self._caller_mask(active_rank_mask) if active_rank_mask is not None or self.enable_rank_mask else None
+        return self._front.combine(self._token, x, runtime_max_tokens_per_rank, False, output=output, caller_mask=mask,
+                                   pairs=(stage_index, topk_idx, weights))
+
     def _combine_traced(self, payload, rt, payload_in_workspace, output_dtype, output_scales, output_scalar_scale,
                         sf_layout, output, use_low_precision, active_rank_mask):
         from . import ops

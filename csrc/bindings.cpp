@@ -906,59 +906,78 @@ void ll_arrange_direct(const Tensor& meta, const Tensor& counts, const Tensor& r
                   "ll_arrange launch");
 }
 
-void ll_gather_direct(const Tensor& x, const Tensor& dest, const Tensor& counts, Tensor region, int64_t blocks) {
-  check_ll(region, region, "region", {at::kBFloat16, at::kHalf, at::kFloat, at::kByte});
-  A2AD_CHECK(region.dim() == 3 && region.is_contiguous(), "a2ad: ll_gather: region must be a contiguous [ep, rt, H] tensor");
-  const int64_t ep = region.size(0), rt = region.size(1), row_bytes = region.size(2) * region.element_size();
-  A2AD_CHECK(row_bytes % 16 == 0 && row_bytes > 0 && reinterpret_cast<uintptr_t>(region.data_ptr()) % 16 == 0,
-             "a2ad: ll_gather: region rows must be 16-byte multiples and aligned, got ", row_bytes, " bytes");
-  A2AD_CHECK(x.is_cuda() && x.device() == region.device() && x.is_contiguous() &&
-                 x.scalar_type() == region.scalar_type() && (x.numel() * x.element_size()) % row_bytes == 0 &&
-                 reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
-             "a2ad: ll_gather: x must be a contiguous aligned array of the region's rows and dtype");
-  check_ll(dest, region, "dest", {at::kLong});
-  check_dense(dest, "dest", ep * rt);
-  check_ll(counts, region, "counts", {at::kInt});
-  check_dense(counts, "counts", ep);
-  A2AD_CHECK(blocks >= 1 && blocks <= 65535, "a2ad: ll_gather: blocks must be in [1, 65535], got ", blocks);
-  // dest is not read back to be checked against x (a sync); deep_ep.py writes every entry
-  // through ll_arrange, whose rows are inside [0, lx * ep * num_max)
-  a2ad::LlGatherParams p{};
-  p.x = reinterpret_cast<const uint8_t*>(x.data_ptr());
-  p.dest = dest.data_ptr<int64_t>();
-  p.counts = counts.data_ptr<int32_t>();
-  p.region = reinterpret_cast<uint8_t*>(region.data_ptr());
-  p.ep = static_cast<int>(ep);
-  p.rt = static_cast<int>(rt);
-  p.row_bytes = static_cast<int>(row_bytes);
-  const c10::cuda::CUDAGuard guard(region.device());
-  A2AD_CHECK_CUDA(a2ad::launch_ll_gather(p, static_cast<int>(blocks),
-                                         c10::cuda::getCurrentCUDAStream(region.device().index()).stream()),
-                  "ll_gather launch");
-}
-
-void ll_reduce_direct(const Tensor& pairs, const Tensor& topk_idx, const Tensor& weights, Tensor out, bool early) {
-  check_ll(out, out, "out", {at::kBFloat16});
+// a2ad.deep_ep's combine of a round of (token, k) pairs (CombineParams, "low-latency pairs"):
+// x holds the expert outputs (bf16 rows of `hidden`, any count), stage_index each slot's row
+// in x, and out [T, hidden] gets each token's weighted sum of its pairs' rows.
+void combine_pairs_direct(const Tensor& x, Tensor workspace, int64_t plan, int64_t rt, int64_t combine_offset,
+                          const Tensor& stage_index, const Tensor& topk_idx, const Tensor& weights, Tensor out,
+                          const std::optional<Tensor>& degraded, int64_t spec, const std::optional<Tensor>& caller_mask,
+                          int64_t caller_mask_value) {
+  const Plan pl = plan_of(plan, workspace);
+  c10::cuda::CUDAGuard guard(workspace.device());
+  A2AD_CHECK(pl.top_k == 1, "a2ad: combine_pairs: the job's top_k must be 1 (one token per pair), got ", pl.top_k);
+  check_ll(out, workspace, "out", {at::kBFloat16});
   A2AD_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(1) % 8 == 0 &&
                  reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
-             "a2ad: ll_reduce: out must be a contiguous aligned [T, H % 8 == 0] tensor, got ", out.sizes());
-  a2ad::LlRouting r = ll_routing(topk_idx, out);
-  const int64_t H = out.size(1);
-  A2AD_CHECK(r.T == out.size(0), "a2ad: ll_reduce: topk_idx has ", r.T, " rows, out ", out.size(0));
+             "a2ad: combine_pairs: out must be a contiguous 16-byte aligned [T, hidden % 8 == 0] tensor, got ",
+             out.sizes());
+  const int64_t hidden = out.size(1), row_bytes = 2 * hidden;
+  const a2ad::LlRouting r = ll_routing(topk_idx, out);
+  A2AD_CHECK(r.T == out.size(0), "a2ad: combine_pairs: topk_idx has ", r.T, " rows, out ", out.size(0));
+  const int64_t pairs = r.T * r.K;
+  A2AD_CHECK(rt >= 1 && rt <= pl.aux.max_num_tokens && pairs <= rt, "a2ad: combine_pairs: rt ", rt, " for ", pairs,
+             " pairs (at most ", pl.aux.max_num_tokens, ")");
   check_ll(weights, out, "weights", {at::kFloat});
-  check_dense(weights, "weights", r.T * r.K);
-  check_ll(pairs, out, "pairs", {at::kBFloat16});
-  check_dense(pairs, "pairs", r.T * r.K * H);
-  A2AD_CHECK(reinterpret_cast<uintptr_t>(pairs.data_ptr()) % 16 == 0, "a2ad: ll_reduce: pairs must be 16-byte aligned");
-  a2ad::LlReduceParams p{};
-  p.pairs = reinterpret_cast<const uint16_t*>(pairs.data_ptr());
-  p.routing = r;
-  p.weights = weights.data_ptr<float>();
-  p.out = reinterpret_cast<uint16_t*>(out.data_ptr());
-  p.H = static_cast<int>(H);
-  const c10::cuda::CUDAGuard guard(out.device());
-  A2AD_CHECK_CUDA(a2ad::launch_ll_reduce(p, c10::cuda::getCurrentCUDAStream(out.device().index()).stream(), early),
-                  "ll_reduce launch");
+  check_dense(weights, "weights", pairs);
+  check_ll(x, out, "x", {at::kBFloat16});
+  A2AD_CHECK(x.is_contiguous() && x.numel() % hidden == 0 && x.numel() >= hidden &&
+                 reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
+             "a2ad: combine_pairs: x must be a contiguous 16-byte aligned array of bf16 rows of ", hidden, ", got ",
+             x.sizes());
+  check_ll(stage_index, out, "stage_index", {at::kLong});
+  check_dense(stage_index, "stage_index", pl.ep_size * rt);
+  const int64_t region = pl.ep_size * rt * row_bytes;
+  A2AD_CHECK(combine_offset >= pl.aux.block_counters && combine_offset % 16 == 0 &&
+                 combine_offset + region <= workspace.size(1),
+             "a2ad: combine_pairs: combine region [", combine_offset, ", +", region, ") does not fit a row of ",
+             workspace.size(1), " bytes");
+  a2ad::CombineParams p{};
+  p.ws = plan_workspace(pl, workspace);
+  p.aux = pl.aux;
+  p.ctl = pl.ctl;
+  p.lim.sm_budget = pl.sm_budget;
+  p.payload = static_cast<const uint8_t*>(x.data_ptr());
+  p.payload_in_workspace = false;
+  p.out = out.data_ptr();
+  p.dtype = a2ad::DType::kBFloat16;
+  p.hidden = hidden;
+  p.local_num_tokens = static_cast<int>(pairs);
+  p.top_k = 1;
+  p.rt = static_cast<int>(rt);
+  p.combine_offset = combine_offset;
+  p.low_precision = false;
+  p.spec = static_cast<uint32_t>(spec);
+  p.stage_index = stage_index.data_ptr<int64_t>();
+  p.payload_rows = x.numel() / hidden;
+  p.group = r.K;
+  p.group_weights = weights.data_ptr<float>();
+  p.group_ids64 = r.idx64;
+  p.group_ids32 = r.idx32;
+  caller_mask_args(caller_mask, caller_mask_value, workspace, &p.caller_mask);
+  if (pl.ctl.degrade) {
+    A2AD_CHECK(degraded.has_value(), "a2ad: combine_pairs: a degrade job's combine needs the degraded tensor");
+    const Tensor& d = *degraded;
+    check_same_device(d, workspace, "degraded");
+    A2AD_CHECK((d.scalar_type() == at::kBool || d.scalar_type() == at::kByte) && d.dim() == 1 && d.size(0) == r.T &&
+                   d.is_contiguous(),
+               "a2ad: combine_pairs: degraded must be a contiguous bool/uint8 [T=", r.T, "], got ", d.scalar_type(), " ",
+               d.sizes());
+    p.degraded = static_cast<uint8_t*>(d.data_ptr());
+    p.seen_out = pl.seen_out;
+    p.seen_dev = pl.seen_dev;
+  }
+  // (with no pairs too: the round's flags go round every rank)
+  A2AD_CHECK_CUDA(a2ad::launch_combine(p, current_stream(workspace)), "combine_pairs launch");
 }
 
 // Every kernel of the extension loaded on `device` now (csrc/moe_a2a.cuh says why).
@@ -1003,10 +1022,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("early") = true);
   m.def("ll_arrange_fits", &ll_arrange_fits, "whether an ll_arrange block's counts fit its shared memory",
         pybind11::arg("lx"), pybind11::arg("ep"), pybind11::arg("slots_per_block"));
-  m.def("ll_gather", &ll_gather_direct, "a2ad.deep_ep: expert outputs into the combine region (csrc/ll.cu)",
-        pybind11::arg("x"), pybind11::arg("dest"), pybind11::arg("counts"), pybind11::arg("region"),
-        pybind11::arg("blocks"));
-  m.def("ll_reduce", &ll_reduce_direct, "a2ad.deep_ep: each token's weighted sum of its pairs (csrc/ll.cu)",
-        pybind11::arg("pairs"), pybind11::arg("topk_idx"), pybind11::arg("weights"), pybind11::arg("out"),
-        pybind11::arg("early") = true);
+  m.def("combine_pairs", &combine_pairs_direct,
+        "a2ad.deep_ep: combine of a round of (token, k) pairs, each token's weighted sum (csrc/combine.cu)",
+        pybind11::arg("x"), pybind11::arg("workspace"), pybind11::arg("plan"), pybind11::arg("rt"),
+        pybind11::arg("combine_offset"), pybind11::arg("stage_index"), pybind11::arg("topk_idx"),
+        pybind11::arg("weights"), pybind11::arg("out"), pybind11::arg("degraded"), pybind11::arg("spec"),
+        pybind11::arg("caller_mask"), pybind11::arg("caller_mask_value"));
 }

@@ -121,6 +121,14 @@ struct Elem16 {
     a[6] += Bits::lo(v.w);
     a[7] += Bits::hi(v.w);
   }
+  // a[i] += w * element i, rounded after the product and after the sum (as a separate
+  // multiply and add would be)
+  __device__ static __forceinline__ void add_weighted(const uint4& v, float w, float* a) {
+    float f[8];
+    unpack(v, f);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) a[i] = __fadd_rn(a[i], __fmul_rn(f[i], w));
+  }
   __device__ static __forceinline__ uint32_t pack2(float lo, float hi) {
     return static_cast<uint32_t>(Bits::bits(lo)) | (static_cast<uint32_t>(Bits::bits(hi)) << 16);
   }
@@ -348,6 +356,30 @@ __device__ __forceinline__ void token_sends(const CombineParams& p, int t, int l
   if (routed != nullptr) *routed = in_range ? tq : -1;
 }
 
+// Low-latency pairs: lane k (< group) gets the send of pair u * group + k (the job's top_k
+// is 1) and its weight; a pair without an expert (id < 0) sends nothing and is not routed.
+__device__ __forceinline__ void pair_sends(const CombineParams& p, int u, int lane, int* target, int* slot,
+                                           int* routed, float* weight) {
+  uint8_t* my_row = row_of(p.ws, p.ws.ep_rank);
+  int tq = -1, sq = -1;
+  float w = 0.f;
+  if (lane < p.group) {
+    const int64_t i = (int64_t)u * p.group + lane;
+    const int64_t id = p.group_ids64 != nullptr ? p.group_ids64[i] : static_cast<int64_t>(p.group_ids32[i]);
+    if (id >= 0) {
+      tq = ld_volatile(at<int>(my_row, p.aux.topk_target_ranks) + i * p.aux.topk_stride);
+      sq = ld_volatile(at<int>(my_row, p.aux.topk_send_indices) + i * p.aux.topk_stride);
+      w = p.group_weights[i];
+    }
+  }
+  const bool in_range = tq >= 0 && tq < p.ws.ep_size;
+  const bool valid = in_range && sq >= 0 && sq < p.rt;
+  *target = valid ? tq : -1;
+  *slot = valid ? sq : -1;
+  *routed = in_range ? tq : -1;
+  *weight = w;
+}
+
 // Degraded mode: only targets in `seen` count; the token's indicator (written once, by
 // the warp of its first chunk) says whether some (t, k) had its target outside it.
 template <int W>
@@ -399,9 +431,11 @@ __device__ bool wait_seen(const CombineParams& p, int* block_counters, int round
 // out[t, chunk c] = sum over the token's sends of the target's combine row, in
 // float32. One warp per (token, chunk) item; the loads of several sends are issued
 // together.
-template <typename T, bool kVec>
+// Low-latency pairs (kLl): each send's row is weighted (lane k's `weight`), and this rank's
+// own rows are read from the payload through stage_index.
+template <typename T, bool kVec, bool kLl = false>
 __device__ void pull_item(const CombineParams& p, int t, uint32_t c, const PullGeometry& g, int lane, int target,
-                          int slot) {
+                          int slot, float weight = 1.f) {
   const int me = p.ws.ep_rank;
   unsigned sends = __ballot_sync(kFullMask, target >= 0);
   const int64_t row_bytes = p.hidden * (int64_t)sizeof(T);
@@ -434,13 +468,25 @@ __device__ void pull_item(const CombineParams& p, int t, uint32_t c, const PullG
   while (sends != 0) {
     const uint8_t* src[kSends];
     bool has[kSends];
+    float wgt[kSends];
 #pragma unroll
     for (int b = 0; b < kSends; ++b) {
       has[b] = sends != 0;  // warp-uniform
       const int k = has[b] ? __ffs(sends) - 1 : 0;
       if (has[b]) sends &= sends - 1;
       const int tq = __shfl_sync(kFullMask, target, k), sq = __shfl_sync(kFullMask, slot, k);
-      src[b] = (tq == me ? self_region : region + (int64_t)tq * p.ws.row_stride) + (int64_t)sq * row_bytes;
+      wgt[b] = __shfl_sync(kFullMask, weight, k);
+      if constexpr (kLl) {
+        if (tq == me) {
+          int64_t row = p.stage_index[(int64_t)me * p.rt + sq];
+          row = row < 0 ? 0 : row >= p.payload_rows ? p.payload_rows - 1 : row;
+          src[b] = p.payload + row * row_bytes + first * unit_bytes;
+        } else {
+          src[b] = region + (int64_t)tq * p.ws.row_stride + (int64_t)sq * row_bytes;
+        }
+      } else {
+        src[b] = (tq == me ? self_region : region + (int64_t)tq * p.ws.row_stride) + (int64_t)sq * row_bytes;
+      }
     }
     // Every load of the batch is issued before the first use; an absent send
     // loads nothing and is skipped when accumulating (warp-uniform).
@@ -456,7 +502,13 @@ __device__ void pull_item(const CombineParams& p, int t, uint32_t c, const PullG
       for (int b = 0; b < kSends; ++b) {
         if (has[b]) {
 #pragma unroll
-          for (int u = 0; u < kUnits; ++u) Elem<T>::add(vbuf[b][u], acc + u * kPer);  // !in[u]: never stored
+          for (int u = 0; u < kUnits; ++u) {  // !in[u]: never stored
+            if constexpr (kLl) {
+              Elem<T>::add_weighted(vbuf[b][u], wgt[b], acc + u * kPer);
+            } else {
+              Elem<T>::add(vbuf[b][u], acc + u * kPer);
+            }
+          }
         }
       }
     } else {
@@ -597,6 +649,41 @@ __device__ __forceinline__ void stage_rows(const CombineParams& p, const int* re
   }
 }
 
+// Low-latency pairs: the received slots of the sources s != me, each slot's row read from
+// the payload at stage_index, copied into the own combine region; a warp per row.
+__device__ __forceinline__ void stage_rows_indexed(const CombineParams& p, const int* recv, int64_t row_bytes,
+                                                   uint32_t warp_id, uint32_t nwarps, int lane) {
+  const int me = p.ws.ep_rank, ep = p.ws.ep_size;
+  uint8_t* region = row_of(p.ws, me) + p.combine_offset;
+  const int64_t nvec = row_bytes / 16;
+  for (int s = 0; s < ep; ++s) {
+    if (s == me) continue;
+    int rows = ld_volatile(recv + s);
+    rows = rows < 0 ? 0 : rows > p.rt ? p.rt : rows;
+    // rotate the warps per source so that small copies spread over the grid
+    const uint32_t w = (warp_id + static_cast<uint32_t>(s) * (nwarps / static_cast<uint32_t>(ep))) % nwarps;
+#pragma unroll 1
+    for (uint32_t j = w; j < static_cast<uint32_t>(rows); j += nwarps) {
+      const int64_t slot = (int64_t)s * p.rt + j;
+      int64_t row = p.stage_index[slot];
+      row = row < 0 ? 0 : row >= p.payload_rows ? p.payload_rows - 1 : row;
+      const uint4* src = reinterpret_cast<const uint4*>(p.payload + row * row_bytes);
+      uint4* dst = reinterpret_cast<uint4*>(region + slot * row_bytes);
+      int64_t v = lane;
+#pragma unroll 1
+      for (; v + 96 < nvec; v += 128) {  // four 16-byte loads in flight per lane
+        const uint4 a = __ldcs(src + v), b = __ldcs(src + v + 32), c = __ldcs(src + v + 64), d = __ldcs(src + v + 96);
+        dst[v] = a;
+        dst[v + 32] = b;
+        dst[v + 64] = c;
+        dst[v + 96] = d;
+      }
+#pragma unroll 1
+      for (; v < nvec; v += 32) dst[v] = __ldcs(src + v);
+    }
+  }
+}
+
 // The poller after its wait: the protocol's COMBINE_COMPLETION_FLAGS get the round (this
 // rank's own row), and a target whose combine descriptor differs is reported (the input
 // record; nothing is read from it). Not when the round's dispatch already found its
@@ -631,8 +718,10 @@ __device__ __forceinline__ void combine_waited(const CombineParams& p, uint8_t* 
 // counter in the order (tokens with no remote send) then (target q, slot s,
 // chunk): the order in which q stages, so pullers rarely wait; each item waits
 // for its rows' slices. Only the last block waits for the whole-region flags.
-// W: the words of a rank mask (1 when ep_size <= 64).
-template <typename T, bool kVec, bool kFp8, int W>
+// W: the words of a rank mask (1 when ep_size <= 64). kLl: low-latency pairs (CombineParams
+// says what; never overlapped): the payload staged through stage_index, and out row u the
+// weighted sum of group u's pairs.
+template <typename T, bool kVec, bool kFp8, int W, bool kLl = false>
 __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p) {
   constexpr int kRanks = 64 * W;  // the most ranks this instantiation serves
   wait_prior_grid();
@@ -662,7 +751,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   // they are used).
   if (threadIdx.x < 32) {
     prefetch_l2(block_counters, 4 * layout::BLOCK_COUNTER_SLOTS, threadIdx.x, 32);
-    if ((kFp8 || !p.payload_in_workspace) && (overlap || !stages_all_slots(p, row_bytes))) {
+    if ((kFp8 || !p.payload_in_workspace) && (kLl || overlap || !stages_all_slots(p, row_bytes))) {
       prefetch_l2(recv, 4 * ep, threadIdx.x, 32);
     }
   }
@@ -684,6 +773,9 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   if constexpr (kFp8) {
     stage_rows_fp8(p, recv, blockIdx.x * (kThreads / 32) + threadIdx.x / 32, gridDim.x * (kThreads / 32),
                    threadIdx.x % 32);
+  } else if constexpr (kLl) {
+    stage_rows_indexed(p, recv, row_bytes, blockIdx.x * (kThreads / 32) + threadIdx.x / 32, gridDim.x * (kThreads / 32),
+                       threadIdx.x % 32);
   } else if (overlap) {
     if (static_cast<int>(blockIdx.x) < nstage) stage_slices(p, recv, round, nstage);
   } else if (!p.payload_in_workspace) {
@@ -714,14 +806,16 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   }
 
   const bool mismatch = mismatch_round == round;
+  // the rows of out (low-latency pairs: one per group of pairs)
+  const int out_rows = kLl ? p.local_num_tokens / p.group : p.local_num_tokens;
   if (mismatch) {
     uint8_t* out = static_cast<uint8_t*>(p.out);
-    const int64_t n = (int64_t)p.local_num_tokens * row_bytes;
+    const int64_t n = (int64_t)out_rows * row_bytes;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
       out[i] = 0;
     }
     if (p.degraded != nullptr) {
-      for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < p.local_num_tokens;
+      for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < out_rows;
            i += (int64_t)gridDim.x * blockDim.x) {
         p.degraded[i] = 0;
       }
@@ -734,7 +828,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   //    the last block waits here; the others wait per item (wait_slice).
   const PullGeometry g = pull_geometry<T, kVec>(p.hidden);
   const uint32_t chunks = static_cast<uint32_t>(g.chunks);  // the launcher checks T * chunks < 2^31
-  const uint32_t items = mismatch ? 0u : static_cast<uint32_t>(p.local_num_tokens) * chunks;
+  const uint32_t items = mismatch ? 0u : static_cast<uint32_t>(out_rows) * chunks;
   constexpr uint32_t warps = kThreads / 32;
   const uint32_t first_item = blockIdx.x * warps;
   int* claim = block_counters + layout::SLOT_STATUS_CLAIM;
@@ -745,9 +839,14 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   const int lane = threadIdx.x % 32;
   const uint32_t my_first = first_item + threadIdx.x / 32;
   int first_t = -1, first_target = -1, first_slot = -1, first_routed = -1;
+  float first_weight = 1.f;
   if (!overlap && my_first < items) {
     first_t = static_cast<int>(my_first / chunks);
-    token_sends(p, first_t, lane, &first_target, &first_slot, &first_routed);
+    if constexpr (kLl) {
+      pair_sends(p, first_t, lane, &first_target, &first_slot, &first_routed, &first_weight);
+    } else {
+      token_sends(p, first_t, lane, &first_target, &first_slot, &first_routed);
+    }
   }
   int unused = 0;
   RankMask<W> seen = RankMask<W>::all(), bad = RankMask<W>::none();
@@ -799,17 +898,25 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
       const int t = static_cast<int>(item / chunks);
       const uint32_t c = item % chunks;
       int target = first_target, slot = first_slot, routed = first_routed;
-      if (t != first_t) token_sends(p, t, lane, &target, &slot, &routed);
+      float weight = first_weight;
+      if (t != first_t) {
+        if constexpr (kLl) {
+          pair_sends(p, t, lane, &target, &slot, &routed, &weight);
+        } else {
+          token_sends(p, t, lane, &target, &slot, &routed);
+        }
+      }
       if (p.ctl.degrade) count_seen<W>(p, t, c, routed, seen, &target, lane);
       if (bad.any() && target >= 0 && bad.has(target)) target = -1;  // never read from a target that disagreed
       if constexpr (kFp8) {
         pull_item_fp8(p, t, c, g, lane, target, slot);
       } else {
-        pull_item<T, kVec>(p, t, c, g, lane, target, slot);
+        pull_item<T, kVec, kLl>(p, t, c, g, lane, target, slot, weight);
       }
     }
     return;
   }
+  if constexpr (kLl) return;  // (never overlapped)
   const uint32_t ntok = static_cast<uint32_t>(p.local_num_tokens);
   const uint32_t total = mismatch ? 0u : ntok + static_cast<uint32_t>(s_pos[ep]) * chunks;  // launcher: < 2^31
   const int* slot_tokens = at<int>(my_row, p.aux.slot_tokens);
@@ -849,9 +956,9 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
 }
 
 
-template <typename T, bool kVec, bool kFp8, int W>
+template <typename T, bool kVec, bool kFp8, int W, bool kLl = false>
 cudaError_t launch_typed(const CombineParams& p, cudaStream_t stream) {
-  const void* fn = reinterpret_cast<const void*>(&combine_kernel<T, kVec, kFp8, W>);
+  const void* fn = reinterpret_cast<const void*>(&combine_kernel<T, kVec, kFp8, W, kLl>);
   int resident = 0;
   cudaError_t err = launch::resident_blocks(fn, kThreads, p.lim, &resident);
   if (err != cudaSuccess) return err;
@@ -859,20 +966,23 @@ cudaError_t launch_typed(const CombineParams& p, cudaStream_t stream) {
   // (32-bit item indices; the front end bounds T and hidden far below this)
   if ((int64_t)p.local_num_tokens * (g.chunks + 1) >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
   const int64_t row_bytes = p.hidden * (int64_t)sizeof(T);
-  const int64_t pull_blocks = launch::ceil_div((int64_t)p.local_num_tokens * g.chunks, kThreads / 32);
+  const int64_t out_rows = kLl ? p.local_num_tokens / p.group : p.local_num_tokens;
+  const int64_t pull_blocks = launch::ceil_div(out_rows * g.chunks, kThreads / 32);
   const int64_t staged_sources = kFp8 || self_from_payload(p) ? p.ws.ep_size - 1 : p.ws.ep_size;
   const int64_t stage_bytes = p.payload_in_workspace && !kFp8 ? 0 : staged_sources * p.rt * row_bytes;  // at most rt rows each
-  const int64_t stage_blocks = launch::ceil_div(stage_bytes, kThreads * 16 * kCopyUnroll);
+  // (low-latency pairs: a warp per slot at most)
+  const int64_t stage_blocks = kLl ? launch::ceil_div(staged_sources * p.rt, kThreads / 32)
+                                   : launch::ceil_div(stage_bytes, kThreads * 16 * kCopyUnroll);
   const int grid = launch::clamp_grid(pull_blocks > stage_blocks ? pull_blocks : stage_blocks, resident);
   CombineParams q = p;
   q.overlap_stage_blocks = 0;
   // (not in degraded mode: there every block counts the targets the poller saw, so no
   // block may pull a target's slices before its whole-region flag)
-  if (!kFp8 && !p.ctl.degrade && !p.payload_in_workspace && p.ws.ep_size > 1 && stage_bytes >= kOverlapMinBytes &&
-      row_bytes >= kOverlapMinRowBytes) {
+  if (!kFp8 && !kLl && !p.ctl.degrade && !p.payload_in_workspace && p.ws.ep_size > 1 &&
+      stage_bytes >= kOverlapMinBytes && row_bytes >= kOverlapMinRowBytes) {
     q.overlap_stage_blocks = grid / kOverlapStageShare < 1 ? 1 : grid / kOverlapStageShare;
   }
-  return launch::overlapped(combine_kernel<T, kVec, kFp8, W>, grid, kThreads, stream, q);
+  return launch::overlapped(combine_kernel<T, kVec, kFp8, W, kLl>, grid, kThreads, stream, q);
 }
 
 // The instantiation of the dtype and the alignment (the binding checked the low precision
@@ -884,6 +994,15 @@ cudaError_t launch_words(const CombineParams& p, cudaStream_t stream) {
   const bool vec = row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(p.ws.base + p.combine_offset) % 16 == 0 && p.ws.row_stride % 16 == 0 &&
                    (!self_from_payload(p) || reinterpret_cast<uintptr_t>(p.payload) % 16 == 0);
+  if (p.group > 0) {  // low-latency pairs: bf16 16-byte rows only (the binding checks)
+    if (p.low_precision || p.dtype != DType::kBFloat16 || !vec || p.payload_in_workspace ||
+        p.stage_index == nullptr || p.local_num_tokens % p.group != 0 ||
+        (p.local_num_tokens > 0 && p.group_weights == nullptr) ||
+        reinterpret_cast<uintptr_t>(p.payload) % 16 != 0) {
+      return cudaErrorInvalidValue;
+    }
+    return launch_typed<__nv_bfloat16, true, false, W, true>(p, stream);
+  }
   if (p.low_precision) {
     // bf16 rows, whole scale blocks, 16-byte vectors everywhere
     A2AD_DEBUG_ASSERT(p.dtype == DType::kBFloat16 && p.hidden % layout::FP8_BLOCK == 0);
@@ -930,7 +1049,8 @@ cudaError_t load_combine_kernels() {
       reinterpret_cast<const void*>(&combine_kernel<__half, false, false, W>),    \
       reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, false, W>),  \
       reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, false, false, W>), \
-      reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, true, W>)
+      reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, true, W>),      \
+      reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, false, W, true>)
   const void* fns[] = {A2AD_COMBINE_KERNELS(1), A2AD_COMBINE_KERNELS(kMaskWords)};
 #undef A2AD_COMBINE_KERNELS
   cudaFuncAttributes a;

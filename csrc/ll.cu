@@ -1,8 +1,9 @@
-// The local steps of a2ad.deep_ep's low-latency path on the CUDA backend, around a2ad's own
-// dispatch and combine kernels (a2ad/deep_ep.py: each (token, k) pair is one token of a
-// top_k = 1 job). None of them touches a peer's memory or waits for anything but the kernel
-// before it on the stream. Each does in one launch what the same module does with torch ops
-// on the host backend, with the same results (the GPU tests compare the two):
+// The local steps of a2ad.deep_ep's low-latency path on the CUDA backend around a2ad's own
+// dispatch kernel (a2ad/deep_ep.py: each (token, k) pair is one token of a top_k = 1 job;
+// its combine is the combine kernel's low-latency pairs instantiation, csrc/combine.cu).
+// Neither touches a peer's memory or waits for anything but the kernel before it on the
+// stream. Each does in one launch what the same module does with torch ops on the host
+// backend, with the same results (the GPU tests compare the two):
 //
 //   ll_pack     a dispatch's pairs: the route (the expert, or this rank's first expert for a
 //               pair with none), the metadata (token, expert or -1), and each pair's row: the
@@ -14,11 +15,8 @@
 //               scales, as float32 or UE8M0 bytes in DeepEP's layout) to
 //               expert * (ep * num_max) + begin(expert, source) + number; block 0 writes
 //               recv_count, layout_range and the statistics. This is a stable sort by
-//               (expert, source) of the received slots, as the host path's.
-//   ll_gather   combine: the expert outputs back into the combine region in slot order,
-//               the received slots of each source only (RECV_COUNTERS).
-//   ll_reduce   combine: each token's sum over its pairs with an expert (id >= 0) of
-//               weight * row, in float32 in k order, rounded once to bf16.
+//               (expert, source) of the received slots, as the host path's; and each
+//               slot's row in the output (`dest`), through which combine reads.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -30,19 +28,15 @@ namespace {
 
 using namespace dev;
 
-constexpr int kLlThreads = 128;                 // pack, reduce: 8 elements per thread
-constexpr int kLlChunk = kLlThreads * 8;        // elements of a row per block of pack / reduce
+constexpr int kLlThreads = 128;                 // pack: 8 elements per thread
+constexpr int kLlChunk = kLlThreads * 8;        // elements of a row per block of pack
 constexpr int kArrangeThreads = 256;
 constexpr int kArrangeWarps = kArrangeThreads / 32;
-constexpr int kGatherWarps = 8;
 constexpr float kFp8Max = 448.0f;
 constexpr float kFp8AmaxFloor = 1e-4f;
 
 __device__ __forceinline__ float bf16_bits_to_float(uint32_t b) { return __uint_as_float(b << 16); }
 
-__device__ __forceinline__ uint16_t float_to_bf16_bits(float f) {
-  return __bfloat16_as_ushort(__float2bfloat16_rn(f));
-}
 
 __device__ __forceinline__ void unpack_bf16x8(const uint4& v, float f[8]) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
@@ -144,7 +138,7 @@ __device__ __forceinline__ void copy_row(uint8_t* dst, const uint8_t* src, int b
   uint4* d = reinterpret_cast<uint4*>(dst);
   int v = lane;
   // four 16-byte loads in flight per lane, then the rest one at a time (neither loop
-  // unrolled further: unrolled, the tail spilled in ll_gather)
+  // unrolled further: unrolled, the tail spilled)
 #pragma unroll 1
   for (; v + 96 < nvec; v += 128) {
     const uint4 a = s[v], b = s[v + 32], c = s[v + 64], e = s[v + 96];
@@ -265,55 +259,6 @@ __global__ void __launch_bounds__(kArrangeThreads) ll_arrange_kernel(LlArrangePa
   }
 }
 
-// -------------------------------------------------------------------------------------------
-// ll_gather: grid (blocks, ep); warp w of block b copies slots j = b * 8 + w, + 8 * blocks ...
-// of source blockIdx.y while j < RECV_COUNTERS[s].
-// -------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(kGatherWarps * 32) ll_gather_kernel(LlGatherParams p) {
-  wait_prior_grid();
-  allow_dependents();
-  const int s = blockIdx.y, lane = threadIdx.x & 31;
-  int n = p.counts[s];
-  n = n < 0 ? 0 : (n > p.rt ? p.rt : n);
-  const int64_t* dest = p.dest + static_cast<int64_t>(s) * p.rt;
-  uint8_t* region = p.region + static_cast<int64_t>(s) * p.rt * p.row_bytes;
-  const int step = gridDim.x * kGatherWarps;
-  for (int j = blockIdx.x * kGatherWarps + (threadIdx.x >> 5); j < n; j += step) {
-    copy_row(region + static_cast<int64_t>(j) * p.row_bytes, p.x + dest[j] * p.row_bytes, p.row_bytes, lane);
-  }
-}
-
-// -------------------------------------------------------------------------------------------
-// ll_reduce: grid (T, ceil(H / kLlChunk)), 8 elements per thread.
-// -------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(kLlThreads) ll_reduce_kernel(LlReduceParams p) {
-  wait_prior_grid();
-  allow_dependents();
-  const int64_t t = blockIdx.x;
-  const int h0 = blockIdx.y * kLlChunk + threadIdx.x * 8;
-  if (h0 >= p.H) return;
-  const int K = p.routing.K;
-  float acc[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-  for (int k = 0; k < K; ++k) {
-    if (expert_id(p.routing, t * K + k) < 0) continue;
-    const float w = p.weights[t * K + k];
-    const uint4 v = *reinterpret_cast<const uint4*>(p.pairs + ((t * K + k) * p.H + h0));
-    float f[8];
-    unpack_bf16x8(v, f);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(f[i], w));
-  }
-  uint32_t w4[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    w4[i] = static_cast<uint32_t>(float_to_bf16_bits(acc[2 * i])) |
-            (static_cast<uint32_t>(float_to_bf16_bits(acc[2 * i + 1])) << 16);
-  }
-  *reinterpret_cast<uint4*>(p.out + (t * p.H + h0)) = make_uint4(w4[0], w4[1], w4[2], w4[3]);
-}
-
 }  // namespace
 
 int ll_arrange_smem_bytes(int lx, int ep, int slots_per_block) {
@@ -337,25 +282,10 @@ cudaError_t launch_ll_arrange(const LlArrangeParams& p, cudaStream_t stream, boo
   return launch::overlapped(ll_arrange_kernel, grid, kArrangeThreads, smem, stream, p, early);
 }
 
-cudaError_t launch_ll_gather(const LlGatherParams& p, int blocks, cudaStream_t stream) {
-  A2AD_DEBUG_ASSERT(p.ep >= 1 && p.rt >= 1 && p.row_bytes % 16 == 0 && blocks >= 1);
-  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(p.ep));
-  return launch::overlapped(ll_gather_kernel, grid, kGatherWarps * 32, 0, stream, p);
-}
-
-cudaError_t launch_ll_reduce(const LlReduceParams& p, cudaStream_t stream, bool early) {
-  A2AD_DEBUG_ASSERT(p.routing.T >= 0 && p.routing.K >= 1 && p.H % 8 == 0);
-  if (p.routing.T == 0) return cudaSuccess;
-  const dim3 grid(static_cast<unsigned>(p.routing.T), static_cast<unsigned>(launch::ceil_div(p.H, kLlChunk)));
-  return launch::overlapped(ll_reduce_kernel, grid, kLlThreads, 0, stream, p, early);
-}
-
 cudaError_t load_ll_kernels() {
   cudaFuncAttributes a;
   cudaError_t err = cudaFuncGetAttributes(&a, ll_pack_kernel);
   if (err == cudaSuccess) err = cudaFuncGetAttributes(&a, ll_arrange_kernel);
-  if (err == cudaSuccess) err = cudaFuncGetAttributes(&a, ll_gather_kernel);
-  if (err == cudaSuccess) err = cudaFuncGetAttributes(&a, ll_reduce_kernel);
   return err;
 }
 

@@ -149,6 +149,19 @@ struct CombineParams {
   // rank's own rows are read from the payload.
   bool low_precision;
   CallerMask caller_mask;
+  // Low-latency pairs (a2ad.deep_ep; group > 0, bf16, 16-byte rows, not low_precision): the
+  // job's tokens are (token, k) pairs, `group` per token. The payload is the expert outputs
+  // in the caller's order (payload_rows rows): slot j of source s is payload row
+  // stage_index[s * rt + j], staged (the received slots) and read (this rank's own) through
+  // it. Out row u (local_num_tokens / group of them) is the sum over k of
+  // group_weights[u, k] * the pair u * group + k's row, in float32 in k order, leaving out a
+  // pair whose expert id (group_ids64 or group_ids32 [u, k]) is negative.
+  const int64_t* stage_index;
+  int64_t payload_rows;
+  int group;
+  const float* group_weights;
+  const int64_t* group_ids64;
+  const int32_t* group_ids32;
 };
 
 struct InitializeParams {
@@ -223,29 +236,11 @@ struct LlArrangeParams {
   int32_t* stats;         // [lx], added to, or null
 };
 
-struct LlGatherParams {
-  const uint8_t* x;       // expert outputs [lx * r_total, row_bytes]
-  const int64_t* dest;    // [ep * rt]
-  const int32_t* counts;  // RECV_COUNTERS [ep]
-  uint8_t* region;        // combine region [ep * rt, row_bytes]
-  int ep, rt, row_bytes;
-};
-
-struct LlReduceParams {
-  const uint16_t* pairs;  // bf16 [T * K, H]
-  LlRouting routing;
-  const float* weights;   // [T, K]
-  uint16_t* out;          // bf16 [T, H]
-  int H;
-};
-
 int ll_arrange_smem_bytes(int lx, int ep, int slots_per_block);
 cudaError_t launch_ll_pack(const LlPackParams& p, cudaStream_t stream);
-// ll_arrange and ll_reduce follow a kernel that waits for the peers (dispatch, combine):
-// `early` false launches them once it completed (ranks sharing one GPU; launch.cuh says why).
+// ll_arrange follows a kernel that waits for the peers (dispatch): `early` false launches it
+// once that one completed (ranks sharing one GPU; launch.cuh says why).
 cudaError_t launch_ll_arrange(const LlArrangeParams& p, cudaStream_t stream, bool early);
-cudaError_t launch_ll_gather(const LlGatherParams& p, int blocks, cudaStream_t stream);
-cudaError_t launch_ll_reduce(const LlReduceParams& p, cudaStream_t stream, bool early);
 cudaError_t load_ll_kernels();
 
 }  // namespace a2ad
