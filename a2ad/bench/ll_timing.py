@@ -20,6 +20,14 @@ the slowest rank's interval per round); medians and p10-p90 in microseconds, the
 the sum of the two medians, one line per (T, pair) as it goes, then a markdown table with each
 low-latency pair's time over the token-major pair's (below 1: the low-latency pair is faster).
 
+Every rank being a thread of this one process, CUDA's lazy module loading is turned off
+(``CUDA_MODULE_LOADING=EAGER`` unless the environment sets it): the first launch of a
+kernel whose module is not loaded yet (the torch-ops path's torch kernels) can wait for
+the context to go idle while another rank's a2ad kernel in the same context waits for this
+rank, until that kernel's bounded wait gives up. After every checked round each job's
+failure record is read (``check()``), so a wait that gave up is raised as what it was, not
+reported as a wrong output.
+
 ``--dry-run`` runs the same rounds on the host backend (CPU tensors, a tiny geometry, eager
 calls timed with the wall clock; meaningless as figures) to check the harness without a GPU.
 """
@@ -27,6 +35,7 @@ calls timed with the wall clock; meaningless as figures) to check the harness wi
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import threading
@@ -238,7 +247,19 @@ class Bench:
         outs = on_ranks(self.ep, step_c)
         if self.cuda:
             torch.cuda.synchronize(self.dev)
+        self.check_jobs()
         return [o.cpu() for o in outs]
+
+    def check_jobs(self) -> None:
+        """Raise what any job of any rank recorded (a wait that gave up inside a kernel, a
+        lost peer): every deep_ep Buffer's jobs and every MoeAlltoAll."""
+        for rk in self.ranks:
+            for buf in rk.buffers.values():
+                jobs = [buf._ctl] + [a for g in buf._geos.values() for a in g.slots]
+                for job in jobs:
+                    job.check()
+            if rk.tm is not None:
+                rk.tm.check()
 
     def check(self, pair: str, path: str | None) -> None:
         outs = self.eager_round(pair, path)
@@ -369,9 +390,13 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(why, file=sys.stderr)
         return 2
-    if not args.dry_run and not torch.cuda.is_available():
-        print("ll_timing needs a CUDA GPU (or --dry-run, on the host backend)", file=sys.stderr)
-        return 1
+    if not args.dry_run:
+        # before the context exists (the module docstring says why)
+        if not torch.cuda.is_initialized():
+            os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+        if not torch.cuda.is_available():
+            print("ll_timing needs a CUDA GPU (or --dry-run, on the host backend)", file=sys.stderr)
+            return 1
     with tempfile.TemporaryDirectory(prefix="a2ad-ll-timing-") as scratch:
         daemon = None
         rd = args.runtime_dir
