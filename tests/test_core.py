@@ -375,3 +375,50 @@ def test_a_generation_no_rearm_writes_is_not_adopted():
     got = _rearm_both(b, leases, 1.0)
     assert {p: rep.payload["generation"] for p, rep in got.items()} == {100: 1, 101: 1}
     assert b.reg.jobs["j"].control.generation == 1
+
+
+class _NodeReplaced(simd.World):
+    """The domain world on one schedule: a degrade job of 6 ranks, 2 on each of 3 nodes; at
+    8 s both ranks of node n2 are killed (``lose_node``: with n2's daemon, which comes back
+    4-5 s later) and both replacements join together, let back in across nodes while the
+    others serve."""
+
+    def __init__(self, seed: int, lose_node: bool):
+        super().__init__("domain", seed, None, nodes=3, domain=True)
+        self.lose_node = lose_node
+
+    def schedule(self) -> None:
+        self.jobs["j0"] = (6, "degrade", UID, [f"n{r // 2}" for r in range(6)])
+        for r in range(6):
+            self.spawn("j0", r)
+        self.active, self.horizon = 0.0, 40.0  # attached ranks serve on
+        for node in self.nodes.values():
+            self.at(0.25, f"timers {node.name}", self.timers, node)
+        self.at(8.0, "replace n2's ranks", self.replace_pair)
+
+    def replace_pair(self) -> None:
+        ps = [p for p in self.procs.values() if p.alive and p.node == "n2"]
+        self.fault("kill -9 of both ranks of n2" + (" and its daemon" if self.lose_node else ""))
+        for p in ps:
+            self.exit(p, "kill -9")
+        if self.lose_node:
+            self.restart(self.nodes["n2"], self.rng.uniform(4.0, 5.0))
+        for p in ps:
+            self.at(self.now + (6.0 if self.lose_node else 0.5), "replace", self.spawn, p.job, p.rank)
+
+
+@pytest.mark.parametrize("lose_node", [False, True], ids=["ranks-killed", "node-killed"])
+def test_a_pair_let_back_in_across_nodes_is_counted_active_on_every_node(lose_node):
+    """Both replacements of a node are let back in, each answered by its node once the others
+    took it back in (the other holders count it attached then: its attach is no news for
+    them). A report of that node sent for the second one's news while the first had not
+    taken its handles yet still says the first is joining: it stays attached on every node
+    (it went back to joining on the nodes that are not the coordinator, for good, since the
+    report that says attached reaches only the coordinator)."""
+    for seed in range(40):
+        w = _NodeReplaced(seed, lose_node)
+        out = w.run()
+        assert not out.violations, (seed, out.violations)
+        assert sorted((p.rank, p.state) for p in w.procs.values() if p.alive) == [(r, "attached") for r in range(6)]
+        views = {n: node.reg.jobs["j0"].mask_summary(w.now)["active_ranks"] for n, node in w.nodes.items()}
+        assert views == {n: list(range(6)) for n in w.nodes}, (seed, views)

@@ -804,7 +804,8 @@ def test_kill9_of_a_node_then_it_rejoins_with_replacements(cluster, policy, coor
             for n in "abc":
                 info = c.daemons[n].request("job_info", job=job)
                 assert info["generation"] == 0 and info["abort"] == "none", (n, info)
-                # (a node hears of a rank's attach with its node's next report, within a heartbeat)
+                # (the coordinator hears of a rank's attach with its node's next report, within a
+                # heartbeat; the other holders count it attached once its node answered its join)
                 wait_for(lambda n=n: c.daemons[n].request("job_info", job=job)["active_ranks"] == list(range(ep)),
                          2 * HB_INTERVAL + 2, f"node {n} to count all {ep} ranks active")
             assert c.daemons["c"].request("job_info", job=job)["readmits"] == 2

@@ -1368,7 +1368,8 @@ class World:
 
     def check_settled(self) -> None:
         """Once every fault is long over, for every job with a live process for each of its
-        ranks: every node that holds it agrees on its generation, abort word and active mask,
+        ranks: every node that holds it agrees on its generation, abort word, active mask and
+        (degrade jobs) the ranks it counts let into the rounds (``job_info``'s active_ranks),
         and every one of those processes holds its rank."""
         complete = {name for name, (ep, _, _, _) in self.jobs.items()
                     if {p.rank for p in self.procs.values() if p.alive and p.job == name} == set(range(ep))}
@@ -1380,7 +1381,8 @@ class World:
                     continue
                 cb = job.control
                 seen[node.name] = (job.generation, cb.abort_word != 0,
-                                   tuple(L.mask_ranks(job.active_mask)) if job.degrade else None)
+                                   tuple(L.mask_ranks(job.active_mask)) if job.degrade else None,
+                                   tuple(job.mask_summary(self.now)["active_ranks"] or ()) if job.degrade else None)
             if len(set(seen.values())) > 1:
                 self.violate("converged", f"job {name}: the nodes holding it disagree after the last fault at "
                                           f"{self.last_fault:.3f}: {seen}")

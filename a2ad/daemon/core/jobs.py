@@ -79,6 +79,12 @@ class RankSlot:
     #: A remote rank let back in by its node without a job-wide re-arm: its ``deaths`` count
     #: at that re-admission, which this node has applied (this node's reports list it).
     admit_ack: int | None = None
+    #: Of another node's rank: (pid, deaths, attaches) of the join this node counts attached
+    #: because it was answered (a domain release, or its node's answer of a held
+    #: re-admission) before its node reported it attached. That node's reports of it still
+    #: joining with nothing held are from before its attach, which is no news here (its other
+    #: holders do not hear it: federation.Federation._peer_key): it stays attached here.
+    answered: tuple | None = None
     #: In a job that spans nodes: the node whose daemon holds this rank's row (None: this
     #: daemon's, or nobody's yet). Such a slot mirrors that node's reports.
     node: str | None = None
@@ -107,7 +113,7 @@ class RankSlot:
         return "recover" if self.recovering is not None else None
 
     def clear_remote(self) -> None:
-        self.node = self.remote_waiting = self.remote = self.admit_ack = self.reported = None
+        self.node = self.remote_waiting = self.remote = self.admit_ack = self.reported = self.answered = None
         self.lost_with_node = self.readmit_wait = False
 
     def summary(self, show_pid: bool = True) -> dict:

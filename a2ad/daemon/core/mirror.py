@@ -120,6 +120,15 @@ class Mirror:
                 # its node answered the replacement's held join (every node took it back in): it
                 # counts as attached, as a domain release makes it (its attach is no news here)
                 state = L.RANK_ATTACHED
+                slot.answered = (slot.pid, slot.deaths, slot.attaches)
+            elif state == L.RANK_JOINING and slot.state == L.RANK_ATTACHED and not rec.get("readmit") \
+                    and slot.remote_waiting is None and slot.answered == (slot.pid, slot.deaths, slot.attaches):
+                # the same answered join, still reported joining: its node's report from before
+                # the rank took its handles, sent here for news of another rank. It stays
+                # attached: the report that says attached is no news here and never comes
+                state = L.RANK_ATTACHED
+            elif rec["state"] != L.RANK_JOINING:
+                slot.answered = None
             slot.readmit_wait = bool(rec.get("readmit"))
             if slot.lost_with_node and readmit:
                 slot.lost_with_node = False  # it died with its node; this is its replacement
@@ -234,6 +243,7 @@ class Mirror:
                 slot.remote_waiting = None
                 slot.replaced = False  # let in with every rank of the job
                 if slot.state == L.RANK_JOINING:
+                    slot.answered = (slot.pid, slot.deaths, slot.attaches)
                     job.set_rank_state(slot, L.RANK_ATTACHED)
                     slot.attaches += 1
         now = self.fx.now
