@@ -167,3 +167,7 @@ register(
     "rejoin_after_undelivered_unseen", "domain",
     "such a replacement whose first handles were not delivered joins again as the same process: the other "
     "nodes take it for the one they counted gone by mistake, never let it back in, and serve without it")
+register(
+    "gate_deafness_counted", "domain",
+    "a daemon counts the time its own domain gate did not run (a fresh gate starved of CPU) as the silence of "
+    "the nodes it has not heard yet: a restarted daemon counts live nodes lost and a degrade job re-arms")

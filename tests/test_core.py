@@ -271,8 +271,9 @@ def test_a_held_join_of_a_stopped_daemon_is_answered_at_its_timeout_with_the_ran
 CAUGHT = {
     "own_rank_refused": 14, "leave_any_uid": 17, "uid_fds_undercount": 0, "loss_count_ignored": 115,
     "held_failed_on_stop": 12, "domain_job_freed_on_stop": 331, "generation_from_record": 1045,
-    "rearm_lost_to_joining_report": 1715, "lost_mark_not_kept": 226, "decide_from_anyone": 124,
+    "rearm_lost_to_joining_report": 1715, "lost_mark_not_kept": 143, "decide_from_anyone": 29,
     "readmit_unseen_by_rankless_node": 32, "rejoin_after_undelivered_unseen": 494, "handles_before_record": 16,
+    "gate_deafness_counted": 2,
 }
 
 
@@ -422,3 +423,78 @@ def test_a_pair_let_back_in_across_nodes_is_counted_active_on_every_node(lose_no
         assert sorted((p.rank, p.state) for p in w.procs.values() if p.alive) == [(r, "attached") for r in range(6)]
         views = {n: node.reg.jobs["j0"].mask_summary(w.now)["active_ranks"] for n, node in w.nodes.items()}
         assert views == {n: list(range(6)) for n in w.nodes}, (seed, views)
+
+
+def _restarted_links(period: float | None = 0.5):
+    """A daemon that just started listening (at 100.0), heartbeat 0.25 s, lost after 1 s, with
+    two peers not heard yet; its losses as (peer, why)."""
+    from a2ad.daemon.core.links import Link, Links
+
+    lost: list = []
+
+    class H:
+        def on_peer_lost(self, node, why):
+            lost.append((node, why))
+
+        def on_peer_up(self, node, restarted):
+            pass
+
+    peers = {n: Link(n) for n in "ab"}
+    links = Links("d", peers, 0.25, 1.0, 100.0, H(), receiver_period=period)
+    links.listening(100.0)
+    return links, peers, lost
+
+
+def _tick(links, now):
+    links.discount_own_stall(now)
+    links.beat(now, lambda *a, **k: True)
+
+
+def test_a_restarted_daemon_whose_new_gate_did_not_run_counts_no_unheard_peer_lost():
+    """tests/test_domain.py's kill -9 case, degrade, on a loaded machine: c's new gate said
+    READY, then did not run for 2 s (its loop starved of CPU), so the others' connections
+    waited for their handshakes; c's own loop ran on. That time is not a's and b's silence:
+    c counts neither lost, and hears them once its gate runs. The gate's reports (every 0.5 s
+    while it runs) tell the daemon when it did not run."""
+    links, peers, lost = _restarted_links()
+    t = 100.0
+    while t < 102.25:  # the gate does not run until 102.2: no report
+        t += 0.25
+        _tick(links, t)
+    assert not lost, lost
+    links.receiver_ran(102.2)  # its loop runs: the handshakes are answered, a's heartbeat follows
+    _tick(links, 102.5)
+    links.heard(peers["a"], b"A", "hb", 102.55)
+    links.heard(peers["b"], b"B", "job", 102.6)
+    _tick(links, 102.75)
+    assert not lost and {p.state for p in peers.values()} == {"up"}
+    assert links.deaf_s == pytest.approx(2.2 - 0.5)
+    # the same with the mutation: counted lost at the first check past 1 s
+    with mutations.enabled("gate_deafness_counted"):
+        links, peers, lost = _restarted_links()
+        for t in (100.25, 100.5, 100.75, 101.0, 101.25):
+            _tick(links, t)
+    assert [n for n, _ in lost] == ["a", "b"]
+
+
+def test_a_peer_never_heard_while_the_gate_runs_is_lost_after_the_loss_bound():
+    """A peer that is really gone (or cut off) is still counted lost one loss bound after the
+    daemon started listening, when its gate runs and reports; after a time in which the gate
+    did not run, that much later (and no later: once it runs again the bound is counted on)."""
+    links, peers, lost = _restarted_links()
+    t = 100.0
+    while not lost:
+        t += 0.25
+        links.receiver_ran(t - 0.1)
+        _tick(links, t)
+    assert t == 101.25 and [n for n, _ in lost] == ["a", "b"] and "1.2 s ago" in lost[0][1], (t, lost)
+    links, peers, lost = _restarted_links()
+    t = 100.0
+    while not lost:
+        t += 0.25
+        if not 100.4 < t - 0.1 < 103.0:  # the gate did not run from 100.4 to 103.0
+            links.receiver_ran(t - 0.1)
+        _tick(links, t)
+    # the report of 103.15 says it did not run for 2.25 s of the 2.75 s since the one of 100.4:
+    # 1 s counted by 103.25, lost at the next check
+    assert t == 103.5, (t, lost)

@@ -89,6 +89,8 @@ BATCH = 256
 LINK_HWM = 4096
 #: The message types counted by name (``messages_by_type``); anything else counts as "other".
 MESSAGE_TYPES = ("hb", "job", "sync", "decide", "refuse", "refuse_rank", "prepare", "prepared", "release", "destroy")
+#: How often a running gate reports (gate.REPORT_EVERY): a longer gap is time in which it did not run.
+GATE_REPORT_EVERY = 0.5
 #: Seconds the domain gate has to say READY; backoff between restarts of a gate that died.
 GATE_START_TIMEOUT = 15.0
 #: the most a starting gate's first line (READY, or why not) is read of
@@ -312,7 +314,7 @@ class Domain:
         #: who is up, lost, restarted or owed a resync (core/links.py): what is decided from
         #: what this daemon hears
         self.links = Links(config.name, self.peers, config.heartbeat_interval, config.loss_bound, time.monotonic(),
-                           handler)
+                           handler, receiver_period=GATE_REPORT_EVERY)
         self.ctx: zmq.Context | None = None
         #: the domain gate (gate.py): its process and our end of its socketpair
         self.gate: subprocess.Popen | None = None
@@ -677,8 +679,10 @@ class Domain:
                 continue
             if kind == "m" and len(item) == 3:
                 self._on_frame(item[1], item[2])
-            elif kind == "s" and len(item) == 2 and isinstance(item[1], dict):
+            elif kind == "s" and len(item) in (2, 3) and isinstance(item[1], dict):
                 self._gate_counters = item[1]
+                if len(item) == 3 and isinstance(item[2], float):
+                    self.links.receiver_ran(item[2])  # (the gate's time: this daemon's stalls are not its)
                 for k in ("refused_connections", "zap_requests"):
                     self.counters[k] = self._gate_base[k] + int(item[1].get(k, 0))
             elif kind == "l" and len(item) == 3 and isinstance(item[1], int) and isinstance(item[2], str):
@@ -753,6 +757,7 @@ class Domain:
             "heartbeat_misses": self.cfg.heartbeat_misses,
             "loss_bound_s": self.cfg.loss_bound,
             "stalled_s": round(self.links.stalled_s, 3),
+            "gate_stalled_s": round(self.links.deaf_s, 3),
             "boot": self.boot.hex(),
             "nodes": [{"name": self.node, "address": self.me.address, "state": "self", "state_for_s": round(now - self.links.started, 3)}]
             + [p.summary(now) for p in self.peers.values()],

@@ -20,7 +20,9 @@ inside the message); the daemon decodes and judges the message (domain.py). Fram
 socketpair: a 4-byte big-endian length, then a msgpack array:
 
 - ``["m", node, payload]``: a message from ``node``;
-- ``["s", counters]``: the gate's counters (refused connections, ZAP requests, shed ones);
+- ``["s", counters, t]``: the gate's counters (refused connections, ZAP requests, shed ones),
+  every ``REPORT_EVERY`` while its loop runs, with its ``time.monotonic()`` then (the
+  daemon's clock too): the daemon tells from them when the gate did not run;
 - ``["l", level, text]``: a line for the daemon's log (sent after the counters it is about).
 
 Started by the daemon (``Domain.start``) with the socketpair's fd number in ``--channel``
@@ -48,7 +50,8 @@ HANDSHAKE_IVL_MS = 3000
 #: Connections to the port, past which a new one is shut down at once: each of the domain's
 #: other nodes needs one, and this many more may be mid-handshake.
 MAX_PREAUTH = 512
-#: Seconds between the counter reports to the daemon.
+#: Seconds between the counter reports to the daemon (domain.GATE_REPORT_EVERY: the daemon tells
+#: from a longer gap that the gate did not run).
 REPORT_EVERY = 0.5
 #: Seconds the gate retries binding its address (a previous gate may still be exiting).
 BIND_RETRY = 5.0
@@ -154,7 +157,7 @@ class Gate:
             now = time.monotonic()
             if now >= next_report or self._lines:
                 next_report = now + REPORT_EVERY
-                if not self._send(["s", dict(self.counters, connections=len(self.conns))]):
+                if not self._send(["s", dict(self.counters, connections=len(self.conns)), now]):
                     return
                 lines, self._lines = self._lines, []
                 for level, text in lines:

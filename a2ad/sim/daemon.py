@@ -49,7 +49,7 @@ from a2ad.daemon import persist
 from a2ad.daemon.auth import Auth, Peer
 from a2ad.daemon.backends.base import Allocation, Backend
 from a2ad.daemon.core.federation import Federation, coordinator_order
-from a2ad.daemon.core.links import PEER_DOWN, PEER_UP, Link, Links
+from a2ad.daemon.core.links import PEER_CONNECTING, PEER_DOWN, PEER_UP, Link, Links
 from a2ad.daemon.core.registry import Limits, Registry
 from a2ad.sim.world import Outcome, Violation, register
 
@@ -236,6 +236,10 @@ class KeeperView:
 
 
 # ------------------------------------------------------------------------- a daemon
+#: how often a running gate reports to its daemon (domain.GATE_REPORT_EVERY)
+GATE_PERIOD = 0.5
+
+
 class SimConfig:
     """What the federation and the links read of a domain's configuration."""
 
@@ -259,11 +263,15 @@ class SimBus:
         self.world, self.n, self.cfg, self.boot = world, node, cfg, boot
         self.node = node.name
         self.peers = {name: Link(name) for name in cfg.names if name != node.name}
-        self.links = Links(cfg.name, self.peers, cfg.heartbeat_interval, cfg.loss_bound, world.now)
+        self.links = Links(cfg.name, self.peers, cfg.heartbeat_interval, cfg.loss_bound, world.now,
+                           receiver_period=GATE_PERIOD)
         for p in self.peers.values():  # the transport connects (and reconnects) by itself
             self.links.link_up(p)
         self._handler = None
         self.next_beat = 0.0
+        #: the time of the gate's last report handed to the links (it reports every GATE_PERIOD
+        #: while it runs: not while it is deaf, see Node.deaf)
+        self.gate_fed = world.now
 
     @property
     def handler(self):
@@ -312,12 +320,27 @@ class SimBus:
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, errors.A2ADError) as exc:
             self.world.log(self.node, f"dropped a {msg['t']!r} from {sender}: {type(exc).__name__}: {exc}")
 
+    def gate_reports(self, now: float) -> None:
+        """The reports the gate made up to ``now`` (it runs on while the daemon is stopped: they
+        wait on the channel, with their own times), none while it was deaf."""
+        t = self.gate_fed
+        while t + GATE_PERIOD <= now:
+            t += GATE_PERIOD
+            if not any(a <= t < b for a, b in self.n.deaf):
+                self.links.receiver_ran(t)
+        self.gate_fed = t
+
     def tick(self, now: float) -> None:
         if now < self.next_beat:
             return
         self.next_beat = now + self.cfg.heartbeat_interval
+        self.gate_reports(now)
         self.links.discount_own_stall(now)
+        unheard = [p.name for p in self.peers.values() if p.state == PEER_CONNECTING]
         self.links.beat(now, self.send)
+        for name in unheard:
+            if self.peers[name].state == PEER_DOWN:
+                self.world.check_unheard_loss(self.n, name)
         self.links.resyncs()
 
 
@@ -337,6 +360,12 @@ class Node:
         self.bus: SimBus | None = None
         self.fed = None
         self.stalled_until = 0.0
+        #: (from, until): the times its daemon was stopped, and its gate did not run (a new
+        #: gate starved of CPU, a gate restarting): nobody could be heard for the first time
+        self.stalls: list[tuple[float, float]] = []
+        self.deaf: list[tuple[float, float]] = []
+        #: when its current daemon instance started listening
+        self.listen_at = 0.0
         #: it handled an event since the last check of its descriptors
         self.touched = False
         #: the lease connections the current instance made (closed when it goes)
@@ -373,9 +402,15 @@ class Node:
             reg.adopt_state(handover if handover is not None else self.state_records, fds)
         if self.bus is not None:
             self.bus.links.listening(w.now)
+            self.listen_at = w.now
+            deaf = w.slow_gate(self)
             for other in w.nodes.values():  # their links to this node reconnect: a handshake each
                 if other is not self and other.bus is not None:
-                    other.bus.links.link_up(other.bus.peers[self.name])
+                    if deaf:  # once its gate runs and answers their handshakes
+                        w.cut[(other.name, self.name)] = (w.now + deaf, "reset")
+                        w.at(w.now + deaf, "reconnect", w.reconnect, other.name, self.name)
+                    else:
+                        other.bus.links.link_up(other.bus.peers[self.name])
         self.carry_out()
         w.log(self.name, f"instance {self.instance} serving ({len(reg.jobs)} job(s) adopted)")
 
@@ -560,6 +595,10 @@ class World:
         self.mess_rng = random.Random(seed * 104729 + 3)
         #: the rng of the kills in the middle of a redeem's answer (apart, likewise)
         self.mrng = random.Random(seed * 7907 + 29)
+        #: the rng of the new gates starved of CPU (apart, likewise); in half the domain seeds a
+        #: restarted daemon's new gate may not run for a while (Node.deaf)
+        self.gate_rng = random.Random(seed * 6151 + 37)
+        self.slow_gates = domain and self.gate_rng.random() < 0.5
         #: (job, generation) -> the release table first seen for it
         self.releases: dict[tuple[str, int], bytes] = {}
         self.last_fault = 0.0
@@ -1138,6 +1177,38 @@ class World:
         node.keeper.down = False
         self.log(node.name, f"keeper filled again ({len(node.keeper.kept)} fds)")
 
+    def slow_gate(self, node: Node) -> float:
+        """A restarted daemon's new gate, on a machine whose CPUs are taken, may not run its
+        loop for a while after it said READY: the other nodes' connections wait for its
+        handshake (their frames are dropped), and it reports nothing. Returns for how long
+        (0: it runs at once)."""
+        if not self.slow_gates or node.instance < 2 or self.gate_rng.random() < 0.5:
+            return 0.0
+        deaf = self.gate_rng.uniform(0.3, 2.5) * self.cfg.loss_bound
+        node.deaf.append((self.now, self.now + deaf))
+        self.log(node.name, f"its new gate does not run for {deaf:.2f} s")
+        return deaf
+
+    def check_unheard_loss(self, node: Node, peer: str) -> None:
+        """A peer that ``node``'s daemon has not heard since it started listening is counted
+        lost only once it could have been heard for the loss bound: time in which its daemon
+        was stopped or its gate did not run is not the peer's silence (less what the links
+        cannot tell: two heartbeats of each stop, a report period of each time the gate did
+        not run)."""
+        start, now = node.listen_at, self.now
+
+        def overlap(spans):
+            return [min(b, now) - max(a, start) for a, b in spans if min(b, now) > max(a, start)]
+
+        deaf, stalls = overlap(node.deaf), overlap(node.stalls)
+        could_hear = now - start - sum(deaf) - sum(stalls)
+        slack = GATE_PERIOD * len(deaf) + 2 * self.cfg.heartbeat_interval * len(stalls)
+        if could_hear < self.cfg.loss_bound - slack - 1e-9:
+            self.violate("unheard-loss", f"{node.name} counted {peer} lost, not heard since it started listening "
+                                         f"{now - start:.2f} s ago, while it could hear for {could_hear:.2f} s "
+                                         f"(its gate did not run for {sum(deaf):.2f} s, it was stopped "
+                                         f"{sum(stalls):.2f} s)")
+
     def restart(self, node: Node, down: float, when: str = "") -> None:
         if node.keeper.down:
             # a daemon killed while its keeper is down takes the only copies of its fds with it:
@@ -1172,6 +1243,7 @@ class World:
     def stall_node(self, node: Node, seconds: float) -> None:
         self.fault(f"{node.name}'s daemon stopped (SIGSTOP) for {seconds:.1f} s")
         node.stalled_until = max(node.stalled_until, self.now + seconds)
+        node.stalls.append((self.now, self.now + seconds))
         for p in self.procs.values():  # what waits on it waits that much longer
             if p.alive and p.node == node.name and p.waiting_since is not None:
                 p.wait_bound += seconds + 0.5
@@ -1200,6 +1272,7 @@ class World:
         serves on: it waits for the new gate in its loop)."""
         self.fault(f"{node.name}'s gate killed, a new one listening after {seconds:.1f} s")
         until = self.now + seconds
+        node.deaf.append((self.now, until))
         for other in self.nodes:
             if other != node.name:
                 self.cut[(other, node.name)] = (until, "reset")

@@ -7,6 +7,8 @@ time it gives; the simulator calls the same code.
   instance), unless the message comes from a second daemon running as that node;
 - ``their_losses``: a heartbeat's count of the times the peer counted this node lost; when it
   grew, the peer forgot this node's reports and a resync to it is owed;
+- ``receiver_ran``: the receiving side (the domain gate, a process of its own) ran at the
+  time its report gives; a peer not heard yet can be heard only while it runs;
 - ``tick``: this daemon's own stalls are not its peers' silence; heartbeats out; a peer
   silent for the loss bound is lost; the resyncs owed go out once its link is up.
 """
@@ -61,11 +63,17 @@ class Links:
     """This daemon's view of its peers (``peers``: name -> Link, kept by the caller too)."""
 
     def __init__(self, domain: str, peers: dict[str, Link], heartbeat_interval: float, loss_bound: float,
-                 now: float, handler=None):
+                 now: float, handler=None, receiver_period: float | None = None):
         self.domain = domain
         self.peers = peers
         self.heartbeat_interval = heartbeat_interval
         self.loss_bound = loss_bound
+        #: how often the receiving side (the gate) reports while it runs; None: not followed
+        #: (every moment counts as one it could hear in)
+        self.receiver_period = receiver_period
+        #: the time, summed, in which the receiving side did not run since this daemon started
+        #: listening (not counted as the silence of peers not heard yet)
+        self.deaf_s = 0.0
         #: told of ups, losses and resyncs owed: ``on_peer_up(node, restarted)``,
         #: ``on_peer_lost(node, why)``, ``on_resync(node)``
         self.handler = handler
@@ -77,8 +85,45 @@ class Links:
             p.since = now
 
     def listening(self, now: float) -> None:
-        """Peers can be heard from ``now`` on: the time before is nobody's silence."""
-        self.started = self._listening_since = self._last_tick = now
+        """Peers can be heard from ``now`` on (the receiving side runs: the gate said READY):
+        the time before is nobody's silence."""
+        self.started = self._listening_since = self._last_tick = self._receiver_seen = now
+
+    def _receiver_allowance(self) -> float:
+        # a gate that runs reports at its first loop turn past each period: no report for
+        # longer means no loop turn in the time past the period
+        return self.receiver_period
+
+    def receiver_ran(self, t: float) -> None:
+        """The receiving side (the domain gate) ran at ``t`` (the time in its report: a clock
+        shared with this daemon's). A peer's messages reach this daemon only through it, and
+        a peer not heard yet only once it has authenticated that peer's connection (a
+        handshake the gate's loop answers): while it does not run (a fresh gate starved of CPU,
+        a gate that died and is started again) nobody can be heard for the first time, and
+        that time is not the silence of the peers not heard yet: a gap between its reports,
+        less one report period, is such time. (Peers already heard are
+        judged by their last message alone: a receiving side that stops past the loss bound
+        while the others hear this node is a one-sided loss, which the heartbeats' loss counts
+        resolve.)"""
+        if self.receiver_period is None or t <= self._receiver_seen:
+            return
+        gap = t - self._receiver_seen - self._receiver_allowance()
+        self._receiver_seen = t
+        if gap <= 0 or mutations.active("gate_deafness_counted"):
+            return
+        self.deaf_s += gap
+        self._listening_since += gap
+        if any(p.state == PEER_CONNECTING for p in self.peers.values()):
+            self._ratelog(logging.WARNING, ("deaf",),
+                          "domain %s: the domain gate did not run for %.2f s (a fresh gate, or one starved of CPU): "
+                          "that time is not counted as the silence of the nodes not heard yet", self.domain,
+                          gap + self._receiver_allowance())
+
+    def _deaf_now(self, now: float) -> float:
+        """How long the receiving side has not run, up to ``now``, past its allowance."""
+        if self.receiver_period is None or mutations.active("gate_deafness_counted"):
+            return 0.0
+        return max(0.0, now - self._receiver_seen - self._receiver_allowance())
 
     # ------------------------------------------------------------------- hearing
     def heard(self, p: Link, boot: bytes, t: str, now: float) -> bool:
@@ -203,8 +248,9 @@ class Links:
             if p.state == PEER_UP and p.last_rx is not None and now - p.last_rx > bound:
                 self._lost(p, f"no message for {now - p.last_rx:.2f} s (heartbeat every {self.heartbeat_interval:g} s, "
                               f"lost after {bound:g} s)")
-            elif p.state == PEER_CONNECTING and now - self._listening_since > bound:
-                self._lost(p, f"not heard from since this daemon started listening {now - self._listening_since:.1f} s ago")
+            elif p.state == PEER_CONNECTING and now - self._listening_since - self._deaf_now(now) > bound:
+                self._lost(p, f"not heard from since this daemon started listening "
+                              f"{now - self._listening_since - self._deaf_now(now):.1f} s ago")
 
     def resyncs(self) -> None:
         """The full resyncs owed to peers whose link is up."""
