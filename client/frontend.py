@@ -541,20 +541,8 @@ class Front:
             kw["low_precision"] = True
         if caller_mask is not None:
             kw["caller_mask"] = caller_mask
-        rounds.combine_floor = layout.combine_offset
-        try:
-            if kw:
-                out = rnd.plane.combine(payload, rnd.local_num_tokens, rt, layout, in_place, **kw)
-            else:
-                out = rnd.plane.combine(payload, rnd.local_num_tokens, rt, layout, in_place)
-        finally:
-            if rounds.owner is owner:
-                rounds.owner = rounds.round = None
-            if end_round is not None:
-                end_round()
-        # the round is complete on every rank: now input errors the kernels found may surface
-        if not att.control.quiet(self.ep_rank):
-            rnd.plane.check_input()
+        out = self._launch_combine(owner, rnd, layout, end_round, rnd.plane.combine, payload, rnd.local_num_tokens,
+                                   rt, layout, in_place, **kw)
         if copy_to is not None:
             copy_to.copy_(out)
             return copy_to
@@ -562,8 +550,6 @@ class Front:
 
     def _combine_pairs(self, owner, rnd, x, rt, pairs, output, caller_mask, end_round) -> torch.Tensor:
         """:meth:`combine` of a round of (token, k) pairs (its ``pairs`` argument)."""
-        att = self.att
-        rounds = att.rounds
         combine_pairs = getattr(rnd.plane, "combine_pairs", None)
         if combine_pairs is None:
             raise errors.BackendError("combining (token, k) pairs needs the CUDA backend's kernels")
@@ -579,9 +565,18 @@ class Front:
             raise errors.InputError("combining pairs needs output", argument="output")
         output = self._check_output(output, topk_idx.shape[0], hidden, torch.bfloat16)
         layout = self.combine_layout(rnd, hidden * x.element_size())
+        self._launch_combine(owner, rnd, layout, end_round, combine_pairs, x, stage_index, topk_idx, weights, output,
+                             rt, layout, caller_mask=caller_mask)
+        return output
+
+    def _launch_combine(self, owner, rnd, layout, end_round, launch, *args, **kw):
+        """``launch(*args, **kw)``: the round's combine; the round ends whatever it does, then
+        (the round being complete on every rank) the input errors the kernels found may surface."""
+        att = self.att
+        rounds = att.rounds
         rounds.combine_floor = layout.combine_offset
         try:
-            combine_pairs(x, stage_index, topk_idx, weights, output, rt, layout, caller_mask=caller_mask)
+            out = launch(*args, **kw)
         finally:
             if rounds.owner is owner:
                 rounds.owner = rounds.round = None
@@ -589,7 +584,7 @@ class Front:
                 end_round()
         if not att.control.quiet(self.ep_rank):
             rnd.plane.check_input()
-        return output
+        return out
 
     def _unaliased(self, payload, layout, nbytes, rt):
         """A payload that lies partly over the combine region would overlap itself when staged."""

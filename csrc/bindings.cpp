@@ -453,6 +453,37 @@ void sanitize_cuda(Tensor& recv_ids, const Tensor& workspace, int64_t plan, int6
   A2AD_CHECK_CUDA(a2ad::launch_sanitize(p, current_stream(workspace)), "sanitize launch");
 }
 
+// What every combine launch fills the same way: the plan's workspace and limits, the round's
+// rt, region and descriptor, the caller's mask, and in a degrade job the `tokens` entries of
+// `degraded` (`what` names the op in its errors, `count` the tokens' name).
+a2ad::CombineParams combine_params(const Plan& pl, const Tensor& workspace, int64_t rt, int64_t combine_offset,
+                                   int64_t spec, const std::optional<Tensor>& caller_mask, int64_t caller_mask_value,
+                                   const std::optional<Tensor>& degraded, int64_t tokens, const char* what,
+                                   const char* count) {
+  a2ad::CombineParams p{};
+  p.ws = plan_workspace(pl, workspace);
+  p.aux = pl.aux;
+  p.ctl = pl.ctl;
+  p.lim.sm_budget = pl.sm_budget;
+  p.rt = static_cast<int>(rt);
+  p.combine_offset = combine_offset;
+  p.spec = static_cast<uint32_t>(spec);
+  caller_mask_args(caller_mask, caller_mask_value, workspace, &p.caller_mask);
+  if (pl.ctl.degrade) {
+    A2AD_CHECK(degraded.has_value(), "a2ad: ", what, "a degrade job's combine needs the degraded tensor");
+    const Tensor& d = *degraded;
+    check_same_device(d, workspace, "degraded");
+    A2AD_CHECK((d.scalar_type() == at::kBool || d.scalar_type() == at::kByte) && d.dim() == 1 && d.size(0) == tokens &&
+                   d.is_contiguous(),
+               "a2ad: ", what, "degraded must be a contiguous bool/uint8 [", count, "=", tokens, "], got ",
+               d.scalar_type(), " ", d.sizes());
+    p.degraded = static_cast<uint8_t*>(d.data_ptr());
+    p.seen_out = pl.seen_out;
+    p.seen_dev = pl.seen_dev;
+  }
+  return p;
+}
+
 Tensor combine_cuda(const Tensor& payload, Tensor& workspace, int64_t plan, int64_t local_num_tokens, int64_t rt,
                     int64_t combine_offset, bool payload_in_workspace, const std::optional<Tensor>& degraded,
                     const std::optional<Tensor>& output, bool low_precision, int64_t spec,
@@ -513,11 +544,8 @@ Tensor combine_cuda(const Tensor& payload, Tensor& workspace, int64_t plan, int6
   } else {
     out = at::empty({local_num_tokens, hidden}, payload.options().memory_format(at::MemoryFormat::Contiguous));
   }
-  a2ad::CombineParams p{};
-  p.ws = plan_workspace(pl, workspace);
-  p.aux = pl.aux;
-  p.ctl = pl.ctl;
-  p.lim.sm_budget = pl.sm_budget;
+  a2ad::CombineParams p = combine_params(pl, workspace, rt, combine_offset, spec, caller_mask, caller_mask_value,
+                                         degraded, local_num_tokens, "", "local_num_tokens");
   p.payload = static_cast<const uint8_t*>(payload.data_ptr());
   p.payload_in_workspace = payload_in_workspace;
   p.out = out.data_ptr();
@@ -525,23 +553,7 @@ Tensor combine_cuda(const Tensor& payload, Tensor& workspace, int64_t plan, int6
   p.hidden = hidden;
   p.local_num_tokens = static_cast<int>(local_num_tokens);
   p.top_k = pl.top_k;
-  p.rt = static_cast<int>(rt);
-  p.combine_offset = combine_offset;
   p.low_precision = low_precision;
-  p.spec = static_cast<uint32_t>(spec);
-  caller_mask_args(caller_mask, caller_mask_value, workspace, &p.caller_mask);
-  if (pl.ctl.degrade) {
-    A2AD_CHECK(degraded.has_value(), "a2ad: a degrade job's combine needs the degraded tensor");
-    const Tensor& d = *degraded;
-    check_same_device(d, workspace, "degraded");
-    A2AD_CHECK((d.scalar_type() == at::kBool || d.scalar_type() == at::kByte) && d.dim() == 1 &&
-                   d.size(0) == local_num_tokens && d.is_contiguous(),
-               "a2ad: degraded must be a contiguous bool/uint8 [local_num_tokens=", local_num_tokens, "], got ",
-               d.scalar_type(), " ", d.sizes());
-    p.degraded = static_cast<uint8_t*>(d.data_ptr());
-    p.seen_out = pl.seen_out;
-    p.seen_dev = pl.seen_dev;
-  }
   A2AD_CHECK_CUDA(a2ad::launch_combine(p, current_stream(workspace)), "combine launch");
   return out;
 }
@@ -941,11 +953,8 @@ void combine_pairs_direct(const Tensor& x, Tensor workspace, int64_t plan, int64
                  combine_offset + region <= workspace.size(1),
              "a2ad: combine_pairs: combine region [", combine_offset, ", +", region, ") does not fit a row of ",
              workspace.size(1), " bytes");
-  a2ad::CombineParams p{};
-  p.ws = plan_workspace(pl, workspace);
-  p.aux = pl.aux;
-  p.ctl = pl.ctl;
-  p.lim.sm_budget = pl.sm_budget;
+  a2ad::CombineParams p = combine_params(pl, workspace, rt, combine_offset, spec, caller_mask, caller_mask_value,
+                                         degraded, r.T, "combine_pairs: ", "T");
   p.payload = static_cast<const uint8_t*>(x.data_ptr());
   p.payload_in_workspace = false;
   p.out = out.data_ptr();
@@ -953,29 +962,13 @@ void combine_pairs_direct(const Tensor& x, Tensor workspace, int64_t plan, int64
   p.hidden = hidden;
   p.local_num_tokens = static_cast<int>(pairs);
   p.top_k = 1;
-  p.rt = static_cast<int>(rt);
-  p.combine_offset = combine_offset;
   p.low_precision = false;
-  p.spec = static_cast<uint32_t>(spec);
   p.stage_index = stage_index.data_ptr<int64_t>();
   p.payload_rows = x.numel() / hidden;
   p.group = r.K;
   p.group_weights = weights.data_ptr<float>();
   p.group_ids64 = r.idx64;
   p.group_ids32 = r.idx32;
-  caller_mask_args(caller_mask, caller_mask_value, workspace, &p.caller_mask);
-  if (pl.ctl.degrade) {
-    A2AD_CHECK(degraded.has_value(), "a2ad: combine_pairs: a degrade job's combine needs the degraded tensor");
-    const Tensor& d = *degraded;
-    check_same_device(d, workspace, "degraded");
-    A2AD_CHECK((d.scalar_type() == at::kBool || d.scalar_type() == at::kByte) && d.dim() == 1 && d.size(0) == r.T &&
-                   d.is_contiguous(),
-               "a2ad: combine_pairs: degraded must be a contiguous bool/uint8 [T=", r.T, "], got ", d.scalar_type(), " ",
-               d.sizes());
-    p.degraded = static_cast<uint8_t*>(d.data_ptr());
-    p.seen_out = pl.seen_out;
-    p.seen_dev = pl.seen_dev;
-  }
   // (with no pairs too: the round's flags go round every rank)
   A2AD_CHECK_CUDA(a2ad::launch_combine(p, current_stream(workspace)), "combine_pairs launch");
 }
