@@ -26,6 +26,19 @@ TORCH_NVCC_FLAGS = [
 KERNEL_FILES = [n for n in SOURCES if n.endswith(".cu")]
 
 
+def torch_cxx_std() -> str:
+    """The C++ standard the installed torch builds extensions with: its headers refuse C++17
+    from the releases that need C++20 (torch.utils.cpp_extension then passes -std=c++20 to the
+    host compiler and to nvcc alike), so these checks compile with what the JIT build uses."""
+    import torch.utils.cpp_extension as ce
+
+    for d in ce.include_paths():
+        aten = Path(d) / "ATen" / "ATen.h"
+        if aten.is_file():
+            return "c++20" if "C++20 or later" in aten.read_text() else "c++17"
+    return "c++17"
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("defines", [[], pytest.param(["-DA2AD_KERNEL_TIMING"], marks=pytest.mark.full),
@@ -35,7 +48,7 @@ def test_kernels_compile_for_sm90(tmp_path, defines):
     """Every kernel file compiles with plain nvcc, the production build, the timing build
     (diagnostics compiled in) and the debug build (the launchers' checks compiled in) alike;
     none spills registers in dispatch or combine."""
-    cmd = ["nvcc", "-arch=sm_90", "-std=c++17", "-O3", "-Xptxas", "-v", *TORCH_NVCC_FLAGS, *defines, "-c",
+    cmd = ["nvcc", "-arch=sm_90", f"-std={torch_cxx_std()}", "-O3", "-Xptxas", "-v", *TORCH_NVCC_FLAGS, *defines, "-c",
            *[str(CSRC / n) for n in KERNEL_FILES]]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=str(tmp_path))
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
@@ -72,7 +85,7 @@ def test_quantize_kernel_keeps_its_rounded_arithmetic(tmp_path):
     compiled to a kernel with no arithmetic at all (undefined behaviour, folded away) whose
     outputs were never written: the PTX must hold the instructions."""
     ptx = tmp_path / "quantize.ptx"
-    cmd = ["nvcc", "-arch=sm_90", "-std=c++17", "-O3", *TORCH_NVCC_FLAGS, "-ptx", str(CSRC / "quantize.cu"),
+    cmd = ["nvcc", "-arch=sm_90", f"-std={torch_cxx_std()}", "-O3", *TORCH_NVCC_FLAGS, "-ptx", str(CSRC / "quantize.cu"),
            "-o", str(ptx)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr
@@ -110,7 +123,7 @@ def test_bindings_compile_against_the_installed_torch(tmp_path):
         (extra / "c10/cuda/impl/cuda_cmake_macros.h").write_text("#define C10_CUDA_BUILD_SHARED_LIBS\n")
     cuda = _nvcc_include_dirs()
     assert cuda, "nvcc -v named no include folder"
-    cmd = ["g++", "-std=c++17", "-fsyntax-only", "-w", "-DTORCH_EXTENSION_NAME=a2ad_check",
+    cmd = ["g++", f"-std={torch_cxx_std()}", "-fsyntax-only", "-w", "-DTORCH_EXTENSION_NAME=a2ad_check",
            "-DTORCH_API_INCLUDE_EXTENSION_H", f"-I{extra}", *[f"-I{d}" for d in inc + cuda],
            f"-I{sysconfig.get_paths()['include']}", str(CSRC / "bindings.cpp")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
