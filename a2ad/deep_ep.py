@@ -836,12 +836,17 @@ class Buffer:
         geo = self._geometry(num_max, hidden, num_experts, topk)
         slot = self._slot(geo)
         a2a = geo.slots[slot]
-        # each (token, k) pair is one token of the top_k=1 job; a pair with no expert (-1) goes
-        # to this rank's first expert, and its metadata says it is empty
+        # each (token, k) pair is one token of the top_k=1 job. bf16 on the kernels: a pair with
+        # no expert (-1) sends nothing. Otherwise it goes to this rank's first expert, and its
+        # metadata says it is empty.
         n = t * topk
-        if geo.kernels:
-            route, payloads = self._pack(x, topk_idx, n, hidden, lx, use_fp8, round_scale)
-            sanitize = (None, None)  # the arrangement reads RECV_COUNTERS instead
+        mask = self._caller_mask()
+        if geo.kernels and not use_fp8:
+            # one kernel: x's rows and each pair's metadata straight to the experts' owners
+            received = a2a._dispatch_pairs(x.contiguous(), topk_idx.contiguous(), geo.rt, active_rank_mask=mask)
+        elif geo.kernels:
+            route, payloads = self._pack(x, topk_idx, n, hidden, lx, round_scale)
+            received = a2a.dispatch(route, payloads, geo.rt, active_rank_mask=mask)  # (RECV_COUNTERS, no sanitize)
         else:
             flat = idx.reshape(n)
             valid = flat >= 0
@@ -853,9 +858,8 @@ class Buffer:
                 payloads = [q.index_select(0, tok), scales.index_select(0, tok), meta]
             else:
                 payloads = [x.index_select(0, tok), meta]
-            sanitize = (-1, len(payloads) - 1)  # slots no pair filled read as expert -1
-        mask = self._caller_mask()
-        received = a2a.dispatch(route, payloads, geo.rt, *sanitize, active_rank_mask=mask)
+            # slots no pair filled read as expert -1
+            received = a2a.dispatch(route, payloads, geo.rt, -1, len(payloads) - 1, active_rank_mask=mask)
         rnd = _Round(geo, slot, t, topk, dev)
         geo.open[slot] = rnd
 
@@ -896,25 +900,20 @@ class Buffer:
         receive()
         return recv_x, recv_count, handle, _event_on(dev) if async_finish else None, None
 
-    def _pack(self, x, topk_idx, n, hidden, lx, use_fp8, round_scale):
-        """The pairs' route and payloads by the extension's ll_pack (what the torch ops of
-        low_latency_dispatch compute)."""
+    def _pack(self, x, topk_idx, n, hidden, lx, round_scale):
+        """An FP8 dispatch's pairs: their route and payloads by the extension's ll_pack (what the
+        torch ops of low_latency_dispatch compute). A bf16 dispatch needs none: the dispatch
+        kernel's pairs instantiation reads x and the ids as they are."""
         dev = self.device
         x = _aligned(x)
         topk_idx = topk_idx.contiguous()
         route = torch.empty(n, 1, dtype=torch.int32, device=dev)
         meta = torch.empty(n, 2, dtype=torch.int32, device=dev)
-        if use_fp8:
-            rows = torch.empty(n, hidden, dtype=torch.float8_e4m3fn, device=dev)
-            scales = torch.empty(n, hidden // FP8_BLOCK, dtype=torch.float32, device=dev)
-            payloads = [rows, scales, meta]
-        else:
-            rows = torch.empty(n, hidden, dtype=torch.bfloat16, device=dev)
-            scales = None
-            payloads = [rows, meta]
+        rows = torch.empty(n, hidden, dtype=torch.float8_e4m3fn, device=dev)
+        scales = torch.empty(n, hidden // FP8_BLOCK, dtype=torch.float32, device=dev)
         if n:
             self._ext.ll_pack(x, topk_idx, route, meta, rows, scales, self.rank, lx, round_scale)
-        return route, payloads
+        return route, [rows, scales, meta]
 
     def _arrange_kernel(self, rnd: _Round, received, data, sc, ue8m0, recv_count, src_info, layout_range,
                         stats) -> None:

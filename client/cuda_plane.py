@@ -227,6 +227,18 @@ class CudaPlane(Plane):
         op(experts, payloads, self.att.workspace, self.plan, rt, pl.dispatch_offsets, spec,
            eplb_local_stats, eplb_gathered, pl.eplb_offset, caller_mask, -1)
 
+    def dispatch_pairs(self, x: torch.Tensor, topk_idx: torch.Tensor, rt: int, pl: L.PayloadLayout, *,
+                       caller_mask: torch.Tensor | None = None) -> None:
+        """Dispatch a round whose tokens are the (token, k) pairs of ``topk_idx`` ``[T, K]``
+        (int64 or int32, contiguous; a2ad.deep_ep's; the job's top_k is 1): each pair with an
+        expert (id >= 0) sends row ``t`` of ``x`` (contiguous ``[T, hidden]``) and its metadata
+        ``(t, id)`` (two int32, written by the kernel) to the owner of its expert; a pair with
+        id < 0 sends nothing. ``pl`` is the layout of the payloads ``x``-rows and ``[2]``
+        int32; an id >= num_experts is routed nowhere and reported as :meth:`dispatch`'s are.
+        One kernel: no per-pair copy of the rows is made first."""
+        self._ops_direct.dispatch_pairs(x, topk_idx, self.att.workspace, self.plan, rt, pl.dispatch_offsets,
+                                        list(pl.spec), caller_mask, -1)
+
     def sanitize(self, recv_ids: torch.Tensor, rt: int, invalid_id: int) -> None:
         """Set every id of every slot that received no token to ``invalid_id``.
 

@@ -387,6 +387,55 @@ class Front:
             plane.sanitize(received[ids_index], rt, invalid_id)
         return received, layout, eplb
 
+    def dispatch_pairs(self, owner, x, topk_idx, rt, num_experts: int, caller_mask=None):
+        """:meth:`dispatch` of a round whose tokens are the (token, k) pairs of ``topk_idx``
+        (a2ad.deep_ep's, on the CUDA backend; the job's top_k is 1): the payloads are x's rows,
+        one per pair with an expert, and each pair's metadata ``(token, expert id)`` (int32
+        ``[2]``); CudaPlane.dispatch_pairs says what is sent. Returns the received views
+        (rows ``[ep, rt, hidden]`` of x's dtype, metadata ``[ep, rt, 2]`` int32)."""
+        att = self.att
+        plane = self._plane
+        if plane is None:
+            plane = self.plane(1, num_experts)
+        dispatch_pairs = getattr(plane, "dispatch_pairs", None)
+        if dispatch_pairs is None:
+            raise errors.BackendError("dispatching (token, k) pairs needs the CUDA backend's kernels")
+        self.check_peers(plane, inputs=True)
+        rounds = att.rounds
+        if rounds.owner is not None:
+            self._refuse_open_round(owner)
+        if type(rt) is not int or not 1 <= rt <= self.max_num_tokens:
+            rt = int_arg("runtime_max_tokens_per_rank", rt, 1, self.max_num_tokens)
+        if not isinstance(x, torch.Tensor) or x.device != self.device:
+            tensor_arg("x", x, self.device)
+        if x.dim() != 2 or x.shape[1] < 1 or not x.is_contiguous():
+            raise errors.InputError(f"x must be a contiguous [num_tokens, hidden] tensor, got {list(x.shape)}",
+                                    argument="x")
+        if (not isinstance(topk_idx, torch.Tensor) or topk_idx.device != self.device or topk_idx.dim() != 2
+                or topk_idx.dtype not in (torch.int64, torch.int32) or topk_idx.shape[0] != x.shape[0]
+                or not topk_idx.is_contiguous()):
+            raise errors.InputError(f"topk_idx must be a contiguous int64 or int32 [{x.shape[0]}, K] tensor on "
+                                    f"{self.device}", argument="topk_idx")
+        num_pairs = topk_idx.shape[0] * topk_idx.shape[1]
+        if num_pairs > rt:
+            raise errors.InputError(f"{num_pairs} (token, k) pairs exceed runtime_max_tokens_per_rank ({rt})",
+                                    argument="topk_idx")
+        kinds = (x, self._pair_meta_kind)
+        nbytes = (x.shape[1] * x.element_size(), self._pair_meta_kind.element_size() * 2)
+        layout, layout_kw = self.layout(rt, nbytes, kinds, 0)
+        if layout.dispatch_end > rounds.combine_floor:
+            raise errors.InputError(
+                f"these payloads need bytes [{att.aux.payload_data}, {layout.dispatch_end}) of every row at "
+                f"runtime_max_tokens_per_rank={rt}, which overlap the previous round's combine region (from "
+                f"{rounds.combine_floor}) that peers may still be reading; size the workspace for the dispatch "
+                f"and combine payloads together", argument="x")
+        dispatch_pairs(x, topk_idx, rt, layout, caller_mask=caller_mask)
+        rounds.owner, rounds.round = owner, Round(rt, num_pairs, layout, plane, None, layout_kw)
+        return self._received(layout, rt, nbytes, kinds)
+
+    #: What the pairs' metadata payload is (int32; only its dtype is read).
+    _pair_meta_kind = torch.empty(0, dtype=torch.int32)
+
     def _received(self, layout, rt, nbytes, payloads) -> list:
         # the views depend on the bytes per token and the dtypes only (each is [ep, rt, -1])
         vkey = (rt, nbytes, *[p.dtype for p in payloads])

@@ -606,6 +606,21 @@ class MoeAlltoAll:
 
         return finish_output(out, output_dtype, output_scales, output_scalar_scale, sf_layout, output, copy=True)
 
+    def _dispatch_pairs(self, x: torch.Tensor, topk_idx: torch.Tensor, runtime_max_tokens_per_rank: int, *,
+                        active_rank_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Dispatch a round whose tokens are the (token, k) pairs of ``topk_idx`` (a top_k = 1
+        job's, on the CUDA backend; a2ad.deep_ep's): ``Front.dispatch_pairs`` says what.
+        Returns the received rows and metadata, as :meth:`dispatch` returns payloads."""
+        if self._closed or self._att.forked:
+            self._live()
+        if self.top_k != 1:
+            raise errors.StateError(f"dispatching (token, k) pairs needs a job of top_k 1, this one has {self.top_k}")
+        mask = self._caller_mask(active_rank_mask) if active_rank_mask is not None or self.enable_rank_mask else None
+        received = self._front.dispatch_pairs(self._token, x, topk_idx, runtime_max_tokens_per_rank, self.num_experts,
+                                              caller_mask=mask)
+        self._eplb_gathered = None
+        return received
+
     def _combine_pairs(self, x: torch.Tensor, runtime_max_tokens_per_rank: int, stage_index: torch.Tensor,
                        topk_idx: torch.Tensor, weights: torch.Tensor, output: torch.Tensor, *,
                        active_rank_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -781,26 +781,21 @@ a2ad::LlRouting ll_routing(const Tensor& topk_idx, const Tensor& like) {
 }
 
 void ll_pack_direct(const Tensor& x, const Tensor& topk_idx, Tensor route, Tensor meta, Tensor rows,
-                    const std::optional<Tensor>& scales, int64_t rank, int64_t lx, bool round_scale) {
+                    const Tensor& scales, int64_t rank, int64_t lx, bool round_scale) {
   check_ll(x, x, "x", {at::kBFloat16});
-  A2AD_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
-             "a2ad: ll_pack: x must be a contiguous 16-byte aligned [T, H % 8 == 0] tensor, got ", x.sizes());
+  A2AD_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 128 == 0 &&
+                 reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
+             "a2ad: ll_pack: x must be a contiguous 16-byte aligned [T, H % 128 == 0] tensor, got ", x.sizes());
   a2ad::LlRouting r = ll_routing(topk_idx, x);
   A2AD_CHECK(r.T == x.size(0), "a2ad: ll_pack: topk_idx has ", r.T, " rows, x ", x.size(0));
   const int64_t n = r.T * r.K, H = x.size(1);
-  const bool fp8 = scales.has_value();
   check_ll(route, x, "route", {at::kInt});
   check_dense(route, "route", n);
   check_ll(meta, x, "meta", {at::kInt});
   check_dense(meta, "meta", 2 * n);
-  if (fp8) {
-    check_ll(rows, x, "rows", {at::kFloat8_e4m3fn, at::kByte});
-    A2AD_CHECK(H % 128 == 0, "a2ad: ll_pack: FP8 needs H % 128 == 0, got ", H);
-    check_ll(*scales, x, "scales", {at::kFloat});
-    check_dense(*scales, "scales", n * (H / 128));
-  } else {
-    check_ll(rows, x, "rows", {at::kBFloat16});
-  }
+  check_ll(rows, x, "rows", {at::kFloat8_e4m3fn, at::kByte});
+  check_ll(scales, x, "scales", {at::kFloat});
+  check_dense(scales, "scales", n * (H / 128));
   check_dense(rows, "rows", n * H);
   A2AD_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0, "a2ad: ll_pack: rows must be 16-byte aligned");
   a2ad::LlPackParams p{};
@@ -812,12 +807,68 @@ void ll_pack_direct(const Tensor& x, const Tensor& topk_idx, Tensor route, Tenso
   p.route = route.data_ptr<int32_t>();
   p.meta = meta.data_ptr<int32_t>();
   p.rows = reinterpret_cast<uint8_t*>(rows.data_ptr());
-  p.scales = fp8 ? scales->data_ptr<float>() : nullptr;
-  p.fp8 = fp8;
+  p.scales = scales.data_ptr<float>();
   p.round_scale = round_scale;
   const c10::cuda::CUDAGuard guard(x.device());
   A2AD_CHECK_CUDA(a2ad::launch_ll_pack(p, c10::cuda::getCurrentCUDAStream(x.device().index()).stream()),
                   "ll_pack launch");
+}
+
+// A dispatch of a round of (token, k) pairs (a2ad.deep_ep's, a top_k = 1 job): x's rows and
+// the pairs' metadata (token, expert id) go to the owners of topk_idx's experts, one slot per
+// pair with an expert (dispatch_kernel's kPairs; DispatchParams says what). The received
+// payloads are the rows ([ep, rt, hidden] of x's dtype) and the metadata ([ep, rt, 2] int32)
+// at payload_offsets.
+void dispatch_pairs_direct(const Tensor& x, const Tensor& topk_idx, Tensor workspace, int64_t plan, int64_t rt,
+                           const std::vector<int64_t>& payload_offsets, const std::vector<int64_t>& spec,
+                           const std::optional<Tensor>& caller_mask, int64_t caller_mask_value) {
+  const Plan pl = plan_of(plan, workspace);
+  c10::cuda::CUDAGuard guard(workspace.device());
+  A2AD_CHECK(pl.top_k == 1, "a2ad: dispatch_pairs: the job's top_k must be 1 (one token per pair), got ", pl.top_k);
+  check_same_device(x, workspace, "x");
+  A2AD_CHECK(x.dim() == 2 && x.size(1) >= 1 && x.is_contiguous(), "a2ad: dispatch_pairs: x must be a contiguous [T, hidden] "
+             "tensor, got ", x.sizes());
+  const a2ad::LlRouting r = ll_routing(topk_idx, x);
+  A2AD_CHECK(r.T == x.size(0), "a2ad: dispatch_pairs: topk_idx has ", r.T, " rows, x ", x.size(0));
+  const int64_t pairs = r.T * r.K;
+  A2AD_CHECK(rt >= 1 && rt <= pl.aux.max_num_tokens, "a2ad: runtime_max_tokens_per_rank must be in [1, ",
+             pl.aux.max_num_tokens, "], got ", rt);
+  A2AD_CHECK(pairs <= rt, "a2ad: dispatch_pairs: ", pairs, " pairs, more than runtime_max_tokens_per_rank=", rt);
+  A2AD_CHECK(payload_offsets.size() == 2, "a2ad: dispatch_pairs: 2 payload offsets (rows, metadata), got ",
+             payload_offsets.size());
+  a2ad::DispatchParams p{};
+  p.ws = plan_workspace(pl, workspace);
+  p.aux = pl.aux;
+  p.ctl = pl.ctl;
+  p.lim.sm_budget = pl.sm_budget;
+  p.diag = pl.diag;
+  p.experts = r.idx32;
+  p.pair_ids64 = r.idx64;
+  p.pair_group = r.K;
+  p.local_num_tokens = static_cast<int>(pairs);
+  p.top_k = 1;
+  p.num_experts = pl.num_experts;
+  p.rt = static_cast<int>(rt);
+  p.num_payloads = 2;
+  const int64_t bytes[2] = {x.size(1) * static_cast<int64_t>(x.element_size()), 8};
+  for (int i = 0; i < 2; ++i) {
+    const int64_t off = payload_offsets[i];
+    A2AD_CHECK(off >= pl.aux.block_counters && off + pl.ep_size * rt * bytes[i] <= workspace.size(1),
+               "a2ad: dispatch_pairs: payload ", i, " region [", off, ", +", pl.ep_size * rt * bytes[i],
+               ") does not fit a row of ", workspace.size(1), " bytes");
+    p.payload_bytes[i] = bytes[i];
+    p.payload_offset[i] = off;
+  }
+  p.payload[0] = static_cast<const uint8_t*>(x.data_ptr());
+  p.payload[1] = nullptr;  // the kernel writes each pair's (token, expert id)
+  A2AD_CHECK(spec.size() == static_cast<size_t>(a2ad::layout::SPEC_WORDS), "a2ad: spec must hold ",
+             a2ad::layout::SPEC_WORDS, " words, got ", spec.size());
+  for (int w = 0; w < a2ad::layout::SPEC_WORDS; ++w) p.spec[w] = static_cast<int32_t>(spec[w]);
+  A2AD_CHECK(p.spec[0] == 2 && p.spec[1] == bytes[0] && p.spec[2] == bytes[1] && p.spec[8] == 0,
+             "a2ad: dispatch_pairs: spec must describe the rows (", bytes[0], " bytes) and the metadata (8 bytes), "
+             "no EPLB statistics");
+  caller_mask_args(caller_mask, caller_mask_value, workspace, &p.caller_mask);
+  A2AD_CHECK_CUDA(a2ad::launch_dispatch(p, current_stream(workspace)), "dispatch_pairs launch");
 }
 
 // An ll_arrange block keeps its per-(expert, source) counts in at most the shared memory a
@@ -1004,7 +1055,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize", &quantize_direct, "block quantization (MXFP8/MXFP4/NVFP4) of a combine output", pybind11::arg("x"),
         pybind11::arg("out"), pybind11::arg("scales"), pybind11::arg("fmt"), pybind11::arg("layout"),
         pybind11::arg("scale"), pybind11::arg("scale_t") = pybind11::none());
-  m.def("ll_pack", &ll_pack_direct, "a2ad.deep_ep: a dispatch's (token, k) pairs (csrc/ll.cu)", pybind11::arg("x"),
+  m.def("ll_pack", &ll_pack_direct, "a2ad.deep_ep: an FP8 dispatch's (token, k) pairs (csrc/ll.cu)", pybind11::arg("x"),
         pybind11::arg("topk_idx"), pybind11::arg("route"), pybind11::arg("meta"), pybind11::arg("rows"),
         pybind11::arg("scales"), pybind11::arg("rank"), pybind11::arg("lx"), pybind11::arg("round_scale"));
   m.def("ll_arrange", &ll_arrange_direct, "a2ad.deep_ep: the received pairs expert-major (csrc/ll.cu)",
@@ -1015,6 +1066,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("early") = true);
   m.def("ll_arrange_fits", &ll_arrange_fits, "whether an ll_arrange block's counts fit its shared memory",
         pybind11::arg("lx"), pybind11::arg("ep"), pybind11::arg("slots_per_block"));
+  m.def("dispatch_pairs", &dispatch_pairs_direct,
+        "a2ad.deep_ep: dispatch of a round of (token, k) pairs, x's rows and their metadata (csrc/dispatch.cu)",
+        pybind11::arg("x"), pybind11::arg("topk_idx"), pybind11::arg("workspace"), pybind11::arg("plan"),
+        pybind11::arg("rt"), pybind11::arg("payload_offsets"), pybind11::arg("spec"), pybind11::arg("caller_mask"),
+        pybind11::arg("caller_mask_value"));
   m.def("combine_pairs", &combine_pairs_direct,
         "a2ad.deep_ep: combine of a round of (token, k) pairs, each token's weighted sum (csrc/combine.cu)",
         pybind11::arg("x"), pybind11::arg("workspace"), pybind11::arg("plan"), pybind11::arg("rt"),

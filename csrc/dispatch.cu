@@ -32,7 +32,26 @@ struct TileRouting {
   int target[kTileMax][32];
   int slot[kTileMax][32];
   unsigned sends[kTileMax];
+  int pair_id[kTileMax];  // low-latency pairs: token w's expert id
 };
+
+// Low-latency pairs: the expert id of pair u (< 0: none; an int64 id past int32 stays
+// outside [0, num_experts)).
+__device__ __forceinline__ int pair_expert(const DispatchParams& p, int u) {
+  if (p.pair_ids64 == nullptr) return p.experts[u] < 0 ? -1 : p.experts[u];
+  const int64_t v = p.pair_ids64[u];
+  return v < 0 ? -1 : v > INT32_MAX ? INT32_MAX : static_cast<int>(v);
+}
+
+// The row of payload i that token t sends (low-latency pairs: payload 0 is per token of the
+// caller, one row per pair_group pairs).
+template <bool kPairs>
+__device__ __forceinline__ int64_t source_row(const DispatchParams& p, int i, int t) {
+  if constexpr (kPairs) {
+    if (i == 0) return t / p.pair_group;
+  }
+  return t;
+}
 
 // How each payload is cut into copy items. With 16-byte rows and pointers a chunk is
 // 32 lanes x kCopyUnroll vectors, loaded once and stored to every send; otherwise
@@ -88,6 +107,7 @@ struct Item {
   uint4 r[kCopyUnroll];
 };
 
+template <bool kPairs>
 __device__ __forceinline__ void load_item(const DispatchParams& p, const Items& items, int t0, int item, int nitems,
                                           int lane, Item& it) {
   it.w = -1;
@@ -98,7 +118,7 @@ __device__ __forceinline__ void load_item(const DispatchParams& p, const Items& 
   const int64_t nb = p.payload_bytes[it.i];
   const int64_t nvec = nb / 16;
   const int64_t v0 = (int64_t)it.c * 32 * kCopyUnroll;
-  const uint4* src = reinterpret_cast<const uint4*>(p.payload[it.i] + (int64_t)(t0 + it.w) * nb);
+  const uint4* src = reinterpret_cast<const uint4*>(p.payload[it.i] + source_row<kPairs>(p, it.i, t0 + it.w) * nb);
 #pragma unroll
   for (int u = 0; u < kCopyUnroll; ++u) {
     const int64_t v = v0 + u * 32 + lane;
@@ -107,6 +127,7 @@ __device__ __forceinline__ void load_item(const DispatchParams& p, const Items& 
 }
 
 // Store the item to every send of its token (routing must be in `tr`).
+template <bool kPairs>
 __device__ __forceinline__ void store_item(const DispatchParams& p, const TileRouting& tr, int t0, int lane,
                                            const Item& it) {
   if (it.w < 0 || diag(p, kDiagSkipCopy)) return;
@@ -126,7 +147,20 @@ __device__ __forceinline__ void store_item(const DispatchParams& p, const TileRo
       }
     }
   } else {
-    const uint8_t* src = p.payload[it.i] + (int64_t)(t0 + it.w) * nb;
+    if constexpr (kPairs) {
+      if (it.i == p.num_payloads - 1) {  // the pair's metadata: (token, expert id), written here
+        if (lane == 0) {
+          for (unsigned m = sends; m != 0; m &= m - 1) {
+            const int k = __ffs(m) - 1;
+            int* dst = reinterpret_cast<int*>(row_of(p.ws, tr.target[it.w][k]) + region + (int64_t)tr.slot[it.w][k] * nb);
+            dst[0] = (t0 + it.w) / p.pair_group;
+            dst[1] = tr.pair_id[it.w];
+          }
+        }
+        return;
+      }
+    }
+    const uint8_t* src = p.payload[it.i] + source_row<kPairs>(p, it.i, t0 + it.w) * nb;
     for (unsigned m = sends; m != 0; m &= m - 1) {
       const int k = __ffs(m) - 1;
       copy_bytes<>(row_of(p.ws, tr.target[it.w][k]) + region + (int64_t)tr.slot[it.w][k] * nb, src, nb, lane, 32);
@@ -170,8 +204,9 @@ struct ReadyWords {
 // payload, chunk) items, kBatch at a time per warp; warps that route nothing take the
 // first items and load them before the routing is done. No block waits on another: the last
 // block to arrive publishes one ready word per peer and is the only one that waits.
-// W: the words of a rank mask (1 when ep_size <= 64).
-template <int W>
+// W: the words of a rank mask (1 when ep_size <= 64). kPairs: low-latency pairs
+// (DispatchParams says what).
+template <int W, bool kPairs>
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams p) {
   constexpr int kRanks = 64 * W;  // the most ranks this instantiation serves
   __shared__ TileRouting tr;
@@ -257,17 +292,23 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
     const bool early = warp >= ntok && warp - ntok < nearly;
     if (early) {
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) load_item(p, items, t0, warp - ntok + b * idle, nearly, lane, batch[b]);
+      for (int b = 0; b < kBatch; ++b) load_item<kPairs>(p, items, t0, warp - ntok + b * idle, nearly, lane, batch[b]);
     }
     // Routing: lane k of warp w handles (t0 + w, k). A send is the smallest k with its target.
     if (warp < ntok) {
       const int t = t0 + warp;
       int target = -1;
       if (lane < p.top_k) {
-        const int e = p.experts[(int64_t)t * p.top_k + lane];
+        int e;
+        if constexpr (kPairs) {
+          e = pair_expert(p, t);  // (top_k is 1)
+          tr.pair_id[warp] = e;
+        } else {
+          e = p.experts[(int64_t)t * p.top_k + lane];
+        }
         if (e >= 0 && e < p.num_experts) {
           target = expert_owner(e, p.num_experts, ep);
-        } else {  // routed nowhere; the smallest (token, id) is reported after the round
+        } else if (!kPairs || e >= 0) {  // routed nowhere; the smallest (token, id) is reported after the round
           const unsigned long long key =
               (static_cast<unsigned long long>(static_cast<uint32_t>(t)) << 32) | static_cast<uint32_t>(e);
           atomicMax(reinterpret_cast<unsigned long long*>(block_counters + layout::SLOT_BAD_EXPERT), ~key);
@@ -295,14 +336,14 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
     __syncthreads();
     if (early) {
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) store_item(p, tr, t0, lane, batch[b]);
+      for (int b = 0; b < kBatch; ++b) store_item<kPairs>(p, tr, t0, lane, batch[b]);
     }
 #pragma unroll 1
     for (int base = nearly + warp; base < nitems; base += kBatch * kWarps) {
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) load_item(p, items, t0, base + b * kWarps, nitems, lane, batch[b]);
+      for (int b = 0; b < kBatch; ++b) load_item<kPairs>(p, items, t0, base + b * kWarps, nitems, lane, batch[b]);
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) store_item(p, tr, t0, lane, batch[b]);
+      for (int b = 0; b < kBatch; ++b) store_item<kPairs>(p, tr, t0, lane, batch[b]);
     }
     __syncthreads();  // tr is rewritten by the next tile
   }
@@ -646,11 +687,11 @@ __global__ void __launch_bounds__(prologue_threads<W>()) prologue_kernel(const D
 
 namespace {
 
-template <int W>
+template <int W, bool kPairs>
 cudaError_t launch_words(const DispatchParams& p, cudaStream_t stream) {
   int resident = 0;
   cudaError_t err =
-      launch::resident_blocks(reinterpret_cast<const void*>(&dispatch_kernel<W>), kThreads, p.lim, &resident);
+      launch::resident_blocks(reinterpret_cast<const void*>(&dispatch_kernel<W, kPairs>), kThreads, p.lim, &resident);
   if (err != cudaSuccess) return err;
   // Tokens per block step: as few as fill the SMs (small T spreads each token over a
   // whole block), at most one routing warp per token.
@@ -663,7 +704,7 @@ cudaError_t launch_words(const DispatchParams& p, cudaStream_t stream) {
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
-  return launch::overlapped(dispatch_kernel<W>, grid, kThreads, stream, q);
+  return launch::overlapped(dispatch_kernel<W, kPairs>, grid, kThreads, stream, q);
 }
 
 }  // namespace
@@ -676,25 +717,35 @@ cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
   A2AD_DEBUG_ASSERT(p.top_k >= 1 && p.top_k <= kMaxTopK && p.top_k <= p.aux.topk_stride);
   A2AD_DEBUG_ASSERT(p.num_experts >= p.ws.ep_size);
   A2AD_DEBUG_ASSERT(p.local_num_tokens >= 0 && p.local_num_tokens <= p.rt && p.rt <= p.aux.max_num_tokens);
-  A2AD_DEBUG_ASSERT(p.local_num_tokens == 0 || p.experts != nullptr);
+  A2AD_DEBUG_ASSERT(p.local_num_tokens == 0 || p.experts != nullptr || p.pair_ids64 != nullptr);
   A2AD_DEBUG_ASSERT(p.diag == 0 || kTimingBuild);
   A2AD_DEBUG_ASSERT(p.eplb_experts >= 0 && (p.eplb_experts == 0 || p.eplb_local != nullptr));
   if (p.num_payloads < 0 || p.num_payloads > kMaxPayloads || p.ws.ep_size < 1 || p.ws.ep_size > kMaxEpSize) {
     return cudaErrorInvalidValue;  // the parameter arrays and the mask words
   }
+  const bool pairs = p.pair_group > 0;
+  // (pairs: the ids, the rows and the metadata, 8 bytes; a top_k = 1 job, no EPLB)
+  if (pairs && (p.num_payloads != 2 || p.payload_bytes[1] != 8 || p.top_k != 1 || p.eplb_experts != 0 ||
+                (p.local_num_tokens > 0 && p.payload[0] == nullptr))) {
+    return cudaErrorInvalidValue;
+  }
 #ifdef A2AD_DEBUG_CHECKS
   for (int i = 0; i < p.num_payloads; ++i) {
-    A2AD_DEBUG_ASSERT(p.payload_bytes[i] > 0 && (p.local_num_tokens == 0 || p.payload[i] != nullptr));
+    A2AD_DEBUG_ASSERT(p.payload_bytes[i] > 0 &&
+                      (p.local_num_tokens == 0 || p.payload[i] != nullptr || (pairs && i == p.num_payloads - 1)));
   }
 #endif
   // One-word masks up to 64 ranks: a job of that size runs the code of a plain u64.
-  return p.ws.ep_size <= 64 ? launch_words<1>(p, stream) : launch_words<kMaskWords>(p, stream);
+  if (pairs) return p.ws.ep_size <= 64 ? launch_words<1, true>(p, stream) : launch_words<kMaskWords, true>(p, stream);
+  return p.ws.ep_size <= 64 ? launch_words<1, false>(p, stream) : launch_words<kMaskWords, false>(p, stream);
 }
 
 cudaError_t load_dispatch_kernels() {
   const void* fns[] = {
-      reinterpret_cast<const void*>(&dispatch_kernel<1>),
-      reinterpret_cast<const void*>(&dispatch_kernel<kMaskWords>),
+      reinterpret_cast<const void*>(&dispatch_kernel<1, false>),
+      reinterpret_cast<const void*>(&dispatch_kernel<kMaskWords, false>),
+      reinterpret_cast<const void*>(&dispatch_kernel<1, true>),
+      reinterpret_cast<const void*>(&dispatch_kernel<kMaskWords, true>),
       reinterpret_cast<const void*>(&prologue_kernel<1>),
       reinterpret_cast<const void*>(&prologue_kernel<kMaskWords>),
   };

@@ -1,13 +1,14 @@
 // The local steps of a2ad.deep_ep's low-latency path on the CUDA backend around a2ad's own
-// dispatch kernel (a2ad/deep_ep.py: each (token, k) pair is one token of a top_k = 1 job;
-// its combine is the combine kernel's low-latency pairs instantiation, csrc/combine.cu).
+// dispatch kernel (a2ad/deep_ep.py: each (token, k) pair is one token of a top_k = 1 job; a
+// bf16 dispatch is the dispatch kernel's pairs instantiation and its combine the combine
+// kernel's, csrc/dispatch.cu and csrc/combine.cu).
 // Neither touches a peer's memory or waits for anything but the kernel before it on the
 // stream. Each does in one launch what the same module does with torch ops on the host
 // backend, with the same results (the GPU tests compare the two):
 //
-//   ll_pack     a dispatch's pairs: the route (the expert, or this rank's first expert for a
-//               pair with none), the metadata (token, expert or -1), and each pair's row: the
-//               token's bf16 row, or its e4m3 row with one float32 scale per 128 channels
+//   ll_pack     an FP8 dispatch's pairs: the route (the expert, or this rank's first expert
+//               for a pair with none), the metadata (token, expert or -1), and each pair's
+//               row: the token's e4m3 row with one float32 scale per 128 channels
 //               (scale = max(amax, 1e-4) / 448, optionally rounded up to a power of two).
 //   ll_arrange  the pairs this rank received, expert-major: every block counts the received
 //               pairs per (local expert, source) into shared memory, numbers its own slots in
@@ -70,15 +71,10 @@ __global__ void __launch_bounds__(kLlThreads) ll_pack_kernel(LlPackParams p) {
     p.meta[2 * i + 1] = valid ? id : -1;
   }
   const int h0 = blockIdx.y * kLlChunk + threadIdx.x * 8;
-  const bool in = h0 < p.H;  // H % 8 == 0 (the binding checks)
+  const bool in = h0 < p.H;  // H % 128 == 0 (the binding checks)
   uint4 v = make_uint4(0, 0, 0, 0);
   if (in) v = *reinterpret_cast<const uint4*>(p.x + t * p.H + h0);
-  if (!p.fp8) {
-    if (!in) return;
-    for (int k = 0; k < K; ++k) *reinterpret_cast<uint4*>(p.rows + ((t * K + k) * p.H + h0) * 2) = v;
-    return;
-  }
-  // FP8: a 128-channel block is 16 consecutive threads (H % 128 == 0, so a block never
+  // A 128-channel block is 16 consecutive threads (H % 128 == 0, so a block never
   // straddles two chunks); every thread of the warp takes part in the shuffles.
   float f[8];
   unpack_bf16x8(v, f);
@@ -266,8 +262,8 @@ int ll_arrange_smem_bytes(int lx, int ep, int slots_per_block) {
 }
 
 cudaError_t launch_ll_pack(const LlPackParams& p, cudaStream_t stream) {
-  A2AD_DEBUG_ASSERT(p.routing.T >= 0 && p.routing.K >= 1 && p.routing.K <= 32 && p.H % 8 == 0);
-  A2AD_DEBUG_ASSERT(!p.fp8 || (p.H % 128 == 0 && p.scales != nullptr));
+  A2AD_DEBUG_ASSERT(p.routing.T >= 0 && p.routing.K >= 1 && p.routing.K <= 32);
+  A2AD_DEBUG_ASSERT(p.H % 128 == 0 && p.scales != nullptr);
   if (p.routing.T == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(p.routing.T), static_cast<unsigned>(launch::ceil_div(p.H, kLlChunk)));
   return launch::overlapped(ll_pack_kernel, grid, kLlThreads, 0, stream, p);

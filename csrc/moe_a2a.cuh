@@ -103,6 +103,13 @@ struct DispatchParams {
   int64_t eplb_offset;
   // The caller's active-rank mask, ANDed with the job's.
   CallerMask caller_mask;
+  // Low-latency pairs (pair_group > 0; a2ad.deep_ep's, the job's top_k is 1): token u of the
+  // launch is pair (u / pair_group, u % pair_group) of the caller's [T, pair_group] expert ids,
+  // pair_ids64 (int64) or experts (int32); an id < 0 sends nothing and is not reported.
+  // Payload 0 holds the caller's T rows (pair u sends row u / pair_group); the last payload
+  // (8 bytes, no source: payload[] is null) is written by the kernel, (u / pair_group, id).
+  int pair_group;
+  const int64_t* pair_ids64;
 };
 
 struct SanitizeParams {
@@ -206,13 +213,13 @@ struct LlRouting {
 struct LlPackParams {
   const uint16_t* x;  // bf16 [T, H]
   LlRouting routing;
-  int H;              // % 8 == 0; % 128 == 0 with fp8
+  int H;              // % 128 == 0
   int rank, lx;       // this rank, experts per rank
   int32_t* route;     // [T * K]: the expert, or rank * lx for a pair with none
   int32_t* meta;      // [T * K, 2]: (token, expert or -1)
-  uint8_t* rows;      // bf16 [T * K, H], or e4m3 [T * K, H] with fp8
-  float* scales;      // fp8: [T * K, H / 128]
-  int fp8, round_scale;
+  uint8_t* rows;      // e4m3 [T * K, H]
+  float* scales;      // [T * K, H / 128]
+  int round_scale;
 };
 
 struct LlArrangeParams {

@@ -342,6 +342,27 @@ def ll_rounds(rank, ep, runtime_dir, init_file, device="cpu", kernels=False):
             assert out.shape == (0, HIDDEN)
             n += 2
 
+            # 7b. CUDA: an expert id past num_experts is routed nowhere, the round completes, and a
+            # later call raises it, naming the (token, k) pair (t * topk + k) and the id
+            if dev.type == "cuda":
+                x = torch.ones(2, HIDDEN, dtype=torch.bfloat16, device=dev)
+                idx = torch.tensor([[0, -1], [E, 1]], dtype=torch.int64, device=dev)
+                w = torch.ones(2, 2, device=dev)
+                recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, NUM_MAX, E, use_fp8=False)
+                raised = []
+                try:
+                    buf.low_latency_combine(torch.zeros_like(recv_x), idx, w, handle)
+                except errors.InputError as exc:
+                    raised.append(exc)
+                torch.cuda.synchronize()
+                if not raised:
+                    with pytest.raises(errors.InputError) as got:
+                        buf.low_latency_dispatch(x, idx.clamp(max=E - 1), NUM_MAX, E, use_fp8=False)
+                    raised.append(got.value)
+                assert raised[0].details["expert_id"] == E and raised[0].details["token"] == 2, raised[0].details
+                _round(buf, rank, ep, make_inputs(701, ep, E), E, dev, "after a bad id")
+                n += 1
+
             # 8. the rest of the surface
             buf.clean_low_latency_buffer(NUM_MAX, HIDDEN, E)  # a barrier
             scratch = buf.get_local_buffer_tensor(torch.int8, use_rdma_buffer=True)
