@@ -337,6 +337,19 @@ class Front:
             got = self._layouts[key] = (layout, kw)
         return got
 
+    def _begin_dispatch(self, owner, top_k: int, num_experts: int, rt):
+        """What every dispatch checks first: the peers (and earlier rounds' input errors), that
+        no round is open, and ``rt``. Returns the plane and ``rt`` as an int."""
+        plane = self._plane
+        if plane is None:
+            plane = self.plane(top_k, num_experts)
+        self.check_peers(plane, inputs=True)
+        if self.att.rounds.owner is not None:
+            self._refuse_open_round(owner)
+        if type(rt) is not int or not 1 <= rt <= self.max_num_tokens:
+            rt = int_arg("runtime_max_tokens_per_rank", rt, 1, self.max_num_tokens)
+        return plane, rt
+
     def dispatch(self, owner, experts, payloads, rt, top_k: int, num_experts: int, *, invalid_id=None,
                  ids_index=None, eplb_local_stats=None, caller_mask=None):
         """Check everything, dispatch, open the round for ``owner``.
@@ -344,16 +357,8 @@ class Front:
         Returns ``(received views, layout, eplb_gathered or None)``; the views are
         ``[ep_size, rt, elements_per_token]`` of each payload's dtype, backed by this
         rank's workspace row. ``caller_mask``: int64 mask words (rank_mask_arg)."""
-        att = self.att
-        plane = self._plane
-        if plane is None:
-            plane = self.plane(top_k, num_experts)
-        self.check_peers(plane, inputs=True)
-        rounds = att.rounds
-        if rounds.owner is not None:
-            self._refuse_open_round(owner)
-        if type(rt) is not int or not 1 <= rt <= self.max_num_tokens:
-            rt = int_arg("runtime_max_tokens_per_rank", rt, 1, self.max_num_tokens)
+        plane, rt = self._begin_dispatch(owner, top_k, num_experts, rt)
+        rounds = self.att.rounds
         experts = self.check_experts(experts, rt, top_k, num_experts, plane)
         num_tokens = experts.shape[0]
         payloads, nbytes = self.check_payloads(payloads, num_tokens)
@@ -361,13 +366,7 @@ class Front:
             eplb_local_stats = self._check_eplb(eplb_local_stats)
         layout, layout_kw = self.layout(rt, nbytes, payloads,
                                         self.eplb_stats_num_experts if eplb_local_stats is not None else 0)
-        if layout.dispatch_end > rounds.combine_floor:
-            raise errors.InputError(
-                f"these payloads need bytes [{att.aux.payload_data}, {layout.dispatch_end}) of every row at "
-                f"runtime_max_tokens_per_rank={rt}, which overlap the previous round's combine region (from "
-                f"{rounds.combine_floor}) that peers may still be reading; size the workspace for the dispatch "
-                f"and combine payloads together (get_moe_workspace_size_per_rank)",
-                argument="input_payloads")
+        self._check_clear_of_combine(layout, rt, "input_payloads")
         if invalid_id is not None or ids_index is not None:
             ids_index, invalid_id = self._check_sanitize_args(payloads, invalid_id, ids_index)
         kw = {}
@@ -393,19 +392,11 @@ class Front:
         one per pair with an expert, and each pair's metadata ``(token, expert id)`` (int32
         ``[2]``); CudaPlane.dispatch_pairs says what is sent. Returns the received views
         (rows ``[ep, rt, hidden]`` of x's dtype, metadata ``[ep, rt, 2]`` int32)."""
-        att = self.att
-        plane = self._plane
-        if plane is None:
-            plane = self.plane(1, num_experts)
+        plane, rt = self._begin_dispatch(owner, 1, num_experts, rt)
         dispatch_pairs = getattr(plane, "dispatch_pairs", None)
         if dispatch_pairs is None:
             raise errors.BackendError("dispatching (token, k) pairs needs the CUDA backend's kernels")
-        self.check_peers(plane, inputs=True)
-        rounds = att.rounds
-        if rounds.owner is not None:
-            self._refuse_open_round(owner)
-        if type(rt) is not int or not 1 <= rt <= self.max_num_tokens:
-            rt = int_arg("runtime_max_tokens_per_rank", rt, 1, self.max_num_tokens)
+        rounds = self.att.rounds
         if not isinstance(x, torch.Tensor) or x.device != self.device:
             tensor_arg("x", x, self.device)
         if x.dim() != 2 or x.shape[1] < 1 or not x.is_contiguous():
@@ -423,18 +414,24 @@ class Front:
         kinds = (x, self._pair_meta_kind)
         nbytes = (x.shape[1] * x.element_size(), self._pair_meta_kind.element_size() * 2)
         layout, layout_kw = self.layout(rt, nbytes, kinds, 0)
-        if layout.dispatch_end > rounds.combine_floor:
-            raise errors.InputError(
-                f"these payloads need bytes [{att.aux.payload_data}, {layout.dispatch_end}) of every row at "
-                f"runtime_max_tokens_per_rank={rt}, which overlap the previous round's combine region (from "
-                f"{rounds.combine_floor}) that peers may still be reading; size the workspace for the dispatch "
-                f"and combine payloads together", argument="x")
+        self._check_clear_of_combine(layout, rt, "x")
         dispatch_pairs(x, topk_idx, rt, layout, caller_mask=caller_mask)
         rounds.owner, rounds.round = owner, Round(rt, num_pairs, layout, plane, None, layout_kw)
         return self._received(layout, rt, nbytes, kinds)
 
     #: What the pairs' metadata payload is (int32; only its dtype is read).
     _pair_meta_kind = torch.empty(0, dtype=torch.int32)
+
+    def _check_clear_of_combine(self, layout, rt: int, argument: str) -> None:
+        """Refuse a dispatch whose payloads reach the previous round's combine region."""
+        att = self.att
+        if layout.dispatch_end > att.rounds.combine_floor:
+            raise errors.InputError(
+                f"these payloads need bytes [{att.aux.payload_data}, {layout.dispatch_end}) of every row at "
+                f"runtime_max_tokens_per_rank={rt}, which overlap the previous round's combine region (from "
+                f"{att.rounds.combine_floor}) that peers may still be reading; size the workspace for the dispatch "
+                f"and combine payloads together (get_moe_workspace_size_per_rank)",
+                argument=argument)
 
     def _received(self, layout, rt, nbytes, payloads) -> list:
         # the views depend on the bytes per token and the dtypes only (each is [ep, rt, -1])

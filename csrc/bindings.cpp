@@ -339,6 +339,19 @@ void caller_mask_args(const std::optional<Tensor>& mask, int64_t value, const Te
   }
 }
 
+// A dispatch launch's fields that come from the plan and the round (rt checked by the caller).
+a2ad::DispatchParams dispatch_params(const Plan& pl, const Tensor& workspace, int64_t rt) {
+  a2ad::DispatchParams p{};
+  p.ws = plan_workspace(pl, workspace);
+  p.aux = pl.aux;
+  p.ctl = pl.ctl;
+  p.lim.sm_budget = pl.sm_budget;
+  p.diag = pl.diag;
+  p.num_experts = pl.num_experts;
+  p.rt = static_cast<int>(rt);
+  return p;
+}
+
 void dispatch_cuda(const Tensor& experts, TensorList payloads, Tensor& workspace, int64_t plan, int64_t rt,
                    IntArrayRef payload_offsets, IntArrayRef spec, const std::optional<Tensor>& eplb_local,
                    const std::optional<Tensor>& eplb_out, int64_t eplb_offset, const std::optional<Tensor>& caller_mask,
@@ -361,17 +374,10 @@ void dispatch_cuda(const Tensor& experts, TensorList payloads, Tensor& workspace
   A2AD_CHECK(payload_offsets.size() == payloads.size(), "a2ad: ", payloads.size(), " payloads but ",
               payload_offsets.size(), " payload offsets");
 
-  a2ad::DispatchParams p{};
-  p.ws = plan_workspace(pl, workspace);
-  p.aux = pl.aux;
-  p.ctl = pl.ctl;
-  p.lim.sm_budget = pl.sm_budget;
-  p.diag = pl.diag;
+  a2ad::DispatchParams p = dispatch_params(pl, workspace, rt);
   p.experts = experts.data_ptr<int32_t>();
   p.local_num_tokens = static_cast<int>(tokens);
   p.top_k = pl.top_k;
-  p.num_experts = pl.num_experts;
-  p.rt = static_cast<int>(rt);
   p.num_payloads = static_cast<int>(payloads.size());
   for (size_t i = 0; i < payloads.size(); ++i) {
     const Tensor& t = payloads[i];
@@ -836,19 +842,12 @@ void dispatch_pairs_direct(const Tensor& x, const Tensor& topk_idx, Tensor works
   A2AD_CHECK(pairs <= rt, "a2ad: dispatch_pairs: ", pairs, " pairs, more than runtime_max_tokens_per_rank=", rt);
   A2AD_CHECK(payload_offsets.size() == 2, "a2ad: dispatch_pairs: 2 payload offsets (rows, metadata), got ",
              payload_offsets.size());
-  a2ad::DispatchParams p{};
-  p.ws = plan_workspace(pl, workspace);
-  p.aux = pl.aux;
-  p.ctl = pl.ctl;
-  p.lim.sm_budget = pl.sm_budget;
-  p.diag = pl.diag;
+  a2ad::DispatchParams p = dispatch_params(pl, workspace, rt);
   p.experts = r.idx32;
   p.pair_ids64 = r.idx64;
   p.pair_group = r.K;
   p.local_num_tokens = static_cast<int>(pairs);
   p.top_k = 1;
-  p.num_experts = pl.num_experts;
-  p.rt = static_cast<int>(rt);
   p.num_payloads = 2;
   const int64_t bytes[2] = {x.size(1) * static_cast<int64_t>(x.element_size()), 8};
   for (int i = 0; i < 2; ++i) {
