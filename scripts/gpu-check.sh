@@ -7,7 +7,8 @@
 # Environment: A2AD_EXT_DIR (extension cache, default ./build/ext), GPU_CHECK_STEPS (a
 # space-separated subset of: build tests demo bench; default all), GPU_CHECK_PYTEST (extra
 # pytest arguments), GPU_CHECK_TESTS_LIMIT (seconds for the tests step, default 900: the
-# whole GPU suite took about 500 s on one H100). Python packages missing on the machine may be given as wheels in ./.whl.
+# whole GPU suite took about 500 s on one H100). Python packages missing on the machine may
+# be given as wheels in ./.whl.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
