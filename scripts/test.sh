@@ -16,7 +16,7 @@ bash scripts/setup.sh
 if [ "$full" = 1 ]; then
     tier="the full tier (every test; about half an hour on a quiet 2-core machine, up to an hour under load)"
 else
-    tier="the fast tier (unit, in-process and real-process smoke tests; about 8 minutes on a quiet 2-core machine, 20 under load; the long runs marked 'full' are deselected: --full runs them)"
+    tier="the fast tier (unit, in-process and real-process smoke tests; about 10 minutes on a quiet 2-core machine, 20 under load; the long runs marked 'full' are deselected: --full runs them)"
 fi
 if [ $# -eq 0 ] || { [ $# -eq 1 ] && [ "$full" = 1 ]; }; then
     echo "[a2ad test] running $tier; GPU tests skip without a GPU ..." >&2
