@@ -21,6 +21,16 @@ constexpr int kPullVecs = 4;
 constexpr int kPullSendsVec = 2;
 constexpr int kPullScalars = 4;
 constexpr int kPullSendsScalar = 4;
+// Low-latency pairs, few items (see kAllSendsMaxItems): a send per pair (top_k of them, not
+// one per rank), so one vector per lane and every send's load in flight at once.
+constexpr int kPullVecsAll = 1;
+constexpr int kPullSendsAll = 8;
+// A low-latency pairs combine whose pull has fewer items than this (at kPullVecs per lane)
+// pulls with every send in flight: one latency per item instead of one per two pairs. A
+// build that pulled every such combine this way, on one H100 (2 ranks on it, hidden 7168,
+// top_k 8): 1.5-1.6 us faster at T = 1 and 8 (7 and 56 items), 1.6 us slower at T = 32
+// (224 items) and 6.4 us at T = 128.
+constexpr int64_t kAllSendsMaxItems = 128;
 // Overlapped combine: the launcher uses it when a rank stages at least kOverlapMinBytes
 // of rows at least kOverlapMinRowBytes wide (below that a staging spread over the whole
 // grid is cheaper than slice by slice: the per-slice release costs more than it hides);
@@ -167,11 +177,12 @@ struct PullGeometry {
   int64_t chunks;       // items per token
 };
 
-template <typename T, bool kVec>
+// kAllSends: every send of an item in flight at once, a vector per lane (vector path only).
+template <typename T, bool kVec, bool kAllSends = false>
 __host__ __device__ inline PullGeometry pull_geometry(int64_t hidden) {
   PullGeometry g;
   g.units = kVec ? hidden / Elem<T>::kPerVec : hidden;
-  g.per_chunk = kVec ? 32 * kPullVecs : 32 * kPullScalars;
+  g.per_chunk = kVec ? 32 * (kAllSends ? kPullVecsAll : kPullVecs) : 32 * kPullScalars;
   g.chunks = (g.units + g.per_chunk - 1) / g.per_chunk;
   return g;
 }
@@ -432,8 +443,8 @@ __device__ bool wait_seen(const CombineParams& p, int* block_counters, int round
 // float32. One warp per (token, chunk) item; the loads of several sends are issued
 // together.
 // Low-latency pairs (kLl): each send's row is weighted (lane k's `weight`), and this rank's
-// own rows are read from the payload through stage_index.
-template <typename T, bool kVec, bool kLl = false>
+// own rows are read from the payload through stage_index. kAllSends: see pull_geometry.
+template <typename T, bool kVec, bool kLl = false, bool kAllSends = false>
 __device__ void pull_item(const CombineParams& p, int t, uint32_t c, const PullGeometry& g, int lane, int target,
                           int slot, float weight = 1.f) {
   const int me = p.ws.ep_rank;
@@ -445,8 +456,9 @@ __device__ void pull_item(const CombineParams& p, int t, uint32_t c, const PullG
   const uint8_t* self_region = self_from_payload(p) ? p.payload + (int64_t)me * p.rt * row_bytes + first * unit_bytes
                                                  : region + (int64_t)me * p.ws.row_stride;
 
-  constexpr int kUnits = kVec ? kPullVecs : kPullScalars;
-  constexpr int kSends = kVec ? kPullSendsVec : kPullSendsScalar;
+  static_assert(kVec || !kAllSends, "kAllSends: the vector path only");
+  constexpr int kUnits = kVec ? (kAllSends ? kPullVecsAll : kPullVecs) : kPullScalars;
+  constexpr int kSends = kVec ? (kAllSends ? kPullSendsAll : kPullSendsVec) : kPullSendsScalar;
   constexpr int kPer = kVec ? Elem<T>::kPerVec : 1;
   float acc[kUnits * kPer];
 #pragma unroll
@@ -720,8 +732,8 @@ __device__ __forceinline__ void combine_waited(const CombineParams& p, uint8_t* 
 // for its rows' slices. Only the last block waits for the whole-region flags.
 // W: the words of a rank mask (1 when ep_size <= 64). kLl: low-latency pairs (CombineParams
 // says what; never overlapped): the payload staged through stage_index, and out row u the
-// weighted sum of group u's pairs.
-template <typename T, bool kVec, bool kFp8, int W, bool kLl = false>
+// weighted sum of group u's pairs. kAllSends: see pull_geometry.
+template <typename T, bool kVec, bool kFp8, int W, bool kLl = false, bool kAllSends = false>
 __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p) {
   constexpr int kRanks = 64 * W;  // the most ranks this instantiation serves
   wait_prior_grid();
@@ -826,7 +838,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   //    block always waits, so the launch never completes before every peer's
   //    outputs are ready (the next dispatch relies on that). With overlap only
   //    the last block waits here; the others wait per item (wait_slice).
-  const PullGeometry g = pull_geometry<T, kVec>(p.hidden);
+  const PullGeometry g = pull_geometry<T, kVec, kAllSends>(p.hidden);
   const uint32_t chunks = static_cast<uint32_t>(g.chunks);  // the launcher checks T * chunks < 2^31
   const uint32_t items = mismatch ? 0u : static_cast<uint32_t>(out_rows) * chunks;
   constexpr uint32_t warps = kThreads / 32;
@@ -911,7 +923,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
       if constexpr (kFp8) {
         pull_item_fp8(p, t, c, g, lane, target, slot);
       } else {
-        pull_item<T, kVec, kLl>(p, t, c, g, lane, target, slot, weight);
+        pull_item<T, kVec, kLl, kAllSends>(p, t, c, g, lane, target, slot, weight);
       }
     }
     return;
@@ -956,13 +968,13 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
 }
 
 
-template <typename T, bool kVec, bool kFp8, int W, bool kLl = false>
+template <typename T, bool kVec, bool kFp8, int W, bool kLl = false, bool kAllSends = false>
 cudaError_t launch_typed(const CombineParams& p, cudaStream_t stream) {
-  const void* fn = reinterpret_cast<const void*>(&combine_kernel<T, kVec, kFp8, W, kLl>);
+  const void* fn = reinterpret_cast<const void*>(&combine_kernel<T, kVec, kFp8, W, kLl, kAllSends>);
   int resident = 0;
   cudaError_t err = launch::resident_blocks(fn, kThreads, p.lim, &resident);
   if (err != cudaSuccess) return err;
-  const PullGeometry g = pull_geometry<T, kVec>(p.hidden);
+  const PullGeometry g = pull_geometry<T, kVec, kAllSends>(p.hidden);
   // (32-bit item indices; the front end bounds T and hidden far below this)
   if ((int64_t)p.local_num_tokens * (g.chunks + 1) >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
   const int64_t row_bytes = p.hidden * (int64_t)sizeof(T);
@@ -982,7 +994,7 @@ cudaError_t launch_typed(const CombineParams& p, cudaStream_t stream) {
       stage_bytes >= kOverlapMinBytes && row_bytes >= kOverlapMinRowBytes) {
     q.overlap_stage_blocks = grid / kOverlapStageShare < 1 ? 1 : grid / kOverlapStageShare;
   }
-  return launch::overlapped(combine_kernel<T, kVec, kFp8, W, kLl>, grid, kThreads, stream, q);
+  return launch::overlapped(combine_kernel<T, kVec, kFp8, W, kLl, kAllSends>, grid, kThreads, stream, q);
 }
 
 // The instantiation of the dtype and the alignment (the binding checked the low precision
@@ -1001,7 +1013,9 @@ cudaError_t launch_words(const CombineParams& p, cudaStream_t stream) {
         reinterpret_cast<uintptr_t>(p.payload) % 16 != 0) {
       return cudaErrorInvalidValue;
     }
-    return launch_typed<__nv_bfloat16, true, false, W, true>(p, stream);
+    const int64_t items = (int64_t)(p.local_num_tokens / p.group) * pull_geometry<__nv_bfloat16, true>(p.hidden).chunks;
+    return items < kAllSendsMaxItems ? launch_typed<__nv_bfloat16, true, false, W, true, true>(p, stream)
+                                     : launch_typed<__nv_bfloat16, true, false, W, true>(p, stream);
   }
   if (p.low_precision) {
     // bf16 rows, whole scale blocks, 16-byte vectors everywhere
@@ -1050,7 +1064,8 @@ cudaError_t load_combine_kernels() {
       reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, false, W>),  \
       reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, false, false, W>), \
       reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, true, W>),      \
-      reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, false, W, true>)
+      reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, false, W, true>),      \
+      reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, false, W, true, true>)
   const void* fns[] = {A2AD_COMBINE_KERNELS(1), A2AD_COMBINE_KERNELS(kMaskWords)};
 #undef A2AD_COMBINE_KERNELS
   cudaFuncAttributes a;
