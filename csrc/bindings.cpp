@@ -339,8 +339,10 @@ void caller_mask_args(const std::optional<Tensor>& mask, int64_t value, const Te
   }
 }
 
-// A dispatch launch's fields that come from the plan and the round (rt checked by the caller).
+// A dispatch launch's fields that come from the plan and the round (rt checked here).
 a2ad::DispatchParams dispatch_params(const Plan& pl, const Tensor& workspace, int64_t rt) {
+  A2AD_CHECK(rt >= 1 && rt <= pl.aux.max_num_tokens, "a2ad: runtime_max_tokens_per_rank must be in [1, ",
+             pl.aux.max_num_tokens, "], got ", rt);
   a2ad::DispatchParams p{};
   p.ws = plan_workspace(pl, workspace);
   p.aux = pl.aux;
@@ -350,6 +352,23 @@ a2ad::DispatchParams dispatch_params(const Plan& pl, const Tensor& workspace, in
   p.num_experts = pl.num_experts;
   p.rt = static_cast<int>(rt);
   return p;
+}
+
+// Payload i of a dispatch: nb bytes per token, its region [ep_size, rt, nb] at `off` in every
+// row (`what`[i] names it in the error).
+void set_payload_region(const Plan& pl, const Tensor& workspace, int64_t rt, int i, int64_t off, int64_t nb,
+                        const char* what, a2ad::DispatchParams* p) {
+  A2AD_CHECK(off >= pl.aux.block_counters && off + pl.ep_size * rt * nb <= workspace.size(1), "a2ad: ", what, "[", i,
+             "] region [", off, ", +", pl.ep_size * rt * nb, ") does not fit a row of ", workspace.size(1), " bytes");
+  p->payload_bytes[i] = nb;
+  p->payload_offset[i] = off;
+}
+
+// The payload descriptor given in full (layout.payload_spec).
+void set_spec(IntArrayRef spec, a2ad::DispatchParams* p) {
+  A2AD_CHECK(spec.size() == static_cast<size_t>(a2ad::layout::SPEC_WORDS), "a2ad: spec must hold ",
+             a2ad::layout::SPEC_WORDS, " words, got ", spec.size());
+  for (int w = 0; w < a2ad::layout::SPEC_WORDS; ++w) p->spec[w] = static_cast<int32_t>(spec[w]);
 }
 
 void dispatch_cuda(const Tensor& experts, TensorList payloads, Tensor& workspace, int64_t plan, int64_t rt,
@@ -365,8 +384,7 @@ void dispatch_cuda(const Tensor& experts, TensorList payloads, Tensor& workspace
              pl.top_k, "], got ", experts.sizes());
   A2AD_CHECK(experts.is_contiguous(), "a2ad: token_selected_experts must be contiguous");
   const int64_t tokens = experts.size(0);
-  A2AD_CHECK(rt >= 1 && rt <= pl.aux.max_num_tokens, "a2ad: runtime_max_tokens_per_rank must be in [1, ",
-             pl.aux.max_num_tokens, "], got ", rt);
+  a2ad::DispatchParams p = dispatch_params(pl, workspace, rt);
   A2AD_CHECK(tokens <= rt, "a2ad: token_selected_experts has ", tokens,
               " tokens, more than runtime_max_tokens_per_rank=", rt);
   A2AD_CHECK(payloads.size() <= static_cast<size_t>(a2ad::kMaxPayloads), "a2ad: at most ", a2ad::kMaxPayloads,
@@ -374,7 +392,6 @@ void dispatch_cuda(const Tensor& experts, TensorList payloads, Tensor& workspace
   A2AD_CHECK(payload_offsets.size() == payloads.size(), "a2ad: ", payloads.size(), " payloads but ",
               payload_offsets.size(), " payload offsets");
 
-  a2ad::DispatchParams p = dispatch_params(pl, workspace, rt);
   p.experts = experts.data_ptr<int32_t>();
   p.local_num_tokens = static_cast<int>(tokens);
   p.top_k = pl.top_k;
@@ -388,21 +405,15 @@ void dispatch_cuda(const Tensor& experts, TensorList payloads, Tensor& workspace
     int64_t nb = t.element_size();  // bytes per token
     for (int64_t d = 1; d < t.dim(); ++d) nb *= t.size(d);
     A2AD_DEBUG_CHECK(nb > 0, "a2ad: input_payloads[", i, "] has 0 bytes per token");
-    const int64_t off = payload_offsets[i];
-    A2AD_CHECK(off >= pl.aux.block_counters && off + pl.ep_size * rt * nb <= workspace.size(1), "a2ad: input_payloads[", i,
-               "] region [", off, ", +", pl.ep_size * rt * nb, ") does not fit a row of ", workspace.size(1), " bytes");
+    set_payload_region(pl, workspace, rt, static_cast<int>(i), payload_offsets[i], nb, "input_payloads", &p);
     p.payload[i] = static_cast<const uint8_t*>(t.data_ptr());
-    p.payload_bytes[i] = nb;
-    p.payload_offset[i] = off;
   }
   // The payload descriptor (layout.payload_spec); none given: count and widths only.
-  A2AD_CHECK(spec.empty() || spec.size() == static_cast<size_t>(a2ad::layout::SPEC_WORDS), "a2ad: spec must hold ",
-             a2ad::layout::SPEC_WORDS, " words, got ", spec.size());
   if (spec.empty()) {
     p.spec[0] = p.num_payloads;
     for (int i = 0; i < p.num_payloads; ++i) p.spec[1 + i] = static_cast<int32_t>(p.payload_bytes[i]);
   } else {
-    for (int w = 0; w < a2ad::layout::SPEC_WORDS; ++w) p.spec[w] = static_cast<int32_t>(spec[w]);
+    set_spec(spec, &p);
     A2AD_CHECK(p.spec[0] == p.num_payloads, "a2ad: spec counts ", p.spec[0], " payloads, got ", p.num_payloads);
   }
   const int64_t E = p.spec[8];
@@ -837,12 +848,10 @@ void dispatch_pairs_direct(const Tensor& x, const Tensor& topk_idx, Tensor works
   const a2ad::LlRouting r = ll_routing(topk_idx, x);
   A2AD_CHECK(r.T == x.size(0), "a2ad: dispatch_pairs: topk_idx has ", r.T, " rows, x ", x.size(0));
   const int64_t pairs = r.T * r.K;
-  A2AD_CHECK(rt >= 1 && rt <= pl.aux.max_num_tokens, "a2ad: runtime_max_tokens_per_rank must be in [1, ",
-             pl.aux.max_num_tokens, "], got ", rt);
+  a2ad::DispatchParams p = dispatch_params(pl, workspace, rt);
   A2AD_CHECK(pairs <= rt, "a2ad: dispatch_pairs: ", pairs, " pairs, more than runtime_max_tokens_per_rank=", rt);
   A2AD_CHECK(payload_offsets.size() == 2, "a2ad: dispatch_pairs: 2 payload offsets (rows, metadata), got ",
              payload_offsets.size());
-  a2ad::DispatchParams p = dispatch_params(pl, workspace, rt);
   p.experts = r.idx32;
   p.pair_ids64 = r.idx64;
   p.pair_group = r.K;
@@ -851,18 +860,11 @@ void dispatch_pairs_direct(const Tensor& x, const Tensor& topk_idx, Tensor works
   p.num_payloads = 2;
   const int64_t bytes[2] = {x.size(1) * static_cast<int64_t>(x.element_size()), 8};
   for (int i = 0; i < 2; ++i) {
-    const int64_t off = payload_offsets[i];
-    A2AD_CHECK(off >= pl.aux.block_counters && off + pl.ep_size * rt * bytes[i] <= workspace.size(1),
-               "a2ad: dispatch_pairs: payload ", i, " region [", off, ", +", pl.ep_size * rt * bytes[i],
-               ") does not fit a row of ", workspace.size(1), " bytes");
-    p.payload_bytes[i] = bytes[i];
-    p.payload_offset[i] = off;
+    set_payload_region(pl, workspace, rt, i, payload_offsets[i], bytes[i], "dispatch_pairs: payload", &p);
   }
   p.payload[0] = static_cast<const uint8_t*>(x.data_ptr());
   p.payload[1] = nullptr;  // the kernel writes each pair's (token, expert id)
-  A2AD_CHECK(spec.size() == static_cast<size_t>(a2ad::layout::SPEC_WORDS), "a2ad: spec must hold ",
-             a2ad::layout::SPEC_WORDS, " words, got ", spec.size());
-  for (int w = 0; w < a2ad::layout::SPEC_WORDS; ++w) p.spec[w] = static_cast<int32_t>(spec[w]);
+  set_spec(spec, &p);
   A2AD_CHECK(p.spec[0] == 2 && p.spec[1] == bytes[0] && p.spec[2] == bytes[1] && p.spec[8] == 0,
              "a2ad: dispatch_pairs: spec must describe the rows (", bytes[0], " bytes) and the metadata (8 bytes), "
              "no EPLB statistics");
