@@ -17,6 +17,8 @@ constexpr int kCopyUnroll = 4;
 // The abort word lives in host memory (a PCIe round trip, ~1 us): a poller reads it
 // once every this many polls, the first time after that many.
 constexpr uint32_t kAbortPollEvery = 64;
+constexpr uint32_t kGiveUpPollEvery = 8;
+constexpr uint32_t kSpinPolls = 16;
 
 // kWaitLeft (degraded mode): the peer's bit was cleared from the active mask; it is no
 // longer waited for, and that is not a failure.
@@ -366,8 +368,10 @@ __device__ __forceinline__ int spin_wait(const Probe& probe, int round, const Co
         }
       }
     } else {
-      if (ld_volatile(give_up) == round) return kWaitStopped;
-      __nanosleep(64);  // many blocks may wait: keep their polls off the flags' L2 lines
+      // (the give-up word every kGiveUpPollEvery polls, not in every one: each read is a
+      // round trip that would delay seeing the flag; sleeps only after kSpinPolls polls)
+      if (it % kGiveUpPollEvery == kGiveUpPollEvery - 1 && ld_volatile(give_up) == round) return kWaitStopped;
+      if (it >= kSpinPolls) __nanosleep(64);  // many blocks may wait: keep their polls off the flags' L2 lines
     }
     if (now - t0 >= limit) return kWaitTimeout;
     if (*stop) return kWaitStopped;
