@@ -45,10 +45,11 @@ constexpr int kStageUnroll = 8;
 // the received rows: it then need not read RECV_COUNTERS first (a cold load on the
 // critical path of a small round); the extra rows are never pulled.
 constexpr int64_t kStageAllSlotsBytes = int64_t{1} << 20;
-// Split staging: a plain staging (not overlapped, not degraded, not low-latency) whose
-// combine would run in at least kSplitStageMinGrid blocks is a kernel of its own, and the
-// combine kernel behind it publishes its ready words at entry: the kernel boundary stands in
-// for the cross-block arrival and for the release's wait on the staging stores.
+// Split staging: a small plain staging (every slot, see kStageAllSlotsBytes; not FP8, not
+// degraded, not low-latency) whose combine would run in at least kSplitStageMinGrid blocks
+// is a kernel of its own, and the combine kernel behind it publishes its ready words at
+// entry: the kernel boundary stands in for the cross-block arrival and for the release's
+// wait on the staging stores.
 constexpr int kSplitStageMinGrid = 2;
 
 // Probe of the combine ready word target q wrote into this rank's row: its low half is
@@ -981,18 +982,13 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
 
 // Split staging (see kSplitStageMinGrid): step 1 of combine_kernel alone, for the combine
 // kernel launched behind it with `prestaged`.
-template <typename T, bool kVec, bool kFp8>
+template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads) combine_stage_kernel(const CombineParams p) {
   wait_prior_grid();
   allow_dependents();  // the combine kernel may be scheduled (it waits for this one's completion)
   const int* recv = at<int>(row_of(p.ws, p.ws.ep_rank), p.aux.recv_counters);
-  if constexpr (kFp8) {
-    stage_rows_fp8(p, recv, blockIdx.x * (kThreads / 32) + threadIdx.x / 32, gridDim.x * (kThreads / 32),
-                   threadIdx.x % 32);
-  } else {
-    stage_rows<kVec>(p, recv, p.hidden * (int64_t)sizeof(T), blockIdx.x * blockDim.x + threadIdx.x,
-                     gridDim.x * blockDim.x);
-  }
+  stage_rows<kVec>(p, recv, p.hidden * (int64_t)sizeof(T), blockIdx.x * blockDim.x + threadIdx.x,
+                   gridDim.x * blockDim.x);
 }
 
 template <typename T, bool kVec, bool kFp8, int W, bool kLl = false, bool kAllSends = false>
@@ -1022,13 +1018,16 @@ cudaError_t launch_typed(const CombineParams& p, cudaStream_t stream) {
       stage_bytes >= kOverlapMinBytes && row_bytes >= kOverlapMinRowBytes) {
     q.overlap_stage_blocks = grid / kOverlapStageShare < 1 ? 1 : grid / kOverlapStageShare;
   }
-  if (!kLl && !p.ctl.degrade && q.overlap_stage_blocks == 0 && stage_bytes > 0 && grid >= kSplitStageMinGrid) {
-    const int stage_grid = launch::clamp_grid(stage_blocks, resident);
-    err = launch::overlapped(combine_stage_kernel<T, kVec, kFp8>, stage_grid, kThreads, stream, q);
-    if (err != cudaSuccess) return err;
-    q.prestaged = true;
-    return launch::overlapped(combine_kernel<T, kVec, kFp8, W, kLl, kAllSends>, launch::clamp_grid(pull_blocks, resident),
-                              kThreads, stream, q);
+  if constexpr (!kLl && !kFp8) {
+    if (!p.ctl.degrade && q.overlap_stage_blocks == 0 && stage_bytes > 0 && grid >= kSplitStageMinGrid &&
+        stages_all_slots(p, row_bytes)) {
+      err = launch::overlapped(combine_stage_kernel<T, kVec>, launch::clamp_grid(stage_blocks, resident), kThreads,
+                               stream, q);
+      if (err != cudaSuccess) return err;
+      q.prestaged = true;
+      return launch::overlapped(combine_kernel<T, kVec, kFp8, W, kLl, kAllSends>,
+                                launch::clamp_grid(pull_blocks, resident), kThreads, stream, q);
+    }
   }
   return launch::overlapped(combine_kernel<T, kVec, kFp8, W, kLl, kAllSends>, grid, kThreads, stream, q);
 }
@@ -1103,13 +1102,12 @@ cudaError_t load_combine_kernels() {
       reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, false, W, true>),      \
       reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, false, W, true, true>)
   const void* fns[] = {A2AD_COMBINE_KERNELS(1), A2AD_COMBINE_KERNELS(kMaskWords),
-                       reinterpret_cast<const void*>(&combine_stage_kernel<float, true, false>),
-                       reinterpret_cast<const void*>(&combine_stage_kernel<float, false, false>),
-                       reinterpret_cast<const void*>(&combine_stage_kernel<__half, true, false>),
-                       reinterpret_cast<const void*>(&combine_stage_kernel<__half, false, false>),
-                       reinterpret_cast<const void*>(&combine_stage_kernel<__nv_bfloat16, true, false>),
-                       reinterpret_cast<const void*>(&combine_stage_kernel<__nv_bfloat16, false, false>),
-                       reinterpret_cast<const void*>(&combine_stage_kernel<__nv_bfloat16, true, true>)};
+                       reinterpret_cast<const void*>(&combine_stage_kernel<float, true>),
+                       reinterpret_cast<const void*>(&combine_stage_kernel<float, false>),
+                       reinterpret_cast<const void*>(&combine_stage_kernel<__half, true>),
+                       reinterpret_cast<const void*>(&combine_stage_kernel<__half, false>),
+                       reinterpret_cast<const void*>(&combine_stage_kernel<__nv_bfloat16, true>),
+                       reinterpret_cast<const void*>(&combine_stage_kernel<__nv_bfloat16, false>)};
 #undef A2AD_COMBINE_KERNELS
   cudaFuncAttributes a;
   for (const void* fn : fns) {

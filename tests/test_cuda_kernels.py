@@ -264,7 +264,8 @@ def expert_weight(q):
 
 
 def run_round(job, experts, payloads, pl, hidden_index, dtype, in_workspace=False):
-    """dispatch -> expert computation (row * expert_weight(rank)) -> combine; returns outputs per rank."""
+    """dispatch -> expert computation (row * expert_weight(rank)) -> combine; returns outputs per rank.
+    ``in_workspace``: for every rank, or a list with one entry per rank."""
     ep, rt = job.ep_size, pl.runtime_max_tokens_per_rank
     nb = pl.dispatch_bytes_per_token[hidden_index]
     hidden = nb // torch.tensor([], dtype=dtype).element_size()
@@ -275,12 +276,13 @@ def run_round(job, experts, payloads, pl, hidden_index, dtype, in_workspace=Fals
 
     def expert_and_combine(r):
         recv = job.region(r, pl.dispatch_offsets[hidden_index], nb).view(dtype)
-        if in_workspace:
+        iw = in_workspace[r] if isinstance(in_workspace, (list, tuple)) else in_workspace
+        if iw:
             comb = job.region(r, pl.combine_offset, hb).view(dtype)
             torch.mul(recv, expert_weight(r), out=comb)
         else:
             comb = (recv.float() * expert_weight(r)).to(dtype)
-        return job.planes[r].combine(comb, experts[r].shape[0], rt, pl, in_workspace)
+        return job.planes[r].combine(comb, experts[r].shape[0], rt, pl, iw)
 
     job.on_ranks(dispatch)
     outs = job.on_ranks(expert_and_combine)
@@ -354,6 +356,46 @@ def test_one_and_many_block_launches(make_job, ep_size, T, dtype, in_workspace):
             # the ready word each peer wrote here carries this round, the count now in
             # RECV_COUNTERS and the peer's rt
             check_ready_words(job, r, 40)
+
+
+@pytest.mark.parametrize("ep_size", [2, 3])
+def test_split_staging_with_ranks_that_stage_differently(make_job, ep_size):
+    """A small staged combine of more than one block stages in a kernel of its own, and the
+    combine kernel behind it publishes the ready words at entry; a one-block combine stages in
+    its one kernel; a rank whose payload is already its combine region stages nothing. Ranks
+    on different paths in one job, and rounds that switch between them: every combine
+    completes, right, and the ready words carry the round and the combine descriptor. The
+    kernels each round launched (torch's profiler) show which path each rank took."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dtype, top_k, num_experts, hidden = torch.bfloat16, 4, 16, 1024
+    row = 2 * hidden
+    job = make_job(ep_size, 40, top_k, num_experts, row + 4 * top_k, row)
+    staging = [r % 2 == 1 for r in range(ep_size)]  # rank 0 (and 2) combine from the workspace
+    spec = L.combine_spec(hidden, dtype)
+    # (T, rt): one block (one token, one slot a source), then several blocks, twice
+    for T, rt in [(1, 1), (37, 40), (1, 1), (9, 12)]:
+        pl = job.layout(rt, [row, 4 * top_k], row)
+        experts = [rand_experts(T, top_k, num_experts) for _ in range(ep_size)]
+        xs = [torch.randn(T, hidden, device="cuda").to(dtype) for _ in range(ep_size)]
+        payloads = [[xs[r].view(torch.uint8), experts[r].view(torch.uint8)] for r in range(ep_size)]
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            outs = run_round(job, experts, payloads, pl, 0, dtype, in_workspace=[not st for st in staging])
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events()]
+        combines = sum("combine_kernel<" in n for n in names)
+        stagings = sum("combine_stage_kernel<" in n for n in names)
+        assert combines == ep_size, (T, combines, sorted(set(names)))
+        assert stagings == (sum(staging) if T > 1 else 0), (T, stagings)
+        for r in range(ep_size):
+            close(outs[r], combine_reference(job, experts[r], xs[r]), dtype)
+            job.planes[r].check()
+            round_ = job.flag_val(r) - 1
+            words = job.ws[r, job.aux.combine_ready : job.aux.combine_ready + 8 * ep_size].view(torch.int64).cpu()
+            for q in range(ep_size):
+                if q != r:
+                    w = int(words[q]) & ((1 << 64) - 1)
+                    assert (w & 0xFFFFFFFF, w >> 32) == (round_, spec), (T, r, q, hex(w))
 
 
 def ready_word_high(count, rt, max_tokens):
