@@ -45,11 +45,11 @@ constexpr int kStageUnroll = 8;
 // the received rows: it then need not read RECV_COUNTERS first (a cold load on the
 // critical path of a small round); the extra rows are never pulled.
 constexpr int64_t kStageAllSlotsBytes = int64_t{1} << 20;
-// Split staging: a small plain staging (every slot, see kStageAllSlotsBytes; not FP8, not
-// degraded, not low-latency) whose combine would run in at least kSplitStageMinGrid blocks
-// is a kernel of its own, and the combine kernel behind it publishes its ready words at
-// entry: the kernel boundary stands in for the cross-block arrival and for the release's
-// wait on the staging stores.
+// Split staging: a small plain staging (every slot, see kStageAllSlotsBytes; 16-byte
+// vectors, not FP8, not degraded, not low-latency, at most 64 ranks) whose combine would
+// run in at least kSplitStageMinGrid blocks is a kernel of its own, and the combine kernel
+// behind it publishes its ready words at entry: the kernel boundary stands in for the
+// cross-block arrival and for the release's wait on the staging stores.
 constexpr int kSplitStageMinGrid = 2;
 
 // Probe of the combine ready word target q wrote into this rank's row: its low half is
@@ -739,7 +739,10 @@ __device__ __forceinline__ void combine_waited(const CombineParams& p, uint8_t* 
 // W: the words of a rank mask (1 when ep_size <= 64). kLl: low-latency pairs (CombineParams
 // says what; never overlapped): the payload staged through stage_index, and out row u the
 // weighted sum of group u's pairs. kAllSends: see pull_geometry.
-template <typename T, bool kVec, bool kFp8, int W, bool kLl = false, bool kAllSends = false>
+// kPrestaged: a staging kernel before this one staged the rows (split staging, see
+// kSplitStageMinGrid); its own instantiation, so that the kernels of the other paths are
+// exactly what they were.
+template <typename T, bool kVec, bool kFp8, int W, bool kLl = false, bool kAllSends = false, bool kPrestaged = false>
 __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p) {
   constexpr int kRanks = 64 * W;  // the most ranks this instantiation serves
   wait_prior_grid();
@@ -769,7 +772,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   // they are used).
   if (threadIdx.x < 32) {
     prefetch_l2(block_counters, 4 * layout::BLOCK_COUNTER_SLOTS, threadIdx.x, 32);
-    if ((kFp8 || !p.payload_in_workspace) && !p.prestaged && (kLl || overlap || !stages_all_slots(p, row_bytes))) {
+    if ((kFp8 || !p.payload_in_workspace) && !kPrestaged && (kLl || overlap || !stages_all_slots(p, row_bytes))) {
       prefetch_l2(recv, 4 * ep, threadIdx.x, 32);
     }
   }
@@ -788,7 +791,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   // 1. Stage the rows that were received (RECV_COUNTERS) into the own combine region.
   //    (Staging happens only when the payload is not the region, so this rank's own rows
   //    are never staged: only this rank pulls them, from the payload.)
-  if (p.prestaged) {
+  if constexpr (kPrestaged) {
     // (the staging kernel before this one completed: its stores are visible to this grid,
     // and the release makes them visible to the peers with the word)
     if (blockIdx.x == 0 && threadIdx.x < ep && view.has(threadIdx.x)) {
@@ -818,7 +821,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
       // meanwhile) may still be alive (its node was counted lost), and what was staged for it
       // was computed from whatever its slots held: it gets the void descriptor, so that its
       // combine counts nothing from this rank and ends without waiting for its timeout.
-      if (view.has(q) && !p.prestaged) {
+      if (view.has(q) && !kPrestaged) {
         const bool got = !p.ctl.degrade || ld_volatile(at<int>(my_row, p.aux.dispatch_completion_flags) + q) == round;
         const uint64_t word = got ? combine_word(p, round)
                                   : (static_cast<uint64_t>(kCombineSpecVoid) << 32) | static_cast<uint32_t>(round);
@@ -981,13 +984,13 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
 }
 
 // Split staging (see kSplitStageMinGrid): step 1 of combine_kernel alone, for the combine
-// kernel launched behind it with `prestaged`.
-template <typename T, bool kVec>
+// kernel launched behind it (kPrestaged).
+template <typename T>
 __global__ void __launch_bounds__(kThreads) combine_stage_kernel(const CombineParams p) {
   wait_prior_grid();
   allow_dependents();  // the combine kernel may be scheduled (it waits for this one's completion)
   const int* recv = at<int>(row_of(p.ws, p.ws.ep_rank), p.aux.recv_counters);
-  stage_rows<kVec>(p, recv, p.hidden * (int64_t)sizeof(T), blockIdx.x * blockDim.x + threadIdx.x,
+  stage_rows<true>(p, recv, p.hidden * (int64_t)sizeof(T), blockIdx.x * blockDim.x + threadIdx.x,
                    gridDim.x * blockDim.x);
 }
 
@@ -1011,21 +1014,18 @@ cudaError_t launch_typed(const CombineParams& p, cudaStream_t stream) {
   const int grid = launch::clamp_grid(pull_blocks > stage_blocks ? pull_blocks : stage_blocks, resident);
   CombineParams q = p;
   q.overlap_stage_blocks = 0;
-  q.prestaged = false;
   // (not in degraded mode: there every block counts the targets the poller saw, so no
   // block may pull a target's slices before its whole-region flag)
   if (!kFp8 && !kLl && !p.ctl.degrade && !p.payload_in_workspace && p.ws.ep_size > 1 &&
       stage_bytes >= kOverlapMinBytes && row_bytes >= kOverlapMinRowBytes) {
     q.overlap_stage_blocks = grid / kOverlapStageShare < 1 ? 1 : grid / kOverlapStageShare;
   }
-  if constexpr (!kLl && !kFp8) {
+  if constexpr (kVec && !kFp8 && W == 1 && !kLl && !kAllSends) {
     if (!p.ctl.degrade && q.overlap_stage_blocks == 0 && stage_bytes > 0 && grid >= kSplitStageMinGrid &&
         stages_all_slots(p, row_bytes)) {
-      err = launch::overlapped(combine_stage_kernel<T, kVec>, launch::clamp_grid(stage_blocks, resident), kThreads,
-                               stream, q);
+      err = launch::overlapped(combine_stage_kernel<T>, launch::clamp_grid(stage_blocks, resident), kThreads, stream, q);
       if (err != cudaSuccess) return err;
-      q.prestaged = true;
-      return launch::overlapped(combine_kernel<T, kVec, kFp8, W, kLl, kAllSends>,
+      return launch::overlapped(combine_kernel<T, true, false, 1, false, false, true>,
                                 launch::clamp_grid(pull_blocks, resident), kThreads, stream, q);
     }
   }
@@ -1102,12 +1102,12 @@ cudaError_t load_combine_kernels() {
       reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, false, W, true>),      \
       reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, false, W, true, true>)
   const void* fns[] = {A2AD_COMBINE_KERNELS(1), A2AD_COMBINE_KERNELS(kMaskWords),
-                       reinterpret_cast<const void*>(&combine_stage_kernel<float, true>),
-                       reinterpret_cast<const void*>(&combine_stage_kernel<float, false>),
-                       reinterpret_cast<const void*>(&combine_stage_kernel<__half, true>),
-                       reinterpret_cast<const void*>(&combine_stage_kernel<__half, false>),
-                       reinterpret_cast<const void*>(&combine_stage_kernel<__nv_bfloat16, true>),
-                       reinterpret_cast<const void*>(&combine_stage_kernel<__nv_bfloat16, false>)};
+                       reinterpret_cast<const void*>(&combine_stage_kernel<float>),
+                       reinterpret_cast<const void*>(&combine_stage_kernel<__half>),
+                       reinterpret_cast<const void*>(&combine_stage_kernel<__nv_bfloat16>),
+                       reinterpret_cast<const void*>(&combine_kernel<float, true, false, 1, false, false, true>),
+                       reinterpret_cast<const void*>(&combine_kernel<__half, true, false, 1, false, false, true>),
+                       reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, false, 1, false, false, true>)};
 #undef A2AD_COMBINE_KERNELS
   cudaFuncAttributes a;
   for (const void* fn : fns) {

@@ -141,7 +141,6 @@ struct CombineParams {
   int rt;
   int64_t combine_offset;     // row-relative start of region [ep_size, rt, hidden]
   int overlap_stage_blocks;   // set by launch_combine: > 0 stages slice by slice with this many blocks
-  bool prestaged;             // set by launch_combine: a staging kernel before this one staged the rows
   // Degraded mode only (ctl.degrade): per token, 1 when it lost at least one expert's
   // contribution ([local_num_tokens], device); the ranks the combine counted, as
   // kMaskWords host-mapped u64 words (read by the host once the stream ran) and as
