@@ -92,6 +92,11 @@ __device__ __forceinline__ uint64_t combine_word(const CombineParams& p, int rou
   return (static_cast<uint64_t>(p.spec) << 32) | static_cast<uint32_t>(round);
 }
 
+// Where rank me publishes its combine ready word for target q: q's COMBINE_READY[me].
+__device__ __forceinline__ uint64_t* combine_ready_at(const CombineParams& p, int q, int me) {
+  return at<uint64_t>(row_of(p.ws, q), p.aux.combine_ready + 8 * (int64_t)me);
+}
+
 template <typename T>
 struct Elem;
 
@@ -795,8 +800,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
     // (the staging kernel before this one completed: its stores are visible to this grid,
     // and the release makes them visible to the peers with the word)
     if (blockIdx.x == 0 && threadIdx.x < ep && view.has(threadIdx.x)) {
-      st_release_sys_u64(at<uint64_t>(row_of(p.ws, threadIdx.x), p.aux.combine_ready + 8 * (int64_t)me),
-                         combine_word(p, round));
+      st_release_sys_u64(combine_ready_at(p, threadIdx.x, me), combine_word(p, round));
     }
   } else if constexpr (kFp8) {
     stage_rows_fp8(p, recv, blockIdx.x * (kThreads / 32) + threadIdx.x / 32, gridDim.x * (kThreads / 32),
@@ -825,7 +829,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
         const bool got = !p.ctl.degrade || ld_volatile(at<int>(my_row, p.aux.dispatch_completion_flags) + q) == round;
         const uint64_t word = got ? combine_word(p, round)
                                   : (static_cast<uint64_t>(kCombineSpecVoid) << 32) | static_cast<uint32_t>(round);
-        st_release_sys_u64(at<uint64_t>(row_of(p.ws, q), p.aux.combine_ready + 8 * (int64_t)me), word);
+        st_release_sys_u64(combine_ready_at(p, q, me), word);
       }
       // The next dispatch counts from zero (it cannot zero them itself before its atomics).
       at<int>(my_row, p.aux.send_counters)[q] = 0;
