@@ -51,6 +51,8 @@ constexpr int64_t kStageAllSlotsBytes = int64_t{1} << 20;
 // behind it publishes its ready words at entry: the kernel boundary stands in for the
 // cross-block arrival and for the release's wait on the staging stores.
 constexpr int kSplitStageMinGrid = 2;
+// The combine kernel's instantiations by path (its kPath).
+constexpr int kPathGeneral = 0, kPathPlain = 1, kPathPrestaged = 2;
 
 // Probe of the combine ready word target q wrote into this rank's row: its low half is
 // the round, its high half q's combine descriptor (the probe's value).
@@ -744,12 +746,15 @@ __device__ __forceinline__ void combine_waited(const CombineParams& p, uint8_t* 
 // W: the words of a rank mask (1 when ep_size <= 64). kLl: low-latency pairs (CombineParams
 // says what; never overlapped): the payload staged through stage_index, and out row u the
 // weighted sum of group u's pairs. kAllSends: see pull_geometry.
-// kPrestaged: a staging kernel before this one staged the rows (split staging, see
-// kSplitStageMinGrid); its own instantiation, so that the kernels of the other paths are
-// exactly what they were.
-template <typename T, bool kVec, bool kFp8, int W, bool kLl = false, bool kAllSends = false, bool kPrestaged = false>
+// kPath: kPathGeneral serves every round; kPathPlain only a round neither degraded nor
+// overlapped (the code of those two is left out: a smaller kernel, whose code a round after
+// an L2 flush fetches cold); kPathPrestaged a plain round whose rows a staging kernel before
+// this one staged (split staging, see kSplitStageMinGrid).
+template <typename T, bool kVec, bool kFp8, int W, bool kLl = false, bool kAllSends = false, int kPath = kPathGeneral>
 __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p) {
   constexpr int kRanks = 64 * W;  // the most ranks this instantiation serves
+  constexpr bool kPrestaged = kPath == kPathPrestaged;
+  const bool degrade = kPath == kPathGeneral && p.ctl.degrade;
   wait_prior_grid();
   const int me = p.ws.ep_rank, ep = p.ws.ep_size;
   uint8_t* my_row = row_of(p.ws, me);
@@ -760,17 +765,17 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   // Degraded mode: the round's view (its prologue's); a round that did not run here is
   // not combined either (the host raises what the prologue recorded).
   RankMask<W> view = RankMask<W>::all();
-  if (p.ctl.degrade) {
+  if (degrade) {
     if (ld_volatile(block_counters + layout::SLOT_VIEW_ROUND) != round) return;
     view = RankMask<W>::load(block_counters + layout::SLOT_VIEW);
   }
-  view = with_caller_mask<W>(view, p.caller_mask, ep, p.ctl.degrade);
+  view = with_caller_mask<W>(view, p.caller_mask, ep, degrade);
   // The dispatch of this round saw a peer pass another rt: the regions do not line up, so
   // nothing is pulled and the output is zeros; the flags still go round so that every rank
   // completes the round (every rank saw the mismatch).
   // (Read now, compared after the arrival: the staging's loads need not wait for it.)
   const int mismatch_round = ld_volatile(block_counters + layout::SLOT_RT_MISMATCH);
-  const bool overlap = p.overlap_stage_blocks > 0;  // the launcher decides (enough rows to stage)
+  const bool overlap = kPath == kPathGeneral && p.overlap_stage_blocks > 0;  // the launcher decides (enough rows to stage)
   const int nstage = p.overlap_stage_blocks;
   // The arrival counter and, when the staging reads them, the received counts: fetched
   // into L2 now, while the staging reads the payload (they would be cold misses where
@@ -826,7 +831,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
       // was computed from whatever its slots held: it gets the void descriptor, so that its
       // combine counts nothing from this rank and ends without waiting for its timeout.
       if (view.has(q) && !kPrestaged) {
-        const bool got = !p.ctl.degrade || ld_volatile(at<int>(my_row, p.aux.dispatch_completion_flags) + q) == round;
+        const bool got = !degrade || ld_volatile(at<int>(my_row, p.aux.dispatch_completion_flags) + q) == round;
         const uint64_t word = got ? combine_word(p, round)
                                   : (static_cast<uint64_t>(kCombineSpecVoid) << 32) | static_cast<uint32_t>(round);
         st_release_sys_u64(combine_ready_at(p, q, me), word);
@@ -883,7 +888,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   int unused = 0;
   RankMask<W> seen = RankMask<W>::all(), bad = RankMask<W>::none();
   const CombineFlags flags{at<uint64_t>(my_row, p.aux.combine_ready), round};
-  if (!p.ctl.degrade) {
+  if (!degrade) {
     if ((last || !overlap) && !block_wait<W>(flags, ep, round, p.ctl, layout::PHASE_COMBINE, /*poller=*/last, claim,
                                           give_up, &unused, view, &seen, &bad, static_cast<int>(p.spec))) {
       return;
@@ -938,7 +943,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
           token_sends(p, t, lane, &target, &slot, &routed);
         }
       }
-      if (p.ctl.degrade) count_seen<W>(p, t, c, routed, seen, &target, lane);
+      if (degrade) count_seen<W>(p, t, c, routed, seen, &target, lane);
       if (bad.any() && target >= 0 && bad.has(target)) target = -1;  // never read from a target that disagreed
       if constexpr (kFp8) {
         pull_item_fp8(p, t, c, g, lane, target, slot);
@@ -1024,13 +1029,18 @@ cudaError_t launch_typed(const CombineParams& p, cudaStream_t stream) {
       stage_bytes >= kOverlapMinBytes && row_bytes >= kOverlapMinRowBytes) {
     q.overlap_stage_blocks = grid / kOverlapStageShare < 1 ? 1 : grid / kOverlapStageShare;
   }
-  if constexpr (kVec && !kFp8 && W == 1 && !kLl && !kAllSends) {
-    if (!p.ctl.degrade && q.overlap_stage_blocks == 0 && stage_bytes > 0 && grid >= kSplitStageMinGrid &&
-        stages_all_slots(p, row_bytes)) {
-      err = launch::overlapped(combine_stage_kernel<T>, launch::clamp_grid(stage_blocks, resident), kThreads, stream, q);
-      if (err != cudaSuccess) return err;
-      return launch::overlapped(combine_kernel<T, true, false, 1, false, false, true>,
-                                launch::clamp_grid(pull_blocks, resident), kThreads, stream, q);
+  if constexpr (W == 1) {
+    if (!p.ctl.degrade && q.overlap_stage_blocks == 0) {
+      if constexpr (kVec && !kFp8 && !kLl && !kAllSends) {
+        if (stage_bytes > 0 && grid >= kSplitStageMinGrid && stages_all_slots(p, row_bytes)) {
+          err = launch::overlapped(combine_stage_kernel<T>, launch::clamp_grid(stage_blocks, resident), kThreads, stream,
+                                   q);
+          if (err != cudaSuccess) return err;
+          return launch::overlapped(combine_kernel<T, true, false, 1, false, false, kPathPrestaged>,
+                                    launch::clamp_grid(pull_blocks, resident), kThreads, stream, q);
+        }
+      }
+      return launch::overlapped(combine_kernel<T, kVec, kFp8, W, kLl, kAllSends, kPathPlain>, grid, kThreads, stream, q);
     }
   }
   return launch::overlapped(combine_kernel<T, kVec, kFp8, W, kLl, kAllSends>, grid, kThreads, stream, q);
@@ -1095,23 +1105,25 @@ cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream) {
 
 cudaError_t load_combine_kernels() {
   // every instantiation launch_combine may pick
-#define A2AD_COMBINE_KERNELS(W)                                                   \
-  reinterpret_cast<const void*>(&combine_kernel<float, true, false, W>),          \
-      reinterpret_cast<const void*>(&combine_kernel<float, false, false, W>),     \
-      reinterpret_cast<const void*>(&combine_kernel<__half, true, false, W>),     \
-      reinterpret_cast<const void*>(&combine_kernel<__half, false, false, W>),    \
-      reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, false, W>),  \
-      reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, false, false, W>), \
-      reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, true, W>),      \
-      reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, false, W, true>),      \
-      reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, false, W, true, true>)
-  const void* fns[] = {A2AD_COMBINE_KERNELS(1), A2AD_COMBINE_KERNELS(kMaskWords),
+#define A2AD_COMBINE_KERNELS(W, P)                                                                      \
+  reinterpret_cast<const void*>(&combine_kernel<float, true, false, W, false, false, P>),               \
+      reinterpret_cast<const void*>(&combine_kernel<float, false, false, W, false, false, P>),          \
+      reinterpret_cast<const void*>(&combine_kernel<__half, true, false, W, false, false, P>),          \
+      reinterpret_cast<const void*>(&combine_kernel<__half, false, false, W, false, false, P>),         \
+      reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, false, W, false, false, P>),   \
+      reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, false, false, W, false, false, P>),  \
+      reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, true, W, false, false, P>),    \
+      reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, false, W, true, false, P>),    \
+      reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, false, W, true, true, P>)
+  const void* fns[] = {A2AD_COMBINE_KERNELS(1, kPathGeneral), A2AD_COMBINE_KERNELS(kMaskWords, kPathGeneral),
+                       A2AD_COMBINE_KERNELS(1, kPathPlain),
                        reinterpret_cast<const void*>(&combine_stage_kernel<float>),
                        reinterpret_cast<const void*>(&combine_stage_kernel<__half>),
                        reinterpret_cast<const void*>(&combine_stage_kernel<__nv_bfloat16>),
-                       reinterpret_cast<const void*>(&combine_kernel<float, true, false, 1, false, false, true>),
-                       reinterpret_cast<const void*>(&combine_kernel<__half, true, false, 1, false, false, true>),
-                       reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, false, 1, false, false, true>)};
+                       reinterpret_cast<const void*>(&combine_kernel<float, true, false, 1, false, false, kPathPrestaged>),
+                       reinterpret_cast<const void*>(&combine_kernel<__half, true, false, 1, false, false, kPathPrestaged>),
+                       reinterpret_cast<const void*>(
+                           &combine_kernel<__nv_bfloat16, true, false, 1, false, false, kPathPrestaged>)};
 #undef A2AD_COMBINE_KERNELS
   cudaFuncAttributes a;
   for (const void* fn : fns) {
