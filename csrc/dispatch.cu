@@ -126,8 +126,16 @@ __device__ __forceinline__ void load_item(const DispatchParams& p, const Items& 
   }
 }
 
+// A row whose size or address is not a multiple of 16 bytes, copied by a warp (out of line:
+// the common 16-byte rows keep this code out of their path).
+__device__ __noinline__ void copy_row_unaligned(uint8_t* dst, const uint8_t* src, int64_t nb, int lane) {
+  copy_bytes<>(dst, src, nb, lane, 32);
+}
+
 // Store the item to every send of its token (routing must be in `tr`).
-template <bool kPairs>
+// kOutOfLine: an unaligned row is copied by copy_row_unaligned (with up to 64 ranks; the
+// wider masks' kernels keep it inline, where the call would spill registers).
+template <bool kPairs, bool kOutOfLine>
 __device__ __forceinline__ void store_item(const DispatchParams& p, const TileRouting& tr, int t0, int lane,
                                            const Item& it) {
   if (it.w < 0 || diag(p, kDiagSkipCopy)) return;
@@ -163,7 +171,12 @@ __device__ __forceinline__ void store_item(const DispatchParams& p, const TileRo
     const uint8_t* src = p.payload[it.i] + source_row<kPairs>(p, it.i, t0 + it.w) * nb;
     for (unsigned m = sends; m != 0; m &= m - 1) {
       const int k = __ffs(m) - 1;
-      copy_bytes<>(row_of(p.ws, tr.target[it.w][k]) + region + (int64_t)tr.slot[it.w][k] * nb, src, nb, lane, 32);
+      uint8_t* dst = row_of(p.ws, tr.target[it.w][k]) + region + (int64_t)tr.slot[it.w][k] * nb;
+      if constexpr (kOutOfLine) {
+        copy_row_unaligned(dst, src, nb, lane);
+      } else {
+        copy_bytes<>(dst, src, nb, lane, 32);
+      }
     }
   }
 }
@@ -205,10 +218,14 @@ struct ReadyWords {
 // first items and load them before the routing is done. No block waits on another: the last
 // block to arrive publishes one ready word per peer and is the only one that waits.
 // W: the words of a rank mask (1 when ep_size <= 64). kPairs: low-latency pairs
-// (DispatchParams says what).
-template <int W, bool kPairs>
+// (DispatchParams says what). kPlain: only a round that is not degraded and gathers no
+// EPLB statistics (the code of those two is left out: a smaller kernel, whose code a round
+// after an L2 flush fetches cold).
+template <int W, bool kPairs, bool kPlain = false>
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams p) {
   constexpr int kRanks = 64 * W;  // the most ranks this instantiation serves
+  const bool degrade = !kPlain && p.ctl.degrade;
+  const int eplb_experts = kPlain ? 0 : p.eplb_experts;
   __shared__ TileRouting tr;
   __shared__ int s_count[kRanks];
   wait_prior_grid();
@@ -226,11 +243,11 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
   // Degraded mode: the ranks of this round, as the prologue read them; a round whose
   // prologue gave up (or found this rank gone) does not run here.
   RankMask<W> view = RankMask<W>::all();
-  if (p.ctl.degrade) {
+  if (degrade) {
     if (ld_volatile(block_counters + layout::SLOT_VIEW_ROUND) != round) return;
     view = RankMask<W>::load(block_counters + layout::SLOT_VIEW);
   }
-  view = with_caller_mask<W>(view, p.caller_mask, ep, p.ctl.degrade);
+  view = with_caller_mask<W>(view, p.caller_mask, ep, degrade);
   // A one-block launch numbers its sends in shared memory (no global atomics).
   const bool one_block = gridDim.x == 1;
   // The words this launch's atomics and its last block hit: fetched into L2 now, while
@@ -258,9 +275,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
         d[w] = make_uint4(p.spec[4 * w], p.spec[4 * w + 1], p.spec[4 * w + 2], p.spec[4 * w + 3]);
       }
     }
-    if (p.eplb_experts > 0) {
+    if (eplb_experts > 0) {
       // EPLB statistics: this rank's row of every peer's region (covered like the above).
-      const int E = p.eplb_experts;
+      const int E = eplb_experts;
       for (int i = threadIdx.x; i < ep * E; i += blockDim.x) {
         const int tq = i / E, e = i - tq * E;
         if (view.has(tq)) {
@@ -336,14 +353,14 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
     __syncthreads();
     if (early) {
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) store_item<kPairs>(p, tr, t0, lane, batch[b]);
+      for (int b = 0; b < kBatch; ++b) store_item<kPairs, W == 1>(p, tr, t0, lane, batch[b]);
     }
 #pragma unroll 1
     for (int base = nearly + warp; base < nitems; base += kBatch * kWarps) {
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) load_item<kPairs>(p, items, t0, base + b * kWarps, nitems, lane, batch[b]);
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) store_item<kPairs>(p, tr, t0, lane, batch[b]);
+      for (int b = 0; b < kBatch; ++b) store_item<kPairs, W == 1>(p, tr, t0, lane, batch[b]);
     }
     __syncthreads();  // tr is rewritten by the next tile
   }
@@ -450,12 +467,12 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
                   static_cast<int>(static_cast<uint32_t>(key)), round);
     }
   }
-  if (p.eplb_out != nullptr && p.eplb_experts > 0) {
+  if (p.eplb_out != nullptr && eplb_experts > 0) {
     // The gathered statistics (the barrier above ordered every source's acquire before these loads).
-    const int n = ep * p.eplb_experts;
+    const int n = ep * eplb_experts;
     const int32_t* region = at<int32_t>(my_row, p.eplb_offset);
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      const int src = i / p.eplb_experts;
+      const int src = i / eplb_experts;
       p.eplb_out[i] = seen.has(src) ? ld_volatile(region + i) : 0;
     }
   }
@@ -687,11 +704,11 @@ __global__ void __launch_bounds__(prologue_threads<W>()) prologue_kernel(const D
 
 namespace {
 
-template <int W, bool kPairs>
+template <int W, bool kPairs, bool kPlain = false>
 cudaError_t launch_words(const DispatchParams& p, cudaStream_t stream) {
   int resident = 0;
   cudaError_t err =
-      launch::resident_blocks(reinterpret_cast<const void*>(&dispatch_kernel<W, kPairs>), kThreads, p.lim, &resident);
+      launch::resident_blocks(reinterpret_cast<const void*>(&dispatch_kernel<W, kPairs, kPlain>), kThreads, p.lim, &resident);
   if (err != cudaSuccess) return err;
   // Tokens per block step: as few as fill the SMs (small T spreads each token over a
   // whole block), at most one routing warp per token.
@@ -704,7 +721,7 @@ cudaError_t launch_words(const DispatchParams& p, cudaStream_t stream) {
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
-  return launch::overlapped(dispatch_kernel<W, kPairs>, grid, kThreads, stream, q);
+  return launch::overlapped(dispatch_kernel<W, kPairs, kPlain>, grid, kThreads, stream, q);
 }
 
 }  // namespace
@@ -735,8 +752,14 @@ cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
                       (p.local_num_tokens == 0 || p.payload[i] != nullptr || (pairs && i == p.num_payloads - 1)));
   }
 #endif
-  // One-word masks up to 64 ranks: a job of that size runs the code of a plain u64.
-  if (pairs) return p.ws.ep_size <= 64 ? launch_words<1, true>(p, stream) : launch_words<kMaskWords, true>(p, stream);
+  // One-word masks up to 64 ranks: a job of that size runs the code of a plain u64, and a
+  // round of it that is neither degraded nor gathers EPLB statistics the plain instantiation.
+  const bool plain = p.ws.ep_size <= 64 && !p.ctl.degrade && p.eplb_experts == 0;
+  if (pairs) {
+    if (plain) return launch_words<1, true, true>(p, stream);
+    return p.ws.ep_size <= 64 ? launch_words<1, true>(p, stream) : launch_words<kMaskWords, true>(p, stream);
+  }
+  if (plain) return launch_words<1, false, true>(p, stream);
   return p.ws.ep_size <= 64 ? launch_words<1, false>(p, stream) : launch_words<kMaskWords, false>(p, stream);
 }
 
@@ -746,6 +769,8 @@ cudaError_t load_dispatch_kernels() {
       reinterpret_cast<const void*>(&dispatch_kernel<kMaskWords, false>),
       reinterpret_cast<const void*>(&dispatch_kernel<1, true>),
       reinterpret_cast<const void*>(&dispatch_kernel<kMaskWords, true>),
+      reinterpret_cast<const void*>(&dispatch_kernel<1, false, true>),
+      reinterpret_cast<const void*>(&dispatch_kernel<1, true, true>),
       reinterpret_cast<const void*>(&prologue_kernel<1>),
       reinterpret_cast<const void*>(&prologue_kernel<kMaskWords>),
   };
