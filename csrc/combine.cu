@@ -361,6 +361,21 @@ __device__ void pull_item_fp8(const CombineParams& p, int t, uint32_t c, const P
 // them), unless the payload already is the combine region.
 __host__ __device__ inline bool self_from_payload(const CombineParams& p) { return !p.payload_in_workspace; }
 
+// The rows of this rank's own send of token t, chunk c, asked of L2 (the warp's first item,
+// before the wait for the peers): the pull reads them right after the wait, from the payload,
+// cold after an L2 flush. (Rows are 16-byte units: the vector paths.)
+__device__ __forceinline__ void prefetch_self_chunk(const CombineParams& p, int64_t row_bytes, uint32_t c,
+                                                    const PullGeometry& g, int lane, int target, int slot) {
+  const unsigned self = __ballot_sync(kFullMask, target == p.ws.ep_rank && slot >= 0);
+  if (self == 0) return;
+  const int sq = __shfl_sync(kFullMask, slot, __ffs(self) - 1);
+  const int64_t first = (int64_t)c * g.per_chunk;
+  const int64_t left = g.units - first, n = left < g.per_chunk ? left : g.per_chunk;
+  if (n <= 0) return;
+  prefetch_l2(p.payload + ((int64_t)p.ws.ep_rank * p.rt + sq) * row_bytes + first * 16, static_cast<int>(n * 16), lane,
+              32);
+}
+
 // Lane k (< top_k) of the warp gets send k of token t: target rank and slot
 // there, -1/-1 for a repeat or an invalid entry.
 // `routed` (optional) gets the target of every (t, k) that is not a repeat, a send or
@@ -883,6 +898,11 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
       pair_sends(p, first_t, lane, &first_target, &first_slot, &first_routed, &first_weight);
     } else {
       token_sends(p, first_t, lane, &first_target, &first_slot, &first_routed);
+      if constexpr (kVec && kPath != kPathGeneral) {
+        if (self_from_payload(p)) {
+          prefetch_self_chunk(p, kFp8 ? p.hidden * 2 : row_bytes, my_first % chunks, g, lane, first_target, first_slot);
+        }
+      }
     }
   }
   int unused = 0;
