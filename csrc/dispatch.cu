@@ -724,6 +724,15 @@ cudaError_t launch_words(const DispatchParams& p, cudaStream_t stream) {
   return launch::overlapped(dispatch_kernel<W, kPairs, kPlain>, grid, kThreads, stream, q);
 }
 
+// One-word masks up to 64 ranks: a job of that size runs the code of a plain u64, and a
+// round of it that is neither degraded nor gathers EPLB statistics the plain instantiation.
+template <bool kPairs>
+cudaError_t launch_for_size(const DispatchParams& p, cudaStream_t stream) {
+  if (p.ws.ep_size > 64) return launch_words<kMaskWords, kPairs>(p, stream);
+  if (!p.ctl.degrade && p.eplb_experts == 0) return launch_words<1, kPairs, true>(p, stream);
+  return launch_words<1, kPairs>(p, stream);
+}
+
 }  // namespace
 
 // The binding checked the arguments (csrc/bindings.cpp, behind the Python front end); the
@@ -752,15 +761,7 @@ cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
                       (p.local_num_tokens == 0 || p.payload[i] != nullptr || (pairs && i == p.num_payloads - 1)));
   }
 #endif
-  // One-word masks up to 64 ranks: a job of that size runs the code of a plain u64, and a
-  // round of it that is neither degraded nor gathers EPLB statistics the plain instantiation.
-  const bool plain = p.ws.ep_size <= 64 && !p.ctl.degrade && p.eplb_experts == 0;
-  if (pairs) {
-    if (plain) return launch_words<1, true, true>(p, stream);
-    return p.ws.ep_size <= 64 ? launch_words<1, true>(p, stream) : launch_words<kMaskWords, true>(p, stream);
-  }
-  if (plain) return launch_words<1, false, true>(p, stream);
-  return p.ws.ep_size <= 64 ? launch_words<1, false>(p, stream) : launch_words<kMaskWords, false>(p, stream);
+  return pairs ? launch_for_size<true>(p, stream) : launch_for_size<false>(p, stream);
 }
 
 cudaError_t load_dispatch_kernels() {
