@@ -225,7 +225,7 @@ template <int W, bool kPairs, bool kPlain = false>
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams p) {
   constexpr int kRanks = 64 * W;  // the most ranks this instantiation serves
   const bool degrade = !kPlain && p.ctl.degrade;
-  const int eplb_experts = kPlain ? 0 : p.eplb_experts;
+  const int eplb_experts = p.eplb_experts;  // (read once, at entry)
   __shared__ TileRouting tr;
   __shared__ int s_count[kRanks];
   wait_prior_grid();
@@ -275,13 +275,15 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
         d[w] = make_uint4(p.spec[4 * w], p.spec[4 * w + 1], p.spec[4 * w + 2], p.spec[4 * w + 3]);
       }
     }
-    if (eplb_experts > 0) {
-      // EPLB statistics: this rank's row of every peer's region (covered like the above).
-      const int E = eplb_experts;
-      for (int i = threadIdx.x; i < ep * E; i += blockDim.x) {
-        const int tq = i / E, e = i - tq * E;
-        if (view.has(tq)) {
-          at<int32_t>(row_of(p.ws, tq), p.eplb_offset)[(int64_t)me * E + e] = p.eplb_local[e];
+    if constexpr (!kPlain) {  // (plain: none, and no division by the zero eplb_experts is there)
+      if (eplb_experts > 0) {
+        // EPLB statistics: this rank's row of every peer's region (covered like the above).
+        const int E = eplb_experts;
+        for (int i = threadIdx.x; i < ep * E; i += blockDim.x) {
+          const int tq = i / E, e = i - tq * E;
+          if (view.has(tq)) {
+            at<int32_t>(row_of(p.ws, tq), p.eplb_offset)[(int64_t)me * E + e] = p.eplb_local[e];
+          }
         }
       }
     }
@@ -467,13 +469,15 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
                   static_cast<int>(static_cast<uint32_t>(key)), round);
     }
   }
-  if (p.eplb_out != nullptr && eplb_experts > 0) {
-    // The gathered statistics (the barrier above ordered every source's acquire before these loads).
-    const int n = ep * eplb_experts;
-    const int32_t* region = at<int32_t>(my_row, p.eplb_offset);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      const int src = i / eplb_experts;
-      p.eplb_out[i] = seen.has(src) ? ld_volatile(region + i) : 0;
+  if constexpr (!kPlain) {
+    if (p.eplb_out != nullptr && eplb_experts > 0) {
+      // The gathered statistics (the barrier above ordered every source's acquire before these loads).
+      const int n = ep * eplb_experts;
+      const int32_t* region = at<int32_t>(my_row, p.eplb_offset);
+      for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int src = i / eplb_experts;
+        p.eplb_out[i] = seen.has(src) ? ld_volatile(region + i) : 0;
+      }
     }
   }
 }
