@@ -226,57 +226,77 @@ __device__ __forceinline__ void fp8x2_add(uint32_t w16, float scale, float* a) {
   a[1] += f.y * scale;
 }
 
-// Rows [0, rows) of source s quantized from the bf16 payload into this rank's FP8 region:
-// a unit is 8 elements (one 16-byte load, an 8-byte store); 4 lanes hold a scale block.
+// Rows [0, rows) of source s quantized from the bf16 payload into this rank's FP8 region.
+// A unit is 8 elements (one 16-byte load, an 8-byte store); 4 lanes hold a scale block. A
+// warp item is a chunk of one row, 32 * kQ units (1024 elements, kQ units per lane in flight),
+// whose 32 scale bytes are gathered by shuffles into 8 lanes and stored as 4-byte words: one
+// store writes a whole 32-byte sector (the row's padding after its last scale zeroed), where
+// one scale byte per lane of 4 made each sector four partial stores. On one H100 that took
+// 0.25-0.6 us off the FP8 combine at T = 1-128 and 3-7 us at T=4096 (docs/PERF.md, "FP8
+// staging": likely a partial-sector store to a line not in L2 waiting for its fill).
 __device__ __forceinline__ void stage_rows_fp8(const CombineParams& p, const int* recv, uint32_t warp_id,
                                                uint32_t nwarps, int lane) {
   const int me = p.ws.ep_rank, ep = p.ws.ep_size;
   uint8_t* region = row_of(p.ws, me) + p.combine_offset;
+  constexpr int kQ = 4;  // units per lane in flight
+  constexpr uint32_t kChunkUnits = 32 * kQ;
   const uint32_t U = static_cast<uint32_t>(p.hidden / 8);
+  const uint32_t per_row = (U + kChunkUnits - 1) / kChunkUnits;
   const int64_t row8 = (p.hidden + p.hidden / layout::FP8_BLOCK + 15) / 16 * 16;
   const int64_t row16 = p.hidden * 2;
+  const uint32_t scale_room = static_cast<uint32_t>(row8 - p.hidden);  // the scales and the padding
   const bool all_slots = (int64_t)(ep - 1) * p.rt * row16 <= kStageAllSlotsBytes;
-  constexpr int kQ = 4;  // units per lane in flight
+  // Lane j < 8 stores scale bytes 4j..4j+3 of the chunk; byte b is the scale of the chunk's
+  // unit round b / 8, held by lane 4 * (b % 8).
+  const int word_lane0 = 16 * (lane & 1), word_shift = 8 * ((lane >> 1) & 3);
   for (int s = 0; s < ep; ++s) {
     if (s == me) continue;
     int rows = all_slots ? p.rt : ld_volatile(recv + s);
     rows = rows < 0 ? 0 : rows > p.rt ? p.rt : rows;
-    const uint32_t n = static_cast<uint32_t>(rows) * U;
+    const uint32_t n = static_cast<uint32_t>(rows) * per_row;
     const uint8_t* src = p.payload + (int64_t)s * p.rt * row16;
     uint8_t* dst = region + (int64_t)s * p.rt * row8;
     // rotate the warps per source so that small copies spread over the grid
     const uint32_t w = (warp_id + static_cast<uint32_t>(s) * (nwarps / static_cast<uint32_t>(ep))) % nwarps;
 #pragma unroll 1
-    for (uint32_t g0 = w * 32 * kQ; g0 < n; g0 += nwarps * 32 * kQ) {
+    for (uint32_t item = w; item < n; item += nwarps) {
+      const uint32_t j = item / per_row, e0 = (item - j * per_row) * kChunkUnits;
+      const uint4* src_row = reinterpret_cast<const uint4*>(src + (int64_t)j * row16);
+      uint8_t* dst_row = dst + (int64_t)j * row8;
       uint4 v[kQ];
 #pragma unroll
       for (int u = 0; u < kQ; ++u) {
-        const uint32_t g = g0 + u * 32 + lane;
-        v[u] = g < n ? __ldcs(reinterpret_cast<const uint4*>(src) + g) : make_uint4(0, 0, 0, 0);
+        const uint32_t e8 = e0 + u * 32 + lane;
+        v[u] = e8 < U ? __ldcs(src_row + e8) : make_uint4(0, 0, 0, 0);
       }
+      uint32_t kbytes = 0;  // this lane's scale byte of each unit round u (byte u; 0 past the row)
 #pragma unroll
       for (int u = 0; u < kQ; ++u) {
-        const uint32_t g = g0 + u * 32 + lane;
+        const uint32_t e8 = e0 + u * 32 + lane;
         float f[8];
         Elem16<Bf16Bits>::unpack(v[u], f);
-        float amax = 0.f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[e]));
+        const float m01 = fmaxf(fabsf(f[0]), fabsf(f[1])), m23 = fmaxf(fabsf(f[2]), fabsf(f[3]));
+        const float m45 = fmaxf(fabsf(f[4]), fabsf(f[5])), m67 = fmaxf(fabsf(f[6]), fabsf(f[7]));
+        float amax = fmaxf(0.f, fmaxf(fmaxf(m01, m23), fmaxf(m45, m67)));  // (a NaN counts as 0)
         amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
         amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
-        if (g0 + u * 32 >= n) continue;  // warp-uniform (n is a multiple of 4 units, g0 of 32)
         const int k = fp8_block_exponent(amax);
-        const float inv = pow2(-k);
-        if (g < n) {
-          const uint32_t j = g / U, e8 = g - j * U;
-          uint8_t* row = dst + (int64_t)j * row8;
+        if (e8 < U) {  // (U is a multiple of 4: a scale block's 4 lanes agree)
+          const float inv = pow2(-k);
           uint2 q;
           q.x = fp8x4(f[0] * inv, f[1] * inv, f[2] * inv, f[3] * inv);
           q.y = fp8x4(f[4] * inv, f[5] * inv, f[6] * inv, f[7] * inv);
-          reinterpret_cast<uint2*>(row)[e8] = q;
-          if ((lane & 3) == 0) row[p.hidden + e8 / 4] = static_cast<uint8_t>(k + 127);
+          reinterpret_cast<uint2*>(dst_row)[e8] = q;
+          kbytes |= static_cast<uint32_t>(k + 127) << (8 * u);
         }
       }
+      uint32_t word = 0;
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        word |= ((__shfl_sync(kFullMask, kbytes, word_lane0 + 4 * t) >> word_shift) & 0xffu) << (8 * t);
+      }
+      const uint32_t at_byte = e0 / 4 + 4 * static_cast<uint32_t>(lane);
+      if (lane < 8 && at_byte + 4 <= scale_room) *reinterpret_cast<uint32_t*>(dst_row + p.hidden + at_byte) = word;
     }
   }
 }
