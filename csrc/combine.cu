@@ -230,10 +230,11 @@ __device__ __forceinline__ void fp8x2_add(uint32_t w16, float scale, float* a) {
 // A unit is 8 elements (one 16-byte load, an 8-byte store); 4 lanes hold a scale block. A
 // warp item is a chunk of one row, 32 * kQ units (1024 elements, kQ units per lane in flight),
 // whose 32 scale bytes are gathered by shuffles into 8 lanes and stored as 4-byte words: one
-// store writes a whole 32-byte sector (the row's padding after its last scale zeroed), where
-// one scale byte per lane of 4 made each sector four partial stores. On one H100 that took
-// 0.25-0.6 us off the FP8 combine at T = 1-128 and 3-7 us at T=4096 (docs/PERF.md, "FP8
-// staging": likely a partial-sector store to a line not in L2 waiting for its fill).
+// store writes a whole 32-byte sector when rows are a multiple of 32 bytes long (the row's
+// padding after its last scale zeroed), where one scale byte per lane of 4 made each sector
+// four partial stores. On one H100 that took 0.25-0.6 us off the FP8 combine at T = 1-128
+// and 3-7 us at T=4096 (docs/PERF.md, "FP8 staging": likely a partial-sector store to a
+// line not in L2 waiting for its fill).
 __device__ __forceinline__ void stage_rows_fp8(const CombineParams& p, const int* recv, uint32_t warp_id,
                                                uint32_t nwarps, int lane) {
   const int me = p.ws.ep_rank, ep = p.ws.ep_size;
