@@ -532,7 +532,7 @@ Tensor combine_cuda(const Tensor& payload, Tensor& workspace, int64_t plan, int6
     A2AD_CHECK(reinterpret_cast<uintptr_t>(payload.data_ptr()) % 16 == 0 && combine_offset % 16 == 0,
                "a2ad: low_precision combine needs a 16-byte aligned payload and region");
   }
-  const int64_t fp8_row = (hidden + hidden / a2ad::layout::FP8_BLOCK + 15) / 16 * 16;
+  const int64_t fp8_row = a2ad::fp8_row_bytes(hidden);
   const int64_t region = pl.ep_size * rt * (low_precision ? fp8_row : hidden * payload.element_size());
   A2AD_CHECK(combine_offset >= pl.aux.block_counters && combine_offset + region <= workspace.size(1),
              "a2ad: combine region [", combine_offset, ", +", region, ") does not fit a row of ", workspace.size(1),

@@ -243,7 +243,7 @@ __device__ __forceinline__ void stage_rows_fp8(const CombineParams& p, const int
   constexpr uint32_t kChunkUnits = 32 * kQ;
   const uint32_t U = static_cast<uint32_t>(p.hidden / 8);
   const uint32_t per_row = (U + kChunkUnits - 1) / kChunkUnits;
-  const int64_t row8 = (p.hidden + p.hidden / layout::FP8_BLOCK + 15) / 16 * 16;
+  const int64_t row8 = fp8_row_bytes(p.hidden);
   const int64_t row16 = p.hidden * 2;
   const uint32_t scale_room = static_cast<uint32_t>(row8 - p.hidden);  // the scales and the padding
   const bool all_slots = (int64_t)(ep - 1) * p.rt * row16 <= kStageAllSlotsBytes;
@@ -309,7 +309,7 @@ __device__ void pull_item_fp8(const CombineParams& p, int t, uint32_t c, const P
   const int me = p.ws.ep_rank;
   unsigned sends = __ballot_sync(kFullMask, target >= 0);
   const int64_t row16 = p.hidden * 2;
-  const int64_t row8 = (p.hidden + p.hidden / layout::FP8_BLOCK + 15) / 16 * 16;
+  const int64_t row8 = fp8_row_bytes(p.hidden);
   const int64_t first = c * static_cast<uint32_t>(g.per_chunk);
   const uint8_t* region = p.ws.base + p.combine_offset + (int64_t)me * p.rt * row8;
   const uint8_t* self_region = p.payload + (int64_t)me * p.rt * row16;

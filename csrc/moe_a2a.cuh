@@ -126,6 +126,12 @@ struct SanitizeParams {
 
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
+// Bytes of one FP8 combine row (layout.fp8_row_bytes): hidden e4m3 bytes, then one E8M0 scale
+// byte per FP8_BLOCK elements, padded to 16 bytes.
+__host__ __device__ inline int64_t fp8_row_bytes(int64_t hidden) {
+  return (hidden + hidden / layout::FP8_BLOCK + 15) / 16 * 16;
+}
+
 struct CombineParams {
   Workspace ws;
   AuxOffsets aux;
