@@ -268,7 +268,7 @@ __device__ __forceinline__ void stage_rows_fp8(const CombineParams& p, const int
 #pragma unroll
       for (int u = 0; u < kQ; ++u) {
         const uint32_t e8 = e0 + u * 32 + lane;
-        v[u] = e8 < U ? __ldcs(src_row + e8) : make_uint4(0, 0, 0, 0);
+        v[u] = e8 < U ? src_row[e8] : make_uint4(0, 0, 0, 0);
       }
       uint32_t kbytes = 0;  // this lane's scale byte of each unit round u (byte u; 0 past the row)
 #pragma unroll
@@ -921,7 +921,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
       token_sends(p, first_t, lane, &first_target, &first_slot, &first_routed);
       if constexpr (kVec && kPath != kPathGeneral) {
         if (self_from_payload(p)) {
-          prefetch_self_chunk(p, kFp8 ? p.hidden * 2 : row_bytes, my_first % chunks, g, lane, first_target, first_slot);
+          prefetch_self_chunk(p, row_bytes, my_first % chunks, g, lane, first_target, first_slot);
         }
       }
     }
