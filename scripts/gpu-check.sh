@@ -7,8 +7,10 @@
 # Environment: A2AD_EXT_DIR (extension cache, default ./build/ext), GPU_CHECK_STEPS (a
 # space-separated subset of: build tests demo bench; default all), GPU_CHECK_PYTEST (extra
 # pytest arguments), GPU_CHECK_TESTS_LIMIT (seconds for the tests step, default 900: the
-# whole GPU suite took about 500 s on one H100). Python packages missing on the machine may
-# be given as wheels in ./.whl.
+# whole GPU suite took about 500 s on one H100), GPU_CHECK_PART (the tests step's half, for
+# machines lent for less than the whole suite: "kernels", the four kernel test files, about
+# 210 s on one H100, or "rest", everything else, about 290 s; default both). Python packages
+# missing on the machine may be given as wheels in ./.whl.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -22,6 +24,13 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export A2AD_EXT_DIR=${A2AD_EXT_DIR:-$PWD/build/ext}
 STEPS=${GPU_CHECK_STEPS:-build tests demo bench}
 PY=${A2AD_PYTHON:-python3}
+KERNEL_TESTS="tests/test_deep_ep.py tests/test_cuda_kernels.py tests/test_cuda_degraded.py tests/test_cuda_plane_features.py"
+case ${GPU_CHECK_PART:-} in
+    "") TEST_ARGS="tests/" ;;
+    kernels) TEST_ARGS=$KERNEL_TESTS ;;
+    rest) TEST_ARGS="tests/$(for f in $KERNEL_TESTS; do printf ' --ignore=%s' "$f"; done)" ;;
+    *) echo "GPU_CHECK_PART must be kernels or rest, got '$GPU_CHECK_PART'" >&2; exit 2 ;;
+esac
 
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/a2ad-site .whl/*.whl \
@@ -51,7 +60,7 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
 for s in $STEPS; do
     case $s in
         build) step build 300 "$PY" -c "import a2ad.client._ext as e; e.load(); print('extension ok')" ;;
-        tests) step tests "${GPU_CHECK_TESTS_LIMIT:-900}" "$PY" -m pytest -q --full -m "gpu or gpu2" -p no:cacheprovider ${GPU_CHECK_PYTEST:-} tests/ ;;
+        tests) step tests "${GPU_CHECK_TESTS_LIMIT:-900}" "$PY" -m pytest -q --full -m "gpu or gpu2" -p no:cacheprovider ${GPU_CHECK_PYTEST:-} $TEST_ARGS ;;
         demo)
             step demo-2 180 "$PY" -m a2ad.tools.cli demo --backend cuda --ranks 2 --rounds 30 --tokens 256 --hidden 7168 --top-k 8 --experts 256
             step demo-8 180 "$PY" -m a2ad.tools.cli demo --backend cuda --ranks 8 --rounds 10 --tokens 64 --hidden 2880 --top-k 4 --experts 128
