@@ -9,8 +9,8 @@
 # pytest arguments), GPU_CHECK_TESTS_LIMIT (seconds for the tests step, default 900: the
 # whole GPU suite took about 500 s on one H100), GPU_CHECK_PART (the tests step's half, for
 # machines lent for less than the whole suite: "kernels", the four kernel test files, about
-# 150 s of pytest on one H100, or "rest", everything else, about 290 s; default both). Python packages
-# missing on the machine may be given as wheels in ./.whl.
+# 150 s of pytest on one H100, or "rest", everything else, about 290 s; default both).
+# Python packages missing on the machine may be given as wheels in ./.whl.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
