@@ -9,6 +9,7 @@ import json
 import os
 import queue
 import resource
+import select
 import signal
 import socket
 import subprocess
@@ -351,10 +352,18 @@ def test_rank_with_fds_above_1024_keeps_serving_through_a_restart(runtime_dir):
 
 
 def _start_keeper(path: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(python_command("a2ad.daemon.keeper", "--socket", str(path)),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(REPO))
-    line = proc.stdout.readline()
-    assert line.strip() == b"READY", line
+    """A keeper on ``path``, once it printed READY (within 20 s); its log goes to a file
+    beside the socket (a pipe nobody reads could fill and stall it)."""
+    with open(path.parent / "keeper.log", "wb") as err:
+        proc = subprocess.Popen(python_command("a2ad.daemon.keeper", "--socket", str(path)),
+                                stdout=subprocess.PIPE, stderr=err, cwd=str(REPO))
+    ready, _, _ = select.select([proc.stdout], [], [], 20.0)
+    line = proc.stdout.readline() if ready else b"(nothing within 20 s)"
+    if line.strip() != b"READY":
+        proc.kill()
+        proc.wait(5)
+        proc.stdout.close()
+        raise AssertionError(f"keeper did not start: {line!r}; log: {(path.parent / 'keeper.log').read_text()[-2000:]}")
     return proc
 
 
@@ -366,6 +375,7 @@ def test_keeper_holding_1100_fds_survives_a_second_connection(runtime_dir):
     path = runtime_dir / KEEPER_SOCK
     proc = _start_keeper(path)
     fds = []
+    first = None
     try:
         for i in range(1100):
             fd = os.memfd_create(f"t{i}")
@@ -386,8 +396,9 @@ def test_keeper_holding_1100_fds_survives_a_second_connection(runtime_dir):
         assert fdpass.recv_frame(first, timeout=5)[0]["count"] == 1100
         assert proc.poll() is None
         print("figure: keeper holding 1100 fds answered 3 new connections and the first one")
-        first.close()
     finally:
+        if first is not None:
+            first.close()
         for fd in fds:
             os.close(fd)
         try:
@@ -399,6 +410,7 @@ def test_keeper_holding_1100_fds_survives_a_second_connection(runtime_dir):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+        proc.stdout.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
