@@ -45,10 +45,14 @@ aligned; all int32)::
     COMBINE_READY               [ep_size] u64      written by target t in one release store:
                                                    ``(combine spec << 32) | round`` (:func:`combine_spec`):
                                                    the combine flag together with what t staged
+    COMBINE_LINE_HEADS          [ep_size] 16 bytes written by target t when its combine stages lines:
+                                                   ``(round << 32 | spec)`` twice (CUDA kernels only)
+    COMBINE_LINES               COMBINE_LINES_BYTES  this rank's staged rows for its sources as lines
+                                                   ``(round << 32 | 4 data bytes)`` (CUDA kernels only)
     PAYLOAD_DATA                                   start of the payload area
 
 ``slices`` is ``ceil(max_tokens / COMBINE_SLICE_ROWS)``; a slice flag is a u64 like
-COMBINE_READY (``(combine spec << 32) | round``). The six last fields are
+COMBINE_READY (``(combine spec << 32) | round``). The eight last fields are
 not in FlashInfer's MoeAlltoAll metainfo list; they only move PAYLOAD_DATA, and a client checks
 the daemon's metainfo against its own, so a daemon and client that disagree on the
 layout refuse each other at join.
@@ -189,6 +193,10 @@ FP8_BLOCK = 32
 #: Rows of one combine slice: the unit in which a rank announces that part of its
 #: combine region is staged (COMBINE_SLICE_FLAGS).
 COMBINE_SLICE_ROWS = 8
+#: Bytes of a row's COMBINE_LINES: the staged rows of a small combine as 16-byte lines (8 bytes
+#: of data, each 4 beside the round); a combine whose lines fit takes that path (docs/PROTOCOL.md,
+#: "Combine lines").
+COMBINE_LINES_BYTES = 2 << 20
 
 # Metainfo indices (names as in FlashInfer's MoeAlltoAll API).
 FLAG_VAL_OFFSET_INDEX = 0
@@ -253,6 +261,10 @@ class AuxLayout:
     recv_specs: int
     #: [ep_size] uint64, written by target t: (combine spec << 32) | round.
     combine_ready: int
+    #: [ep_size] 16-byte lines, written by target t: (round << 32 | combine spec), twice.
+    combine_line_heads: int
+    #: COMBINE_LINES_BYTES: this rank's staged combine rows as 16-byte lines.
+    combine_lines: int
     payload_data: int
     #: Bytes the daemon zeroes (everything before PAYLOAD_DATA).
     aux_bytes: int
@@ -303,10 +315,13 @@ AUX_PLAN_FIELDS = (
     ("dispatch_ready", "int64_t", "[ep_size] u64, written by source s: (high << 32) | round"),
     ("recv_specs", "int64_t", "[ep_size, SPEC_WORDS] int32, written by source s: its payload descriptor"),
     ("combine_ready", "int64_t", "[ep_size] u64, written by target t: (combine spec << 32) | round"),
+    ("combine_line_heads", "int64_t", "[ep_size] 16-byte lines, written by target t: (round << 32 | spec) x 2"),
+    ("combine_lines", "int64_t", "COMBINE_LINES_BYTES: the staged rows of a small combine as lines"),
+    ("combine_lines_bytes", None, "COMBINE_LINES_BYTES"),
 )
 #: The values of :data:`AUX_PLAN_FIELDS` that are this module's constants (name -> constant).
 AUX_PLAN_CONSTANTS = {"topk_stride": "MAX_TOP_K", "block_counter_slots": "BLOCK_COUNTER_SLOTS",
-                      "combine_slice_rows": "COMBINE_SLICE_ROWS"}
+                      "combine_slice_rows": "COMBINE_SLICE_ROWS", "combine_lines_bytes": "COMBINE_LINES_BYTES"}
 
 
 def aux_plan(aux: AuxLayout) -> list[int]:
@@ -350,6 +365,8 @@ def aux_layout(ep_size: int, max_num_tokens: int) -> AuxLayout:
     dispatch_ready = take(8 * ep_size)
     recv_specs = take(4 * SPEC_WORDS * ep_size)
     combine_ready = take(8 * ep_size)
+    combine_line_heads = take(16 * ep_size)
+    combine_lines = take(COMBINE_LINES_BYTES)
     payload_data = off
     return AuxLayout(
         ep_size=ep_size,
@@ -370,6 +387,8 @@ def aux_layout(ep_size: int, max_num_tokens: int) -> AuxLayout:
         dispatch_ready=dispatch_ready,
         recv_specs=recv_specs,
         combine_ready=combine_ready,
+        combine_line_heads=combine_line_heads,
+        combine_lines=combine_lines,
         payload_data=payload_data,
         aux_bytes=payload_data,
         aux_data_size=payload_data + ALIGN_SLACK,
@@ -947,6 +966,7 @@ C_HEADER_CONSTANTS = (
     "MAX_PAYLOADS",
     "BLOCK_COUNTER_SLOTS",
     "COMBINE_SLICE_ROWS",
+    "COMBINE_LINES_BYTES",
     "INITIAL_ROUND",
     "SLOT_DISPATCH_ARRIVAL",
     "SLOT_COMBINE_ARRIVAL",

@@ -45,14 +45,10 @@ constexpr int kStageUnroll = 8;
 // the received rows: it then need not read RECV_COUNTERS first (a cold load on the
 // critical path of a small round); the extra rows are never pulled.
 constexpr int64_t kStageAllSlotsBytes = int64_t{1} << 20;
-// Split staging: a small plain staging (every slot, see kStageAllSlotsBytes; 16-byte
-// vectors, not FP8, not degraded, not low-latency, at most 64 ranks) whose combine would
-// run in at least kSplitStageMinGrid blocks is a kernel of its own, and the combine kernel
-// behind it publishes its ready words at entry: the kernel boundary stands in for the
-// cross-block arrival and for the release's wait on the staging stores.
-constexpr int kSplitStageMinGrid = 2;
+// Lines (see uses_lines): 8-byte units of the payload in flight per staging thread.
+constexpr int kLineUnroll = 4;
 // The combine kernel's instantiations by path (its kPath).
-constexpr int kPathGeneral = 0, kPathPlain = 1, kPathPrestaged = 2;
+constexpr int kPathGeneral = 0, kPathPlain = 1, kPathLines = 2;
 
 // Probe of the combine ready word target q wrote into this rank's row: its low half is
 // the round, its high half q's combine descriptor (the probe's value).
@@ -745,16 +741,290 @@ __device__ __forceinline__ void stage_rows_indexed(const CombineParams& p, const
   }
 }
 
+// ---------------------------------------------------------------------------
+// Lines: a small combine's readiness carried in its staged rows
+// ---------------------------------------------------------------------------
+// A combine whose staging copies every slot (see stages_all_slots) of 16-byte-multiple rows,
+// in a job of at most 64 ranks without degraded mode, not FP8 and not low-latency pairs,
+// stages its rows as lines (COMBINE_LINES): each 8 bytes of a row become one 16-byte line of
+// two words (round << 32 | 4 data bytes), so that a puller spins on the lines it reads until
+// they hold the round. No release follows the staging and no ready word is awaited before
+// the pull: the combine of a few tokens is 1-2 us shorter (docs/PERF.md, "Combine lines").
+// Every rank decides alike (from the job, rt, the row's width and the mode, which every rank
+// passes alike or the combine descriptors differ), whatever its payload's place and alignment.
+//   - Target q's lines for source s (s != q) are its rows [s, 0..rt) in order, at source index
+//     s - (s > q) of q's COMBINE_LINES.
+//   - Before its rows, q writes the head (round << 32 | q's combine descriptor, twice) into each
+//     source's COMBINE_LINE_HEADS[q]: a source reads q's lines only once the head holds the
+//     round and its own descriptor (a target of another descriptor writes lines elsewhere).
+//   - q still publishes COMBINE_READY after its staging; the launch's poller (its last block)
+//     waits for every head (or a ready word without one: that target staged no lines) before
+//     it pulls, for the protocol's words and reports; no other block waits for it.
+__host__ __device__ inline bool uses_lines(const CombineParams& p, int64_t row_bytes) {
+  const int ep = p.ws.ep_size;
+  return ep > 1 && ep <= 64 && !p.ctl.degrade && p.group == 0 && !p.low_precision && row_bytes % 16 == 0 &&
+         p.ws.row_stride % 16 == 0 && 2 * (int64_t)(ep - 1) * p.rt * row_bytes <= layout::COMBINE_LINES_BYTES;
+}
+
+__device__ __forceinline__ uint64_t line_word(uint32_t data, uint32_t round) {
+  return (static_cast<uint64_t>(round) << 32) | data;
+}
+
+__device__ __forceinline__ bool line_has(const ulonglong2& l, uint32_t round) {
+  return static_cast<uint32_t>(l.x >> 32) == round && static_cast<uint32_t>(l.y >> 32) == round;
+}
+
+// 8 or 16 bytes from a payload of any element alignment (2 bytes at least).
+__device__ __forceinline__ uint2 load8_any(const uint8_t* p, bool aligned) {
+  if (aligned) return *reinterpret_cast<const uint2*>(p);
+  const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
+  return make_uint2(static_cast<uint32_t>(h[0]) | static_cast<uint32_t>(h[1]) << 16,
+                    static_cast<uint32_t>(h[2]) | static_cast<uint32_t>(h[3]) << 16);
+}
+
+__device__ __forceinline__ uint4 load16_any(const uint8_t* p, bool aligned) {
+  if (aligned) return __ldcg(reinterpret_cast<const uint4*>(p));
+  const uint2 a = load8_any(p, false), b = load8_any(p + 8, false);
+  return make_uint4(a.x, a.y, b.x, b.y);
+}
+
+__device__ __forceinline__ void store16_any(uint8_t* p, const uint4& v, bool aligned) {
+  if (aligned) {
+    *reinterpret_cast<uint4*>(p) = v;
+    return;
+  }
+  unsigned short* h = reinterpret_cast<unsigned short*>(p);
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    h[2 * i] = static_cast<unsigned short>(w[i] & 0xffffu);
+    h[2 * i + 1] = static_cast<unsigned short>(w[i] >> 16);
+  }
+}
+
+// Step 1 of a lines combine: the heads into the sources' rows (the view's), then every slot of
+// every source s != me as lines, from the payload (or the combine region, when the payload is
+// there), kLineUnroll units per thread in flight; threads tid of nthreads.
+__device__ __forceinline__ void stage_lines(const CombineParams& p, int64_t row_bytes, int round,
+                                            const RankMask<1>& view, uint32_t tid, uint32_t nthreads) {
+  const int me = p.ws.ep_rank, ep = p.ws.ep_size;
+  uint8_t* my_row = row_of(p.ws, me);
+  const uint32_t r = static_cast<uint32_t>(round);
+  if (tid < static_cast<uint32_t>(ep) && static_cast<int>(tid) != me && view.has(static_cast<int>(tid))) {
+    const uint64_t head = line_word(p.spec, r);
+    st_line(at<uint4>(row_of(p.ws, static_cast<int>(tid)), p.aux.combine_line_heads) + me, head, head);
+  }
+  const uint8_t* src = p.payload_in_workspace ? my_row + p.combine_offset : p.payload;
+  const bool aligned = reinterpret_cast<uintptr_t>(src) % 8 == 0;
+  uint4* lines = at<uint4>(my_row, p.aux.combine_lines);
+  const int64_t seg = (int64_t)p.rt * row_bytes / 8;  // units (lines) per source
+  const int64_t n = (int64_t)(ep - 1) * seg, skip = (int64_t)me * seg;
+#pragma unroll 1
+  for (int64_t i0 = tid; i0 < n; i0 += (int64_t)nthreads * kLineUnroll) {
+    uint2 v[kLineUnroll];
+#pragma unroll
+    for (int u = 0; u < kLineUnroll; ++u) {
+      const int64_t i = i0 + (int64_t)u * nthreads;
+      if (i < n) v[u] = load8_any(src + 8 * (i < skip ? i : i + seg), aligned);
+    }
+#pragma unroll
+    for (int u = 0; u < kLineUnroll; ++u) {
+      const int64_t i = i0 + (int64_t)u * nthreads;
+      if (i < n) st_line(lines + i, line_word(v[u].x, r), line_word(v[u].y, r));
+    }
+  }
+}
+
+// The poller's probe of target q (its last block waits for every peer of the view): q's head
+// in this rank's COMBINE_LINE_HEADS with the round (value: q's descriptor), or q's ready word
+// with the round and no head (q staged no lines: value kCombineSpecVoid, so that nothing is
+// read from it and a report names what its ready word holds).
+struct LinesProbe {
+  const uint4* head;
+  const uint64_t* word;
+  int want;
+  __device__ __forceinline__ bool ready(int* value) const {
+    const uint32_t r = static_cast<uint32_t>(want);
+    ulonglong2 h = ld_line(head);
+    if (!line_has(h, r)) {
+      if (static_cast<uint32_t>(ld_acquire_sys_u64(word)) != r) return false;
+      h = ld_line(head);  // (q writes its head before it publishes)
+      if (!line_has(h, r)) {
+        *value = static_cast<int>(kCombineSpecVoid);
+        return true;
+      }
+    }
+    *value = static_cast<int>(static_cast<uint32_t>(h.x));
+    return true;
+  }
+};
+
+struct LinesFlags {
+  const uint4* heads;
+  const uint64_t* words;
+  int round;
+  __device__ LinesProbe operator()(int q) const { return LinesProbe{heads + q, words + q, round}; }
+};
+
+// pull_item of a lines combine: this rank's own sends read from its payload (or combine
+// region), every other from the target's lines, each spun on until its head and its lines
+// hold the round. A target whose head holds another descriptor, or whose ready word came
+// without a head, is not read (the poller reports it). Returns false when the wait was
+// given up (the poller posted *give_up, the job was aborted, or twice the timeout passed:
+// then this warp wrote the status record unless another thread had).
+template <typename T>
+__device__ bool pull_item_lines(const CombineParams& p, int t, uint32_t c, const PullGeometry& g, int lane, int target,
+                                int slot, int round, int* give_up, int* claim) {
+  const int me = p.ws.ep_rank;
+  unsigned sends = __ballot_sync(kFullMask, target >= 0);
+  const int64_t row_bytes = p.hidden * (int64_t)sizeof(T);
+  const int64_t units8 = row_bytes / 8;
+  const int64_t first = c * static_cast<uint32_t>(g.per_chunk);  // first 16-byte unit of this chunk
+  uint8_t* my_row = row_of(p.ws, me);
+  const uint8_t* self_rows =
+      (self_from_payload(p) ? p.payload : my_row + p.combine_offset) + (int64_t)me * p.rt * row_bytes + first * 16;
+  const bool self_aligned = reinterpret_cast<uintptr_t>(self_rows) % 16 == 0;
+  const uint4* heads = at<const uint4>(my_row, p.aux.combine_line_heads);
+  const uint64_t* words = at<const uint64_t>(my_row, p.aux.combine_ready);
+  const uint32_t* abort_word = reinterpret_cast<const uint32_t*>(p.ctl.block + layout::CB_ABORT);
+  const uint32_t r = static_cast<uint32_t>(round);
+  constexpr int kUnits = kPullVecs;
+  constexpr int kSends = kPullSendsVec;
+  constexpr int kPer = Elem<T>::kPerVec;
+  float acc[kUnits * kPer];
+#pragma unroll
+  for (int a = 0; a < kUnits * kPer; ++a) acc[a] = 0.f;
+  bool in[kUnits];
+#pragma unroll
+  for (int u = 0; u < kUnits; ++u) in[u] = first + u * 32 + lane < g.units;
+  while (sends != 0) {
+    const uint8_t* src[kSends];
+    int tq[kSends];
+    bool has[kSends], self[kSends];
+#pragma unroll
+    for (int b = 0; b < kSends; ++b) {
+      has[b] = sends != 0;  // warp-uniform
+      const int k = has[b] ? __ffs(sends) - 1 : 0;
+      if (has[b]) sends &= sends - 1;
+      tq[b] = __shfl_sync(kFullMask, target, k);
+      const int sq = __shfl_sync(kFullMask, slot, k);
+      self[b] = tq[b] == me;
+      const int64_t source = me - (me > tq[b] ? 1 : 0);  // this rank's index among tq's sources
+      src[b] = self[b] ? self_rows + (int64_t)sq * row_bytes
+                       : at<const uint8_t>(row_of(p.ws, tq[b]), p.aux.combine_lines) +
+                             16 * ((source * p.rt + sq) * units8 + 2 * first);
+    }
+    // Every load of the batch before the first use: the heads, the lines, the own rows (16
+    // bytes in l0 as two words).
+    ulonglong2 head[kSends], l0[kSends][kUnits], l1[kSends][kUnits];
+#pragma unroll
+    for (int b = 0; b < kSends; ++b) {
+      head[b] = make_ulonglong2(0, 0);
+      if (has[b] && !self[b]) head[b] = ld_line(heads + tq[b]);
+#pragma unroll
+      for (int u = 0; u < kUnits; ++u) {
+        l0[b][u] = l1[b][u] = make_ulonglong2(0, 0);
+        if (has[b] && in[u]) {
+          const int v = u * 32 + lane;
+          if (self[b]) {
+            const uint4 o = load16_any(src[b] + 16 * v, self_aligned);
+            l0[b][u] = make_ulonglong2(o.x | static_cast<uint64_t>(o.y) << 32, o.z | static_cast<uint64_t>(o.w) << 32);
+          } else {
+            l0[b][u] = ld_line(src[b] + 32 * v);
+            l1[b][u] = ld_line(src[b] + 32 * v + 16);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kSends; ++b) {
+      if (!has[b] || self[b]) continue;  // warp-uniform
+      // 1: this target's lines hold the round; 2: nothing to read from it; 0: given up
+      int state = 0;
+      uint64_t t0 = 0;
+#pragma unroll 1
+      for (uint32_t it = 0;; ++it) {
+        if (line_has(head[b], r)) {
+          if (static_cast<uint32_t>(head[b].x) != p.spec) {
+            state = 2;
+            break;
+          }
+          bool all = true;
+#pragma unroll
+          for (int u = 0; u < kUnits; ++u) all = all && (!in[u] || (line_has(l0[b][u], r) && line_has(l1[b][u], r)));
+          if (all) {
+            state = 1;
+            break;
+          }
+        }
+        if (it == 0) t0 = global_timer_ns();
+        if (it % kGiveUpPollEvery == kGiveUpPollEvery - 1) {
+          if (ld_volatile(give_up) == round) break;
+          // a ready word without a head: the target staged no lines this round
+          if (!line_has(head[b], r) && static_cast<uint32_t>(ld_acquire_sys_u64(words + tq[b])) == r &&
+              !line_has(ld_line(heads + tq[b]), r)) {
+            state = 2;
+            break;
+          }
+        }
+        const uint64_t waited = global_timer_ns() - t0;
+        const bool aborted =
+            it % kAbortPollEvery == kAbortPollEvery - 1 && ld_relaxed_sys_u32(abort_word) != 0;
+        if (aborted || waited >= 2 * p.ctl.timeout_ns) {
+          give_up_wait(p.ctl, aborted ? kWaitAborted : kWaitTimeout, tq[b], round, layout::PHASE_COMBINE, waited,
+                       claim, give_up);
+          break;
+        }
+        if (it >= kSpinPolls) __nanosleep(64);
+        head[b] = ld_line(heads + tq[b]);
+#pragma unroll
+        for (int u = 0; u < kUnits; ++u) {
+          if (in[u] && !(line_has(l0[b][u], r) && line_has(l1[b][u], r))) {
+            const int v = u * 32 + lane;
+            l0[b][u] = ld_line(src[b] + 32 * v);
+            l1[b][u] = ld_line(src[b] + 32 * v + 16);
+          }
+        }
+      }
+      if (!__all_sync(kFullMask, state != 0)) return false;
+      if (__any_sync(kFullMask, state == 2)) has[b] = false;  // (the head is the same for every lane)
+    }
+#pragma unroll
+    for (int b = 0; b < kSends; ++b) {
+      if (!has[b]) continue;
+#pragma unroll
+      for (int u = 0; u < kUnits; ++u) {
+        const ulonglong2 a = l0[b][u];
+        const uint4 v = self[b] ? make_uint4(static_cast<uint32_t>(a.x), static_cast<uint32_t>(a.x >> 32),
+                                             static_cast<uint32_t>(a.y), static_cast<uint32_t>(a.y >> 32))
+                                : make_uint4(static_cast<uint32_t>(a.x), static_cast<uint32_t>(a.y),
+                                             static_cast<uint32_t>(l1[b][u].x), static_cast<uint32_t>(l1[b][u].y));
+        Elem<T>::add(v, acc + u * kPer);  // (!in[u]: never stored)
+      }
+    }
+  }
+  uint8_t* out_row = static_cast<uint8_t*>(p.out) + (int64_t)t * row_bytes + first * 16;
+  const bool out_aligned = reinterpret_cast<uintptr_t>(out_row) % 16 == 0;
+#pragma unroll
+  for (int u = 0; u < kUnits; ++u) {
+    if (in[u]) store16_any(out_row + 16 * (u * 32 + lane), Elem<T>::pack(acc + u * kPer), out_aligned);
+  }
+  return true;
+}
+
 // The poller after its wait: the protocol's COMBINE_COMPLETION_FLAGS get the round (this
 // rank's own row), and a target whose combine descriptor differs is reported (the input
 // record; nothing is read from it). Not when the round's dispatch already found its
 // input wrong (`dispatch_mismatch`): that record is the round's report, and the client
 // may already have raised and cleared it (a second record would be raised by the next,
 // correct, round); nor over a record of the dispatch not yet raised.
+// (peer_specs: the descriptors the poller saw, where not the ready words' (kCombineSpecVoid:
+// the ready word's).)
 template <int W>
 __device__ __forceinline__ void combine_waited(const CombineParams& p, uint8_t* my_row, int round,
                                                const RankMask<W>& view, const RankMask<W>& seen,
-                                               const RankMask<W>& bad, bool dispatch_mismatch) {
+                                               const RankMask<W>& bad, bool dispatch_mismatch,
+                                               const int* peer_specs = nullptr) {
   const int q = threadIdx.x;
   if (q < p.ws.ep_size && view.has(q) && seen.has(q)) {
     at<int>(my_row, p.aux.combine_completion_flags)[q] = round;
@@ -764,8 +1034,11 @@ __device__ __forceinline__ void combine_waited(const CombineParams& p, uint8_t* 
     const int peer = bad.lowest();
     const uint64_t w = *reinterpret_cast<const volatile unsigned long long*>(
         at<uint64_t>(my_row, p.aux.combine_ready) + peer);
-    write_input(p.ctl, layout::INPUT_COMBINE_MISMATCH, peer | (layout::SPEC_FIELD_COMBINE << 8),
-                static_cast<int>(w >> 32), round, static_cast<int>(p.spec));
+    const int theirs = peer_specs != nullptr && peer_specs[peer] != static_cast<int>(kCombineSpecVoid)
+                           ? peer_specs[peer]
+                           : static_cast<int>(w >> 32);
+    write_input(p.ctl, layout::INPUT_COMBINE_MISMATCH, peer | (layout::SPEC_FIELD_COMBINE << 8), theirs, round,
+                static_cast<int>(p.spec));
   }
 }
 
@@ -784,12 +1057,13 @@ __device__ __forceinline__ void combine_waited(const CombineParams& p, uint8_t* 
 // weighted sum of group u's pairs. kAllSends: see pull_geometry.
 // kPath: kPathGeneral serves every round; kPathPlain only a round neither degraded nor
 // overlapped (the code of those two is left out: a smaller kernel, whose code a round after
-// an L2 flush fetches cold); kPathPrestaged a plain round whose rows a staging kernel before
-// this one staged (split staging, see kSplitStageMinGrid).
+// an L2 flush fetches cold); kPathLines a round that stages lines (see uses_lines; its
+// minimum of one block per SM keeps ptxas from capping the fp32 instance at 128 registers,
+// where it spilled).
 template <typename T, bool kVec, bool kFp8, int W, bool kLl = false, bool kAllSends = false, int kPath = kPathGeneral>
-__global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p) {
+__global__ void __launch_bounds__(kThreads, kPath == kPathLines ? 1 : 0) combine_kernel(const CombineParams p) {
   constexpr int kRanks = 64 * W;  // the most ranks this instantiation serves
-  constexpr bool kPrestaged = kPath == kPathPrestaged;
+  constexpr bool kLines = kPath == kPathLines;
   const bool degrade = kPath == kPathGeneral && p.ctl.degrade;
   wait_prior_grid();
   const int me = p.ws.ep_rank, ep = p.ws.ep_size;
@@ -818,7 +1092,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   // they are used).
   if (threadIdx.x < 32) {
     prefetch_l2(block_counters, 4 * layout::BLOCK_COUNTER_SLOTS, threadIdx.x, 32);
-    if ((kFp8 || !p.payload_in_workspace) && !kPrestaged && (kLl || overlap || !stages_all_slots(p, row_bytes))) {
+    if ((kFp8 || !p.payload_in_workspace) && !kLines && (kLl || overlap || !stages_all_slots(p, row_bytes))) {
       prefetch_l2(recv, 4 * ep, threadIdx.x, 32);
     }
   }
@@ -837,12 +1111,9 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   // 1. Stage the rows that were received (RECV_COUNTERS) into the own combine region.
   //    (Staging happens only when the payload is not the region, so this rank's own rows
   //    are never staged: only this rank pulls them, from the payload.)
-  if constexpr (kPrestaged) {
-    // (the staging kernel before this one completed: its stores are visible to this grid,
-    // and the release makes them visible to the peers with the word)
-    if (blockIdx.x == 0 && threadIdx.x < ep && view.has(threadIdx.x)) {
-      st_release_sys_u64(combine_ready_at(p, threadIdx.x, me), combine_word(p, round));
-    }
+  if constexpr (kLines) {
+    static_assert(W == 1, "lines: at most 64 ranks");
+    stage_lines(p, row_bytes, round, view, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
   } else if constexpr (kFp8) {
     stage_rows_fp8(p, recv, blockIdx.x * (kThreads / 32) + threadIdx.x / 32, gridDim.x * (kThreads / 32),
                    threadIdx.x % 32);
@@ -866,7 +1137,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
       // meanwhile) may still be alive (its node was counted lost), and what was staged for it
       // was computed from whatever its slots held: it gets the void descriptor, so that its
       // combine counts nothing from this rank and ends without waiting for its timeout.
-      if (view.has(q) && !kPrestaged) {
+      if (view.has(q)) {
         const bool got = !degrade || ld_volatile(at<int>(my_row, p.aux.dispatch_completion_flags) + q) == round;
         const uint64_t word = got ? combine_word(p, round)
                                   : (static_cast<uint64_t>(kCombineSpecVoid) << 32) | static_cast<uint32_t>(round);
@@ -929,7 +1200,21 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   int unused = 0;
   RankMask<W> seen = RankMask<W>::all(), bad = RankMask<W>::none();
   const CombineFlags flags{at<uint64_t>(my_row, p.aux.combine_ready), round};
-  if (!degrade) {
+  if constexpr (kLines) {
+    // Only the poller waits (for every head); the pullers spin on their lines.
+    if (last) {
+      __shared__ int s_spec[64];
+      int value = 0;
+      const LinesFlags heads{at<const uint4>(my_row, p.aux.combine_line_heads), flags.words, round};
+      if (!block_wait<W>(heads, ep, round, p.ctl, layout::PHASE_COMBINE, /*poller=*/true, claim, give_up, &value, view,
+                         &seen, &bad, static_cast<int>(p.spec))) {
+        return;
+      }
+      if (threadIdx.x < ep) s_spec[threadIdx.x] = value;
+      __syncthreads();
+      combine_waited(p, my_row, round, view, seen, bad, mismatch, s_spec);
+    }
+  } else if (!degrade) {
     if ((last || !overlap) && !block_wait<W>(flags, ep, round, p.ctl, layout::PHASE_COMBINE, /*poller=*/last, claim,
                                           give_up, &unused, view, &seen, &bad, static_cast<int>(p.spec))) {
       return;
@@ -986,7 +1271,9 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
       }
       if (degrade) count_seen<W>(p, t, c, routed, seen, &target, lane);
       if (bad.any() && target >= 0 && bad.has(target)) target = -1;  // never read from a target that disagreed
-      if constexpr (kFp8) {
+      if constexpr (kLines) {
+        if (!pull_item_lines<T>(p, t, c, g, lane, target, slot, round, give_up, claim)) return;
+      } else if constexpr (kFp8) {
         pull_item_fp8(p, t, c, g, lane, target, slot);
       } else {
         pull_item<T, kVec, kLl, kAllSends>(p, t, c, g, lane, target, slot, weight);
@@ -1033,17 +1320,6 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
   }
 }
 
-// Split staging (see kSplitStageMinGrid): step 1 of combine_kernel alone, for the combine
-// kernel launched behind it (kPrestaged).
-template <typename T>
-__global__ void __launch_bounds__(kThreads) combine_stage_kernel(const CombineParams p) {
-  wait_prior_grid();
-  allow_dependents();  // the combine kernel may be scheduled (it waits for this one's completion)
-  const int* recv = at<int>(row_of(p.ws, p.ws.ep_rank), p.aux.recv_counters);
-  stage_rows<true>(p, recv, p.hidden * (int64_t)sizeof(T), blockIdx.x * blockDim.x + threadIdx.x,
-                   gridDim.x * blockDim.x);
-}
-
 template <typename T, bool kVec, bool kFp8, int W, bool kLl = false, bool kAllSends = false>
 cudaError_t launch_typed(const CombineParams& p, cudaStream_t stream) {
   const void* fn = reinterpret_cast<const void*>(&combine_kernel<T, kVec, kFp8, W, kLl, kAllSends>);
@@ -1072,19 +1348,30 @@ cudaError_t launch_typed(const CombineParams& p, cudaStream_t stream) {
   }
   if constexpr (W == 1) {
     if (!p.ctl.degrade && q.overlap_stage_blocks == 0) {
-      if constexpr (kVec && !kFp8 && !kLl && !kAllSends) {
-        if (stage_bytes > 0 && grid >= kSplitStageMinGrid && stages_all_slots(p, row_bytes)) {
-          err = launch::overlapped(combine_stage_kernel<T>, launch::clamp_grid(stage_blocks, resident), kThreads, stream,
-                                   q);
-          if (err != cudaSuccess) return err;
-          return launch::overlapped(combine_kernel<T, true, false, 1, false, false, kPathPrestaged>,
-                                    launch::clamp_grid(pull_blocks, resident), kThreads, stream, q);
-        }
-      }
       return launch::overlapped(combine_kernel<T, kVec, kFp8, W, kLl, kAllSends, kPathPlain>, grid, kThreads, stream, q);
     }
   }
   return launch::overlapped(combine_kernel<T, kVec, kFp8, W, kLl, kAllSends>, grid, kThreads, stream, q);
+}
+
+// A lines combine (uses_lines): 16-byte units whatever the payload's and out's alignment.
+template <typename T>
+cudaError_t launch_lines(const CombineParams& p, cudaStream_t stream) {
+  const void* fn = reinterpret_cast<const void*>(&combine_kernel<T, true, false, 1, false, false, kPathLines>);
+  int resident = 0;
+  cudaError_t err = launch::resident_blocks(fn, kThreads, p.lim, &resident);
+  if (err != cudaSuccess) return err;
+  const PullGeometry g = pull_geometry<T, true>(p.hidden);
+  if ((int64_t)p.local_num_tokens * (g.chunks + 1) >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
+  const int64_t row_bytes = p.hidden * (int64_t)sizeof(T);
+  const int64_t pull_blocks = launch::ceil_div((int64_t)p.local_num_tokens * g.chunks, kThreads / 32);
+  const int64_t stage_blocks =
+      launch::ceil_div((int64_t)(p.ws.ep_size - 1) * p.rt * row_bytes / 8, (int64_t)kThreads * kLineUnroll);
+  CombineParams q = p;
+  q.overlap_stage_blocks = 0;
+  return launch::overlapped(combine_kernel<T, true, false, 1, false, false, kPathLines>,
+                            launch::clamp_grid(pull_blocks > stage_blocks ? pull_blocks : stage_blocks, resident),
+                            kThreads, stream, q);
 }
 
 // The instantiation of the dtype and the alignment (the binding checked the low precision
@@ -1106,6 +1393,19 @@ cudaError_t launch_words(const CombineParams& p, cudaStream_t stream) {
     const int64_t items = (int64_t)(p.local_num_tokens / p.group) * pull_geometry<__nv_bfloat16, true>(p.hidden).chunks;
     return items < kAllSendsMaxItems ? launch_typed<__nv_bfloat16, true, false, W, true, true>(p, stream)
                                      : launch_typed<__nv_bfloat16, true, false, W, true>(p, stream);
+  }
+  if constexpr (W == 1) {
+    if (uses_lines(p, row_bytes)) {
+      switch (p.dtype) {
+        case DType::kFloat32:
+          return launch_lines<float>(p, stream);
+        case DType::kFloat16:
+          return launch_lines<__half>(p, stream);
+        case DType::kBFloat16:
+          return launch_lines<__nv_bfloat16>(p, stream);
+      }
+      return cudaErrorInvalidValue;
+    }
   }
   if (p.low_precision) {
     // bf16 rows, whole scale blocks, 16-byte vectors everywhere
@@ -1158,13 +1458,10 @@ cudaError_t load_combine_kernels() {
       reinterpret_cast<const void*>(&combine_kernel<__nv_bfloat16, true, false, W, true, true, P>)
   const void* fns[] = {A2AD_COMBINE_KERNELS(1, kPathGeneral), A2AD_COMBINE_KERNELS(kMaskWords, kPathGeneral),
                        A2AD_COMBINE_KERNELS(1, kPathPlain),
-                       reinterpret_cast<const void*>(&combine_stage_kernel<float>),
-                       reinterpret_cast<const void*>(&combine_stage_kernel<__half>),
-                       reinterpret_cast<const void*>(&combine_stage_kernel<__nv_bfloat16>),
-                       reinterpret_cast<const void*>(&combine_kernel<float, true, false, 1, false, false, kPathPrestaged>),
-                       reinterpret_cast<const void*>(&combine_kernel<__half, true, false, 1, false, false, kPathPrestaged>),
+                       reinterpret_cast<const void*>(&combine_kernel<float, true, false, 1, false, false, kPathLines>),
+                       reinterpret_cast<const void*>(&combine_kernel<__half, true, false, 1, false, false, kPathLines>),
                        reinterpret_cast<const void*>(
-                           &combine_kernel<__nv_bfloat16, true, false, 1, false, false, kPathPrestaged>)};
+                           &combine_kernel<__nv_bfloat16, true, false, 1, false, false, kPathLines>)};
 #undef A2AD_COMBINE_KERNELS
   cudaFuncAttributes a;
   for (const void* fn : fns) {

@@ -75,6 +75,19 @@ __device__ __forceinline__ void st_release_gpu(int* p, int v) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// A line: 16 bytes, two u64 words each accessed as one (an aligned 8-byte access is single-copy
+// atomic), each word 4 bytes of data in its low half and a round in its high half: a reader
+// that sees the round in both words sees both data halves of that round.
+__device__ __forceinline__ void st_line(void* p, uint64_t a, uint64_t b) {
+  asm volatile("st.relaxed.sys.global.v2.b64 [%0], {%1, %2};" ::"l"(p), "l"(a), "l"(b) : "memory");
+}
+
+__device__ __forceinline__ ulonglong2 ld_line(const void* p) {
+  ulonglong2 v;
+  asm volatile("ld.relaxed.sys.global.v2.b64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 __device__ __forceinline__ int atomic_add_acq_rel_gpu(int* p, int v) {

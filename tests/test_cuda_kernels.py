@@ -358,44 +358,75 @@ def test_one_and_many_block_launches(make_job, ep_size, T, dtype, in_workspace):
             check_ready_words(job, r, 40)
 
 
+def combine_paths(prof):
+    """The kPath (last template argument) of every combine kernel a profile saw launched."""
+    import re
+
+    found = [re.search(r"combine_kernel<[^()]*, (\d+)>\(", e.name) for e in prof.events()]
+    return [int(m.group(1)) for m in found if m]
+
+
+def lines_words(job, r, ep, rt, row):
+    """Rank r's COMBINE_LINES of a round of rt slots of `row` bytes: the (round, data) halves of
+    each line word, as ([ep - 1, rt, row / 4] rounds, [ep - 1, rt, row] data bytes)."""
+    a = job.aux.combine_lines
+    words = job.ws[r, a : a + 2 * (ep - 1) * rt * row].view(torch.int64).cpu().view(ep - 1, rt, row // 4)
+    lo = words & 0xFFFFFFFF
+    data = torch.where(lo >= 1 << 31, lo - (1 << 32), lo).to(torch.int32).contiguous().view(torch.uint8)
+    return (words >> 32) & 0xFFFFFFFF, data.view(ep - 1, rt, row)
+
+
 @pytest.mark.parametrize("ep_size", [2, 3])
-def test_split_staging_with_ranks_that_stage_differently(make_job, ep_size):
-    """A small staged combine of more than one block stages in a kernel of its own, and the
-    combine kernel behind it publishes the ready words at entry; a one-block combine stages in
-    its one kernel; a rank whose payload is already its combine region stages nothing. Ranks
-    on different paths in one job, and rounds that switch between them: every combine
-    completes, right, and the ready words carry the round and the combine descriptor. The
-    kernels each round launched (torch's profiler) show which path each rank took."""
+def test_lines_with_ranks_that_stage_differently(make_job, ep_size):
+    """A combine whose rows fit COMBINE_LINES stages them as lines (ranks 0 and 2 combine from
+    their combine region, rank 1 from a tensor of its own); a round too big for them stages
+    into the combine region and publishes before anyone pulls, as the plain path does. Rounds
+    switch between the two: every combine completes, right; the ready words carry the round and
+    the combine descriptor; after a lines round each peer's head (this rank's
+    COMBINE_LINE_HEADS) holds the round and the descriptor twice, and the lines hold the round
+    beside each 4 bytes of every slot of the payload's rows for the peers. The combine kernel
+    each round launched (torch's profiler) shows the path every rank took."""
     from torch.profiler import ProfilerActivity, profile
 
-    dtype, top_k, num_experts, hidden = torch.bfloat16, 4, 16, 1024
+    dtype, top_k, num_experts, hidden = torch.bfloat16, 4, 16, 4096
     row = 2 * hidden
-    job = make_job(ep_size, 40, top_k, num_experts, row + 4 * top_k, row)
-    staging = [r % 2 == 1 for r in range(ep_size)]  # rank 0 (and 2) combine from the workspace
+    job = make_job(ep_size, 200, top_k, num_experts, row + 4 * top_k, row)
+    in_ws = [r % 2 == 0 for r in range(ep_size)]
     spec = L.combine_spec(hidden, dtype)
-    # (T, rt): one block (one token, one slot a source), then several blocks, twice
-    for T, rt in [(1, 1), (37, 40), (1, 1), (9, 12)]:
+    last_lines_round = None
+    for T, rt in [(1, 1), (37, 40), (150, 200), (1, 1), (9, 12)]:
+        lines = 2 * (ep_size - 1) * rt * row <= L.COMBINE_LINES_BYTES
+        assert lines == (rt != 200)
         pl = job.layout(rt, [row, 4 * top_k], row)
         experts = [rand_experts(T, top_k, num_experts) for _ in range(ep_size)]
         xs = [torch.randn(T, hidden, device="cuda").to(dtype) for _ in range(ep_size)]
         payloads = [[xs[r].view(torch.uint8), experts[r].view(torch.uint8)] for r in range(ep_size)]
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            outs = run_round(job, experts, payloads, pl, 0, dtype, in_workspace=[not st for st in staging])
+            outs = run_round(job, experts, payloads, pl, 0, dtype, in_workspace=in_ws)
             torch.cuda.synchronize()
-        names = [e.name for e in prof.events()]
-        combines = sum("combine_kernel<" in n for n in names)
-        stagings = sum("combine_stage_kernel<" in n for n in names)
-        assert combines == ep_size, (T, combines, sorted(set(names)))
-        assert stagings == (sum(staging) if T > 1 else 0), (T, stagings)
+        assert combine_paths(prof) == [2 if lines else 1] * ep_size, (T, rt)
         for r in range(ep_size):
             close(outs[r], combine_reference(job, experts[r], xs[r]), dtype)
             job.planes[r].check()
             round_ = job.flag_val(r) - 1
             words = job.ws[r, job.aux.combine_ready : job.aux.combine_ready + 8 * ep_size].view(torch.int64).cpu()
+            heads = job.ws[r, job.aux.combine_line_heads : job.aux.combine_line_heads + 16 * ep_size]
+            heads = heads.view(torch.int64).cpu().view(ep_size, 2)
             for q in range(ep_size):
                 if q != r:
                     w = int(words[q]) & ((1 << 64) - 1)
                     assert (w & 0xFFFFFFFF, w >> 32) == (round_, spec), (T, r, q, hex(w))
+                    want = ((round_ if lines else last_lines_round) << 32) | spec
+                    assert [int(h) & ((1 << 64) - 1) for h in heads[q]] == [want, want], (T, r, q)
+            if lines:
+                rounds, data = lines_words(job, r, ep_size, rt, row)
+                assert (rounds == round_).all(), (T, r)
+                recv = job.region(r, pl.dispatch_offsets[0], row).view(dtype)
+                comb = (recv.float() * expert_weight(r)).to(dtype).view(torch.uint8).view(ep_size, rt, row).cpu()
+                others = [s for s in range(ep_size) if s != r]
+                assert torch.equal(data, comb[others]), (T, r)
+        if lines:
+            last_lines_round = job.flag_val(0) - 1
 
 
 def ready_word_high(count, rt, max_tokens):
@@ -798,6 +829,53 @@ def test_peer_never_arrives_combine_times_out(make_job):
     assert info.value.phase == "combine"
     _context_usable()
     job.rearm()
+    _one_round(job)
+
+
+@pytest.mark.parametrize("how", ["timeout", "abort"])
+def test_lines_that_never_come_end_the_wait(make_job, how):
+    """A peer whose head came but whose lines never do (as if it had died while staging): the
+    poller's wait for the heads ends, the pullers spin on the lines and end at twice the timeout
+    (a timeout record naming the peer), or at the job's abort word (aborted, naming the peer);
+    the job is usable after a re-arm."""
+    timeout = 0.5 if how == "timeout" else 60.0
+    job = make_job(2, 16, 2, 8, 128, 128, timeout=timeout)
+    pl = _one_round(job)
+    T, hidden = 8, 64
+    experts = [torch.tensor([[4, 5]] * T, dtype=torch.int32, device="cuda"), rand_experts(T, 2, 8)]  # all to rank 1
+    xs = [torch.randn(T, hidden, device="cuda").bfloat16() for _ in range(2)]
+    job.on_ranks(lambda r: job.planes[r].dispatch(experts[r], [xs[r].view(torch.uint8)], T, pl, 8))
+    job.join()
+    torch.cuda.synchronize()
+    round_ = job.flag_val(0)
+    head = (round_ << 32) | L.combine_spec(hidden, torch.bfloat16)
+    at = job.aux.combine_line_heads + 16 * 1  # rank 0's COMBINE_LINE_HEADS[1]
+    job.ws[0, at : at + 16].view(torch.int64).copy_(torch.tensor([head, head], dtype=torch.int64))
+    comb = torch.randn(2, T, hidden, device="cuda").bfloat16()
+    t0 = time.monotonic()
+    job.on_ranks(lambda r: job.planes[r].combine(comb, T, T, pl, False), ranks=[0])
+    if how == "abort":
+        time.sleep(0.2)
+        job.control.set_abort(L.ABORT_PEER_LOST, rank=1)
+    job.streams[0].synchronize()
+    elapsed = time.monotonic() - t0
+    rec = job.control.status(0)
+    assert rec.peer == 1 and rec.phase == L.PHASE_COMBINE and rec.round == round_, rec
+    if how == "timeout":
+        assert rec.code == L.STATUS_TIMEOUT and rec.waited_ns >= 2 * 0.45e9, rec
+        assert 0.9 < elapsed < 10.0, elapsed
+        with pytest.raises(errors.PeerTimeout) as info:
+            job.planes[0].check()
+        assert info.value.peer == 1 and info.value.phase == "combine"
+    else:
+        assert rec.code == L.STATUS_ABORTED, rec
+        assert elapsed < 10.0, elapsed
+        with pytest.raises(errors.PeerLost) as info:
+            job.planes[0].check()
+        assert info.value.rank == 1
+    _context_usable()
+    job.rearm()
+    job.planes[0].check()
     _one_round(job)
 
 

@@ -111,7 +111,22 @@ def test_aux_plan_is_the_generated_struct_of_the_kernels():
     struct = re.search(r"struct AuxOffsets \{\n(.*?)\n\};", header, re.S).group(1)
     fields = [re.match(r"\s*(\w+) (\w+);", line).groups() for line in struct.splitlines()]
     assert fields == [(ctype, name) for name, ctype, _ in L.AUX_PLAN_FIELDS if ctype]
-    assert {name for _, name in fields} == set(names) - {"block_counter_slots", "combine_slice_rows"}
+    assert {name for _, name in fields} == set(names) - {"block_counter_slots", "combine_slice_rows",
+                                                         "combine_lines_bytes"}
+
+
+def test_combine_lines_are_aligned_fields_the_daemon_zeroes():
+    """COMBINE_LINE_HEADS (a 16-byte line per rank) and COMBINE_LINES (COMBINE_LINES_BYTES) lie
+    16-aligned inside the aux region, which every initialization zeroes: a line never written
+    since holds round 0, which no round is."""
+    from a2ad import layout as L
+
+    assert L.INITIAL_ROUND >= 1 and L.COMBINE_LINES_BYTES % 16 == 0
+    for ep, mt in ((1, 1), (2, 256), (8, 4096), (64, 17), (256, 3)):
+        aux = L.aux_layout(ep, mt)
+        assert aux.combine_line_heads % 16 == 0 and aux.combine_line_heads >= aux.combine_ready + 8 * ep
+        assert aux.combine_lines % 16 == 0 and aux.combine_lines >= aux.combine_line_heads + 16 * ep
+        assert aux.combine_lines + L.COMBINE_LINES_BYTES <= aux.payload_data == aux.aux_bytes
 
 
 def test_dispatch_ready_is_an_aligned_u64_field_before_the_payloads():
@@ -192,9 +207,9 @@ def test_sizes_at_ep_256_are_linear_in_ep_size():
     """What one rank's row needs at ep_size 256 (top_k 8, MoeAlltoAll's payloads for
     hidden_size), the figures of README.md "Sizes at ep_size 256" (printed with -s): every
     part grows linearly in ep_size, so four times the ep_size is four times the row, up to
-    the fixed per-rank parts (top-k scratch, flags, alignment)."""
-    table = {(256, 7168): 1883638144, (256, 2880): 759564672, (1024, 7168): 7534483840, (1024, 2880): 3038189952}
-    aux = {256: 395648, 1024: 1513856}
+    the fixed per-rank parts (top-k scratch, flags, alignment, the combine lines)."""
+    table = {(256, 7168): 1885739392, (256, 2880): 761665920, (1024, 7168): 7536585088, (1024, 2880): 3040291200}
+    aux = {256: 2496896, 1024: 3615104}
     for (tokens, hidden), want in table.items():
         got = L.moe_workspace_size_per_rank(256, 8, tokens, hidden)
         a = L.aux_data_size(256, tokens)
@@ -206,5 +221,5 @@ def test_sizes_at_ep_256_are_linear_in_ep_size():
         steps = {b - a for a, b in zip(sizes, sizes[1:])}
         assert max(steps) - min(steps) <= 3 * L.ALIGN, steps  # the same step for every 64 ranks
         fixed = 2 * sizes[0] - sizes[1]  # the part that does not grow with ep_size
-        assert 0 <= fixed < 64 * L.ALIGN + 2 * 4 * tokens * L.MAX_TOP_K + L.ALIGN_SLACK, fixed
+        assert 0 <= fixed < 64 * L.ALIGN + 2 * 4 * tokens * L.MAX_TOP_K + L.ALIGN_SLACK + L.COMBINE_LINES_BYTES, fixed
     assert L.CONTROL_BLOCK_SIZE == 16384
