@@ -745,8 +745,8 @@ __device__ __forceinline__ void stage_rows_indexed(const CombineParams& p, const
 // Lines: a small combine's readiness carried in its staged rows
 // ---------------------------------------------------------------------------
 // A combine whose staging copies every slot (see stages_all_slots) of 16-byte-multiple rows,
-// in a job of at most 64 ranks without degraded mode, not FP8 and not low-latency pairs,
-// stages its rows as lines (COMBINE_LINES): each 8 bytes of a row become one 16-byte line of
+// in a job of at most 64 ranks without degraded mode, not low-latency pairs, stages its rows
+// as lines (COMBINE_LINES): each 8 bytes of a row become one 16-byte line of
 // two words (round << 32 | 4 data bytes), so that a puller spins on the lines it reads until
 // they hold the round. No release follows the staging and no ready word is awaited before
 // the pull: the combine of a few tokens is 1-2 us shorter (docs/PERF.md, "Combine lines").
@@ -760,9 +760,13 @@ __device__ __forceinline__ void stage_rows_indexed(const CombineParams& p, const
 //   - q still publishes COMBINE_READY after its staging; the launch's poller (its last block)
 //     waits for every head (or a ready word without one: that target staged no lines) before
 //     it pulls, for the protocol's words and reports; no other block waits for it.
+//   - FP8 (low_precision): the lines carry the bf16 rows and the puller quantizes each peer's
+//     row as the FP8 staging would before adding it (the same bits: stage_rows_fp8's block
+//     exponent and e4m3 rounding, then pull_item_fp8's dequantizing); the rows cross the link
+//     at 4 bytes an element instead of 1 + 1/32, which a round this small does not feel.
 __host__ __device__ inline bool uses_lines(const CombineParams& p, int64_t row_bytes) {
   const int ep = p.ws.ep_size;
-  return ep > 1 && ep <= 64 && !p.ctl.degrade && p.group == 0 && !p.low_precision && row_bytes % 16 == 0 &&
+  return ep > 1 && ep <= 64 && !p.ctl.degrade && p.group == 0 && row_bytes % 16 == 0 &&
          p.ws.row_stride % 16 == 0 && 2 * (int64_t)(ep - 1) * p.rt * row_bytes <= layout::COMBINE_LINES_BYTES;
 }
 
@@ -803,8 +807,8 @@ __device__ __forceinline__ void store16_any(uint8_t* p, const uint4& v, bool ali
 }
 
 // Step 1 of a lines combine: the heads into the sources' rows (the view's), then every slot of
-// every source s != me as lines, from the payload (or the combine region, when the payload is
-// there), kLineUnroll units per thread in flight; threads tid of nthreads.
+// every source s != me as lines, from the payload, kLineUnroll units per thread in flight;
+// threads tid of nthreads.
 __device__ __forceinline__ void stage_lines(const CombineParams& p, int64_t row_bytes, int round,
                                             const RankMask<1>& view, uint32_t tid, uint32_t nthreads) {
   const int me = p.ws.ep_rank, ep = p.ws.ep_size;
@@ -814,7 +818,7 @@ __device__ __forceinline__ void stage_lines(const CombineParams& p, int64_t row_
     const uint64_t head = line_word(p.spec, r);
     st_line(at<uint4>(row_of(p.ws, static_cast<int>(tid)), p.aux.combine_line_heads) + me, head, head);
   }
-  const uint8_t* src = p.payload_in_workspace ? my_row + p.combine_offset : p.payload;
+  const uint8_t* src = p.payload;  // (the combine region itself when the payload is there)
   const bool aligned = reinterpret_cast<uintptr_t>(src) % 8 == 0;
   uint4* lines = at<uint4>(my_row, p.aux.combine_lines);
   const int64_t seg = (int64_t)p.rt * row_bytes / 8;  // units (lines) per source
@@ -866,23 +870,44 @@ struct LinesFlags {
   __device__ LinesProbe operator()(int q) const { return LinesProbe{heads + q, words + q, round}; }
 };
 
-// pull_item of a lines combine: this rank's own sends read from its payload (or combine
-// region), every other from the target's lines, each spun on until its head and its lines
+// acc[0..8) += the 8 bf16 elements of v as the FP8 combine has them after the link: quantized
+// with their 32-element block's exponent (the block's 4 units are held by lanes 4j..4j+3; every
+// lane calls) and dequantized, the same operations as stage_rows_fp8 and pull_item_fp8.
+__device__ __forceinline__ void add_fp8_rounded(const uint4& v, float* acc) {
+  float f[8];
+  Elem16<Bf16Bits>::unpack(v, f);
+  const float m01 = fmaxf(fabsf(f[0]), fabsf(f[1])), m23 = fmaxf(fabsf(f[2]), fabsf(f[3]));
+  const float m45 = fmaxf(fabsf(f[4]), fabsf(f[5])), m67 = fmaxf(fabsf(f[6]), fabsf(f[7]));
+  float amax = fmaxf(0.f, fmaxf(fmaxf(m01, m23), fmaxf(m45, m67)));  // (a NaN counts as 0)
+  amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
+  const int k = fp8_block_exponent(amax);
+  const float inv = pow2(-k), scale = pow2(k);
+  const uint32_t lo = fp8x4(f[0] * inv, f[1] * inv, f[2] * inv, f[3] * inv);
+  const uint32_t hi = fp8x4(f[4] * inv, f[5] * inv, f[6] * inv, f[7] * inv);
+  fp8x2_add(lo & 0xffffu, scale, acc);
+  fp8x2_add(lo >> 16, scale, acc + 2);
+  fp8x2_add(hi & 0xffffu, scale, acc + 4);
+  fp8x2_add(hi >> 16, scale, acc + 6);
+}
+
+// pull_item of a lines combine: this rank's own sends read from its payload, every other from the target's lines, each spun on until its head and its lines
 // hold the round. A target whose head holds another descriptor, or whose ready word came
 // without a head, is not read (the poller reports it). Returns false when the wait was
 // given up (the poller posted *give_up, the job was aborted, or twice the timeout passed:
 // then this warp wrote the status record unless another thread had).
-template <typename T>
+// kFp8: each peer's unit quantized and dequantized before it is added (see uses_lines).
+template <typename T, bool kFp8>
 __device__ bool pull_item_lines(const CombineParams& p, int t, uint32_t c, const PullGeometry& g, int lane, int target,
                                 int slot, int round, int* give_up, int* claim) {
+  static_assert(!kFp8 || sizeof(T) == 2, "FP8 lines: bf16 rows");
   const int me = p.ws.ep_rank;
   unsigned sends = __ballot_sync(kFullMask, target >= 0);
   const int64_t row_bytes = p.hidden * (int64_t)sizeof(T);
   const int64_t units8 = row_bytes / 8;
   const int64_t first = c * static_cast<uint32_t>(g.per_chunk);  // first 16-byte unit of this chunk
   uint8_t* my_row = row_of(p.ws, me);
-  const uint8_t* self_rows =
-      (self_from_payload(p) ? p.payload : my_row + p.combine_offset) + (int64_t)me * p.rt * row_bytes + first * 16;
+  const uint8_t* self_rows = p.payload + (int64_t)me * p.rt * row_bytes + first * 16;
   const bool self_aligned = reinterpret_cast<uintptr_t>(self_rows) % 16 == 0;
   const uint4* heads = at<const uint4>(my_row, p.aux.combine_line_heads);
   const uint64_t* words = at<const uint64_t>(my_row, p.aux.combine_ready);
@@ -999,6 +1024,12 @@ __device__ bool pull_item_lines(const CombineParams& p, int t, uint32_t c, const
                                              static_cast<uint32_t>(a.y), static_cast<uint32_t>(a.y >> 32))
                                 : make_uint4(static_cast<uint32_t>(a.x), static_cast<uint32_t>(a.y),
                                              static_cast<uint32_t>(l1[b][u].x), static_cast<uint32_t>(l1[b][u].y));
+        if constexpr (kFp8) {
+          if (!self[b]) {  // (warp-uniform: the shuffles below take every lane)
+            add_fp8_rounded(v, acc + u * kPer);
+            continue;
+          }
+        }
         Elem<T>::add(v, acc + u * kPer);  // (!in[u]: never stored)
       }
     }
@@ -1272,7 +1303,7 @@ __global__ void __launch_bounds__(kThreads, kPath == kPathLines ? 1 : 0) combine
       if (degrade) count_seen<W>(p, t, c, routed, seen, &target, lane);
       if (bad.any() && target >= 0 && bad.has(target)) target = -1;  // never read from a target that disagreed
       if constexpr (kLines) {
-        if (!pull_item_lines<T>(p, t, c, g, lane, target, slot, round, give_up, claim)) return;
+        if (!pull_item_lines<T, kFp8>(p, t, c, g, lane, target, slot, round, give_up, claim)) return;
       } else if constexpr (kFp8) {
         pull_item_fp8(p, t, c, g, lane, target, slot);
       } else {
@@ -1355,9 +1386,9 @@ cudaError_t launch_typed(const CombineParams& p, cudaStream_t stream) {
 }
 
 // A lines combine (uses_lines): 16-byte units whatever the payload's and out's alignment.
-template <typename T>
+template <typename T, bool kFp8 = false>
 cudaError_t launch_lines(const CombineParams& p, cudaStream_t stream) {
-  const void* fn = reinterpret_cast<const void*>(&combine_kernel<T, true, false, 1, false, false, kPathLines>);
+  const void* fn = reinterpret_cast<const void*>(&combine_kernel<T, true, kFp8, 1, false, false, kPathLines>);
   int resident = 0;
   cudaError_t err = launch::resident_blocks(fn, kThreads, p.lim, &resident);
   if (err != cudaSuccess) return err;
@@ -1369,7 +1400,7 @@ cudaError_t launch_lines(const CombineParams& p, cudaStream_t stream) {
       launch::ceil_div((int64_t)(p.ws.ep_size - 1) * p.rt * row_bytes / 8, (int64_t)kThreads * kLineUnroll);
   CombineParams q = p;
   q.overlap_stage_blocks = 0;
-  return launch::overlapped(combine_kernel<T, true, false, 1, false, false, kPathLines>,
+  return launch::overlapped(combine_kernel<T, true, kFp8, 1, false, false, kPathLines>,
                             launch::clamp_grid(pull_blocks > stage_blocks ? pull_blocks : stage_blocks, resident),
                             kThreads, stream, q);
 }
@@ -1396,6 +1427,7 @@ cudaError_t launch_words(const CombineParams& p, cudaStream_t stream) {
   }
   if constexpr (W == 1) {
     if (uses_lines(p, row_bytes)) {
+      if (p.low_precision) return launch_lines<__nv_bfloat16, true>(p, stream);  // (bf16: the binding checks)
       switch (p.dtype) {
         case DType::kFloat32:
           return launch_lines<float>(p, stream);
@@ -1461,7 +1493,9 @@ cudaError_t load_combine_kernels() {
                        reinterpret_cast<const void*>(&combine_kernel<float, true, false, 1, false, false, kPathLines>),
                        reinterpret_cast<const void*>(&combine_kernel<__half, true, false, 1, false, false, kPathLines>),
                        reinterpret_cast<const void*>(
-                           &combine_kernel<__nv_bfloat16, true, false, 1, false, false, kPathLines>)};
+                           &combine_kernel<__nv_bfloat16, true, false, 1, false, false, kPathLines>),
+                       reinterpret_cast<const void*>(
+                           &combine_kernel<__nv_bfloat16, true, true, 1, false, false, kPathLines>)};
 #undef A2AD_COMBINE_KERNELS
   cudaFuncAttributes a;
   for (const void* fn : fns) {
