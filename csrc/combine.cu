@@ -891,11 +891,12 @@ __device__ __forceinline__ void add_fp8_rounded(const uint4& v, float* acc) {
   fp8x2_add(hi >> 16, scale, acc + 6);
 }
 
-// pull_item of a lines combine: this rank's own sends read from its payload, every other from the target's lines, each spun on until its head and its lines
-// hold the round. A target whose head holds another descriptor, or whose ready word came
-// without a head, is not read (the poller reports it). Returns false when the wait was
-// given up (the poller posted *give_up, the job was aborted, or twice the timeout passed:
-// then this warp wrote the status record unless another thread had).
+// pull_item of a lines combine: this rank's own sends read from its payload, every other
+// from the target's lines, each spun on until its head and its lines hold the round. A target
+// whose head holds another descriptor, or whose ready word came without a head, is not read
+// (the poller reports it). Returns false when the wait was given up (the poller posted
+// *give_up, the job was aborted, or twice the timeout passed: then this warp wrote the status
+// record unless another thread had).
 // kFp8: each peer's unit quantized and dequantized before it is added (see uses_lines).
 template <typename T, bool kFp8>
 __device__ bool pull_item_lines(const CombineParams& p, int t, uint32_t c, const PullGeometry& g, int lane, int target,
