@@ -755,7 +755,7 @@ __device__ __forceinline__ void stage_rows_indexed(const CombineParams& p, const
 //   - Target q's lines for source s (s != q) are its rows [s, 0..rt) in order, at source index
 //     s - (s > q) of q's COMBINE_LINES.
 //   - Before its rows, q writes the head (round << 32 | q's combine descriptor, twice) into each
-//     source's COMBINE_LINE_HEADS[q]: a source reads q's lines only once the head holds the
+//     source's COMBINE_LINE_HEADS[q] (and its own): a source reads q's lines only once the head holds the
 //     round and its own descriptor (a target of another descriptor writes lines elsewhere).
 //   - q still publishes COMBINE_READY after its staging; the launch's poller (its last block)
 //     waits for every head (or a ready word without one: that target staged no lines) before
@@ -806,7 +806,7 @@ __device__ __forceinline__ void store16_any(uint8_t* p, const uint4& v, bool ali
   }
 }
 
-// Step 1 of a lines combine: the heads into the sources' rows (the view's), then every slot of
+// Step 1 of a lines combine: the heads into the view's rows (its own too), then every slot of
 // every source s != me as lines, from the payload, kLineUnroll units per thread in flight;
 // threads tid of nthreads.
 __device__ __forceinline__ void stage_lines(const CombineParams& p, int64_t row_bytes, int round,
@@ -814,7 +814,8 @@ __device__ __forceinline__ void stage_lines(const CombineParams& p, int64_t row_
   const int me = p.ws.ep_rank, ep = p.ws.ep_size;
   uint8_t* my_row = row_of(p.ws, me);
   const uint32_t r = static_cast<uint32_t>(round);
-  if (tid < static_cast<uint32_t>(ep) && static_cast<int>(tid) != me && view.has(static_cast<int>(tid))) {
+  // (its own too: the poller waits for every rank of the view, this one included)
+  if (tid < static_cast<uint32_t>(ep) && view.has(static_cast<int>(tid))) {
     const uint64_t head = line_word(p.spec, r);
     st_line(at<uint4>(row_of(p.ws, static_cast<int>(tid)), p.aux.combine_line_heads) + me, head, head);
   }

@@ -382,8 +382,8 @@ def test_lines_with_ranks_that_stage_differently(make_job, ep_size):
     their combine region, rank 1 from a tensor of its own); a round too big for them stages
     into the combine region and publishes before anyone pulls, as the plain path does. Rounds
     switch between the two: every combine completes, right; the ready words carry the round and
-    the combine descriptor; after a lines round each peer's head (this rank's
-    COMBINE_LINE_HEADS) holds the round and the descriptor twice, and the lines hold the round
+    the combine descriptor; after a lines round every rank's head (this rank's
+    COMBINE_LINE_HEADS, its own included) holds the round and the descriptor twice, and the lines hold the round
     beside each 4 bytes of every slot of the payload's rows for the peers. The combine kernel
     each round launched (torch's profiler) shows the path every rank took."""
     from torch.profiler import ProfilerActivity, profile
@@ -416,8 +416,8 @@ def test_lines_with_ranks_that_stage_differently(make_job, ep_size):
                 if q != r:
                     w = int(words[q]) & ((1 << 64) - 1)
                     assert (w & 0xFFFFFFFF, w >> 32) == (round_, spec), (T, r, q, hex(w))
-                    want = ((round_ if lines else last_lines_round) << 32) | spec
-                    assert [int(h) & ((1 << 64) - 1) for h in heads[q]] == [want, want], (T, r, q)
+                want = ((round_ if lines else last_lines_round) << 32) | spec  # (its own head too)
+                assert [int(h) & ((1 << 64) - 1) for h in heads[q]] == [want, want], (T, r, q)
             if lines:
                 rounds, data = lines_words(job, r, ep_size, rt, row)
                 assert (rounds == round_).all(), (T, r)
