@@ -429,6 +429,46 @@ def test_lines_with_ranks_that_stage_differently(make_job, ep_size):
             last_lines_round = job.flag_val(0) - 1
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_lines_with_a_misaligned_payload_and_output(make_job, dtype):
+    """A lines combine (rows a multiple of 16 bytes) whose payload and output start 2 or 4 bytes
+    past a 16-byte boundary (views into larger tensors) on rank 1, aligned on rank 0: the
+    staging reads the payload and the pull writes the output in pieces there, and both ranks
+    combine right."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ep_size, T, top_k, E, hidden = 2, 12, 4, 16, 64
+    es = torch.tensor([], dtype=dtype).element_size()
+    job = make_job(ep_size, T, top_k, E, es * hidden + 4 * top_k, es * hidden)
+    pl = job.layout(T, [es * hidden, 4 * top_k], es * hidden)
+    e = [rand_experts(T, top_k, E) for _ in range(ep_size)]
+    x = [torch.randn(T, hidden, device="cuda").to(dtype) for _ in range(ep_size)]
+
+    def step(r):
+        job.planes[r].dispatch(e[r], [x[r].view(torch.uint8), e[r].view(torch.uint8)], T, pl, E)
+        recv = job.region(r, pl.dispatch_offsets[0], es * hidden).view(dtype)
+        comb = (recv.float() * expert_weight(r)).to(dtype)
+        out = torch.empty(T, hidden, dtype=dtype, device="cuda")
+        if r == 1:
+            big = torch.empty(ep_size * T * hidden + 1, dtype=dtype, device="cuda")
+            big[1:].view(ep_size, T, hidden).copy_(comb)
+            comb = big[1:].view(ep_size, T, hidden)
+            out = torch.empty(T * hidden + 1, dtype=dtype, device="cuda")[1:].view(T, hidden)
+            assert comb.data_ptr() % 16 != 0 and out.data_ptr() % 16 != 0
+        got = job.planes[r].combine(comb, T, T, pl, False, output=out)
+        assert got.data_ptr() == out.data_ptr()
+        return out
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        outs = job.on_ranks(step)
+        job.join()
+        torch.cuda.synchronize()
+    assert combine_paths(prof) == [2, 2]
+    for r in range(ep_size):
+        job.planes[r].check()
+        close(outs[r], combine_reference(job, e[r], x[r]), dtype)
+
+
 def ready_word_high(count, rt, max_tokens):
     """The high half of a dispatch ready word: rt * (max_tokens + 1) + count when that fits
     32 bits for every rt and count (max_tokens <= 65535), else the count alone."""
