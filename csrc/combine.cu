@@ -45,8 +45,11 @@ constexpr int kStageUnroll = 8;
 // the received rows: it then need not read RECV_COUNTERS first (a cold load on the
 // critical path of a small round); the extra rows are never pulled.
 constexpr int64_t kStageAllSlotsBytes = int64_t{1} << 20;
-// Lines (see uses_lines): 8-byte units of the payload in flight per staging thread.
+// Lines (see uses_lines): 8-byte units of the payload in flight per staging thread, and
+// 16-byte vectors per lane per item of the pull (half the plain pull's: two lines each, and
+// the kernel stays within 128 registers, two blocks per SM).
 constexpr int kLineUnroll = 4;
+constexpr int kPullVecsLines = 2;
 // The combine kernel's instantiations by path (its kPath).
 constexpr int kPathGeneral = 0, kPathPlain = 1, kPathLines = 2;
 
@@ -187,11 +190,12 @@ struct PullGeometry {
 };
 
 // kAllSends: every send of an item in flight at once, a vector per lane (vector path only).
-template <typename T, bool kVec, bool kAllSends = false>
+// kLines: the lines pull's (see kPullVecsLines).
+template <typename T, bool kVec, bool kAllSends = false, bool kLines = false>
 __host__ __device__ inline PullGeometry pull_geometry(int64_t hidden) {
   PullGeometry g;
   g.units = kVec ? hidden / Elem<T>::kPerVec : hidden;
-  g.per_chunk = kVec ? 32 * (kAllSends ? kPullVecsAll : kPullVecs) : 32 * kPullScalars;
+  g.per_chunk = kVec ? 32 * (kAllSends ? kPullVecsAll : kLines ? kPullVecsLines : kPullVecs) : 32 * kPullScalars;
   g.chunks = (g.units + g.per_chunk - 1) / g.per_chunk;
   return g;
 }
@@ -754,12 +758,13 @@ __device__ __forceinline__ void stage_rows_indexed(const CombineParams& p, const
 // passes alike or the combine descriptors differ), whatever its payload's place and alignment.
 //   - Target q's lines for source s (s != q) are its rows [s, 0..rt) in order, at source index
 //     s - (s > q) of q's COMBINE_LINES.
-//   - Before its rows, q writes the head (round << 32 | q's combine descriptor, twice) into each
-//     source's COMBINE_LINE_HEADS[q] (and its own): a source reads q's lines only once the head holds the
-//     round and its own descriptor (a target of another descriptor writes lines elsewhere).
+//   - Before its rows, q writes the head (round << 32 | q's combine descriptor, twice) into
+//     each rank's COMBINE_LINE_HEADS[q] (its own too): a source reads q's lines only once the
+//     head holds the round and its own descriptor (a target of another descriptor writes lines
+//     elsewhere).
 //   - q still publishes COMBINE_READY after its staging; the launch's poller (its last block)
-//     waits for every head (or a ready word without one: that target staged no lines) before
-//     it pulls, for the protocol's words and reports; no other block waits for it.
+//     waits, after its own pulls, for every head (or a ready word without one: that target
+//     staged no lines), for the protocol's words and reports; no other block waits for it.
 //   - FP8 (low_precision): the lines carry the bf16 rows and the puller quantizes each peer's
 //     row as the FP8 staging would before adding it (the same bits: stage_rows_fp8's block
 //     exponent and e4m3 rounding, then pull_item_fp8's dequantizing); the rows cross the link
@@ -895,13 +900,13 @@ __device__ __forceinline__ void add_fp8_rounded(const uint4& v, float* acc) {
 // pull_item of a lines combine: this rank's own sends read from its payload, every other
 // from the target's lines, each spun on until its head and its lines hold the round. A target
 // whose head holds another descriptor, or whose ready word came without a head, is not read
-// (the poller reports it). Returns false when the wait was given up (the poller posted
-// *give_up, the job was aborted, or twice the timeout passed: then this warp wrote the status
-// record unless another thread had).
+// (the poller reports it). Returns false when the wait was given up (*give_up holds the round,
+// the job was aborted, or the timeout passed, twice it outside the poller's block: then this
+// warp posted *give_up and wrote the status record unless another thread had).
 // kFp8: each peer's unit quantized and dequantized before it is added (see uses_lines).
 template <typename T, bool kFp8>
 __device__ bool pull_item_lines(const CombineParams& p, int t, uint32_t c, const PullGeometry& g, int lane, int target,
-                                int slot, int round, int* give_up, int* claim) {
+                                int slot, int round, int* give_up, int* claim, bool poller) {
   static_assert(!kFp8 || sizeof(T) == 2, "FP8 lines: bf16 rows");
   const int me = p.ws.ep_rank;
   unsigned sends = __ballot_sync(kFullMask, target >= 0);
@@ -915,7 +920,8 @@ __device__ bool pull_item_lines(const CombineParams& p, int t, uint32_t c, const
   const uint64_t* words = at<const uint64_t>(my_row, p.aux.combine_ready);
   const uint32_t* abort_word = reinterpret_cast<const uint32_t*>(p.ctl.block + layout::CB_ABORT);
   const uint32_t r = static_cast<uint32_t>(round);
-  constexpr int kUnits = kPullVecs;
+  const uint64_t limit = poller ? p.ctl.timeout_ns : 2 * p.ctl.timeout_ns;
+  constexpr int kUnits = kPullVecsLines;
   constexpr int kSends = kPullSendsVec;
   constexpr int kPer = Elem<T>::kPerVec;
   float acc[kUnits * kPer];
@@ -985,19 +991,19 @@ __device__ bool pull_item_lines(const CombineParams& p, int t, uint32_t c, const
           }
         }
         if (it == 0) t0 = global_timer_ns();
-        if (it % kGiveUpPollEvery == kGiveUpPollEvery - 1) {
-          if (ld_volatile(give_up) == round) break;
+        if (it % kGiveUpPollEvery == kGiveUpPollEvery - 1 && ld_volatile(give_up) == round) break;
+        bool aborted = false;
+        if (it % kAbortPollEvery == kAbortPollEvery - 1) {
           // a ready word without a head: the target staged no lines this round
           if (!line_has(head[b], r) && static_cast<uint32_t>(ld_acquire_sys_u64(words + tq[b])) == r &&
               !line_has(ld_line(heads + tq[b]), r)) {
             state = 2;
             break;
           }
+          aborted = ld_relaxed_sys_u32(abort_word) != 0;
         }
         const uint64_t waited = global_timer_ns() - t0;
-        const bool aborted =
-            it % kAbortPollEvery == kAbortPollEvery - 1 && ld_relaxed_sys_u32(abort_word) != 0;
-        if (aborted || waited >= 2 * p.ctl.timeout_ns) {
+        if (aborted || waited >= limit) {
           give_up_wait(p.ctl, aborted ? kWaitAborted : kWaitTimeout, tq[b], round, layout::PHASE_COMBINE, waited,
                        claim, give_up);
           break;
@@ -1090,11 +1096,10 @@ __device__ __forceinline__ void combine_waited(const CombineParams& p, uint8_t* 
 // weighted sum of group u's pairs. kAllSends: see pull_geometry.
 // kPath: kPathGeneral serves every round; kPathPlain only a round neither degraded nor
 // overlapped (the code of those two is left out: a smaller kernel, whose code a round after
-// an L2 flush fetches cold); kPathLines a round that stages lines (see uses_lines; its
-// minimum of one block per SM keeps ptxas from capping the fp32 instance at 128 registers,
-// where it spilled).
+// an L2 flush fetches cold); kPathLines a round that stages lines (see uses_lines; it asks
+// for two blocks per SM: 128 registers at most, which its pull fits without spilling).
 template <typename T, bool kVec, bool kFp8, int W, bool kLl = false, bool kAllSends = false, int kPath = kPathGeneral>
-__global__ void __launch_bounds__(kThreads, kPath == kPathLines ? 1 : 0) combine_kernel(const CombineParams p) {
+__global__ void __launch_bounds__(kThreads, kPath == kPathLines ? 2 : 0) combine_kernel(const CombineParams p) {
   constexpr int kRanks = 64 * W;  // the most ranks this instantiation serves
   constexpr bool kLines = kPath == kPathLines;
   const bool degrade = kPath == kPathGeneral && p.ctl.degrade;
@@ -1203,7 +1208,7 @@ __global__ void __launch_bounds__(kThreads, kPath == kPathLines ? 1 : 0) combine
   //    block always waits, so the launch never completes before every peer's
   //    outputs are ready (the next dispatch relies on that). With overlap only
   //    the last block waits here; the others wait per item (wait_slice).
-  const PullGeometry g = pull_geometry<T, kVec, kAllSends>(p.hidden);
+  const PullGeometry g = pull_geometry<T, kVec, kAllSends, kLines>(p.hidden);
   const uint32_t chunks = static_cast<uint32_t>(g.chunks);  // the launcher checks T * chunks < 2^31
   const uint32_t items = mismatch ? 0u : static_cast<uint32_t>(out_rows) * chunks;
   constexpr uint32_t warps = kThreads / 32;
@@ -1234,19 +1239,7 @@ __global__ void __launch_bounds__(kThreads, kPath == kPathLines ? 1 : 0) combine
   RankMask<W> seen = RankMask<W>::all(), bad = RankMask<W>::none();
   const CombineFlags flags{at<uint64_t>(my_row, p.aux.combine_ready), round};
   if constexpr (kLines) {
-    // Only the poller waits (for every head); the pullers spin on their lines.
-    if (last) {
-      __shared__ int s_spec[64];
-      int value = 0;
-      const LinesFlags heads{at<const uint4>(my_row, p.aux.combine_line_heads), flags.words, round};
-      if (!block_wait<W>(heads, ep, round, p.ctl, layout::PHASE_COMBINE, /*poller=*/true, claim, give_up, &value, view,
-                         &seen, &bad, static_cast<int>(p.spec))) {
-        return;
-      }
-      if (threadIdx.x < ep) s_spec[threadIdx.x] = value;
-      __syncthreads();
-      combine_waited(p, my_row, round, view, seen, bad, mismatch, s_spec);
-    }
+    // (nobody waits before the pull: the pullers spin on their lines; the poller waits after)
   } else if (!degrade) {
     if ((last || !overlap) && !block_wait<W>(flags, ep, round, p.ctl, layout::PHASE_COMBINE, /*poller=*/last, claim,
                                           give_up, &unused, view, &seen, &bad, static_cast<int>(p.spec))) {
@@ -1289,6 +1282,7 @@ __global__ void __launch_bounds__(kThreads, kPath == kPathLines ? 1 : 0) combine
   // 4. Pull and reduce.
   if (!overlap) {
     const uint32_t nw = gridDim.x * warps;
+    bool failed = false;  // (lines: this warp's wait was given up)
 #pragma unroll 1
     for (uint32_t item = my_first; item < items; item += nw) {
       const int t = static_cast<int>(item / chunks);
@@ -1305,11 +1299,30 @@ __global__ void __launch_bounds__(kThreads, kPath == kPathLines ? 1 : 0) combine
       if (degrade) count_seen<W>(p, t, c, routed, seen, &target, lane);
       if (bad.any() && target >= 0 && bad.has(target)) target = -1;  // never read from a target that disagreed
       if constexpr (kLines) {
-        if (!pull_item_lines<T, kFp8>(p, t, c, g, lane, target, slot, round, give_up, claim)) return;
+        // (the last block's pullers are the poller's: its timeout, and they post give_up)
+        if (!pull_item_lines<T, kFp8>(p, t, c, g, lane, target, slot, round, give_up, claim, last)) {
+          failed = true;
+          break;
+        }
       } else if constexpr (kFp8) {
         pull_item_fp8(p, t, c, g, lane, target, slot);
       } else {
         pull_item<T, kVec, kLl, kAllSends>(p, t, c, g, lane, target, slot, weight);
+      }
+    }
+    if constexpr (kLines) {
+      // The poller, after its own pulls: every head (or a ready word without one), for the
+      // reports and the completion words; the launch ends only once every peer's came.
+      if (last && !__syncthreads_or(failed)) {
+        __shared__ int s_spec[64];
+        int value = 0;
+        const LinesFlags heads{at<const uint4>(my_row, p.aux.combine_line_heads), flags.words, round};
+        if (block_wait<W>(heads, ep, round, p.ctl, layout::PHASE_COMBINE, /*poller=*/true, claim, give_up, &value,
+                          view, &seen, &bad, static_cast<int>(p.spec))) {
+          if (threadIdx.x < ep) s_spec[threadIdx.x] = value;
+          __syncthreads();
+          combine_waited(p, my_row, round, view, seen, bad, mismatch, s_spec);
+        }
       }
     }
     return;
@@ -1394,7 +1407,7 @@ cudaError_t launch_lines(const CombineParams& p, cudaStream_t stream) {
   int resident = 0;
   cudaError_t err = launch::resident_blocks(fn, kThreads, p.lim, &resident);
   if (err != cudaSuccess) return err;
-  const PullGeometry g = pull_geometry<T, true>(p.hidden);
+  const PullGeometry g = pull_geometry<T, true, false, true>(p.hidden);
   if ((int64_t)p.local_num_tokens * (g.chunks + 1) >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
   const int64_t row_bytes = p.hidden * (int64_t)sizeof(T);
   const int64_t pull_blocks = launch::ceil_div((int64_t)p.local_num_tokens * g.chunks, kThreads / 32);

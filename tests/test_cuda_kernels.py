@@ -875,9 +875,9 @@ def test_peer_never_arrives_combine_times_out(make_job):
 @pytest.mark.parametrize("how", ["timeout", "abort"])
 def test_lines_that_never_come_end_the_wait(make_job, how):
     """A peer whose head came but whose lines never do (as if it had died while staging): the
-    poller's wait for the heads ends, the pullers spin on the lines and end at twice the timeout
-    (a timeout record naming the peer), or at the job's abort word (aborted, naming the peer);
-    the job is usable after a re-arm."""
+    pullers spin on the lines and end at the timeout (this one-block launch's pullers are the
+    poller's; twice the timeout in other blocks) with a timeout record naming the peer, or at
+    the job's abort word (aborted, naming the peer); the job is usable after a re-arm."""
     timeout = 0.5 if how == "timeout" else 60.0
     job = make_job(2, 16, 2, 8, 128, 128, timeout=timeout)
     pl = _one_round(job)
@@ -902,8 +902,8 @@ def test_lines_that_never_come_end_the_wait(make_job, how):
     rec = job.control.status(0)
     assert rec.peer == 1 and rec.phase == L.PHASE_COMBINE and rec.round == round_, rec
     if how == "timeout":
-        assert rec.code == L.STATUS_TIMEOUT and rec.waited_ns >= 2 * 0.45e9, rec
-        assert 0.9 < elapsed < 10.0, elapsed
+        assert rec.code == L.STATUS_TIMEOUT and rec.waited_ns >= 0.45e9, rec
+        assert 0.45 < elapsed < 10.0, elapsed
         with pytest.raises(errors.PeerTimeout) as info:
             job.planes[0].check()
         assert info.value.peer == 1 and info.value.phase == "combine"
