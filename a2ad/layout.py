@@ -45,14 +45,10 @@ aligned; all int32)::
     COMBINE_READY               [ep_size] u64      written by target t in one release store:
                                                    ``(combine spec << 32) | round`` (:func:`combine_spec`):
                                                    the combine flag together with what t staged
-    COMBINE_LINE_HEADS          [ep_size] 16 bytes written by target t when its combine stages lines:
-                                                   ``(round << 32 | spec)`` twice (CUDA kernels only)
-    COMBINE_LINES               COMBINE_LINES_BYTES  this rank's staged rows for its sources as lines
-                                                   ``(round << 32 | 4 data bytes)`` (CUDA kernels only)
     PAYLOAD_DATA                                   start of the payload area
 
 ``slices`` is ``ceil(max_tokens / COMBINE_SLICE_ROWS)``; a slice flag is a u64 like
-COMBINE_READY (``(combine spec << 32) | round``). The eight last fields are
+COMBINE_READY (``(combine spec << 32) | round``). The six last fields are
 not in FlashInfer's MoeAlltoAll metainfo list; they only move PAYLOAD_DATA, and a client checks
 the daemon's metainfo against its own, so a daemon and client that disagree on the
 layout refuse each other at join.
@@ -193,10 +189,19 @@ FP8_BLOCK = 32
 #: Rows of one combine slice: the unit in which a rank announces that part of its
 #: combine region is staged (COMBINE_SLICE_FLAGS).
 COMBINE_SLICE_ROWS = 8
-#: Bytes of a row's COMBINE_LINES: the staged rows of a small combine as 16-byte lines (8 bytes
-#: of data, each 4 beside the round); a combine whose lines fit takes that path (docs/PROTOCOL.md,
-#: "Combine lines").
+#: Bytes of a row's combine lines (in its lines tail, after the heads): the staged rows of a
+#: small combine as 16-byte lines (8 bytes of data, each 4 beside the round); a combine whose
+#: lines fit takes that path (docs/PROTOCOL.md, "Combine lines").
 COMBINE_LINES_BYTES = 2 << 20
+#: The most ranks of a job whose rows get a lines tail (a rank mask of one word).
+MAX_LINES_EP_SIZE = 64
+#: Bytes of a lines tail's heads: a 16-byte head per target rank (MAX_LINES_EP_SIZE at most),
+#: padded to a page.
+LINE_HEADS_BYTES = 4096
+#: Bytes of a row's lines tail: the heads, then the lines. The daemon's CUDA backend allocates
+#: every row this much beyond ``size_per_rank`` and zeroes it with the aux region; the tail
+#: starts at ``row_stride - ROW_TAIL_BYTES`` (:func:`lines_tail_offset`).
+ROW_TAIL_BYTES = LINE_HEADS_BYTES + COMBINE_LINES_BYTES
 
 # Metainfo indices (names as in FlashInfer's MoeAlltoAll API).
 FLAG_VAL_OFFSET_INDEX = 0
@@ -261,10 +266,6 @@ class AuxLayout:
     recv_specs: int
     #: [ep_size] uint64, written by target t: (combine spec << 32) | round.
     combine_ready: int
-    #: [ep_size] 16-byte lines, written by target t: (round << 32 | combine spec), twice.
-    combine_line_heads: int
-    #: COMBINE_LINES_BYTES: this rank's staged combine rows as 16-byte lines.
-    combine_lines: int
     payload_data: int
     #: Bytes the daemon zeroes (everything before PAYLOAD_DATA).
     aux_bytes: int
@@ -315,20 +316,40 @@ AUX_PLAN_FIELDS = (
     ("dispatch_ready", "int64_t", "[ep_size] u64, written by source s: (high << 32) | round"),
     ("recv_specs", "int64_t", "[ep_size, SPEC_WORDS] int32, written by source s: its payload descriptor"),
     ("combine_ready", "int64_t", "[ep_size] u64, written by target t: (combine spec << 32) | round"),
-    ("combine_line_heads", "int64_t", "[ep_size] 16-byte lines, written by target t: (round << 32 | spec) x 2"),
-    ("combine_lines", "int64_t", "COMBINE_LINES_BYTES: the staged rows of a small combine as lines"),
+    ("lines_tail", "int64_t", "the row's lines tail (ROW_TAIL_BYTES past the row: heads, then lines), 0: none"),
+    ("row_tail_bytes", None, "ROW_TAIL_BYTES"),
     ("combine_lines_bytes", None, "COMBINE_LINES_BYTES"),
 )
 #: The values of :data:`AUX_PLAN_FIELDS` that are this module's constants (name -> constant).
 AUX_PLAN_CONSTANTS = {"topk_stride": "MAX_TOP_K", "block_counter_slots": "BLOCK_COUNTER_SLOTS",
-                      "combine_slice_rows": "COMBINE_SLICE_ROWS", "combine_lines_bytes": "COMBINE_LINES_BYTES"}
+                      "combine_slice_rows": "COMBINE_SLICE_ROWS", "row_tail_bytes": "ROW_TAIL_BYTES",
+                      "combine_lines_bytes": "COMBINE_LINES_BYTES"}
 
 
-def aux_plan(aux: AuxLayout) -> list[int]:
-    """The ``aux`` list of a CUDA plan: :data:`AUX_PLAN_FIELDS`' values for ``aux``, in order."""
+def aux_plan(aux: AuxLayout, lines_tail: int = 0) -> list[int]:
+    """The ``aux`` list of a CUDA plan: :data:`AUX_PLAN_FIELDS`' values for ``aux``, in order.
+    ``lines_tail`` is the job's :func:`lines_tail_offset` (0: its rows have no lines tail)."""
     g = globals()
-    return [int(g[AUX_PLAN_CONSTANTS[name]]) if name in AUX_PLAN_CONSTANTS else int(getattr(aux, name))
+    own = {"lines_tail": int(lines_tail)}
+    return [int(g[AUX_PLAN_CONSTANTS[name]]) if name in AUX_PLAN_CONSTANTS
+            else own[name] if name in own else int(getattr(aux, name))
             for name, _, _ in AUX_PLAN_FIELDS]
+
+
+def row_bytes_with_tail(size_per_rank: int) -> int:
+    """What a row with a lines tail asks its backend for: ``size_per_rank`` rounded up to a
+    page, then ROW_TAIL_BYTES (the backend rounds this up to its granularity)."""
+    return pad_up(int(size_per_rank), LINE_HEADS_BYTES) + ROW_TAIL_BYTES
+
+
+def lines_tail_offset(size_per_rank: int, row_stride: int) -> int:
+    """Row offset of the lines tail of a row of ``row_stride`` bytes that was allocated with one
+    (:func:`row_bytes_with_tail`): its last ROW_TAIL_BYTES. Raises ValueError when they would
+    overlap the first ``size_per_rank`` bytes."""
+    tail = int(row_stride) - ROW_TAIL_BYTES
+    if tail < pad_up(int(size_per_rank), LINE_HEADS_BYTES) or tail % LINE_HEADS_BYTES:
+        raise ValueError(f"a row of {row_stride} bytes has no lines tail past {size_per_rank} bytes")
+    return tail
 
 
 def combine_slices(max_num_tokens: int) -> int:
@@ -365,8 +386,6 @@ def aux_layout(ep_size: int, max_num_tokens: int) -> AuxLayout:
     dispatch_ready = take(8 * ep_size)
     recv_specs = take(4 * SPEC_WORDS * ep_size)
     combine_ready = take(8 * ep_size)
-    combine_line_heads = take(16 * ep_size)
-    combine_lines = take(COMBINE_LINES_BYTES)
     payload_data = off
     return AuxLayout(
         ep_size=ep_size,
@@ -387,8 +406,6 @@ def aux_layout(ep_size: int, max_num_tokens: int) -> AuxLayout:
         dispatch_ready=dispatch_ready,
         recv_specs=recv_specs,
         combine_ready=combine_ready,
-        combine_line_heads=combine_line_heads,
-        combine_lines=combine_lines,
         payload_data=payload_data,
         aux_bytes=payload_data,
         aux_data_size=payload_data + ALIGN_SLACK,
@@ -967,6 +984,8 @@ C_HEADER_CONSTANTS = (
     "BLOCK_COUNTER_SLOTS",
     "COMBINE_SLICE_ROWS",
     "COMBINE_LINES_BYTES",
+    "LINE_HEADS_BYTES",
+    "ROW_TAIL_BYTES",
     "INITIAL_ROUND",
     "SLOT_DISPATCH_ARRIVAL",
     "SLOT_COMBINE_ARRIVAL",

@@ -134,6 +134,8 @@ class _Shared:
     aux: L.AuxLayout
     control: ControlBlock
     generation: int
+    #: row offset of the rows' lines tail (layout.ROW_TAIL_BYTES past each row; 0: none)
+    lines_tail: int = 0
     _mapping: object = None
     _lease_sock: socket.socket | None = None
     _lease: bytes | None = None
@@ -447,6 +449,7 @@ class Attachment:
     size_per_rank = property(lambda self: self._shared.size_per_rank)
     row_stride = property(lambda self: self._shared.row_stride)
     aux = property(lambda self: self._shared.aux)
+    lines_tail = property(lambda self: self._shared.lines_tail)
     control = property(lambda self: self._shared.control)
 
     @property
@@ -1110,6 +1113,21 @@ def _check_control_handle(reply: dict) -> None:
             "skew); run a client and a daemon of one release")
 
 
+def _lines_tail(reply: dict) -> int:
+    """The join reply's ``lines_tail`` (0, or the rows' last layout.ROW_TAIL_BYTES)."""
+    tail = reply.get("lines_tail", 0)
+    if tail:
+        try:
+            ok = tail == L.lines_tail_offset(reply["size_per_rank"], reply["row_stride"])
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise errors.ProtocolError(
+                f"the daemon's lines_tail {tail!r:.40} is not the last {L.ROW_TAIL_BYTES} bytes of a row of "
+                f"{reply['row_stride']} bytes past {reply['size_per_rank']} (version skew?)")
+    return int(tail)
+
+
 def _redeem(client: DaemonClient, reply: dict, aux: L.AuxLayout, tdev: torch.device) -> _Shared:
     ep_size = reply["ep_size"]
     _check_control_handle(reply)
@@ -1151,6 +1169,7 @@ def _redeem(client: DaemonClient, reply: dict, aux: L.AuxLayout, tdev: torch.dev
             aux=aux,
             control=control,
             generation=reply["generation"],
+            lines_tail=_lines_tail(reply),
             _mapping=mapping,
             _lease_sock=sock,
             _lease=reply["lease"],

@@ -38,10 +38,11 @@ from .plane import Plane
 _compiling = torch.compiler.is_compiling
 
 
-def aux_offsets(aux: L.AuxLayout) -> list[int]:
+def aux_offsets(aux: L.AuxLayout, lines_tail: int = 0) -> list[int]:
     """The ``aux`` list of the ops (``make_plan``): ``layout.aux_plan``, in the order of
-    ``layout.AUX_PLAN_FIELDS``, from which csrc/layout.h's ``AuxOffsets`` is generated."""
-    return L.aux_plan(aux)
+    ``layout.AUX_PLAN_FIELDS``, from which csrc/layout.h's ``AuxOffsets`` is generated.
+    ``lines_tail``: the rows' lines tail (0: none; the small combine then takes another path)."""
+    return L.aux_plan(aux, lines_tail)
 
 
 #: Diagnostic bits (csrc/moe_a2a.cuh kDiag*), TIMING ONLY: all but DIAG_DOUBLE_FENCE break
@@ -61,13 +62,27 @@ DIAG_BITS = 63
 STATUS_CLAIM_SLOT = L.SLOT_STATUS_CLAIM
 
 
-def initialize_row(workspace: torch.Tensor, rank: int, aux: L.AuxLayout, initial_round: int = L.INITIAL_ROUND) -> None:
-    """Zero ``rank``'s aux region and set its FLAG_VAL (on the current stream).
+def lines_tail_view(workspace: torch.Tensor, rank: int, lines_tail: int) -> torch.Tensor:
+    """The ``layout.ROW_TAIL_BYTES`` of ``rank``'s lines tail (past the row, inside its stride)
+    as a uint8 tensor."""
+    if not workspace.stride(0) >= lines_tail + L.ROW_TAIL_BYTES or lines_tail < workspace.shape[1]:
+        raise ValueError(f"no lines tail at {lines_tail} in rows of {workspace.shape[1]} bytes, "
+                         f"stride {workspace.stride(0)}")
+    return workspace.as_strided((L.ROW_TAIL_BYTES,), (1,), workspace.storage_offset() + rank * workspace.stride(0)
+                                + lines_tail)
+
+
+def initialize_row(workspace: torch.Tensor, rank: int, aux: L.AuxLayout, initial_round: int = L.INITIAL_ROUND,
+                   lines_tail: int = 0) -> None:
+    """Zero ``rank``'s aux region (and its lines tail, if ``lines_tail``) and set its FLAG_VAL
+    (on the current stream).
 
     The daemon initializes rows itself; this is for tests that build a job in
     one process. Every rank of a job must be initialized to the same round.
     """
     _ext.load().initialize(workspace, rank, aux.aux_bytes, aux.flag_val, initial_round)
+    if lines_tail:
+        lines_tail_view(workspace, rank, lines_tail).zero_()
 
 
 def sm_count(device: torch.device | int | None = None) -> int:
@@ -165,7 +180,8 @@ class CudaPlane(Plane):
         if old is not None:
             self._ops.free_plan(old)
         self.plan = self._ops.make_plan(
-            self.att.workspace, self.ep_rank, self.ep_size, self.top_k, self.num_experts, aux_offsets(self.att.aux),
+            self.att.workspace, self.ep_rank, self.ep_size, self.top_k, self.num_experts,
+            aux_offsets(self.att.aux, getattr(self.att, "lines_tail", 0)),
             self.control_ptr, self.timeout_ns, self._sm_budget, self._diag, self.degrade, self._seen_dev,
             self._seen_tensor.data_ptr() if self._seen_tensor is not None else 0,
         )

@@ -53,6 +53,8 @@ class LocalAttachment:
     backend_kind = "local"
     forked = False
     generation = 0
+    #: a caller-owned workspace has no lines tail (layout.ROW_TAIL_BYTES past its rows)
+    lines_tail = 0
     on_peer_loss = "raise"
 
     def __init__(self, workspace: torch.Tensor, ep_rank: int, ep_size: int, max_num_tokens: int, aux, shared: _Shared,

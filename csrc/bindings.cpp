@@ -138,7 +138,7 @@ a2ad::Workspace make_workspace(const Tensor& ws, int64_t ep_rank, int64_t ep_siz
 
 // aux: layout::AUX_PLAN_FIELD_COUNT values, in the order of a2ad/layout.py's AUX_PLAN_FIELDS
 // (the index of each is layout::AUX_<NAME>): the offsets and sizes of layout::AuxOffsets and
-// the constants block_counter_slots, combine_slice_rows and combine_lines_bytes, which are checked against
+// the constants block_counter_slots, combine_slice_rows, row_tail_bytes and combine_lines_bytes, which are checked against
 // layout.h so that a build from other sources than the Python package's is refused rather
 // than run with another layout.
 a2ad::AuxOffsets make_aux(IntArrayRef aux, const Tensor& ws, int64_t ep_size) {
@@ -189,14 +189,15 @@ a2ad::AuxOffsets make_aux(IntArrayRef aux, const Tensor& ws, int64_t ep_size) {
   const int64_t dready = aux[L::AUX_DISPATCH_READY];
   A2AD_CHECK(dready >= 0 && dready % 8 == 0 && dready + 8 * ep_size <= row, "a2ad: aux dispatch_ready (", dready,
              ") is not an 8-aligned field inside the row");
-  const int64_t heads = aux[L::AUX_COMBINE_LINE_HEADS], lines = aux[L::AUX_COMBINE_LINES];
-  A2AD_CHECK(heads >= 0 && heads % 16 == 0 && heads + 16 * ep_size <= row, "a2ad: aux combine_line_heads (", heads,
-             ") is not a 16-aligned field inside the row");
-  A2AD_CHECK(aux[L::AUX_COMBINE_LINES_BYTES] == L::COMBINE_LINES_BYTES, "a2ad: aux combine_lines_bytes is ",
-             aux[L::AUX_COMBINE_LINES_BYTES], " but the kernels were built for ", L::COMBINE_LINES_BYTES,
-             " (stale build?)");
-  A2AD_CHECK(lines >= 0 && lines % 16 == 0 && lines + L::COMBINE_LINES_BYTES <= row, "a2ad: aux combine_lines (",
-             lines, ") is not a 16-aligned field of ", L::COMBINE_LINES_BYTES, " bytes inside the row");
+  A2AD_CHECK(aux[L::AUX_ROW_TAIL_BYTES] == L::ROW_TAIL_BYTES && aux[L::AUX_COMBINE_LINES_BYTES] == L::COMBINE_LINES_BYTES,
+             "a2ad: aux row_tail_bytes / combine_lines_bytes are ", aux[L::AUX_ROW_TAIL_BYTES], " / ",
+             aux[L::AUX_COMBINE_LINES_BYTES], " but the kernels were built for ", L::ROW_TAIL_BYTES, " / ",
+             L::COMBINE_LINES_BYTES, " (stale build?)");
+  // The lines tail lies past the row (the payloads never reach it) and inside its stride.
+  const int64_t tail = aux[L::AUX_LINES_TAIL];
+  A2AD_CHECK(tail == 0 || (tail % L::LINE_HEADS_BYTES == 0 && tail >= row && tail + L::ROW_TAIL_BYTES <= ws.stride(0)),
+             "a2ad: aux lines_tail (", tail, ") must be 0 or a ", L::LINE_HEADS_BYTES, "-aligned offset of ",
+             L::ROW_TAIL_BYTES, " bytes between the row's end (", row, ") and its stride (", ws.stride(0), ")");
   return L::aux_offsets_from(aux);
 }
 

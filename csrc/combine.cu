@@ -749,17 +749,18 @@ __device__ __forceinline__ void stage_rows_indexed(const CombineParams& p, const
 // Lines: a small combine's readiness carried in its staged rows
 // ---------------------------------------------------------------------------
 // A combine whose staging copies every slot (see stages_all_slots) of 16-byte-multiple rows,
-// in a job of at most 64 ranks without degraded mode, not low-latency pairs, stages its rows
-// as lines (COMBINE_LINES): each 8 bytes of a row become one 16-byte line of
+// in a job of at most 64 ranks whose rows have a lines tail (layout.ROW_TAIL_BYTES past the
+// row; the daemon's CUDA rows have one), without degraded mode, not low-latency pairs, stages
+// its rows as lines (in the tail, after the heads): each 8 bytes of a row become one 16-byte line of
 // two words (round << 32 | 4 data bytes), so that a puller spins on the lines it reads until
 // they hold the round. No release follows the staging and no ready word is awaited before
 // the pull: the combine of a few tokens is 1-2 us shorter (docs/PERF.md, "Combine lines").
 // Every rank decides alike (from the job, rt, the row's width and the mode, which every rank
 // passes alike or the combine descriptors differ), whatever its payload's place and alignment.
 //   - Target q's lines for source s (s != q) are its rows [s, 0..rt) in order, at source index
-//     s - (s > q) of q's COMBINE_LINES.
+//     s - (s > q) of q's lines.
 //   - Before its rows, q writes the head (round << 32 | q's combine descriptor, twice) into
-//     each rank's COMBINE_LINE_HEADS[q] (its own too): a source reads q's lines only once the
+//     head q of each rank's tail (its own too): a source reads q's lines only once the
 //     head holds the round and its own descriptor (a target of another descriptor writes lines
 //     elsewhere).
 //   - q still publishes COMBINE_READY after its staging; the launch's poller (its last block)
@@ -771,8 +772,18 @@ __device__ __forceinline__ void stage_rows_indexed(const CombineParams& p, const
 //     at 4 bytes an element instead of 1 + 1/32, which a round this small does not feel.
 __host__ __device__ inline bool uses_lines(const CombineParams& p, int64_t row_bytes) {
   const int ep = p.ws.ep_size;
-  return ep > 1 && ep <= 64 && !p.ctl.degrade && p.group == 0 && row_bytes % 16 == 0 &&
+  return p.aux.lines_tail != 0 && ep > 1 && ep <= 64 && !p.ctl.degrade && p.group == 0 && row_bytes % 16 == 0 &&
          p.ws.row_stride % 16 == 0 && 2 * (int64_t)(ep - 1) * p.rt * row_bytes <= layout::COMBINE_LINES_BYTES;
+}
+
+// A row's lines tail (past the row, zeroed by the daemon with the aux region): the heads, one
+// 16-byte line per target, then the lines.
+__device__ __forceinline__ uint4* line_heads(const CombineParams& p, uint8_t* row) {
+  return at<uint4>(row, p.aux.lines_tail);
+}
+
+__device__ __forceinline__ uint8_t* lines_of(const CombineParams& p, uint8_t* row) {
+  return row + p.aux.lines_tail + layout::LINE_HEADS_BYTES;
 }
 
 __device__ __forceinline__ uint64_t line_word(uint32_t data, uint32_t round) {
@@ -822,11 +833,11 @@ __device__ __forceinline__ void stage_lines(const CombineParams& p, int64_t row_
   // (its own too: the poller waits for every rank of the view, this one included)
   if (tid < static_cast<uint32_t>(ep) && view.has(static_cast<int>(tid))) {
     const uint64_t head = line_word(p.spec, r);
-    st_line(at<uint4>(row_of(p.ws, static_cast<int>(tid)), p.aux.combine_line_heads) + me, head, head);
+    st_line(line_heads(p, row_of(p.ws, static_cast<int>(tid))) + me, head, head);
   }
   const uint8_t* src = p.payload;  // (the combine region itself when the payload is there)
   const bool aligned = reinterpret_cast<uintptr_t>(src) % 8 == 0;
-  uint4* lines = at<uint4>(my_row, p.aux.combine_lines);
+  uint4* lines = reinterpret_cast<uint4*>(lines_of(p, my_row));
   const int64_t seg = (int64_t)p.rt * row_bytes / 8;  // units (lines) per source
   const int64_t n = (int64_t)(ep - 1) * seg, skip = (int64_t)me * seg;
 #pragma unroll 1
@@ -846,7 +857,7 @@ __device__ __forceinline__ void stage_lines(const CombineParams& p, int64_t row_
 }
 
 // The poller's probe of target q (its last block waits for every peer of the view): q's head
-// in this rank's COMBINE_LINE_HEADS with the round (value: q's descriptor), or q's ready word
+// in this rank's line heads with the round (value: q's descriptor), or q's ready word
 // with the round and no head (q staged no lines: value kCombineSpecVoid, so that nothing is
 // read from it and a report names what its ready word holds).
 struct LinesProbe {
@@ -916,7 +927,7 @@ __device__ bool pull_item_lines(const CombineParams& p, int t, uint32_t c, const
   uint8_t* my_row = row_of(p.ws, me);
   const uint8_t* self_rows = p.payload + (int64_t)me * p.rt * row_bytes + first * 16;
   const bool self_aligned = reinterpret_cast<uintptr_t>(self_rows) % 16 == 0;
-  const uint4* heads = at<const uint4>(my_row, p.aux.combine_line_heads);
+  const uint4* heads = line_heads(p, my_row);
   const uint64_t* words = at<const uint64_t>(my_row, p.aux.combine_ready);
   const uint32_t* abort_word = reinterpret_cast<const uint32_t*>(p.ctl.block + layout::CB_ABORT);
   const uint32_t r = static_cast<uint32_t>(round);
@@ -944,7 +955,7 @@ __device__ bool pull_item_lines(const CombineParams& p, int t, uint32_t c, const
       self[b] = tq[b] == me;
       const int64_t source = me - (me > tq[b] ? 1 : 0);  // this rank's index among tq's sources
       src[b] = self[b] ? self_rows + (int64_t)sq * row_bytes
-                       : at<const uint8_t>(row_of(p.ws, tq[b]), p.aux.combine_lines) +
+                       : lines_of(p, row_of(p.ws, tq[b])) +
                              16 * ((source * p.rt + sq) * units8 + 2 * first);
     }
     // Every load of the batch before the first use: the heads, the lines, the own rows (16
@@ -1316,7 +1327,7 @@ __global__ void __launch_bounds__(kThreads, kPath == kPathLines ? 2 : 0) combine
       if (last && !__syncthreads_or(failed)) {
         __shared__ int s_spec[64];
         int value = 0;
-        const LinesFlags heads{at<const uint4>(my_row, p.aux.combine_line_heads), flags.words, round};
+        const LinesFlags heads{line_heads(p, my_row), flags.words, round};
         if (block_wait<W>(heads, ep, round, p.ctl, layout::PHASE_COMBINE, /*poller=*/true, claim, give_up, &value,
                           view, &seen, &bad, static_cast<int>(p.spec))) {
           if (threadIdx.x < ep) s_spec[threadIdx.x] = value;

@@ -14,6 +14,8 @@ constexpr int MAX_PAYLOADS = 6;
 constexpr int BLOCK_COUNTER_SLOTS = 32;
 constexpr int COMBINE_SLICE_ROWS = 8;
 constexpr int COMBINE_LINES_BYTES = 2097152;
+constexpr int LINE_HEADS_BYTES = 4096;
+constexpr int ROW_TAIL_BYTES = 2101248;
 constexpr int INITIAL_ROUND = 1;
 constexpr int SLOT_DISPATCH_ARRIVAL = 0;
 constexpr int SLOT_COMBINE_ARRIVAL = 1;
@@ -93,8 +95,8 @@ constexpr int AUX_RECV_RTS = 16;
 constexpr int AUX_DISPATCH_READY = 17;
 constexpr int AUX_RECV_SPECS = 18;
 constexpr int AUX_COMBINE_READY = 19;
-constexpr int AUX_COMBINE_LINE_HEADS = 20;
-constexpr int AUX_COMBINE_LINES = 21;
+constexpr int AUX_LINES_TAIL = 20;
+constexpr int AUX_ROW_TAIL_BYTES = 21;
 constexpr int AUX_COMBINE_LINES_BYTES = 22;
 constexpr int AUX_PLAN_FIELD_COUNT = 23;
 inline constexpr const char* AUX_PLAN_FIELD_NAMES[] = {
@@ -118,8 +120,8 @@ inline constexpr const char* AUX_PLAN_FIELD_NAMES[] = {
     "dispatch_ready",
     "recv_specs",
     "combine_ready",
-    "combine_line_heads",
-    "combine_lines",
+    "lines_tail",
+    "row_tail_bytes",
     "combine_lines_bytes",
 };
 
@@ -144,8 +146,7 @@ struct AuxOffsets {
   int64_t dispatch_ready;  // [ep_size] u64, written by source s: (high << 32) | round
   int64_t recv_specs;  // [ep_size, SPEC_WORDS] int32, written by source s: its payload descriptor
   int64_t combine_ready;  // [ep_size] u64, written by target t: (combine spec << 32) | round
-  int64_t combine_line_heads;  // [ep_size] 16-byte lines, written by target t: (round << 32 | spec) x 2
-  int64_t combine_lines;  // COMBINE_LINES_BYTES: the staged rows of a small combine as lines
+  int64_t lines_tail;  // the row's lines tail (ROW_TAIL_BYTES past the row: heads, then lines), 0: none
 };
 
 // The struct from an aux list (anything indexable by AUX_*, checked by the caller).
@@ -170,8 +171,7 @@ inline AuxOffsets aux_offsets_from(const List& v) {
   a.dispatch_ready = static_cast<int64_t>(v[AUX_DISPATCH_READY]);
   a.recv_specs = static_cast<int64_t>(v[AUX_RECV_SPECS]);
   a.combine_ready = static_cast<int64_t>(v[AUX_COMBINE_READY]);
-  a.combine_line_heads = static_cast<int64_t>(v[AUX_COMBINE_LINE_HEADS]);
-  a.combine_lines = static_cast<int64_t>(v[AUX_COMBINE_LINES]);
+  a.lines_tail = static_cast<int64_t>(v[AUX_LINES_TAIL]);
   return a;
 }
 

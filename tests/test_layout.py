@@ -88,7 +88,8 @@ def test_generated_c_header_is_current():
 
 def test_aux_plan_is_the_generated_struct_of_the_kernels():
     """The aux list of a CUDA plan comes from one definition (layout.AUX_PLAN_FIELDS): its values
-    are the AuxLayout fields and constants of those names, and csrc/layout.h holds an index per
+    are the AuxLayout fields and constants of those names (and the rows' lines tail, 0 unless
+    given), and csrc/layout.h holds an index per
     value and the kernels' AuxOffsets with exactly the fields that are not constants, in order."""
     import re
 
@@ -103,7 +104,8 @@ def test_aux_plan_is_the_generated_struct_of_the_kernels():
         values = L.aux_plan(aux)
         assert len(values) == len(names)
         for name, v in zip(names, values):
-            want = getattr(L, L.AUX_PLAN_CONSTANTS[name]) if name in L.AUX_PLAN_CONSTANTS else getattr(aux, name)
+            want = (getattr(L, L.AUX_PLAN_CONSTANTS[name]) if name in L.AUX_PLAN_CONSTANTS
+                    else 0 if name == "lines_tail" else getattr(aux, name))
             assert v == want, name
     header = L.c_header()
     for i, name in enumerate(names):
@@ -112,21 +114,7 @@ def test_aux_plan_is_the_generated_struct_of_the_kernels():
     fields = [re.match(r"\s*(\w+) (\w+);", line).groups() for line in struct.splitlines()]
     assert fields == [(ctype, name) for name, ctype, _ in L.AUX_PLAN_FIELDS if ctype]
     assert {name for _, name in fields} == set(names) - {"block_counter_slots", "combine_slice_rows",
-                                                         "combine_lines_bytes"}
-
-
-def test_combine_lines_are_aligned_fields_the_daemon_zeroes():
-    """COMBINE_LINE_HEADS (a 16-byte line per rank) and COMBINE_LINES (COMBINE_LINES_BYTES) lie
-    16-aligned inside the aux region, which every initialization zeroes: a line never written
-    since holds round 0, which no round is."""
-    from a2ad import layout as L
-
-    assert L.INITIAL_ROUND >= 1 and L.COMBINE_LINES_BYTES % 16 == 0
-    for ep, mt in ((1, 1), (2, 256), (8, 4096), (64, 17), (256, 3)):
-        aux = L.aux_layout(ep, mt)
-        assert aux.combine_line_heads % 16 == 0 and aux.combine_line_heads >= aux.combine_ready + 8 * ep
-        assert aux.combine_lines % 16 == 0 and aux.combine_lines >= aux.combine_line_heads + 16 * ep
-        assert aux.combine_lines + L.COMBINE_LINES_BYTES <= aux.payload_data == aux.aux_bytes
+                                                         "row_tail_bytes", "combine_lines_bytes"}
 
 
 def test_dispatch_ready_is_an_aligned_u64_field_before_the_payloads():
@@ -207,9 +195,9 @@ def test_sizes_at_ep_256_are_linear_in_ep_size():
     """What one rank's row needs at ep_size 256 (top_k 8, MoeAlltoAll's payloads for
     hidden_size), the figures of README.md "Sizes at ep_size 256" (printed with -s): every
     part grows linearly in ep_size, so four times the ep_size is four times the row, up to
-    the fixed per-rank parts (top-k scratch, flags, alignment, the combine lines)."""
-    table = {(256, 7168): 1885739392, (256, 2880): 761665920, (1024, 7168): 7536585088, (1024, 2880): 3040291200}
-    aux = {256: 2496896, 1024: 3615104}
+    the fixed per-rank parts (top-k scratch, flags, alignment)."""
+    table = {(256, 7168): 1883638144, (256, 2880): 759564672, (1024, 7168): 7534483840, (1024, 2880): 3038189952}
+    aux = {256: 395648, 1024: 1513856}
     for (tokens, hidden), want in table.items():
         got = L.moe_workspace_size_per_rank(256, 8, tokens, hidden)
         a = L.aux_data_size(256, tokens)
@@ -221,5 +209,28 @@ def test_sizes_at_ep_256_are_linear_in_ep_size():
         steps = {b - a for a, b in zip(sizes, sizes[1:])}
         assert max(steps) - min(steps) <= 3 * L.ALIGN, steps  # the same step for every 64 ranks
         fixed = 2 * sizes[0] - sizes[1]  # the part that does not grow with ep_size
-        assert 0 <= fixed < 64 * L.ALIGN + 2 * 4 * tokens * L.MAX_TOP_K + L.ALIGN_SLACK + L.COMBINE_LINES_BYTES, fixed
+        assert 0 <= fixed < 64 * L.ALIGN + 2 * 4 * tokens * L.MAX_TOP_K + L.ALIGN_SLACK, fixed
     assert L.CONTROL_BLOCK_SIZE == 16384
+
+
+def test_lines_tail_lies_past_the_row_inside_its_stride():
+    """A row allocated with a lines tail (row_bytes_with_tail, rounded up to any granularity
+    that is a multiple of a page) has its last ROW_TAIL_BYTES past size_per_rank, page-aligned;
+    a row without the room for one is refused. The heads hold a 16-byte line for each of
+    MAX_LINES_EP_SIZE ranks, and the aux plan carries the tail (0: none) and the sizes the
+    kernels were built for."""
+    assert L.LINE_HEADS_BYTES >= 16 * L.MAX_LINES_EP_SIZE and L.LINE_HEADS_BYTES % 4096 == 0
+    assert L.ROW_TAIL_BYTES == L.LINE_HEADS_BYTES + L.COMBINE_LINES_BYTES and L.COMBINE_LINES_BYTES % 16 == 0
+    for size in (1, 4095, 4096, 65536, 123457, 3 << 30):
+        for gran in (4096, 1 << 16, 2 << 20):
+            stride = L.pad_up(L.row_bytes_with_tail(size), gran)
+            tail = L.lines_tail_offset(size, stride)
+            assert size <= tail and tail % 4096 == 0 and tail + L.ROW_TAIL_BYTES == stride, (size, gran)
+        with pytest.raises(ValueError):
+            L.lines_tail_offset(size, L.pad_up(size, 2 << 20))  # (no room past the row)
+    aux = L.aux_layout(4, 64)
+    names = [name for name, _, _ in L.AUX_PLAN_FIELDS]
+    plan = L.aux_plan(aux, 1 << 20)
+    assert plan[names.index("lines_tail")] == 1 << 20 and L.aux_plan(aux)[names.index("lines_tail")] == 0
+    assert plan[names.index("row_tail_bytes")] == L.ROW_TAIL_BYTES
+    assert plan[names.index("combine_lines_bytes")] == L.COMBINE_LINES_BYTES
