@@ -25,12 +25,13 @@ class Node:
     """One daemon instance over the simulator's machine: what server.py does around the core
     (hand it an event at a time, carry out its replies), and a restart that keeps the fds."""
 
-    def __init__(self, kernel=None, keeper=None):
+    def __init__(self, kernel=None, keeper=None, lines_tail: bool = False):
         self.kernel = kernel or simd.Kernel()
         self.keeper = keeper or simd.SimKeeper()
         self.problems: list = []
         self.host = simd.SimHost(self.kernel, random.Random(1), self.problems)
-        self.reg = Registry(simd.SimBackend(self.host), self.keeper.view(self.host), Auth(allow_uids=(UID, OTHER)),
+        self.backend = simd.SimBackend(self.host, lines_tail=lines_tail)
+        self.reg = Registry(self.backend, self.keeper.view(self.host), Auth(allow_uids=(UID, OTHER)),
                             Limits(grace=5.0), self.host)
         self.reg.limits.max_fds_per_uid = None
         self.rid = 0
@@ -80,11 +81,11 @@ class Node:
         """What the state file would hold now."""
         return {"backend": "host", "jobs": [persist.job_record(j) for j in self.reg.jobs.values()]}
 
-    def restart(self, state: dict | None = None) -> "Node":
+    def restart(self, state: dict | None = None, lines_tail: bool = False) -> "Node":
         """The daemon stops (an upgrade hands over its state); a new one adopts the kept jobs
         (from ``state``: an older state file, say)."""
         state = self.state() if state is None else state
-        new = Node(self.kernel, self.keeper)
+        new = Node(self.kernel, self.keeper, lines_tail=lines_tail)
         fds = {name: new.host._open(obj[0], obj) for name, obj in sorted(self.keeper.kept.items())}
         new.reg.adopt_state(state, fds)
         return new
@@ -498,3 +499,55 @@ def test_a_peer_never_heard_while_the_gate_runs_is_lost_after_the_loss_bound():
     # the report of 103.15 says it did not run for 2.25 s of the 2.75 s since the one of 100.4:
     # 1 s counted by 103.25, lost at the next check
     assert t == 103.5, (t, lost)
+
+
+@pytest.mark.parametrize("lines_tail", [True, False], ids=["tail", "no-tail"])
+def test_rows_get_a_lines_tail_where_the_backend_asks_zeroed_at_every_initialization_and_kept(lines_tail):
+    """A backend whose rows the CUDA kernels use (Backend.lines_tail) gets every row of a job
+    of at most MAX_LINES_EP_SIZE ranks ROW_TAIL_BYTES larger; each initialization (the rows'
+    first, a re-arm) zeroes that tail with the aux region, the join reply names it, and a
+    daemon restarted from the state file keeps it, whatever its own backend would give a new
+    job (a replacement's row then has the job's stride). Without one: no tail, the stride of
+    size_per_rank alone, lines_tail 0."""
+    a = Node(lines_tail=lines_tail)
+    for r, pid in enumerate((100, 101)):
+        a._join(pid, UID, "j", r, 2, 0.0, None)
+    replies = a.replies()
+    job = a.reg.jobs["j"]
+    size = job.size_per_rank
+    if lines_tail:
+        assert job.row_stride == a.backend.row_stride(L.row_bytes_with_tail(size), "host") > size + L.ROW_TAIL_BYTES - 1
+        assert job.lines_tail == L.lines_tail_offset(size, job.row_stride)
+    else:
+        assert (job.row_stride, job.lines_tail) == (a.backend.row_stride(size, "host"), 0)
+    assert [replies[p].payload["lines_tail"] for p in (100, 101)] == [job.lines_tail] * 2
+    want = L.ROW_TAIL_BYTES if lines_tail else 0
+    assert [a.backend.tails[s.alloc.fd] for s in job.slots] == [want, want]
+    leases = [a.redeem(p, UID, replies[p])[0] for p in (100, 101)]
+    for s in job.slots:
+        a.backend.tails[s.alloc.fd] = None
+    got = _rearm_both(a, leases, 1.0)
+    assert {p: rep.payload["generation"] for p, rep in got.items()} == {100: 1, 101: 1}
+    assert [a.backend.tails[s.alloc.fd] for s in job.slots] == [want, want]
+    b = a.restart(lines_tail=not lines_tail)
+    kept = b.reg.jobs["j"]
+    assert (kept.row_stride, kept.lines_tail, kept.row_bytes) == (job.row_stride, job.lines_tail, job.row_bytes)
+    # a re-arm of the adopted job zeroes the tail of its adopted rows too
+    got = _rearm_both(b, leases, 2.0)
+    assert {p: rep.payload["generation"] for p, rep in got.items()} == {100: 2, 101: 2}
+    assert [b.backend.tails[s.alloc.fd] for s in kept.slots] == [want, want]
+
+
+def test_a_state_file_lines_tail_that_is_not_its_rows_last_bytes_is_refused():
+    """persist.check_job_record: a record's lines_tail is 0 or the last ROW_TAIL_BYTES of its
+    rows, past size_per_rank; anything else (a hand-edited or foreign file) is refused."""
+    a = Node(lines_tail=True)
+    a.attach_all([100, 101], UID)
+    rec = a.state()["jobs"][0]
+    assert rec["lines_tail"] and persist.check_job_record(rec) is None
+    for bad in (rec["lines_tail"] + 4096, 4096, -1, "x", rec["row_stride"]):
+        err = persist.check_job_record({**rec, "lines_tail": bad})
+        assert err is not None and "lines_tail" in err, (bad, err)
+    assert persist.check_job_record({**rec, "lines_tail": 0}) is None
+    old = {k: v for k, v in rec.items() if k != "lines_tail"}  # a state file of a daemon before tails
+    assert persist.check_job_record(old) is None

@@ -106,6 +106,7 @@ def job_record(job) -> dict:
         "spec": job.spec,
         "size_per_rank": job.size_per_rank,
         "row_stride": job.row_stride,
+        "lines_tail": getattr(job, "lines_tail", 0),
         "generation": job.generation,
         "rearms": job.rearms,
         "rendezvous_count": job.rendezvous_count,
@@ -142,7 +143,7 @@ def job_from_record(rec: dict, fds: dict[str, int], backend, this_node: str | No
     control = adopt_control(cfd, name)
     job = Job(
         name=name, ep_size=ep_size, spec=rec["spec"], size_per_rank=rec["size_per_rank"],
-        row_stride=rec["row_stride"], aux=aux, control_fd=cfd, control=control,
+        row_stride=rec["row_stride"], aux=aux, control_fd=cfd, control=control, lines_tail=rec.get("lines_tail", 0),
         slots=[RankSlot(rank=r) for r in range(ep_size)], owner_uid=rec.get("owner_uid"), created_at=created_at,
     )
     job.generation = rec["generation"]
@@ -626,6 +627,14 @@ def check_job_record(rec) -> str | None:
     for key in ("rearms", "rendezvous_count"):
         if key in rec and not _is_int(rec[key]):
             return f"bad {key} {rec[key]!r}"
+    if rec.get("lines_tail", 0) != 0:
+        try:
+            ok = _is_int(rec["lines_tail"]) and rec["lines_tail"] == L.lines_tail_offset(rec["size_per_rank"],
+                                                                                         rec["row_stride"])
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            return f"bad lines_tail {rec['lines_tail']!r:.40} (rows of {rec['row_stride']} bytes past {rec['size_per_rank']})"
     if "needs_rearm" in rec and not isinstance(rec["needs_rearm"], bool):
         return f"bad needs_rearm {rec['needs_rearm']!r}"
     am = rec.get("active_mask")

@@ -178,10 +178,14 @@ class SimBackend(Backend):
 
     name = "host"
 
-    def __init__(self, host: SimHost):
+    def __init__(self, host: SimHost, lines_tail: bool = False):
         self.host = host
         #: rows get a handle other nodes of a domain import them by
         self.fabric = False
+        #: rows get a lines tail, as the CUDA backend's (Backend.lines_tail)
+        self.lines_tail = lines_tail
+        #: per row fd: the tail its last initialize zeroed
+        self.tails: dict[int, int] = {}
 
     def check_device(self, device: str) -> None:
         if device != "host":
@@ -196,9 +200,10 @@ class SimBackend(Backend):
         return Allocation(fd=self.host._open("row", obj), size=self.row_stride(size_per_rank, device), device=device,
                           handle_type="memfd", extra=extra)
 
-    def initialize(self, alloc, aux_bytes, flag_offset, initial_round, fresh=False, words=None) -> None:
+    def initialize(self, alloc, aux_bytes, flag_offset, initial_round, fresh=False, words=None, tail=0) -> None:
         if alloc.fd not in self.host.fds:
             self.host.problems.append(("fd-leak", f"initialized row fd {alloc.fd}, which the daemon does not hold"))
+        self.tails[alloc.fd] = tail
 
     def adopt(self, fd, size, device, handle_type, fabric=None) -> Allocation:
         return Allocation(fd=fd, size=size, device=device, handle_type=handle_type,

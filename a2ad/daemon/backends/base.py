@@ -39,6 +39,10 @@ class Allocation:
 
 class Backend(abc.ABC):
     name: str = "?"
+    #: Whether a job's rows get a lines tail (layout.ROW_TAIL_BYTES at the top of each row's
+    #: allocation, zeroed with the aux region): where the CUDA kernels' small combine stages
+    #: its rows as lines. Rows no CUDA kernel uses need none.
+    lines_tail: bool = False
 
     @abc.abstractmethod
     def check_device(self, device: str) -> None:
@@ -55,11 +59,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def initialize(
         self, alloc: Allocation, aux_bytes: int, flag_offset: int, initial_round: int, fresh: bool = False,
-        words: dict[int, int] | None = None,
+        words: dict[int, int] | None = None, tail: int = 0,
     ) -> None:
-        """Make ``[0, aux_bytes)`` of the row read as zeros, then write ``initial_round`` (int32)
-        at ``flag_offset`` and each value of ``words`` (int32) at its offset (aligned, inside
-        the aux region).
+        """Make ``[0, aux_bytes)`` of the row and its last ``tail`` bytes (its lines tail) read as
+        zeros, then write ``initial_round`` (int32) at ``flag_offset`` and each value of
+        ``words`` (int32) at its offset (aligned, inside the aux region).
 
         ``fresh=True`` promises that the row comes straight from :meth:`allocate` and was never
         handed to a client: a backend whose new memory already reads as zeros (host memfds) may
@@ -125,6 +129,13 @@ def default_limits(backend: Backend) -> tuple[int, int]:
     if total <= 0:
         total = capacity
     return total, total
+
+
+def check_tail(tail: int, aux_bytes: int, size: int) -> None:
+    """BackendError unless the last ``tail`` bytes of a row of ``size`` lie past its aux region."""
+    if not 0 <= tail <= size - aux_bytes:
+        raise errors.BackendError(f"a tail of {tail} bytes does not fit a row of {size} past its aux region "
+                                  f"of {aux_bytes}")
 
 
 def init_words(flag_offset: int, initial_round: int, words: dict[int, int] | None, aux_bytes: int,

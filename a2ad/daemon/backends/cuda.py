@@ -31,7 +31,7 @@ import threading
 
 from a2ad import cuda_driver as cd
 from a2ad import errors
-from a2ad.daemon.backends.base import Allocation, Backend, init_words
+from a2ad.daemon.backends.base import Allocation, Backend, check_tail, init_words
 
 #: Where the driver exposes IMEX channels (``channelN`` device nodes); a process needs one to
 #: allocate or import memory with fabric handles.
@@ -60,6 +60,7 @@ def fabric_missing_reason(device: str, why: str | None, folder: str = IMEX_CHANN
 
 class CudaBackend(Backend):
     name = "cuda"
+    lines_tail = True
 
     def __init__(self, try_fabric: bool = True, keep_context: bool | None = None):
         self._lock = threading.RLock()
@@ -205,7 +206,7 @@ class CudaBackend(Backend):
 
     def initialize(
         self, alloc: Allocation, aux_bytes: int, flag_offset: int, initial_round: int, fresh: bool = False,
-        words: dict[int, int] | None = None,
+        words: dict[int, int] | None = None, tail: int = 0,
     ) -> None:
         # ``fresh`` is ignored: cuMemCreate memory is not guaranteed zero, so every
         # initialization memsets the aux region on the GPU (no host memory is involved).
@@ -214,6 +215,7 @@ class CudaBackend(Backend):
             raise errors.BackendError("initialize() of a released CUDA allocation")
         if not 0 <= aux_bytes <= alloc.size:
             raise errors.BackendError(f"aux region of {aux_bytes} bytes does not fit a row of {alloc.size}")
+        check_tail(tail, aux_bytes, alloc.size)
         writes = init_words(flag_offset, initial_round, words, aux_bytes, alloc.size)
         ordinal = alloc.extra["ordinal"]
         with self._lock, self._context(ordinal):
@@ -224,6 +226,8 @@ class CudaBackend(Backend):
                     cd.set_access(ptr, alloc.size, ordinal)
                     if aux_bytes:
                         cd.memset_d8(ptr, 0, aux_bytes)
+                    if tail:
+                        cd.memset_d8(ptr + alloc.size - tail, 0, tail)
                     for off, data in writes:
                         cd.memcpy_htod(ptr + off, data)
                     cd.synchronize()

@@ -27,7 +27,7 @@ import secrets
 
 from a2ad import errors, protocol
 from a2ad.daemon import memfd
-from a2ad.daemon.backends.base import Allocation, Backend, init_words
+from a2ad.daemon.backends.base import Allocation, Backend, check_tail, init_words
 
 PAGE = mmap.PAGESIZE
 
@@ -87,17 +87,20 @@ class HostBackend(Backend):
 
     def initialize(
         self, alloc: Allocation, aux_bytes: int, flag_offset: int, initial_round: int, fresh: bool = False,
-        words: dict[int, int] | None = None,
+        words: dict[int, int] | None = None, tail: int = 0,
     ) -> None:
         if alloc.fd < 0:
             raise errors.BackendError("initialize() of a released host allocation")
         if not 0 <= aux_bytes <= alloc.size:
             raise errors.BackendError(f"aux region of {aux_bytes} bytes does not fit a row of {alloc.size}")
+        check_tail(tail, aux_bytes, alloc.size)
         writes = init_words(flag_offset, initial_round, words, aux_bytes, alloc.size)
         try:
             if not fresh and aux_bytes:
                 # a used row: drop the aux pages (they read as zeros again, in every mapping)
                 memfd.zero_range(alloc.fd, 0, aux_bytes)
+            if not fresh and tail:
+                memfd.zero_range(alloc.fd, alloc.size - tail, tail)
             # a fresh memfd already reads as zeros: only the flag (and words) are written
             for off, data in writes:
                 if os.pwrite(alloc.fd, data, off) != 4:

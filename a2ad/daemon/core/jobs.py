@@ -164,6 +164,9 @@ class Job:
     generation: int = 0
     #: When set, the job is freed at this monotonic time unless a rank comes back.
     grace_deadline: float | None = None
+    #: Row offset of the rows' lines tail (their last layout.ROW_TAIL_BYTES, zeroed with the aux
+    #: region: where a small CUDA combine stages its rows as lines); 0: the rows have none.
+    lines_tail: int = 0
     rendezvous_started: float | None = None
     rendezvous_count: int = 0
     #: Set when the job's rounds can no longer agree (a rank died or left while the job
@@ -196,6 +199,16 @@ class Job:
         # a job adopted from a daemon that knew no policy ran with the default one
         if "on_peer_loss" not in self.spec:
             self.spec = {**self.spec, "on_peer_loss": protocol.DEFAULT_PEER_LOSS}
+
+    @property
+    def row_bytes(self) -> int:
+        """What each row asks its backend for: ``size_per_rank``, and the lines tail if any."""
+        return L.row_bytes_with_tail(self.size_per_rank) if self.lines_tail else self.size_per_rank
+
+    @property
+    def tail_bytes(self) -> int:
+        """Bytes at the top of each row's allocation zeroed with its aux region (the lines tail)."""
+        return L.ROW_TAIL_BYTES if self.lines_tail else 0
 
     @property
     def degrade(self) -> bool:

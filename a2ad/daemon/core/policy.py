@@ -118,7 +118,7 @@ class LossPolicy:
         words = {job.aux.block_counters + 4 * L.SLOT_ADMIT_ROUND: L.ADMIT_JOINED} if admit == L.ADMIT_ROW else None
         try:
             self.backend.initialize(slot.alloc, job.aux.aux_bytes, job.aux.flag_val, L.INITIAL_ROUND, fresh=False,
-                                    words=words)
+                                    words=words, tail=job.tail_bytes)
         except BaseException:
             slot.pending = None  # the error is this join's reply
             self._reset_joining(job, slot)

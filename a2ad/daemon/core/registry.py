@@ -455,7 +455,10 @@ class Registry:
                 f"for ep_size {ep_size}, max_num_tokens {spec['max_num_tokens']})",
                 field="spec.workspace_size_per_rank",
             )
-        stride = self.backend.row_stride(size, device)
+        # rows of a job of at most 64 ranks on a backend whose rows the CUDA kernels use get a lines
+        # tail (not in a domain, whose nodes decide the row stride together)
+        tail = self.backend.lines_tail and self.fed is None and ep_size <= L.MAX_LINES_EP_SIZE
+        stride = self.backend.row_stride(L.row_bytes_with_tail(size) if tail else size, device)
         # in a domain the job's rows are spread over the nodes: each row is counted when allocated
         job_bytes = stride if self.fed is not None else ep_size * stride
         if job_bytes > self.limits.max_job_bytes:
@@ -477,7 +480,7 @@ class Registry:
         job = Job(
             name=name, ep_size=ep_size, spec=spec, size_per_rank=size, row_stride=stride, aux=aux,
             control_fd=cfd, control=cb, slots=[RankSlot(rank=r) for r in range(ep_size)], owner_uid=owner_uid,
-            created_at=self.now,
+            created_at=self.now, lines_tail=L.lines_tail_offset(size, stride) if tail else 0,
         )
         self.jobs[name] = job
         self.store.put(cb_name(name), cfd)
@@ -486,7 +489,7 @@ class Registry:
         return job
 
     def _allocate(self, job: Job, slot: RankSlot, device: str) -> None:
-        stride = self.backend.row_stride(job.size_per_rank, device)
+        stride = self.backend.row_stride(job.row_bytes, device)
         if stride != job.row_stride:
             raise errors.BackendError(
                 f"device {device} needs a row stride of {stride} bytes; job {job.name!r} uses {job.row_stride}"
@@ -502,9 +505,10 @@ class Registry:
                     f"job {job.name!r} needs {stride} more bytes; the daemon holds {total - stride} of its "
                     f"{self.limits.max_total_bytes} limit", needed=stride, limit=self.limits.max_total_bytes)
         self.fd_budget(2)
-        alloc = self.backend.allocate(job.size_per_rank, device)
+        alloc = self.backend.allocate(job.row_bytes, device)
         try:
-            self.backend.initialize(alloc, job.aux.aux_bytes, job.aux.flag_val, L.INITIAL_ROUND, fresh=True)
+            self.backend.initialize(alloc, job.aux.aux_bytes, job.aux.flag_val, L.INITIAL_ROUND, fresh=True,
+                                    tail=job.tail_bytes)
         except BaseException:
             self.backend.release(alloc)
             raise
@@ -562,6 +566,7 @@ class Registry:
             "spec": job.spec,
             "size_per_rank": job.size_per_rank,
             "row_stride": job.row_stride,
+            "lines_tail": job.lines_tail,
             "backend": self.backend.name,
             "handle_type": slot.alloc.handle_type,
             "generation": job.generation,
@@ -601,7 +606,8 @@ class Registry:
             for slot in job.slots:
                 if slot.alloc is None:
                     continue  # another node's row: its daemon re-arms it
-                self.backend.initialize(slot.alloc, job.aux.aux_bytes, job.aux.flag_val, L.INITIAL_ROUND, fresh=False)
+                self.backend.initialize(slot.alloc, job.aux.aux_bytes, job.aux.flag_val, L.INITIAL_ROUND, fresh=False,
+                                        tail=job.tail_bytes)
         for r in range(job.ep_size):
             job.control.clear_status(r)
             job.control.set_admit_round(r, 0)
