@@ -100,7 +100,7 @@ def _let_in_replacement(job, rank, in_row=False):
     from a2ad.client.cuda_plane import initialize_row
 
     torch.cuda.synchronize()
-    initialize_row(job.ws, rank, job.aux)
+    initialize_row(job.ws, rank, job.aux, lines_tail=job.lines_tail)
     job.planes[rank].reset_status()
     if in_row:
         _row_admit(job, rank).fill_(L.ADMIT_JOINED)

@@ -72,7 +72,7 @@ class Job:
     """``ep_size`` ranks of one job on one GPU, each with its own stream and CudaPlane."""
 
     def __init__(self, ep_size, max_tokens, top_k, num_experts, dispatch_bytes, combine_bytes, timeout=20.0,
-                 on_peer_loss="raise"):
+                 on_peer_loss="raise", lines_tail=None):
         from a2ad.client.cuda_plane import CudaPlane, initialize_row, sm_count
 
         self.ep_size, self.max_tokens, self.top_k, self.num_experts = ep_size, max_tokens, top_k, num_experts
@@ -80,7 +80,12 @@ class Job:
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.aux = L.aux_layout(ep_size, max_tokens)
         self.size = L.workspace_size_per_rank(ep_size, max_tokens, dispatch_bytes, combine_bytes)
-        self.row_stride = L.pad_up(self.size, 1 << 16)
+        # rows with a lines tail where the daemon's CUDA rows have one (lines_tail=False: as a
+        # caller's workspace)
+        if lines_tail is None:
+            lines_tail = ep_size <= L.MAX_LINES_EP_SIZE
+        self.row_stride = L.pad_up(L.row_bytes_with_tail(self.size) if lines_tail else self.size, 1 << 16)
+        self.lines_tail = L.lines_tail_offset(self.size, self.row_stride) if lines_tail else 0
         self._buf = torch.empty(ep_size * self.row_stride, dtype=torch.uint8, device=self.device)
         self._buf.fill_(0xA5)  # payload areas start as garbage, never as zeros
         self.ws = self._buf.as_strided((ep_size, self.size), (self.row_stride, 1))
@@ -93,7 +98,7 @@ class Job:
         self.budget = max(1, sm_count() // (ep_size + 1))
         self.planes = [CudaPlane(self.att(r), timeout, sm_budget=self.budget) for r in range(ep_size)]
         for r in range(ep_size):
-            initialize_row(self.ws, r, self.aux)
+            initialize_row(self.ws, r, self.aux, lines_tail=self.lines_tail)
         torch.cuda.synchronize()
 
     def att(self, rank):
@@ -109,6 +114,7 @@ class Job:
             size_per_rank=self.size,
             row_stride=self.row_stride,
             aux=self.aux,
+            lines_tail=self.lines_tail,
             control=self.control,
             generation=0,
         )
@@ -129,7 +135,7 @@ class Job:
         torch.cuda.synchronize()
         self.control.clear_abort()
         for r in range(self.ep_size):
-            initialize_row(self.ws, r, self.aux)
+            initialize_row(self.ws, r, self.aux, lines_tail=self.lines_tail)
             self.planes[r].reset_status()
         torch.cuda.synchronize()
 
@@ -142,6 +148,12 @@ class Job:
 
     def flag_val(self, rank):
         return int(self.i32(rank, self.aux.flag_val, 1).item())
+
+    def tail(self, rank):
+        """``rank``'s lines tail (layout.ROW_TAIL_BYTES: the heads, then the lines), uint8."""
+        from a2ad.client.cuda_plane import lines_tail_view
+
+        return lines_tail_view(self.ws, rank, self.lines_tail)
 
     def region(self, rank, offset, nbytes):
         """``[ep_size, rt, nbytes]`` uint8 view of a payload region of ``rank``'s row."""
@@ -367,10 +379,10 @@ def combine_paths(prof):
 
 
 def lines_words(job, r, ep, rt, row):
-    """Rank r's COMBINE_LINES of a round of rt slots of `row` bytes: the (round, data) halves of
+    """Rank r's lines (in its lines tail) of a round of rt slots of `row` bytes: the (round, data) halves of
     each line word, as ([ep - 1, rt, row / 4] rounds, [ep - 1, rt, row] data bytes)."""
-    a = job.aux.combine_lines
-    words = job.ws[r, a : a + 2 * (ep - 1) * rt * row].view(torch.int64).cpu().view(ep - 1, rt, row // 4)
+    a = L.LINE_HEADS_BYTES
+    words = job.tail(r)[a : a + 2 * (ep - 1) * rt * row].view(torch.int64).cpu().view(ep - 1, rt, row // 4)
     lo = words & 0xFFFFFFFF
     data = torch.where(lo >= 1 << 31, lo - (1 << 32), lo).to(torch.int32).contiguous().view(torch.uint8)
     return (words >> 32) & 0xFFFFFFFF, data.view(ep - 1, rt, row)
@@ -378,12 +390,12 @@ def lines_words(job, r, ep, rt, row):
 
 @pytest.mark.parametrize("ep_size", [2, 3])
 def test_lines_with_ranks_that_stage_differently(make_job, ep_size):
-    """A combine whose rows fit COMBINE_LINES stages them as lines (ranks 0 and 2 combine from
+    """A combine whose rows fit the lines (COMBINE_LINES_BYTES) stages them as lines (ranks 0 and 2 combine from
     their combine region, rank 1 from a tensor of its own); a round too big for them stages
     into the combine region and publishes before anyone pulls, as the plain path does. Rounds
     switch between the two: every combine completes, right; the ready words carry the round and
     the combine descriptor; after a lines round every rank's head (this rank's
-    COMBINE_LINE_HEADS, its own included) holds the round and the descriptor twice, and the lines hold the round
+    lines tail's heads, its own included) holds the round and the descriptor twice, and the lines hold the round
     beside each 4 bytes of every slot of the payload's rows for the peers. The combine kernel
     each round launched (torch's profiler) shows the path every rank took."""
     from torch.profiler import ProfilerActivity, profile
@@ -412,8 +424,7 @@ def test_lines_with_ranks_that_stage_differently(make_job, ep_size):
             job.planes[r].check()
             round_ = job.flag_val(r) - 1
             words = job.ws[r, job.aux.combine_ready : job.aux.combine_ready + 8 * ep_size].view(torch.int64).cpu()
-            heads = job.ws[r, job.aux.combine_line_heads : job.aux.combine_line_heads + 16 * ep_size]
-            heads = heads.view(torch.int64).cpu().view(ep_size, 2)
+            heads = job.tail(r)[: 16 * ep_size].view(torch.int64).cpu().view(ep_size, 2)
             for q in range(ep_size):
                 if q != r:
                     w = int(words[q]) & ((1 << 64) - 1)
@@ -469,6 +480,7 @@ def test_lines_with_a_misaligned_payload_and_output(make_job, dtype):
     for r in range(ep_size):
         job.planes[r].check()
         close(outs[r], combine_reference(job, e[r], x[r]), dtype)
+
 
 
 def ready_word_high(count, rt, max_tokens):
@@ -891,8 +903,7 @@ def test_lines_that_never_come_end_the_wait(make_job, how):
     torch.cuda.synchronize()
     round_ = job.flag_val(0)
     head = (round_ << 32) | L.combine_spec(hidden, torch.bfloat16)
-    at = job.aux.combine_line_heads + 16 * 1  # rank 0's COMBINE_LINE_HEADS[1]
-    job.ws[0, at : at + 16].view(torch.int64).copy_(torch.tensor([head, head], dtype=torch.int64))
+    job.tail(0)[16:32].view(torch.int64).copy_(torch.tensor([head, head], dtype=torch.int64))  # rank 0's head of 1
     comb = torch.randn(2, T, hidden, device="cuda").bfloat16()
     t0 = time.monotonic()
     job.on_ranks(lambda r: job.planes[r].combine(comb, T, T, pl, False), ranks=[0])

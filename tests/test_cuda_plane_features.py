@@ -13,6 +13,7 @@ import torch
 from a2ad import errors, layout as L
 from test_cuda_kernels import (  # noqa: F401  (make_job is a fixture)
     check_dispatch,
+    combine_paths,
     combine_reference,
     expert_weight,
     make_job,
@@ -194,6 +195,45 @@ def _fp8_reference(job, experts, x):
                 acc[t] += row.float() if q == s else dequantize_fp8(quantize_fp8(row[None]), hidden)[0]
         out.append(acc.to(torch.bfloat16))
     return out
+
+
+@pytest.mark.parametrize("lines_tail", [True, False], ids=["tail", "no-tail"])
+def test_small_combine_lines_only_where_rows_have_a_tail(make_job, lines_tail):
+    """Rows without a lines tail (a caller-owned workspace; make_plan's lines_tail 0): a small
+    combine takes the plain path and leaves everything past the rows as it was; with one, the
+    lines path. Both combine right: bf16, and FP8 bit for bit to its definition."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ep_size, T, top_k, E, hidden = 2, 8, 4, 16, 256
+    job = make_job(ep_size, T, top_k, E, 2 * hidden + 4 * top_k, 2 * hidden + L.fp8_row_bytes(hidden),
+                   lines_tail=lines_tail)
+    assert (job.lines_tail != 0) == lines_tail
+    past = [job._buf[r * job.row_stride + job.size : (r + 1) * job.row_stride].clone() for r in range(ep_size)]
+    pl = job.layout(T, [2 * hidden, 4 * top_k], 2 * hidden)
+    for low_precision in (False, True):
+        e = [rand_experts(T, top_k, E) for _ in range(ep_size)]
+        x = [torch.randn(T, hidden, device="cuda").bfloat16() for _ in range(ep_size)]
+
+        def step(r):
+            job.planes[r].dispatch(e[r], [x[r].view(torch.uint8), e[r].view(torch.uint8)], T, pl, E)
+            recv = job.region(r, pl.dispatch_offsets[0], 2 * hidden).view(torch.bfloat16)
+            comb = (recv.float() * expert_weight(r)).bfloat16()
+            return job.planes[r].combine(comb, T, T, pl, False, low_precision=low_precision)
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            outs = job.on_ranks(step)
+            job.join()
+            torch.cuda.synchronize()
+        assert combine_paths(prof) == [2 if lines_tail else 1] * ep_size, low_precision
+        for r in range(ep_size):
+            job.planes[r].check()
+            if low_precision:
+                assert torch.equal(outs[r].cpu(), _fp8_reference(job, e, x)[r]), r
+            else:
+                close(outs[r], combine_reference(job, e[r], x[r]), torch.bfloat16)
+    if not lines_tail:
+        for r in range(ep_size):
+            assert torch.equal(job._buf[r * job.row_stride + job.size : (r + 1) * job.row_stride], past[r]), r
 
 
 @pytest.mark.parametrize("in_workspace", [False, True], ids=["staged", "in-workspace"])

@@ -260,7 +260,7 @@ def test_degraded_mode_with_lost_ranks_above_64_and_a_replacement(make_job):
     # a replacement for rank 70: what the daemon does (row re-initialized, ADMIT_JOINED, bit
     # set), then its request to be let in
     torch.cuda.synchronize()
-    initialize_row(job.ws, 70, job.aux)
+    initialize_row(job.ws, 70, job.aux, lines_tail=job.lines_tail)
     job.planes[70].reset_status()
     torch.cuda.synchronize()
     job.control.set_admit_round(70, L.ADMIT_JOINED)

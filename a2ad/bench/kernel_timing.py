@@ -81,13 +81,13 @@ class TwoGpuJob:
         if one_gpu:
             # one buffer, row q at q * row_stride (as the kernel tests); the SMs split so that
             # every rank's grid is resident together (combine sizes its grid to be co-resident)
-            self.row_stride = L.pad_up(self.size, 1 << 16)
+            self.row_stride = L.pad_up(L.row_bytes_with_tail(self.size), 1 << 16)
             self._buf = torch.zeros(ep * self.row_stride, dtype=torch.uint8, device="cuda:0")
             self.ws = [self._buf.as_strided((ep, self.size), (self.row_stride, 1))] * ep
             budget = max(1, sm_count() // (ep + 1))
         else:
             gran = max(cd.granularity(d) for d in range(ep))
-            self.row_stride = L.pad_up(self.size, gran)
+            self.row_stride = L.pad_up(L.row_bytes_with_tail(self.size), gran)
             fds = []
             for d in range(ep):
                 h, _ = cd.create(self.row_stride, d, cd.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
@@ -101,6 +101,8 @@ class TwoGpuJob:
             for f in fds:
                 os.close(f)
             self.ws = [m.tensor for m in self.maps]
+        # rows with a lines tail, as the daemon's CUDA backend allocates them (zeroed below)
+        self.lines_tail = L.lines_tail_offset(self.size, self.row_stride)
         self._mm = mmap.mmap(-1, L.CONTROL_BLOCK_SIZE)
         self.control = ControlBlock(self._mm, owner=self._mm)
         # a degrade job's dispatch runs its one-block prologue first (the round's view)
@@ -120,11 +122,11 @@ class TwoGpuJob:
                     spec={"max_num_tokens": max_tokens, "top_k": top_k, "num_experts": num_experts,
                           "on_peer_loss": "degrade" if degrade else "raise"},
                     backend="cuda", device=torch.device("cuda", d), workspace=self.ws[r],
-                    size_per_rank=self.size, row_stride=self.row_stride, aux=self.aux, control=self.control,
-                    generation=0,
+                    size_per_rank=self.size, row_stride=self.row_stride, aux=self.aux, lines_tail=self.lines_tail,
+                    control=self.control, generation=0,
                 )
                 self.planes.append(CudaPlane(att, timeout, sm_budget=budget))
-                initialize_row(self.ws[r], r, self.aux)
+                initialize_row(self.ws[r], r, self.aux, lines_tail=self.lines_tail)
                 torch.cuda.synchronize()
         self.cycles_per_us = sleep_cycles_per_us(sorted(set(self.devs)))
 
