@@ -191,8 +191,10 @@ FP8_BLOCK = 32
 COMBINE_SLICE_ROWS = 8
 #: Bytes of a row's combine lines (in its lines tail, after the heads): the staged rows of a
 #: small combine as 16-byte lines (8 bytes of data, each 4 beside the round); a combine whose
-#: lines fit takes that path (docs/PROTOCOL.md, "Combine lines").
-COMBINE_LINES_BYTES = 2 << 20
+#: lines fit takes that path (docs/PROTOCOL.md, "Combine lines"). 1 MiB: on a third of an
+#: H100's SMs, lines of up to 1.4 MB were faster than the plain combine and 1.5 MB or more
+#: slower (their staging no longer fits one pass of the grid; docs/PERF.md, "Combine lines").
+COMBINE_LINES_BYTES = 1 << 20
 #: The most ranks of a job whose rows get a lines tail (a rank mask of one word).
 MAX_LINES_EP_SIZE = 64
 #: Bytes of a lines tail's heads: a 16-byte head per target rank (MAX_LINES_EP_SIZE at most),

@@ -400,13 +400,13 @@ def test_lines_with_ranks_that_stage_differently(make_job, ep_size):
     each round launched (torch's profiler) shows the path every rank took."""
     from torch.profiler import ProfilerActivity, profile
 
-    dtype, top_k, num_experts, hidden = torch.bfloat16, 4, 16, 4096
+    dtype, top_k, num_experts, hidden = torch.bfloat16, 4, 16, 2048
     row = 2 * hidden
     job = make_job(ep_size, 136, top_k, num_experts, row + 4 * top_k, row)
     in_ws = [r % 2 == 0 for r in range(ep_size)]
     spec = L.combine_spec(hidden, dtype)
     last_lines_round = None
-    # (9, 136): too big for the lines (2 * rt * row > 2 MiB), few tokens: the ranks' grids on
+    # (9, 136): too big for the lines (2 * rt * row > COMBINE_LINES_BYTES), few tokens: the ranks' grids on
     # one GPU stay within their share of the SMs
     for T, rt in [(1, 1), (37, 40), (9, 136), (1, 1), (9, 12)]:
         lines = 2 * (ep_size - 1) * rt * row <= L.COMBINE_LINES_BYTES

@@ -227,7 +227,7 @@ def test_lines_tail_lies_past_the_row_inside_its_stride():
             tail = L.lines_tail_offset(size, stride)
             assert size <= tail and tail % 4096 == 0 and tail + L.ROW_TAIL_BYTES == stride, (size, gran)
         with pytest.raises(ValueError):
-            L.lines_tail_offset(size, L.pad_up(size, 2 << 20))  # (no room past the row)
+            L.lines_tail_offset(size, L.pad_up(size, 4096))  # (no room past the row)
     aux = L.aux_layout(4, 64)
     names = [name for name, _, _ in L.AUX_PLAN_FIELDS]
     plan = L.aux_plan(aux, 1 << 20)
