@@ -235,6 +235,23 @@ __device__ __forceinline__ void fp8x2_add(uint32_t w16, float scale, float* a) {
 // four partial stores. On one H100 that took 0.25-0.6 us off the FP8 combine at T = 1-128
 // and 3-7 us at T=4096 (docs/PERF.md, "FP8 staging": likely a partial-sector store to a
 // line not in L2 waiting for its fill).
+// The FP8 combine's quantization of one unit of 8 bf16 elements (v): the two e4m3 x4 words of
+// its elements divided by 2^k, k (*k) its 32-element block's exponent. A block is 4 lanes'
+// units (lanes 4j..4j+3, which agree on k); every lane calls.
+__device__ __forceinline__ uint2 quantize_unit(const uint4& v, int* k) {
+  float f[8];
+  Elem16<Bf16Bits>::unpack(v, f);
+  const float m01 = fmaxf(fabsf(f[0]), fabsf(f[1])), m23 = fmaxf(fabsf(f[2]), fabsf(f[3]));
+  const float m45 = fmaxf(fabsf(f[4]), fabsf(f[5])), m67 = fmaxf(fabsf(f[6]), fabsf(f[7]));
+  float amax = fmaxf(0.f, fmaxf(fmaxf(m01, m23), fmaxf(m45, m67)));  // (a NaN counts as 0)
+  amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
+  *k = fp8_block_exponent(amax);
+  const float inv = pow2(-*k);
+  return make_uint2(fp8x4(f[0] * inv, f[1] * inv, f[2] * inv, f[3] * inv),
+                    fp8x4(f[4] * inv, f[5] * inv, f[6] * inv, f[7] * inv));
+}
+
 __device__ __forceinline__ void stage_rows_fp8(const CombineParams& p, const int* recv, uint32_t warp_id,
                                                uint32_t nwarps, int lane) {
   const int me = p.ws.ep_rank, ep = p.ws.ep_size;
@@ -274,19 +291,9 @@ __device__ __forceinline__ void stage_rows_fp8(const CombineParams& p, const int
 #pragma unroll
       for (int u = 0; u < kQ; ++u) {
         const uint32_t e8 = e0 + u * 32 + lane;
-        float f[8];
-        Elem16<Bf16Bits>::unpack(v[u], f);
-        const float m01 = fmaxf(fabsf(f[0]), fabsf(f[1])), m23 = fmaxf(fabsf(f[2]), fabsf(f[3]));
-        const float m45 = fmaxf(fabsf(f[4]), fabsf(f[5])), m67 = fmaxf(fabsf(f[6]), fabsf(f[7]));
-        float amax = fmaxf(0.f, fmaxf(fmaxf(m01, m23), fmaxf(m45, m67)));  // (a NaN counts as 0)
-        amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
-        amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
-        const int k = fp8_block_exponent(amax);
+        int k;
+        const uint2 q = quantize_unit(v[u], &k);
         if (e8 < U) {  // (U is a multiple of 4: a scale block's 4 lanes agree)
-          const float inv = pow2(-k);
-          uint2 q;
-          q.x = fp8x4(f[0] * inv, f[1] * inv, f[2] * inv, f[3] * inv);
-          q.y = fp8x4(f[4] * inv, f[5] * inv, f[6] * inv, f[7] * inv);
           reinterpret_cast<uint2*>(dst_row)[e8] = q;
           kbytes |= static_cast<uint32_t>(k + 127) << (8 * u);
         }
@@ -889,23 +896,15 @@ struct LinesFlags {
 
 // acc[0..8) += the 8 bf16 elements of v as the FP8 combine has them after the link: quantized
 // with their 32-element block's exponent (the block's 4 units are held by lanes 4j..4j+3; every
-// lane calls) and dequantized, the same operations as stage_rows_fp8 and pull_item_fp8.
+// lane calls: quantize_unit, as stage_rows_fp8) and dequantized as pull_item_fp8 does.
 __device__ __forceinline__ void add_fp8_rounded(const uint4& v, float* acc) {
-  float f[8];
-  Elem16<Bf16Bits>::unpack(v, f);
-  const float m01 = fmaxf(fabsf(f[0]), fabsf(f[1])), m23 = fmaxf(fabsf(f[2]), fabsf(f[3]));
-  const float m45 = fmaxf(fabsf(f[4]), fabsf(f[5])), m67 = fmaxf(fabsf(f[6]), fabsf(f[7]));
-  float amax = fmaxf(0.f, fmaxf(fmaxf(m01, m23), fmaxf(m45, m67)));  // (a NaN counts as 0)
-  amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
-  amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
-  const int k = fp8_block_exponent(amax);
-  const float inv = pow2(-k), scale = pow2(k);
-  const uint32_t lo = fp8x4(f[0] * inv, f[1] * inv, f[2] * inv, f[3] * inv);
-  const uint32_t hi = fp8x4(f[4] * inv, f[5] * inv, f[6] * inv, f[7] * inv);
-  fp8x2_add(lo & 0xffffu, scale, acc);
-  fp8x2_add(lo >> 16, scale, acc + 2);
-  fp8x2_add(hi & 0xffffu, scale, acc + 4);
-  fp8x2_add(hi >> 16, scale, acc + 6);
+  int k;
+  const uint2 q = quantize_unit(v, &k);
+  const float scale = pow2(k);
+  fp8x2_add(q.x & 0xffffu, scale, acc);
+  fp8x2_add(q.x >> 16, scale, acc + 2);
+  fp8x2_add(q.y & 0xffffu, scale, acc + 4);
+  fp8x2_add(q.y >> 16, scale, acc + 6);
 }
 
 // pull_item of a lines combine: this rank's own sends read from its payload, every other
