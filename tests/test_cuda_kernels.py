@@ -838,6 +838,15 @@ def _context_usable():
     assert (torch.arange(10, device="cuda") * 2).sum().item() == 90
 
 
+def _usable_after_rearm(job):
+    """After a failed wait: the context still works, and after a re-arm rank 0's records are
+    clear and a round completes on every rank."""
+    _context_usable()
+    job.rearm()
+    job.planes[0].check()
+    _one_round(job)
+
+
 def test_peer_never_arrives_dispatch_times_out(make_job):
     job = make_job(2, 16, 2, 8, 128, 128, timeout=0.5)
     pl = _one_round(job)  # round 1 completes on both ranks
@@ -857,10 +866,7 @@ def test_peer_never_arrives_dispatch_times_out(make_job):
         job.planes[0].check()
     assert info.value.peer == 1 and info.value.phase == "dispatch" and info.value.round == L.INITIAL_ROUND + 1
     job.planes[1].check()  # rank 1 never waited
-    _context_usable()
-    job.rearm()
-    job.planes[0].check()
-    _one_round(job)
+    _usable_after_rearm(job)
 
 
 def test_peer_never_arrives_combine_times_out(make_job):
@@ -926,10 +932,7 @@ def test_lines_that_never_come_end_the_wait(make_job, how):
         with pytest.raises(errors.PeerLost) as info:
             job.planes[0].check()
         assert info.value.rank == 1
-    _context_usable()
-    job.rearm()
-    job.planes[0].check()
-    _one_round(job)
+    _usable_after_rearm(job)
 
 
 def test_abort_word_ends_a_wait_early(make_job):
@@ -949,10 +952,7 @@ def test_abort_word_ends_a_wait_early(make_job):
     with pytest.raises(errors.PeerLost) as info:
         job.planes[0].check()
     assert info.value.rank == 1
-    _context_usable()
-    job.rearm()
-    job.planes[0].check()
-    _one_round(job)
+    _usable_after_rearm(job)
 
 
 def test_bad_inputs_are_refused_before_launch(make_job):
