@@ -226,15 +226,6 @@ __device__ __forceinline__ void fp8x2_add(uint32_t w16, float scale, float* a) {
   a[1] += f.y * scale;
 }
 
-// Rows [0, rows) of source s quantized from the bf16 payload into this rank's FP8 region.
-// A unit is 8 elements (one 16-byte load, an 8-byte store); 4 lanes hold a scale block. A
-// warp item is a chunk of one row, 32 * kQ units (1024 elements, kQ units per lane in flight),
-// whose 32 scale bytes are gathered by shuffles into 8 lanes and stored as 4-byte words: one
-// store writes a whole 32-byte sector when rows are a multiple of 32 bytes long (the row's
-// padding after its last scale zeroed), where one scale byte per lane of 4 made each sector
-// four partial stores. On one H100 that took 0.25-0.6 us off the FP8 combine at T = 1-128
-// and 3-7 us at T=4096 (docs/PERF.md, "FP8 staging": likely a partial-sector store to a
-// line not in L2 waiting for its fill).
 // The FP8 combine's quantization of one unit of 8 bf16 elements (v): the two e4m3 x4 words of
 // its elements divided by 2^k, k (*k) its 32-element block's exponent. A block is 4 lanes'
 // units (lanes 4j..4j+3, which agree on k); every lane calls.
@@ -252,6 +243,15 @@ __device__ __forceinline__ uint2 quantize_unit(const uint4& v, int* k) {
                     fp8x4(f[4] * inv, f[5] * inv, f[6] * inv, f[7] * inv));
 }
 
+// Rows [0, rows) of source s quantized from the bf16 payload into this rank's FP8 region.
+// A unit is 8 elements (one 16-byte load, an 8-byte store); 4 lanes hold a scale block. A
+// warp item is a chunk of one row, 32 * kQ units (1024 elements, kQ units per lane in flight),
+// whose 32 scale bytes are gathered by shuffles into 8 lanes and stored as 4-byte words: one
+// store writes a whole 32-byte sector when rows are a multiple of 32 bytes long (the row's
+// padding after its last scale zeroed), where one scale byte per lane of 4 made each sector
+// four partial stores. On one H100 that took 0.25-0.6 us off the FP8 combine at T = 1-128
+// and 3-7 us at T=4096 (docs/PERF.md, "FP8 staging": likely a partial-sector store to a
+// line not in L2 waiting for its fill).
 __device__ __forceinline__ void stage_rows_fp8(const CombineParams& p, const int* recv, uint32_t warp_id,
                                                uint32_t nwarps, int lane) {
   const int me = p.ws.ep_rank, ep = p.ws.ep_size;
