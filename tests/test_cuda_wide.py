@@ -111,6 +111,30 @@ def _run_round(job, pl, dev, ranks, num_experts, caller_mask=None, also_combine=
     return saved, outs
 
 
+def _records(job, ranks):
+    """The non-OK status records of ``ranks``, each with what the rank's row says of the round
+    it reached (its FLAG_VAL, the round of its view, or -1: it did not run it) and the peers
+    whose dispatch ready word in its row is behind the record's round: a wait that gave up,
+    told from every side."""
+    def row(r):
+        bc = job.i32(r, job.aux.block_counters, L.BLOCK_COUNTER_SLOTS).cpu()
+        return f"flag_val {job.flag_val(r)}, view round {int(bc[L.SLOT_VIEW_ROUND])}"
+
+    out, named = [], set()
+    for r in ranks:
+        rec = job.control.status(r)
+        if rec.code == L.STATUS_OK:
+            continue
+        ready = job.ws[r, job.aux.dispatch_ready : job.aux.dispatch_ready + 8 * job.ep_size].view(torch.int64).cpu()
+        behind = sum(1 << q for q in range(job.ep_size) if int(ready[q]) & 0xFFFFFFFF < rec.round)
+        out.append(f"rank {r}: code {rec.code} peer {rec.peer} {rec.phase_name} round {rec.round} ({row(r)}, "
+                   f"dispatch ready words behind that round from {L.format_ranks(behind)})")
+        named.add(rec.peer)
+    out += [f"rank {q} (waited for): code {job.control.status(q).code}, {row(q)}"
+            for q in sorted(named) if 0 <= q < job.ep_size]
+    return out
+
+
 def _check_round(job, ins, cpu, saved, outs, ranks, num_experts, active=None, what=""):
     """Every rank of ``ranks``: what it received (per source, as sets) and its combine, against
     the reference of a round among ``active`` (None: every rank)."""
@@ -121,8 +145,9 @@ def _check_round(job, ins, cpu, saved, outs, ranks, num_experts, active=None, wh
     outputs = [ref.toy_expert(e.payloads[0], e.payloads[1], e.payloads[2], q, num_experts, ep)
                for q, e in enumerate(expected)]
     combined = ref.combine(routings, outputs, active)
+    gave_up = _records(job, ranks)
+    assert not gave_up, f"{what}: waits that gave up: " + "; ".join(gave_up)
     for r in ranks:
-        # a wait that gave up (PeerTimeout naming the peer and the phase) before the data
         job.planes[r].check()
         problems = ref.dispatch_mismatches([t.cpu() for t in saved[r]], job.recv_counts(r), expected[r])
         assert not problems, f"{what} rank {r}: " + "; ".join(problems[:5])
