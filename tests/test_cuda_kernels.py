@@ -12,6 +12,7 @@ grid to be co-resident.
 from __future__ import annotations
 
 import ctypes
+import gc
 import mmap
 import time
 from types import SimpleNamespace
@@ -184,6 +185,15 @@ class Job:
 
 @pytest.fixture
 def make_job():
+    """Jobs of ranks in this process, closed after the test. While the test runs, Python's
+    cyclic garbage collector is off (it collects once first): the ranks wait for each other
+    inside their kernels, and a finalizer run in the middle of queuing a round (an earlier
+    test's mapping or device memory freed: the driver synchronizes the device there) would
+    wait for the kernels already queued, which wait for the ranks not queued yet, until their
+    timeout."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
     jobs = []
 
     def make(*args, **kwargs):
@@ -191,9 +201,15 @@ def make_job():
         jobs.append(j)
         return j
 
-    yield make
-    for j in jobs:
-        j.close()
+    try:
+        yield make
+    finally:
+        try:
+            for j in jobs:
+                j.close()
+        finally:
+            if was_enabled:
+                gc.enable()
 
 
 # ---------------------------------------------------------------------------
@@ -867,6 +883,71 @@ def test_peer_never_arrives_dispatch_times_out(make_job):
     assert info.value.peer == 1 and info.value.phase == "dispatch" and info.value.round == L.INITIAL_ROUND + 1
     job.planes[1].check()  # rank 1 never waited
     _usable_after_rearm(job)
+
+
+@pytest.mark.parametrize("collector", ["off", "on"])
+def test_a_synchronizing_finalizer_mid_round(make_job, collector):
+    """Garbage whose finalizer synchronizes the device (as an earlier test's mapping or device
+    memory freed does) made between rank 0's dispatch and rank 1's, with the collector's
+    threshold at one object. "on" (the collector turned back on): it runs before rank 1's
+    dispatch is queued, waits for rank 0's, which waits for rank 1 until its timeout: rank 0
+    reports PeerTimeout naming rank 1. "off" (make_job's own setting): the round completes and
+    is exact, and the finalizer runs only at the next collection."""
+    T, top_k, num_experts, hidden, dtype = 4, 2, 4, 256, torch.bfloat16
+    job = make_job(2, T, top_k, num_experts, 2 * hidden + 4 * top_k, 2 * hidden, timeout=1.0)
+    assert not gc.isenabled()
+    ran = []
+
+    class Synchronizes:
+        def __del__(self):
+            torch.cuda.synchronize()
+            ran.append(time.monotonic())
+
+    def garbage():
+        a, b = Synchronizes(), Synchronizes()
+        a.other, b.other = b, a  # a cycle: only a collection frees it
+
+    pl = job.layout(T, [2 * hidden, 4 * top_k], 2 * hidden)
+    experts = [rand_experts(T, top_k, num_experts) for _ in range(2)]
+    xs = [torch.randn(T, hidden, device="cuda").to(dtype) for _ in range(2)]
+    payloads = [[xs[r].view(torch.uint8), experts[r].view(torch.uint8)] for r in range(2)]
+    torch.cuda.synchronize()
+
+    def dispatch(r):
+        job.planes[r].dispatch(experts[r], payloads[r], T, pl, num_experts)
+        if r == 0:
+            garbage()
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    if collector == "on":
+        gc.enable()
+    try:
+        t0 = time.monotonic()
+        job.on_ranks(dispatch)
+        queued = time.monotonic() - t0
+    finally:
+        gc.disable()
+        gc.set_threshold(*threshold)
+    job.join()
+    torch.cuda.synchronize()
+    if collector == "on":
+        assert len(ran) == 2 and queued > 0.9, (ran, queued)  # it ran while rank 1 was not queued yet
+        with pytest.raises(errors.PeerTimeout) as info:
+            job.planes[0].check()
+        assert info.value.peer == 1 and info.value.phase == "dispatch", info.value
+        return
+    assert ran == [] and queued < 0.9, (ran, queued)
+    outs = job.on_ranks(lambda r: job.planes[r].combine(
+        (job.region(r, pl.dispatch_offsets[0], 2 * hidden).view(dtype).float() * expert_weight(r)).to(dtype),
+        T, T, pl, False))
+    job.join()
+    torch.cuda.synchronize()
+    for r in range(2):
+        job.planes[r].check()
+        close(outs[r], combine_reference(job, experts[r], xs[r]), dtype)
+    gc.collect()
+    assert len(ran) == 2
 
 
 def test_peer_never_arrives_combine_times_out(make_job):
