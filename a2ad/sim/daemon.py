@@ -31,7 +31,11 @@ Invariants checked after every step (``check``):
   closing one it does not hold is a violation too;
 - ``foreign-leave``: a lease token used by another uid is refused;
 - ``loss-signal``: a live attached rank whose peer died sees the abort word (raise) or the
-  peer's bit cleared (degrade) once the daemon has seen the death.
+  peer's bit cleared (degrade) once the daemon has seen the death;
+- ``row-tail``: on a backend that gives rows a lines tail (the even seeds; as the CUDA
+  backend's), a job of at most 64 ranks outside a domain has one, at the top of its row stride,
+  and every initialization of its rows (creation, a replacement's row, a re-arm) zeroes it; a
+  job without one has none zeroed.
 """
 
 from __future__ import annotations
@@ -393,7 +397,7 @@ class Node:
         self.adopted_stale = adopt and self.unwritten and handover is None
         self.host = SimHost(w.kernel, random.Random(w.rng.random()), w.problems)
         self.host.on_abort = lambda cb, node=self: w.abort_seen(node, cb)
-        backend = SimBackend(self.host)
+        backend = SimBackend(self.host, lines_tail=w.lines_tail)
         reg = Registry(backend, self.keeper.view(self.host), Auth(allow_uids=UIDS), w.limits, self.host)
         reg.limits.max_fds_per_uid = 10_000
         reg.now = w.now
@@ -574,6 +578,9 @@ class World:
         self.seed = seed
         self.mutation = mutation
         self.rng = random.Random(seed)
+        #: rows with a lines tail (as the CUDA backend's) on even seeds: no draw from rng, so the
+        #: schedules stay those of the seeds
+        self.lines_tail = seed % 2 == 0
         self.now = 0.0
         self.q: list = []
         self.seq = 0
@@ -1413,10 +1420,26 @@ class World:
                 node.touched = False
                 self.check_fds(node)
                 for job in node.reg.jobs.values():
+                    self.check_tail(node, job)
                     if not job.freed and job.generation != job.control.generation:
                         self.violate("generation-kept", f"{node.name}'s daemon holds job {job.name} at generation "
                                                         f"{job.generation}; its control block says "
                                                         f"{job.control.generation}")
+
+    def check_tail(self, node: Node, job) -> None:
+        backend = node.reg.backend
+        want = backend.lines_tail and node.bus is None and job.ep_size <= L.MAX_LINES_EP_SIZE
+        if bool(job.lines_tail) != want or (want and job.lines_tail != L.lines_tail_offset(job.size_per_rank,
+                                                                                          job.row_stride)):
+            self.violate("row-tail", f"{node.name}'s job {job.name} (ep {job.ep_size}) has its lines tail at "
+                                     f"{job.lines_tail} in rows of {job.row_stride} bytes")
+        for s in job.slots:
+            # (rows adopted after a restart were initialized by an earlier instance)
+            zeroed = backend.tails.get(s.alloc.fd, job.tail_bytes) if s.alloc is not None else job.tail_bytes
+            if zeroed != job.tail_bytes:
+                self.violate("row-tail", f"{node.name}'s last initialization of {job.name} rank {s.rank}'s row "
+                                         f"zeroed a tail of {zeroed} bytes, not {job.tail_bytes}")
+                backend.tails[s.alloc.fd] = job.tail_bytes  # (reported once)
 
     def check_fds(self, node: Node) -> None:
         reg, host = node.reg, node.host
