@@ -128,6 +128,11 @@ register(
     "written at the end of the server's turn: a daemon killed in between comes back with the rank joining "
     "(so free) while its process holds the handles and runs")
 register(
+    "lines_word_unchecked", "daemon",
+    "a join whose client says nothing of the lines tails (a client of a release before them) is let into a "
+    "job whose rows have one: in its rounds the peers wait for lines it never writes, and it reads rows they "
+    "never staged")
+register(
     "held_failed_on_stop", "daemon",
     "a daemon stopped (SIGTERM) while a job without attached ranks holds joins frees the job and ends the "
     "held joins with JobDestroyed; their clients give up, where they could have joined the next daemon",

@@ -213,6 +213,7 @@ REQUESTS: dict[str, dict[str, Field]] = {
         "device": Field(_device),
         "timeout": Field(_number(0.0, 86400.0), required=False),
         "watch": Field(_tids, required=False),
+        "lines": Field(_bool, required=False),
     },
     "leave": {
         "job": Field(check_job_name),

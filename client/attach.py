@@ -822,7 +822,12 @@ def _ask_join(client: DaemonClient, progress: "_Progress", job: str, ep_rank: in
         dev_str, tdev = _device_of(hello["backend"], device)
         # the threads whose end tells the daemon this process died (a daemon that predates
         # them does not take the field)
-        watch = {"watch": deathwatch.tids()} if "watch" in (hello.get("features") or ()) else {}
+        features = hello.get("features") or ()
+        optional = {"watch": deathwatch.tids()} if "watch" in features else {}
+        # this client combines through the rows' lines tails where a job has them (a daemon that
+        # predates the word gives them to every job of its CUDA backend, and takes no word)
+        if "lines" in features:
+            optional["lines"] = True
         try:
             daemon = _DaemonWatch(client)
             try:
@@ -843,7 +848,7 @@ def _ask_join(client: DaemonClient, progress: "_Progress", job: str, ep_rank: in
                     pid=os.getpid(),
                     device=dev_str,
                     timeout=left,
-                    **watch,
+                    **optional,
                 )
                 return reply, tdev, deadline
             finally:

@@ -40,12 +40,15 @@ class Node:
         out, self.reg.outbox = self.reg.outbox, []
         return {int.from_bytes(i, "little"): protocol.decode_reply(d) for i, d in out}
 
-    def join(self, pid: int, uid: int, job: str = "j", rank: int = 0, ep: int = 1, now: float = 0.0, watch=None):
+    def join(self, pid: int, uid: int, job: str = "j", rank: int = 0, ep: int = 1, now: float = 0.0, watch=None,
+             lines: bool = True):
         """``pid`` joins: its reply, None while held (any other reply of the event is dropped)."""
-        self._join(pid, uid, job, rank, ep, now, watch)
+        self._join(pid, uid, job, rank, ep, now, watch, lines)
         return self.replies().get(pid)
 
-    def _join(self, pid: int, uid: int, job: str, rank: int, ep: int, now: float, watch) -> None:
+    def _join(self, pid: int, uid: int, job: str, rank: int, ep: int, now: float, watch, lines: bool = True) -> None:
+        """(``lines``: the join says that its client combines through lines tails, as this
+        release's client does; False: as a client of an earlier release, which sends no word)"""
         self.kernel.procs[pid] = True
         self.reg.now = now
         self.rid += 1
@@ -53,6 +56,8 @@ class Node:
              "timeout": 10.0}
         if watch is not None:
             f["watch"] = watch
+        if lines:
+            f["lines"] = True
         self.reg.join(Peer(uid, uid, pid), pid.to_bytes(8, "little"), self.rid, f)
 
     def attach_all(self, pids: list[int], uid: int, watch=None) -> list[tuple[bytes, object]]:
@@ -274,7 +279,7 @@ CAUGHT = {
     "held_failed_on_stop": 12, "domain_job_freed_on_stop": 331, "generation_from_record": 1045,
     "rearm_lost_to_joining_report": 1715, "lost_mark_not_kept": 143, "decide_from_anyone": 29,
     "readmit_unseen_by_rankless_node": 32, "rejoin_after_undelivered_unseen": 494, "handles_before_record": 16,
-    "gate_deafness_counted": 2,
+    "gate_deafness_counted": 2, "lines_word_unchecked": 14,
 }
 
 
@@ -536,6 +541,83 @@ def test_rows_get_a_lines_tail_where_the_backend_asks_zeroed_at_every_initializa
     got = _rearm_both(b, leases, 2.0)
     assert {p: rep.payload["generation"] for p, rep in got.items()} == {100: 2, 101: 2}
     assert [b.backend.tails[s.alloc.fd] for s in kept.slots] == [want, want]
+
+
+def test_a_job_made_by_a_client_without_the_lines_word_gets_no_tail_and_lets_any_client_in():
+    """The first join of a job creates its rows: one whose client does not say that it
+    combines through lines tails (a client of a release before them sends no such word) makes
+    a job without a tail on a backend that would give one, and a client that does say it is
+    then let in with lines_tail 0 (it takes the other combine, like its peers)."""
+    a = Node(lines_tail=True)
+    a._join(100, UID, "j", 0, 2, 0.0, None, lines=False)
+    a._join(101, UID, "j", 1, 2, 0.0, None, lines=True)
+    replies = a.replies()
+    job = a.reg.jobs["j"]
+    assert job.lines_tail == 0 and job.row_stride == a.backend.row_stride(job.size_per_rank, "host")
+    assert all(replies[p].ok for p in (100, 101)), replies
+    assert [replies[p].payload["lines_tail"] for p in (100, 101)] == [0, 0]
+    assert [a.backend.tails[s.alloc.fd] for s in job.slots] == [0, 0]
+
+
+def test_a_client_without_the_lines_word_is_refused_a_job_whose_rows_have_a_tail():
+    """A join that does not say it combines through lines tails, of a job whose rows have one
+    (its ranks combine through them), is refused at once with SpecMismatch naming the field
+    "lines": in the job's rounds it would wait for lines its peers never write and read rows
+    they never staged. The rank waiting in the rendezvous keeps waiting (the group is not
+    misconfigured, one client is old), and a client that says it is let into the same rank;
+    so is a replacement later, while an old one is refused again."""
+    a = Node(lines_tail=True)
+    assert a.join(100, UID, ep=2, rank=0) is None  # held: rank 1 has not come
+    job = a.reg.jobs["j"]
+    assert job.lines_tail
+    with pytest.raises(errors.SpecMismatch, match="combine through the rows' lines tails") as exc:
+        a.join(101, UID, ep=2, rank=1, lines=False, now=0.5)
+    assert (exc.value.details["field"], exc.value.details["rank"]) == ("lines", 1)
+    assert job.slots[0].pending is not None and job.slots[0].state == L.RANK_JOINING
+    assert job.slots[1].state == L.RANK_EMPTY and job.slots[1].alloc is None
+    assert not a.replies()  # nothing answered rank 0
+    a._join(102, UID, "j", 1, 2, 1.0, None)
+    replies = a.replies()
+    assert replies[100].ok and replies[102].ok
+    assert [replies[p].payload["lines_tail"] for p in (100, 102)] == [job.lines_tail] * 2
+    a.redeem(100, UID, replies[100])
+    a.redeem(102, UID, replies[102])
+    a.reg.now = 2.0
+    a.reg.lease_closed(job.slots[1].lease_conn)  # rank 1 dies
+    with pytest.raises(errors.SpecMismatch, match="does not say it does"):
+        a.join(103, UID, ep=2, rank=1, lines=False, now=3.0)
+    assert a.join(104, UID, ep=2, rank=1, now=3.0) is None  # held until rank 0 quiesces, as any replacement
+    assert job.slots[1].pid == 104 and job.slots[1].state == L.RANK_JOINING
+
+
+def test_the_lines_word_is_asked_of_a_kept_job_only_if_its_record_says_so():
+    """A daemon restarted (or upgraded) from the state file keeps asking a job's joins for the
+    lines word (the record's lines_checked); a job kept from a daemon before the word (its
+    record has none) lets a client without it in, as that daemon did, since the job's
+    running ranks may be of a release that combines through the lines without saying so."""
+    a = Node(lines_tail=True)
+    a.attach_all([100, 101], UID)
+    job = a.reg.jobs["j"]
+    assert job.lines_tail and job.lines_checked
+    rec = persist.job_record(job)
+    assert rec["lines_checked"] is True and persist.check_job_record(rec) is None
+    assert persist.check_job_record({**rec, "lines_checked": 1}) == "bad lines_checked 1"
+    older = {k: v for k, v in rec.items() if k != "lines_checked"}
+    for record, checked in ((rec, True), (older, False)):
+        b = a.restart({"backend": "host", "jobs": [record]}, lines_tail=True)
+        kept = b.reg.jobs["j"]
+        assert (kept.lines_tail, kept.lines_checked) == (job.lines_tail, checked)
+        b.reg.now = 1.0
+        b.kernel.procs[101] = False  # rank 1's process dies (the adopted rank is watched through its pid)
+        b.reg.pid_exited(kept.slots[1].pidfd)
+        assert kept.slots[1].state == L.RANK_DEAD
+        b.kernel.procs[101] = True  # (for the next pass, which starts again from a's processes)
+        if checked:
+            with pytest.raises(errors.SpecMismatch, match="does not say it does"):
+                b.join(102, UID, ep=2, rank=1, lines=False, now=2.0)
+        else:
+            b.join(102, UID, ep=2, rank=1, lines=False, now=2.0)
+            assert kept.slots[1].pid == 102 and kept.slots[1].state == L.RANK_JOINING
 
 
 def test_a_state_file_lines_tail_that_is_not_its_rows_last_bytes_is_refused():

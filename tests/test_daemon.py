@@ -114,6 +114,19 @@ except Exception as e:
 """
 
 
+def test_hello_offers_the_lines_word_and_the_join_takes_it_as_a_bool(daemon):
+    """The daemon lists "lines" in its hello's features (the client then says in its join
+    that it combines through lines tails); the join's schema takes the word as a bool only,
+    and a join with it is seated (the host backend's rows have no tail: lines_tail 0)."""
+    assert {"watch", "lines"} <= set(daemon.request("hello")["features"])
+    join = dict(job="lw", ep_rank=0, ep_size=1, spec=dict(SPEC), pid=os.getpid(), device="host", timeout=5.0)
+    with pytest.raises(errors.InvalidField, match="lines") as ei:
+        daemon.request("join", **join, lines="yes")
+    assert ei.value.details["field"] == "lines"
+    reply = daemon.request("join", **join, lines=True)
+    assert reply["lines_tail"] == 0 and reply["ticket"]
+
+
 def _background_join(daemon, job, rank, n, spec, hold=60.0):
     return subprocess.Popen(
         [sys.executable, "-c", JOINER, str(daemon.runtime_dir), job, str(rank), str(n), json.dumps(spec), str(hold)],

@@ -31,7 +31,7 @@ class Context:
 def cmd_hello(d, f, ctx) -> dict:
     """hello / ping. Reply: version, protocol, backend, pid, uptime_s, runtime_dir, draining,
     features (optional request fields this daemon takes: "watch", a join's or renew's watch
-    threads)."""
+    threads; "lines", a join's word that its client combines through rows' lines tails)."""
     return {
         "version": __version__,
         "protocol": protocol.PROTOCOL_VERSION,
@@ -40,7 +40,7 @@ def cmd_hello(d, f, ctx) -> dict:
         "runtime_dir": str(d.cfg.runtime_dir),
         "backend": d.backend.name,
         "draining": d.registry.draining,
-        "features": ["watch"],
+        "features": ["watch", "lines"],
     }
 
 

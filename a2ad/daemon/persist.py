@@ -107,6 +107,7 @@ def job_record(job) -> dict:
         "size_per_rank": job.size_per_rank,
         "row_stride": job.row_stride,
         "lines_tail": getattr(job, "lines_tail", 0),
+        "lines_checked": getattr(job, "lines_checked", False),
         "generation": job.generation,
         "rearms": job.rearms,
         "rendezvous_count": job.rendezvous_count,
@@ -144,6 +145,7 @@ def job_from_record(rec: dict, fds: dict[str, int], backend, this_node: str | No
     job = Job(
         name=name, ep_size=ep_size, spec=rec["spec"], size_per_rank=rec["size_per_rank"],
         row_stride=rec["row_stride"], aux=aux, control_fd=cfd, control=control, lines_tail=rec.get("lines_tail", 0),
+        lines_checked=rec.get("lines_checked", False),
         slots=[RankSlot(rank=r) for r in range(ep_size)], owner_uid=rec.get("owner_uid"), created_at=created_at,
     )
     job.generation = rec["generation"]
@@ -635,6 +637,8 @@ def check_job_record(rec) -> str | None:
             ok = False
         if not ok:
             return f"bad lines_tail {rec['lines_tail']!r:.40} (rows of {rec['row_stride']} bytes past {rec['size_per_rank']})"
+    if "lines_checked" in rec and not isinstance(rec["lines_checked"], bool):
+        return f"bad lines_checked {rec['lines_checked']!r:.40}"
     if "needs_rearm" in rec and not isinstance(rec["needs_rearm"], bool):
         return f"bad needs_rearm {rec['needs_rearm']!r}"
     am = rec.get("active_mask")

@@ -563,6 +563,8 @@ class Proc:
     tries: int = 0
     #: the current chain of its own actions (an older one scheduled before a re-attach is dropped)
     acts: int = 0
+    #: a client of a release before the lines tails: its join says nothing of them
+    old: bool = False
     #: since when the daemon holds it attached while the process does not hold it
     stranded_since: float | None = None
 
@@ -581,6 +583,9 @@ class World:
         #: rows with a lines tail (as the CUDA backend's) on even seeds: no draw from rng, so the
         #: schedules stay those of the seeds
         self.lines_tail = seed % 2 == 0
+        #: half of those seeds mix client releases: every fourth process is a client of a release
+        #: before the lines (its join says nothing of them), again with no draw from rng
+        self.mixed_releases = seed % 4 == 2
         self.now = 0.0
         self.q: list = []
         self.seq = 0
@@ -723,7 +728,7 @@ class World:
         ep_size, policy, owner, placement = self.jobs[job]
         self.next_pid += 1
         p = Proc(pid=self.next_pid, uid=owner if uid is None else uid, node=placement[rank], job=job, rank=rank,
-                 ep_size=ep_size, policy=policy)
+                 ep_size=ep_size, policy=policy, old=self.mixed_releases and self.next_pid % 4 == 1)
         self.kernel.procs[p.pid] = True
         self.procs[p.pid] = p
         self.at(self.now + self.rng.uniform(0, 0.2), f"join {p.pid}", self.join, p)
@@ -750,6 +755,8 @@ class World:
             p.deadline = self.now + timeout
         f = {"job": p.job, "ep_rank": p.rank, "ep_size": p.ep_size, "spec": dict(SPEC, on_peer_loss=p.policy),
              "pid": p.pid, "device": "host", "timeout": timeout, "watch": watch_tids(p.pid)}
+        if not p.old:
+            f["lines"] = True  # (this release's client combines through lines tails where a job has them)
         p.state = "joining"
         # (a daemon whose loop is stopped reads the request when it runs again)
         p.waiting_since, p.wait_bound, p.waiting_in = self.now, timeout + 1.5 + self.stopped_for(node), node.instance
@@ -1429,8 +1436,10 @@ class World:
     def check_tail(self, node: Node, job) -> None:
         backend = node.reg.backend
         want = backend.lines_tail and node.bus is None and job.ep_size <= L.MAX_LINES_EP_SIZE
-        if bool(job.lines_tail) != want or (want and job.lines_tail != L.lines_tail_offset(job.size_per_rank,
-                                                                                          job.row_stride)):
+        # (where releases mix, a job that an earlier release's client created has no tail)
+        missing = not job.lines_tail and want and not self.mixed_releases
+        if missing or (job.lines_tail and not want) or (job.lines_tail and job.lines_tail != L.lines_tail_offset(
+                job.size_per_rank, job.row_stride)):
             self.violate("row-tail", f"{node.name}'s job {job.name} (ep {job.ep_size}) has its lines tail at "
                                      f"{job.lines_tail} in rows of {job.row_stride} bytes")
         for s in job.slots:
@@ -1440,6 +1449,10 @@ class World:
                 self.violate("row-tail", f"{node.name}'s last initialization of {job.name} rank {s.rank}'s row "
                                          f"zeroed a tail of {zeroed} bytes, not {job.tail_bytes}")
                 backend.tails[s.alloc.fd] = job.tail_bytes  # (reported once)
+            q = self.procs.get(s.pid) if s.live else None
+            if job.lines_tail and q is not None and q.old and q.alive:
+                self.violate("one-release", f"{node.name}'s job {job.name} combines through lines tails, and holds "
+                                            f"rank {s.rank} for pid {s.pid}, a client of a release before them")
 
     def check_fds(self, node: Node) -> None:
         reg, host = node.reg, node.host

@@ -167,6 +167,10 @@ class Job:
     #: Row offset of the rows' lines tail (their last layout.ROW_TAIL_BYTES, zeroed with the aux
     #: region: where a small CUDA combine stages its rows as lines); 0: the rows have none.
     lines_tail: int = 0
+    #: Whether a join of the job must say that its client combines through the lines tails
+    #: (where the rows have one): set for the jobs this release's daemon creates; a job kept
+    #: from a daemon before the word lets any client in, as that daemon did.
+    lines_checked: bool = False
     rendezvous_started: float | None = None
     rendezvous_count: int = 0
     #: Set when the job's rounds can no longer agree (a rank died or left while the job

@@ -301,7 +301,8 @@ class Registry:
         if self.fed is not None:
             # what the domain already decided about this job (another node created it)
             confirmed = self.fed.check_new_job(name, f["ep_size"], spec, peer)
-        job = self._create_job(name, f["ep_size"], spec, peer, f["device"], len(f.get("watch") or ()))
+        job = self._create_job(name, f["ep_size"], spec, peer, f["device"], len(f.get("watch") or ()),
+                               lines=f.get("lines", False))
         if self.fed is not None:
             job.domain, job.this_node, job.confirmed = True, self.fed.node, confirmed
             self.fed.job_created(name)  # other nodes' ranks of it, as they reported them
@@ -318,6 +319,18 @@ class Registry:
             if self.fed is not None and job.domain and job.confirmed:
                 self.fed.spread_refusal(job.name, mismatch)  # the ranks waiting on other nodes hear it too
             raise mismatch
+        if job.lines_tail and job.lines_checked and not f.get("lines", False) \
+                and not mutations.active("lines_word_unchecked"):
+            # a client that does not say it combines through the lines (one of an a2ad release
+            # before them) would run the other combine in the same rounds: its peers would wait
+            # for lines it never writes, and it would read rows they never staged
+            raise errors.SpecMismatch(
+                f"job {job.name!r}: its ranks combine through the rows' lines tails, and the joining client "
+                f"(rank {f['ep_rank']}, pid {f['pid']}) does not say it does (an a2ad client older than the daemon's "
+                "lines?): run the job's ranks on one a2ad release, or let every rank leave so that the job is "
+                "made anew by the first join",
+                field="lines", job_value=True, requested=False, rank=f["ep_rank"], node=None,
+            )
 
     def _claim_slot(self, job: Job, f: dict, peer: Peer) -> RankSlot:
         """The joining rank's slot: free, this daemon's, with a row on the declared device
@@ -445,7 +458,8 @@ class Registry:
         slot.lease = None
         self.dirty = True
 
-    def _create_job(self, name: str, ep_size: int, spec: dict, peer: Peer, device: str, watch: int = 0) -> Job:
+    def _create_job(self, name: str, ep_size: int, spec: dict, peer: Peer, device: str, watch: int = 0,
+                    lines: bool = False) -> Job:
         owner_uid = peer.uid
         size = spec["workspace_size_per_rank"]
         aux = L.aux_layout(ep_size, spec["max_num_tokens"])
@@ -456,8 +470,10 @@ class Registry:
                 field="spec.workspace_size_per_rank",
             )
         # rows of a job of at most 64 ranks on a backend whose rows the CUDA kernels use get a lines
-        # tail (not in a domain, whose nodes decide the row stride together)
-        tail = self.backend.lines_tail and self.fed is None and ep_size <= L.MAX_LINES_EP_SIZE
+        # tail (not in a domain, whose nodes decide the row stride together), when the creating
+        # client combines through them (``lines``: a client of a release before them does not, and
+        # neither may any other rank of the job then)
+        tail = lines and self.backend.lines_tail and self.fed is None and ep_size <= L.MAX_LINES_EP_SIZE
         stride = self.backend.row_stride(L.row_bytes_with_tail(size) if tail else size, device)
         # in a domain the job's rows are spread over the nodes: each row is counted when allocated
         job_bytes = stride if self.fed is not None else ep_size * stride
@@ -480,7 +496,7 @@ class Registry:
         job = Job(
             name=name, ep_size=ep_size, spec=spec, size_per_rank=size, row_stride=stride, aux=aux,
             control_fd=cfd, control=cb, slots=[RankSlot(rank=r) for r in range(ep_size)], owner_uid=owner_uid,
-            created_at=self.now, lines_tail=L.lines_tail_offset(size, stride) if tail else 0,
+            created_at=self.now, lines_tail=L.lines_tail_offset(size, stride) if tail else 0, lines_checked=True,
         )
         self.jobs[name] = job
         self.store.put(cb_name(name), cfd)
