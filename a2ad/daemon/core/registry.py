@@ -326,8 +326,8 @@ class Registry:
             # for lines it never writes, and it would read rows they never staged
             raise errors.SpecMismatch(
                 f"job {job.name!r}: its ranks combine through the rows' lines tails, and the joining client "
-                f"(rank {f['ep_rank']}, pid {f['pid']}) does not say it does (an a2ad client older than the daemon's "
-                "lines?): run the job's ranks on one a2ad release, or let every rank leave so that the job is "
+                f"(rank {f['ep_rank']}, pid {f['pid']}) does not say it does (a client of an a2ad release before "
+                "the lines?): run the job's ranks on one a2ad release, or let every rank leave so that the job is "
                 "made anew by the first join",
                 field="lines", job_value=True, requested=False, rank=f["ep_rank"], node=None,
             )
