@@ -766,13 +766,16 @@ __device__ __forceinline__ void stage_rows_indexed(const CombineParams& p, const
 // passes alike or the combine descriptors differ), whatever its payload's place and alignment.
 //   - Target q's lines for source s (s != q) are its rows [s, 0..rt) in order, at source index
 //     s - (s > q) of q's lines.
-//   - Before its rows, q writes the head (round << 32 | q's combine descriptor, twice) into
-//     head q of each rank's tail (its own too): a source reads q's lines only once the
-//     head holds the round and its own descriptor (a target of another descriptor writes lines
-//     elsewhere).
-//   - q still publishes COMBINE_READY after its staging; the launch's poller (its last block)
-//     waits, after its own pulls, for every head (or a ready word without one: that target
-//     staged no lines), for the protocol's words and reports; no other block waits for it.
+//   - The launch's first block is its poller; the others (the workers) stage and pull. At
+//     entry the poller writes q's head (round << 32 | q's combine descriptor, twice) into
+//     head q of each rank's tail (its own too), and then COMBINE_READY there: a source reads
+//     q's lines only once the head holds the round and its own descriptor (a target of
+//     another descriptor writes lines elsewhere). It then waits for every head (or a ready
+//     word without one: that target staged no lines), for the protocol's words and reports,
+//     while the workers stage and pull; no worker waits for it, and none waits for another
+//     (a worker counts itself in, without a round trip, once its threads read the round: the
+//     poller moves FLAG_VAL on after that). Where only one block fits, it does both, the
+//     opening first.
 //   - FP8 (low_precision): the lines carry the bf16 rows and the puller quantizes each peer's
 //     row as the FP8 staging would before adding it (the same bits: stage_rows_fp8's block
 //     exponent and e4m3 rounding, then pull_item_fp8's dequantizing); the rows cross the link
@@ -829,19 +832,26 @@ __device__ __forceinline__ void store16_any(uint8_t* p, const uint4& v, bool ali
   }
 }
 
-// Step 1 of a lines combine: the heads into the view's rows (its own too), then every slot of
-// every source s != me as lines, from the payload, kLineUnroll units per thread in flight;
-// threads tid of nthreads.
-__device__ __forceinline__ void stage_lines(const CombineParams& p, int64_t row_bytes, int round,
-                                            const RankMask<1>& view, uint32_t tid, uint32_t nthreads) {
+// The poller's opening of a lines combine (thread q of its block): its head into q's row, for
+// every q of the view (its own too: the poller waits for every rank of the view, this one
+// included), then its ready word there, released after the head (a peer that acquires the
+// ready word with the round and finds no head knows that this rank staged no lines).
+__device__ __forceinline__ void open_lines(const CombineParams& p, int round, const RankMask<1>& view) {
+  const int q = threadIdx.x, me = p.ws.ep_rank;
+  if (q < p.ws.ep_size && view.has(q)) {
+    const uint64_t head = line_word(p.spec, static_cast<uint32_t>(round));
+    st_line(line_heads(p, row_of(p.ws, q)) + me, head, head);
+    st_release_sys_u64(combine_ready_at(p, q, me), combine_word(p, round));
+  }
+}
+
+// Step 1 of a lines combine: every slot of every source s != me as lines, from the payload,
+// kLineUnroll units per thread in flight; threads tid of nthreads.
+__device__ __forceinline__ void stage_lines(const CombineParams& p, int64_t row_bytes, int round, uint32_t tid,
+                                            uint32_t nthreads) {
   const int me = p.ws.ep_rank, ep = p.ws.ep_size;
   uint8_t* my_row = row_of(p.ws, me);
   const uint32_t r = static_cast<uint32_t>(round);
-  // (its own too: the poller waits for every rank of the view, this one included)
-  if (tid < static_cast<uint32_t>(ep) && view.has(static_cast<int>(tid))) {
-    const uint64_t head = line_word(p.spec, r);
-    st_line(line_heads(p, row_of(p.ws, static_cast<int>(tid))) + me, head, head);
-  }
   const uint8_t* src = p.payload;  // (the combine region itself when the payload is there)
   const bool aligned = reinterpret_cast<uintptr_t>(src) % 8 == 0;
   uint4* lines = reinterpret_cast<uint4*>(lines_of(p, my_row));
@@ -863,7 +873,7 @@ __device__ __forceinline__ void stage_lines(const CombineParams& p, int64_t row_
   }
 }
 
-// The poller's probe of target q (its last block waits for every peer of the view): q's head
+// The poller's probe of target q (its block waits for every peer of the view): q's head
 // in this rank's line heads with the round (value: q's descriptor), or q's ready word
 // with the round and no head (q staged no lines: value kCombineSpecVoid, so that nothing is
 // read from it and a report names what its ready word holds).
@@ -894,6 +904,31 @@ struct LinesFlags {
   __device__ LinesProbe operator()(int q) const { return LinesProbe{heads + q, words + q, round}; }
 };
 
+// The poller's closing of a lines combine, once each of the launch's `workers` other blocks
+// counted itself in (every thread of it read the round): SEND_COUNTERS zeroed (the next
+// dispatch counts from zero), the counter reset for the next launch and FLAG_VAL = R + 1.
+// The wait is on this launch's own blocks, which never wait for it: bounded all the same (at
+// the timeout it writes the status record naming this rank and leaves FLAG_VAL as it is).
+__device__ __forceinline__ void close_lines(const CombineParams& p, uint8_t* my_row, int round, uint32_t workers,
+                                            int* claim, int* give_up) {
+  if (threadIdx.x < p.ws.ep_size) at<int>(my_row, p.aux.send_counters)[threadIdx.x] = 0;
+  if (threadIdx.x != 0) return;
+  int* counter = at<int>(my_row, p.aux.block_counters) + layout::SLOT_COMBINE_ARRIVAL;
+  uint64_t t0 = 0;
+#pragma unroll 1
+  for (uint32_t it = 0; ld_acquire_gpu(counter) < static_cast<int>(workers); ++it) {
+    const uint64_t now = global_timer_ns();
+    if (it == 0) t0 = now;
+    if (now - t0 >= p.ctl.timeout_ns) {
+      give_up_wait(p.ctl, kWaitTimeout, p.ws.ep_rank, round, layout::PHASE_COMBINE, now - t0, claim, give_up);
+      return;
+    }
+    if (it >= kSpinPolls) __nanosleep(64);
+  }
+  *reinterpret_cast<volatile int*>(counter) = 0;  // (every worker added: nothing adds after this)
+  *at<int>(my_row, p.aux.flag_val) = round + 1;
+}
+
 // acc[0..8) += the 8 bf16 elements of v as the FP8 combine has them after the link: quantized
 // with their 32-element block's exponent (the block's 4 units are held by lanes 4j..4j+3; every
 // lane calls: quantize_unit, as stage_rows_fp8) and dequantized as pull_item_fp8 does.
@@ -911,12 +946,12 @@ __device__ __forceinline__ void add_fp8_rounded(const uint4& v, float* acc) {
 // from the target's lines, each spun on until its head and its lines hold the round. A target
 // whose head holds another descriptor, or whose ready word came without a head, is not read
 // (the poller reports it). Returns false when the wait was given up (*give_up holds the round,
-// the job was aborted, or the timeout passed, twice it outside the poller's block: then this
-// warp posted *give_up and wrote the status record unless another thread had).
+// the job was aborted, or the timeout passed: then this warp posted *give_up and wrote the
+// status record, naming its target, unless another thread had).
 // kFp8: each peer's unit quantized and dequantized before it is added (see uses_lines).
 template <typename T, bool kFp8>
 __device__ bool pull_item_lines(const CombineParams& p, int t, uint32_t c, const PullGeometry& g, int lane, int target,
-                                int slot, int round, int* give_up, int* claim, bool poller) {
+                                int slot, int round, int* give_up, int* claim) {
   static_assert(!kFp8 || sizeof(T) == 2, "FP8 lines: bf16 rows");
   const int me = p.ws.ep_rank;
   unsigned sends = __ballot_sync(kFullMask, target >= 0);
@@ -930,7 +965,7 @@ __device__ bool pull_item_lines(const CombineParams& p, int t, uint32_t c, const
   const uint64_t* words = at<const uint64_t>(my_row, p.aux.combine_ready);
   const uint32_t* abort_word = reinterpret_cast<const uint32_t*>(p.ctl.block + layout::CB_ABORT);
   const uint32_t r = static_cast<uint32_t>(round);
-  const uint64_t limit = poller ? p.ctl.timeout_ns : 2 * p.ctl.timeout_ns;
+  const uint64_t limit = p.ctl.timeout_ns;
   constexpr int kUnits = kPullVecsLines;
   constexpr int kSends = kPullSendsVec;
   constexpr int kPer = Elem<T>::kPerVec;
@@ -1095,6 +1130,8 @@ __device__ __forceinline__ void combine_waited(const CombineParams& p, uint8_t* 
 // (the launcher sizes it), because blocks wait for the flag that the last
 // block of the same grid writes. Phases: stage -> arrive (last block: flags,
 // reset SEND_COUNTERS, FLAG_VAL = R + 1) -> wait for every peer -> pull.
+// (Lines, kPathLines: block 0 is the poller and the others stage and pull; see
+// uses_lines.)
 // Overlapped (the launcher's choice: enough rows to stage, payload not in the
 // workspace, ep > 1): only the first overlap_stage_blocks blocks stage,
 // slice by slice; every block pulls as soon as it arrived, items taken from a
@@ -1144,6 +1181,15 @@ __global__ void __launch_bounds__(kThreads, kPath == kPathLines ? 2 : 0) combine
       prefetch_l2(recv, 4 * ep, threadIdx.x, 32);
     }
   }
+  // Lines: block 0 is the launch's poller (it opens the round, waits for the heads and closes
+  // the round: the first block placed, so that the peers see the heads early), and stages and
+  // pulls nothing unless it is the only block; the others, the workers, stage and pull, as
+  // worker blockIdx.x - 1 of `workers`.
+  const bool alone = gridDim.x == 1;
+  const bool poller_block = kLines && blockIdx.x == 0;
+  const uint32_t workers = kLines && !alone ? gridDim.x - 1 : gridDim.x;
+  const bool worker = !kLines || alone || blockIdx.x > 0;
+  const uint32_t wid = kLines && !alone ? (worker ? blockIdx.x - 1 : 0) : blockIdx.x;
   // Overlapped: this rank's send counts, as positions (read before arriving: the last block zeroes them).
   __shared__ int s_pos[kRanks + 1];
   if (overlap && threadIdx.x == 0) {
@@ -1161,7 +1207,8 @@ __global__ void __launch_bounds__(kThreads, kPath == kPathLines ? 2 : 0) combine
   //    are never staged: only this rank pulls them, from the payload.)
   if constexpr (kLines) {
     static_assert(W == 1, "lines: at most 64 ranks");
-    stage_lines(p, row_bytes, round, view, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
+    if (poller_block) open_lines(p, round, view);
+    if (worker) stage_lines(p, row_bytes, round, wid * blockDim.x + threadIdx.x, workers * blockDim.x);
   } else if constexpr (kFp8) {
     stage_rows_fp8(p, recv, blockIdx.x * (kThreads / 32) + threadIdx.x / 32, gridDim.x * (kThreads / 32),
                    threadIdx.x % 32);
@@ -1175,9 +1222,19 @@ __global__ void __launch_bounds__(kThreads, kPath == kPathLines ? 2 : 0) combine
   }
 
   // 2. Release; the last block tells every peer that its outputs are ready.
-  const bool last = arrive_last(block_counters + layout::SLOT_COMBINE_ARRIVAL, Writes::kLocal);
+  //    Lines: nothing is released and no block waits here. A worker counts itself in once
+  //    every thread of it read the round (each stored lines tagged with it), so that the
+  //    poller moves FLAG_VAL on only after that; one lane of its last warp adds, without a
+  //    round trip, while the other warps go on to their pulls.
+  if constexpr (kLines) {
+    if (!poller_block) {
+      __syncthreads();
+      if (threadIdx.x == kThreads - 32) red_add_release_gpu(block_counters + layout::SLOT_COMBINE_ARRIVAL, 1);
+    }
+  }
+  const bool last = kLines ? poller_block : arrive_last(block_counters + layout::SLOT_COMBINE_ARRIVAL, Writes::kLocal);
   allow_dependents();  // every block is resident: the next kernel may be scheduled
-  if (last) {
+  if (!kLines && last) {
     const int q = threadIdx.x;
     if (q < ep) {
       // Degraded mode: the outputs only to the sources whose tokens the dispatch received (it
@@ -1222,14 +1279,14 @@ __global__ void __launch_bounds__(kThreads, kPath == kPathLines ? 2 : 0) combine
   const uint32_t chunks = static_cast<uint32_t>(g.chunks);  // the launcher checks T * chunks < 2^31
   const uint32_t items = mismatch ? 0u : static_cast<uint32_t>(out_rows) * chunks;
   constexpr uint32_t warps = kThreads / 32;
-  const uint32_t first_item = blockIdx.x * warps;
+  const uint32_t first_item = wid * warps;
   int* claim = block_counters + layout::SLOT_STATUS_CLAIM;
   int* give_up = block_counters + layout::SLOT_COMBINE_GIVE_UP;
   if (!overlap && !last && first_item >= items) return;
   // The sends of this warp's first token are local (this rank's own dispatch wrote them):
   // read them before the wait, not after it.
   const int lane = threadIdx.x % 32;
-  const uint32_t my_first = first_item + threadIdx.x / 32;
+  const uint32_t my_first = worker ? first_item + threadIdx.x / 32 : items;  // (the poller block pulls nothing)
   int first_t = -1, first_target = -1, first_slot = -1, first_routed = -1;
   float first_weight = 1.f;
   if (!overlap && my_first < items) {
@@ -1291,7 +1348,7 @@ __global__ void __launch_bounds__(kThreads, kPath == kPathLines ? 2 : 0) combine
 
   // 4. Pull and reduce.
   if (!overlap) {
-    const uint32_t nw = gridDim.x * warps;
+    const uint32_t nw = workers * warps;
     bool failed = false;  // (lines: this warp's wait was given up)
 #pragma unroll 1
     for (uint32_t item = my_first; item < items; item += nw) {
@@ -1309,8 +1366,7 @@ __global__ void __launch_bounds__(kThreads, kPath == kPathLines ? 2 : 0) combine
       if (degrade) count_seen<W>(p, t, c, routed, seen, &target, lane);
       if (bad.any() && target >= 0 && bad.has(target)) target = -1;  // never read from a target that disagreed
       if constexpr (kLines) {
-        // (the last block's pullers are the poller's: its timeout, and they post give_up)
-        if (!pull_item_lines<T, kFp8>(p, t, c, g, lane, target, slot, round, give_up, claim, last)) {
+        if (!pull_item_lines<T, kFp8>(p, t, c, g, lane, target, slot, round, give_up, claim)) {
           failed = true;
           break;
         }
@@ -1321,18 +1377,22 @@ __global__ void __launch_bounds__(kThreads, kPath == kPathLines ? 2 : 0) combine
       }
     }
     if constexpr (kLines) {
-      // The poller, after its own pulls: every head (or a ready word without one), for the
-      // reports and the completion words; the launch ends only once every peer's came.
-      if (last && !__syncthreads_or(failed)) {
-        __shared__ int s_spec[64];
-        int value = 0;
-        const LinesFlags heads{line_heads(p, my_row), flags.words, round};
-        if (block_wait<W>(heads, ep, round, p.ctl, layout::PHASE_COMBINE, /*poller=*/true, claim, give_up, &value,
-                          view, &seen, &bad, static_cast<int>(p.spec))) {
-          if (threadIdx.x < ep) s_spec[threadIdx.x] = value;
-          __syncthreads();
-          combine_waited(p, my_row, round, view, seen, bad, mismatch, s_spec);
+      // The poller (after its own pulls where it is the only block): every head (or a ready
+      // word without one), for the reports and the completion words; the launch ends only
+      // once every peer's came. Then it closes the round.
+      if (last) {
+        if (!__syncthreads_or(failed)) {
+          __shared__ int s_spec[64];
+          int value = 0;
+          const LinesFlags heads{line_heads(p, my_row), flags.words, round};
+          if (block_wait<W>(heads, ep, round, p.ctl, layout::PHASE_COMBINE, /*poller=*/true, claim, give_up, &value,
+                            view, &seen, &bad, static_cast<int>(p.spec))) {
+            if (threadIdx.x < ep) s_spec[threadIdx.x] = value;
+            __syncthreads();
+            combine_waited(p, my_row, round, view, seen, bad, mismatch, s_spec);
+          }
         }
+        close_lines(p, my_row, round, gridDim.x - 1, claim, give_up);
       }
     }
     return;
@@ -1425,9 +1485,11 @@ cudaError_t launch_lines(const CombineParams& p, cudaStream_t stream) {
       launch::ceil_div((int64_t)(p.ws.ep_size - 1) * p.rt * row_bytes / 8, (int64_t)kThreads * kLineUnroll);
   CombineParams q = p;
   q.overlap_stage_blocks = 0;
-  return launch::overlapped(combine_kernel<T, true, kFp8, 1, false, false, kPathLines>,
-                            launch::clamp_grid(pull_blocks > stage_blocks ? pull_blocks : stage_blocks, resident),
-                            kThreads, stream, q);
+  // the poller's block, then the workers (the poller alone where only one block fits: it then
+  // stages and pulls too)
+  const int grid = resident < 2 ? 1 : launch::clamp_grid(pull_blocks > stage_blocks ? pull_blocks : stage_blocks,
+                                                          resident - 1) + 1;
+  return launch::overlapped(combine_kernel<T, true, kFp8, 1, false, false, kPathLines>, grid, kThreads, stream, q);
 }
 
 // The instantiation of the dtype and the alignment (the binding checked the low precision

@@ -96,6 +96,11 @@ __device__ __forceinline__ int atomic_add_acq_rel_gpu(int* p, int v) {
   return old;
 }
 
+// A release add whose result nobody waits for (red: no round trip for the issuing thread).
+__device__ __forceinline__ void red_add_release_gpu(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 // Programmatic dependent launch (the launchers allow it): a kernel may be scheduled while
 // the kernel before it on the stream finishes. wait_prior_grid() returns once that kernel
 // completed and its memory is visible (at once when there is no such dependency);
