@@ -189,6 +189,17 @@ struct PullGeometry {
   int64_t chunks;       // items per token
 };
 
+// The start of a warp's pull of one item: its accumulators zeroed, and in[u] whether the
+// lane's u-th unit (first + u * 32 + lane) lies inside the token's g.units.
+template <int kAcc, int kUnits>
+__device__ __forceinline__ void pull_begin(float (&acc)[kAcc], bool (&in)[kUnits], int64_t first, int lane,
+                                           int64_t units) {
+#pragma unroll
+  for (int a = 0; a < kAcc; ++a) acc[a] = 0.f;
+#pragma unroll
+  for (int u = 0; u < kUnits; ++u) in[u] = first + u * 32 + lane < units;
+}
+
 // kAllSends: every send of an item in flight at once, a vector per lane (vector path only).
 // kLines: the lines pull's (see kPullVecsLines).
 template <typename T, bool kVec, bool kAllSends = false, bool kLines = false>
@@ -323,11 +334,8 @@ __device__ void pull_item_fp8(const CombineParams& p, int t, uint32_t c, const P
   constexpr int kUnits = kPullVecs;
   constexpr int kSends = kPullSendsVec;
   float acc[kUnits * 8];
-#pragma unroll
-  for (int a = 0; a < kUnits * 8; ++a) acc[a] = 0.f;
   bool in[kUnits];
-#pragma unroll
-  for (int u = 0; u < kUnits; ++u) in[u] = first + u * 32 + lane < g.units;
+  pull_begin(acc, in, first, lane, g.units);
   uint4 vbuf[kSends][kUnits];
   uint32_t sbuf[kSends][kUnits];
   while (sends != 0) {
@@ -517,11 +525,8 @@ __device__ void pull_item(const CombineParams& p, int t, uint32_t c, const PullG
   constexpr int kSends = kVec ? (kAllSends ? kPullSendsAll : kPullSendsVec) : kPullSendsScalar;
   constexpr int kPer = kVec ? Elem<T>::kPerVec : 1;
   float acc[kUnits * kPer];
-#pragma unroll
-  for (int a = 0; a < kUnits * kPer; ++a) acc[a] = 0.f;
   bool in[kUnits];
-#pragma unroll
-  for (int u = 0; u < kUnits; ++u) in[u] = first + u * 32 + lane < g.units;
+  pull_begin(acc, in, first, lane, g.units);
   // Load buffers (only the one of this path is used).
   uint4 vbuf[kSends][kVec ? kUnits : 1];
   float sbuf[kSends][kVec ? 1 : kUnits];
@@ -970,11 +975,8 @@ __device__ bool pull_item_lines(const CombineParams& p, int t, uint32_t c, const
   constexpr int kSends = kPullSendsVec;
   constexpr int kPer = Elem<T>::kPerVec;
   float acc[kUnits * kPer];
-#pragma unroll
-  for (int a = 0; a < kUnits * kPer; ++a) acc[a] = 0.f;
   bool in[kUnits];
-#pragma unroll
-  for (int u = 0; u < kUnits; ++u) in[u] = first + u * 32 + lane < g.units;
+  pull_begin(acc, in, first, lane, g.units);
   while (sends != 0) {
     const uint8_t* src[kSends];
     int tq[kSends];
