@@ -190,8 +190,9 @@ FP8_BLOCK = 32
 #: combine region is staged (COMBINE_SLICE_FLAGS).
 COMBINE_SLICE_ROWS = 8
 #: Bytes of a row's combine lines (in its lines tail, after the heads): the staged rows of a
-#: small combine as 16-byte lines (8 bytes of data, each 4 beside the round); a combine whose
-#: lines fit takes that path (docs/PROTOCOL.md, "Combine lines"). 1 MiB: on a third of an
+#: small combine as 16-byte lines (8 bytes of data, each 4 beside the round; the FP8 combine's
+#: rows as e4m3 bytes and scale words); a combine whose lines fit
+#: (:func:`combine_lines_bytes`) takes that path (docs/PROTOCOL.md, "Combine lines"). 1 MiB: on a third of an
 #: H100's SMs, lines of up to 1.4 MB were faster than the plain combine and 1.5 MB or more
 #: slower (their staging no longer fits one pass of the grid; docs/PERF.md, "Combine lines").
 COMBINE_LINES_BYTES = 1 << 20
@@ -577,6 +578,18 @@ def fp8_row_bytes(hidden: int) -> int:
     """Bytes of one FP8 combine row: hidden e4m3 bytes, then hidden / FP8_BLOCK E8M0 scale
     bytes, padded to 16."""
     return (hidden + hidden // FP8_BLOCK + 15) // 16 * 16
+
+
+def combine_lines_bytes(ep_size: int, rt: int, hidden: int, elem_size: int, low_precision: bool = False) -> int:
+    """Bytes of a combine round's lines (docs/PROTOCOL.md, "Combine lines"): every slot of every
+    other rank's rows, a 16-byte line per 8 bytes of a row (``hidden * elem_size`` bytes); FP8
+    (``low_precision``): a line per 8 e4m3 bytes, and an 8-byte scale word per FP8_BLOCK
+    elements. The round takes the lines when this is at most COMBINE_LINES_BYTES (and its job's
+    rows have a lines tail)."""
+    rows = (ep_size - 1) * rt
+    if low_precision:
+        return rows * (16 * (hidden // 8) + 8 * (hidden // FP8_BLOCK))
+    return rows * 2 * hidden * elem_size
 
 
 @dataclass(frozen=True)

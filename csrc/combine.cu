@@ -781,14 +781,26 @@ __device__ __forceinline__ void stage_rows_indexed(const CombineParams& p, const
 //     (a worker counts itself in, without a round trip, once its threads read the round: the
 //     poller moves FLAG_VAL on after that). Where only one block fits, it does both, the
 //     opening first.
-//   - FP8 (low_precision): the lines carry the bf16 rows and the puller quantizes each peer's
-//     row as the FP8 staging would before adding it (the same bits: stage_rows_fp8's block
-//     exponent and e4m3 rounding, then pull_item_fp8's dequantizing); the rows cross the link
-//     at 4 bytes an element instead of 1 + 1/32, which a round this small does not feel.
+//   - FP8 (low_precision): the lines carry the FP8 rows, as stage_rows_fp8 quantizes them
+//     (the same bits): each 8 elements of a row one line of their 8 e4m3 bytes (4 a word),
+//     and past every source's lines one scale word per 32-element block, (round << 32) | its
+//     E8M0 byte. Half the bf16 lines' bytes and a sixteenth more; the puller dequantizes as
+//     pull_item_fp8 does.
+// The lines of a round: (ep - 1) * rt rows of bf16 (or FP8) units.
+__host__ __device__ inline int64_t lines_units(const CombineParams& p, int64_t row_bytes) {
+  return (int64_t)(p.ws.ep_size - 1) * p.rt * (p.low_precision ? p.hidden / 8 : row_bytes / 8);
+}
+
+// Their bytes: a 16-byte line per unit, and the FP8 lines' scale words (one per 4 lines).
+__host__ __device__ inline int64_t lines_bytes(const CombineParams& p, int64_t row_bytes) {
+  const int64_t n = lines_units(p, row_bytes);
+  return 16 * n + (p.low_precision ? 2 * n : 0);
+}
+
 __host__ __device__ inline bool uses_lines(const CombineParams& p, int64_t row_bytes) {
   const int ep = p.ws.ep_size;
   return p.aux.lines_tail != 0 && ep > 1 && ep <= 64 && !p.ctl.degrade && p.group == 0 && row_bytes % 16 == 0 &&
-         p.ws.row_stride % 16 == 0 && 2 * (int64_t)(ep - 1) * p.rt * row_bytes <= layout::COMBINE_LINES_BYTES;
+         p.ws.row_stride % 16 == 0 && lines_bytes(p, row_bytes) <= layout::COMBINE_LINES_BYTES;
 }
 
 // A row's lines tail (past the row, zeroed by the daemon with the aux region): the heads, one
@@ -851,7 +863,7 @@ __device__ __forceinline__ void open_lines(const CombineParams& p, int round, co
 }
 
 // Step 1 of a lines combine: every slot of every source s != me as lines, from the payload,
-// kLineUnroll units per thread in flight; threads tid of nthreads.
+// kLineUnroll units per thread in flight; threads tid of nthreads (FP8: stage_lines_fp8).
 __device__ __forceinline__ void stage_lines(const CombineParams& p, int64_t row_bytes, int round, uint32_t tid,
                                             uint32_t nthreads) {
   const int me = p.ws.ep_rank, ep = p.ws.ep_size;
@@ -874,6 +886,41 @@ __device__ __forceinline__ void stage_lines(const CombineParams& p, int64_t row_
     for (int u = 0; u < kLineUnroll; ++u) {
       const int64_t i = i0 + (int64_t)u * nthreads;
       if (i < n) st_line(lines + i, line_word(v[u].x, r), line_word(v[u].y, r));
+    }
+  }
+}
+
+// Step 1 of an FP8 lines combine: as stage_lines, a unit 8 bf16 elements of the payload (16
+// bytes; the binding checks its alignment), quantized as stage_rows_fp8 does: its 8 e4m3
+// bytes one line, and the block's first lane stores the block's scale word. A warp's lanes
+// are consecutive units, a block 4 of them (quantize_unit's shuffles take every lane: the
+// loop's bounds are the warp's, and the round's units a multiple of 4 since hidden is of 32).
+__device__ __forceinline__ void stage_lines_fp8(const CombineParams& p, int round, uint32_t tid, uint32_t nthreads) {
+  const int me = p.ws.ep_rank;
+  const uint32_t r = static_cast<uint32_t>(round);
+  const uint4* src = reinterpret_cast<const uint4*>(p.payload);
+  uint4* lines = reinterpret_cast<uint4*>(lines_of(p, row_of(p.ws, me)));
+  const int64_t seg = (int64_t)p.rt * (p.hidden / 8);  // units (lines) per source
+  const int64_t n = (int64_t)(p.ws.ep_size - 1) * seg, skip = (int64_t)me * seg;
+  uint64_t* scales = reinterpret_cast<uint64_t*>(lines + n);
+  const uint32_t lane = tid % 32;
+#pragma unroll 1
+  for (int64_t w0 = tid - lane; w0 < n; w0 += (int64_t)nthreads * kLineUnroll) {
+    uint4 v[kLineUnroll];
+#pragma unroll
+    for (int u = 0; u < kLineUnroll; ++u) {
+      const int64_t i = w0 + lane + (int64_t)u * nthreads;
+      v[u] = i < n ? src[i < skip ? i : i + seg] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kLineUnroll; ++u) {
+      const int64_t i = w0 + lane + (int64_t)u * nthreads;
+      int k;
+      const uint2 q = quantize_unit(v[u], &k);
+      if (i < n) {
+        st_line(lines + i, line_word(q.x, r), line_word(q.y, r));
+        if (lane % 4 == 0) st_relaxed_sys_u64(scales + i / 4, line_word(static_cast<uint32_t>(k + 127), r));
+      }
     }
   }
 }
@@ -934,17 +981,15 @@ __device__ __forceinline__ void close_lines(const CombineParams& p, uint8_t* my_
   *at<int>(my_row, p.aux.flag_val) = round + 1;
 }
 
-// acc[0..8) += the 8 bf16 elements of v as the FP8 combine has them after the link: quantized
-// with their 32-element block's exponent (the block's 4 units are held by lanes 4j..4j+3; every
-// lane calls: quantize_unit, as stage_rows_fp8) and dequantized as pull_item_fp8 does.
-__device__ __forceinline__ void add_fp8_rounded(const uint4& v, float* acc) {
-  int k;
-  const uint2 q = quantize_unit(v, &k);
-  const float scale = pow2(k);
-  fp8x2_add(q.x & 0xffffu, scale, acc);
-  fp8x2_add(q.x >> 16, scale, acc + 2);
-  fp8x2_add(q.y & 0xffffu, scale, acc + 4);
-  fp8x2_add(q.y >> 16, scale, acc + 6);
+// acc[0..8) += an FP8 line (8 e4m3 bytes in its words' low halves) with its block's scale
+// word, dequantized as pull_item_fp8 does.
+__device__ __forceinline__ void add_fp8_line(const ulonglong2& line, uint64_t scale_word, float* acc) {
+  const float scale = pow2(static_cast<int>(scale_word & 0xffu) - 127);
+  const uint32_t a = static_cast<uint32_t>(line.x), b = static_cast<uint32_t>(line.y);
+  fp8x2_add(a & 0xffffu, scale, acc);
+  fp8x2_add(a >> 16, scale, acc + 2);
+  fp8x2_add(b & 0xffffu, scale, acc + 4);
+  fp8x2_add(b >> 16, scale, acc + 6);
 }
 
 // pull_item of a lines combine: this rank's own sends read from its payload, every other
@@ -953,7 +998,8 @@ __device__ __forceinline__ void add_fp8_rounded(const uint4& v, float* acc) {
 // (the poller reports it). Returns false when the wait was given up (*give_up holds the round,
 // the job was aborted, or the timeout passed: then this warp posted *give_up and wrote the
 // status record, naming its target, unless another thread had).
-// kFp8: each peer's unit quantized and dequantized before it is added (see uses_lines).
+// kFp8: a peer's unit is one FP8 line and its block's scale word (see uses_lines), held in
+// l0 and l1 (both words of l1 the scale word, so that line_has reads its round).
 template <typename T, bool kFp8>
 __device__ bool pull_item_lines(const CombineParams& p, int t, uint32_t c, const PullGeometry& g, int lane, int target,
                                 int slot, int round, int* give_up, int* claim) {
@@ -962,6 +1008,7 @@ __device__ bool pull_item_lines(const CombineParams& p, int t, uint32_t c, const
   unsigned sends = __ballot_sync(kFullMask, target >= 0);
   const int64_t row_bytes = p.hidden * (int64_t)sizeof(T);
   const int64_t units8 = row_bytes / 8;
+  const int64_t scales_at = 16 * lines_units(p, row_bytes);  // (FP8: the scale words, past the lines)
   const int64_t first = c * static_cast<uint32_t>(g.per_chunk);  // first 16-byte unit of this chunk
   uint8_t* my_row = row_of(p.ws, me);
   const uint8_t* self_rows = p.payload + (int64_t)me * p.rt * row_bytes + first * 16;
@@ -979,6 +1026,7 @@ __device__ bool pull_item_lines(const CombineParams& p, int t, uint32_t c, const
   pull_begin(acc, in, first, lane, g.units);
   while (sends != 0) {
     const uint8_t* src[kSends];
+    const uint8_t* scl[kSends];
     int tq[kSends];
     bool has[kSends], self[kSends];
 #pragma unroll
@@ -990,9 +1038,14 @@ __device__ bool pull_item_lines(const CombineParams& p, int t, uint32_t c, const
       const int sq = __shfl_sync(kFullMask, slot, k);
       self[b] = tq[b] == me;
       const int64_t source = me - (me > tq[b] ? 1 : 0);  // this rank's index among tq's sources
-      src[b] = self[b] ? self_rows + (int64_t)sq * row_bytes
-                       : lines_of(p, row_of(p.ws, tq[b])) +
-                             16 * ((source * p.rt + sq) * units8 + 2 * first);
+      const uint8_t* peer_lines = lines_of(p, row_of(p.ws, tq[b]));
+      if constexpr (kFp8) {  // unit v: its line at src + 16 * v, its block's scale word at scl + 8 * (v / 4)
+        const int64_t unit0 = (source * p.rt + sq) * g.units + first;  // (first: a multiple of 4)
+        src[b] = self[b] ? self_rows + (int64_t)sq * row_bytes : peer_lines + 16 * unit0;
+        scl[b] = peer_lines + scales_at + 8 * (unit0 / 4);
+      } else {  // unit v: its two lines at src + 32 * v
+        src[b] = self[b] ? self_rows + (int64_t)sq * row_bytes : peer_lines + 16 * ((source * p.rt + sq) * units8 + 2 * first);
+      }
     }
     // Every load of the batch before the first use: the heads, the lines, the own rows (16
     // bytes in l0 as two words).
@@ -1009,6 +1062,10 @@ __device__ bool pull_item_lines(const CombineParams& p, int t, uint32_t c, const
           if (self[b]) {
             const uint4 o = load16_any(src[b] + 16 * v, self_aligned);
             l0[b][u] = make_ulonglong2(o.x | static_cast<uint64_t>(o.y) << 32, o.z | static_cast<uint64_t>(o.w) << 32);
+          } else if constexpr (kFp8) {
+            l0[b][u] = ld_line(src[b] + 16 * v);
+            const uint64_t w = ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(scl[b] + 8 * (v / 4)));
+            l1[b][u] = make_ulonglong2(w, w);
           } else {
             l0[b][u] = ld_line(src[b] + 32 * v);
             l1[b][u] = ld_line(src[b] + 32 * v + 16);
@@ -1061,8 +1118,14 @@ __device__ bool pull_item_lines(const CombineParams& p, int t, uint32_t c, const
         for (int u = 0; u < kUnits; ++u) {
           if (in[u] && !(line_has(l0[b][u], r) && line_has(l1[b][u], r))) {
             const int v = u * 32 + lane;
-            l0[b][u] = ld_line(src[b] + 32 * v);
-            l1[b][u] = ld_line(src[b] + 32 * v + 16);
+            if constexpr (kFp8) {
+              l0[b][u] = ld_line(src[b] + 16 * v);
+              const uint64_t w = ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(scl[b] + 8 * (v / 4)));
+              l1[b][u] = make_ulonglong2(w, w);
+            } else {
+              l0[b][u] = ld_line(src[b] + 32 * v);
+              l1[b][u] = ld_line(src[b] + 32 * v + 16);
+            }
           }
         }
       }
@@ -1075,16 +1138,16 @@ __device__ bool pull_item_lines(const CombineParams& p, int t, uint32_t c, const
 #pragma unroll
       for (int u = 0; u < kUnits; ++u) {
         const ulonglong2 a = l0[b][u];
+        if constexpr (kFp8) {
+          if (!self[b]) {
+            add_fp8_line(a, l1[b][u].x, acc + u * kPer);  // (!in[u]: never stored)
+            continue;
+          }
+        }
         const uint4 v = self[b] ? make_uint4(static_cast<uint32_t>(a.x), static_cast<uint32_t>(a.x >> 32),
                                              static_cast<uint32_t>(a.y), static_cast<uint32_t>(a.y >> 32))
                                 : make_uint4(static_cast<uint32_t>(a.x), static_cast<uint32_t>(a.y),
                                              static_cast<uint32_t>(l1[b][u].x), static_cast<uint32_t>(l1[b][u].y));
-        if constexpr (kFp8) {
-          if (!self[b]) {  // (warp-uniform: the shuffles below take every lane)
-            add_fp8_rounded(v, acc + u * kPer);
-            continue;
-          }
-        }
         Elem<T>::add(v, acc + u * kPer);  // (!in[u]: never stored)
       }
     }
@@ -1210,7 +1273,11 @@ __global__ void __launch_bounds__(kThreads, kPath == kPathLines ? 2 : 0) combine
   if constexpr (kLines) {
     static_assert(W == 1, "lines: at most 64 ranks");
     if (poller_block) open_lines(p, round, view);
-    if (worker) stage_lines(p, row_bytes, round, wid * blockDim.x + threadIdx.x, workers * blockDim.x);
+    if constexpr (kFp8) {
+      if (worker) stage_lines_fp8(p, round, wid * blockDim.x + threadIdx.x, workers * blockDim.x);
+    } else {
+      if (worker) stage_lines(p, row_bytes, round, wid * blockDim.x + threadIdx.x, workers * blockDim.x);
+    }
   } else if constexpr (kFp8) {
     stage_rows_fp8(p, recv, blockIdx.x * (kThreads / 32) + threadIdx.x / 32, gridDim.x * (kThreads / 32),
                    threadIdx.x % 32);
@@ -1483,8 +1550,7 @@ cudaError_t launch_lines(const CombineParams& p, cudaStream_t stream) {
   if ((int64_t)p.local_num_tokens * (g.chunks + 1) >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
   const int64_t row_bytes = p.hidden * (int64_t)sizeof(T);
   const int64_t pull_blocks = launch::ceil_div((int64_t)p.local_num_tokens * g.chunks, kThreads / 32);
-  const int64_t stage_blocks =
-      launch::ceil_div((int64_t)(p.ws.ep_size - 1) * p.rt * row_bytes / 8, (int64_t)kThreads * kLineUnroll);
+  const int64_t stage_blocks = launch::ceil_div(lines_units(p, row_bytes), (int64_t)kThreads * kLineUnroll);
   CombineParams q = p;
   q.overlap_stage_blocks = 0;
   // the poller's block, then the workers (the poller alone where only one block fits: it then

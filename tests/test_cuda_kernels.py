@@ -425,7 +425,7 @@ def test_lines_with_ranks_that_stage_differently(make_job, ep_size):
     # (9, 136): too big for the lines (2 * rt * row > COMBINE_LINES_BYTES), few tokens: the ranks' grids on
     # one GPU stay within their share of the SMs
     for T, rt in [(1, 1), (37, 40), (9, 136), (1, 1), (9, 12)]:
-        lines = 2 * (ep_size - 1) * rt * row <= L.COMBINE_LINES_BYTES
+        lines = L.combine_lines_bytes(ep_size, rt, hidden, 2) <= L.COMBINE_LINES_BYTES
         assert lines == (rt != 136)
         pl = job.layout(rt, [row, 4 * top_k], row)
         experts = [rand_experts(T, top_k, num_experts) for _ in range(ep_size)]

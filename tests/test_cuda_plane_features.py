@@ -236,6 +236,71 @@ def test_small_combine_lines_only_where_rows_have_a_tail(make_job, lines_tail):
             assert torch.equal(job._buf[r * job.row_stride + job.size : (r + 1) * job.row_stride], past[r]), r
 
 
+def _lines_words(job, r, n):
+    """The first n u64 words of rank r's lines (past its lines tail's heads): (rounds, data halves as
+    uint8 [n, 4])."""
+    a = L.LINE_HEADS_BYTES
+    words = job.tail(r)[a : a + 8 * n].view(torch.int64).cpu()
+    lo = words & 0xFFFFFFFF
+    data = torch.where(lo >= 1 << 31, lo - (1 << 32), lo).to(torch.int32).contiguous().view(torch.uint8)
+    return (words >> 32) & 0xFFFFFFFF, data.view(n, 4)
+
+
+# (2, 2880, 128): lines as FP8 (829 KB), not as bf16 (1.47 MB); (3, 256, 5): two sources per rank
+@pytest.mark.parametrize("ep_size,hidden,T", [(2, 2880, 8), (3, 256, 5), (2, 2880, 128)])
+def test_fp8_lines_carry_quantize_fp8(make_job, ep_size, hidden, T):
+    """An FP8 combine whose lines fit (layout.combine_lines_bytes) stages FP8 lines: rank r's lines
+    hold, for every other source s (source index s - (s > r)) and every slot, host_plane.quantize_fp8's
+    e4m3 bytes of its payload row, 4 beside the round in each word, and past them a scale word per
+    32-element block, the round beside its scale byte; the output is exact to its definition. The
+    bf16 combine of the same rows takes the lines only where its own (twice the bytes) fit."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from a2ad.client.host_plane import quantize_fp8
+
+    top_k, E = 4, 16
+    job = make_job(ep_size, T, top_k, E, 2 * hidden + 4 * top_k, 2 * hidden + L.fp8_row_bytes(hidden))
+    pl = job.layout(T, [2 * hidden, 4 * top_k], 2 * hidden)
+    e = [rand_experts(T, top_k, E) for _ in range(ep_size)]
+    x = [torch.randn(T, hidden, device="cuda").to(torch.bfloat16) for _ in range(ep_size)]
+    payload = {}
+    for low in (True, False):
+
+        def step(r):
+            job.planes[r].dispatch(e[r], [x[r], e[r]], T, pl, E)
+            recv = job.region(r, pl.dispatch_offsets[0], 2 * hidden).view(torch.bfloat16)
+            payload[r] = (recv.float() * expert_weight(r)).to(torch.bfloat16)
+            return job.planes[r].combine(payload[r], T, T, pl, False, low_precision=low)
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            outs = job.on_ranks(step)
+            job.join()
+            torch.cuda.synchronize()
+        fits = L.combine_lines_bytes(ep_size, T, hidden, 2, low_precision=low) <= L.COMBINE_LINES_BYTES
+        assert fits == (low or T != 128)
+        assert combine_paths(prof) == [2 if fits else 1] * ep_size, low
+        if not low:
+            for r in range(ep_size):
+                job.planes[r].check()
+                close(outs[r], combine_reference(job, e[r], x[r]), torch.bfloat16)
+            continue
+        want_out = _fp8_reference(job, e, x)
+        n = (ep_size - 1) * T * hidden // 8  # lines, each two words
+        blocks = hidden // L.FP8_BLOCK
+        for r in range(ep_size):
+            job.planes[r].check()
+            assert torch.equal(outs[r].cpu(), want_out[r]), r
+            round_ = job.flag_val(r) - 1
+            rounds, data = _lines_words(job, r, 2 * n + n // 4)
+            assert (rounds == round_).all(), r
+            others = [s for s in range(ep_size) if s != r]
+            want = quantize_fp8(payload[r].cpu())[others]  # [ep - 1, T, fp8_row_bytes]
+            assert torch.equal(data[: 2 * n].reshape(ep_size - 1, T, hidden), want[..., :hidden]), r
+            scale_words = data[2 * n :]
+            assert not scale_words[:, 1:].any(), r  # (the scale byte alone)
+            assert torch.equal(scale_words[:, 0].reshape(ep_size - 1, T, blocks), want[..., hidden : hidden + blocks]), r
+
+
 @pytest.mark.parametrize("in_workspace", [False, True], ids=["staged", "in-workspace"])
 # (2, 2880, 512): more pull items than warps (a warp pulls several tokens) and a staging of
 # more than one pass over the grid.
@@ -462,9 +527,9 @@ def test_caller_mask_dispatch_bytes_and_untouched_row(make_job, device_mask):
 
 
 @pytest.mark.parametrize("in_workspace", [False, True], ids=["staged", "in-workspace"])
-# (T: a round too big for the combine lines, 2 * (ep - 1) * T * 2 * hidden > COMBINE_LINES_BYTES:
-# only such a round stages FP8 rows; a smaller one quantizes in the pull, which
-# test_fp8_combine_exact_to_its_definition checks bit for bit)
+# (T: a round too big for the FP8 combine lines, layout.combine_lines_bytes > COMBINE_LINES_BYTES:
+# only such a round stages FP8 rows into the FP8 region; a smaller one stages them as lines,
+# which test_fp8_lines_carry_quantize_fp8 checks)
 @pytest.mark.parametrize("ep_size,hidden,T", [(2, 256, 2056), (3, 2880, 96)])
 def test_fp8_staged_rows_are_quantize_fp8(make_job, in_workspace, ep_size, hidden, T):
     """After an FP8 combine, each rank's FP8 region (layout.fp8_combine_offset) holds, for every
@@ -472,7 +537,7 @@ def test_fp8_staged_rows_are_quantize_fp8(make_job, in_workspace, ep_size, hidde
     the bf16 payload row: a difference here is the staging (quantizer), elsewhere the pull."""
     from a2ad.client.host_plane import quantize_fp8
 
-    assert 2 * (ep_size - 1) * T * 2 * hidden > L.COMBINE_LINES_BYTES
+    assert L.combine_lines_bytes(ep_size, T, hidden, 2, low_precision=True) > L.COMBINE_LINES_BYTES
     torch.manual_seed(99 + hidden)
     top_k, E = 4, 16
     job = make_job(ep_size, T, top_k, E, 2 * hidden + 4 * top_k, 2 * hidden + L.fp8_row_bytes(hidden))

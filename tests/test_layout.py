@@ -234,3 +234,17 @@ def test_lines_tail_lies_past_the_row_inside_its_stride():
     assert plan[names.index("lines_tail")] == 1 << 20 and L.aux_plan(aux)[names.index("lines_tail")] == 0
     assert plan[names.index("row_tail_bytes")] == L.ROW_TAIL_BYTES
     assert plan[names.index("combine_lines_bytes")] == L.COMBINE_LINES_BYTES
+
+
+def test_combine_lines_bytes_of_each_mode():
+    """A round's lines: 16 bytes per 8 bytes of every other rank's rows (twice the rows); FP8: a
+    line per 8 e4m3 bytes and a scale word per 32 elements (half the bf16 lines and a sixteenth).
+    At hidden 2880, 2 ranks: bf16 fits up to 91 rows, FP8 up to 161 (so T=128 fits as FP8 only)."""
+    assert L.combine_lines_bytes(2, 1, 2880, 2) == 4 * 2880
+    assert L.combine_lines_bytes(3, 5, 256, 4) == 2 * 5 * 2 * 256 * 4
+    assert L.combine_lines_bytes(2, 1, 2880, 2, low_precision=True) == 16 * 360 + 8 * 90
+    assert L.combine_lines_bytes(5, 3, 7168, 2, low_precision=True) * 32 == L.combine_lines_bytes(5, 3, 7168, 2) * 18
+    fits = [rt for rt in range(1, 300) if L.combine_lines_bytes(2, rt, 2880, 2) <= L.COMBINE_LINES_BYTES]
+    fits8 = [rt for rt in range(1, 300)
+             if L.combine_lines_bytes(2, rt, 2880, 2, low_precision=True) <= L.COMBINE_LINES_BYTES]
+    assert (fits[-1], fits8[-1]) == (91, 161) and fits == list(range(1, 92)) and fits8 == list(range(1, 162))
