@@ -475,28 +475,10 @@ __device__ bool wait_seen(const CombineParams& p, int* block_counters, int round
   __shared__ unsigned long long s_seen[W];
   if (threadIdx.x == 0) {
     const int* posted = block_counters + layout::SLOT_COMBINE_SEEN_ROUND;
-    const uint64_t t0 = global_timer_ns();
-    for (;;) {
-      if (ld_acquire_gpu(posted) == round) {
-        RankMask<W>::load(block_counters + layout::SLOT_COMBINE_SEEN).store(s_seen);
-        s_ok = 1;
-        break;
-      }
-      if (ld_volatile(give_up) == round) {
-        s_ok = 0;
-        break;
-      }
-      const uint64_t waited = global_timer_ns() - t0;
-      if (waited >= 2 * p.ctl.timeout_ns) {  // a backstop: the poller gives up first
-        *reinterpret_cast<volatile int*>(give_up) = round;
-        if (atomicCAS(claim, 0, 1) == 0) {
-          write_status(p.ctl, layout::STATUS_TIMEOUT, p.ws.ep_rank, round, layout::PHASE_COMBINE, waited);
-        }
-        s_ok = 0;
-        break;
-      }
-      __nanosleep(64);
-    }
+    // (twice the timeout: a backstop, the poller gives up first)
+    s_ok = local_wait([&] { return ld_acquire_gpu(posted) == round ? 1 : 0; }, p.ctl, p.ws.ep_rank, round,
+                      layout::PHASE_COMBINE, 2 * p.ctl.timeout_ns, 0, true, claim, give_up);
+    if (s_ok) RankMask<W>::load(block_counters + layout::SLOT_COMBINE_SEEN).store(s_seen);
   }
   __syncthreads();
   *seen = shared_mask<W>(s_seen);
@@ -629,23 +611,13 @@ __device__ int wait_slice(const CombineParams& p, uint8_t* my_row, int q, int sl
                           (int64_t)q * p.aux.combine_slices + slot / layout::COMBINE_SLICE_ROWS;
   const uint64_t* whole = at<uint64_t>(my_row, p.aux.combine_ready) + q;
   const uint64_t want = combine_word(p, round);
-  const uint64_t t0 = global_timer_ns();
-  for (;;) {
+  const auto ready = [&] {
     const uint64_t a = ld_acquire_sys_u64(slice), b = ld_acquire_sys_u64(whole);
     if (a == want || b == want) return 1;
-    if (static_cast<uint32_t>(a) == static_cast<uint32_t>(round) ||
-        static_cast<uint32_t>(b) == static_cast<uint32_t>(round)) {
-      return 2;
-    }
-    if (ld_volatile(give_up) == round) return 0;
-    const uint64_t waited = global_timer_ns() - t0;
-    if (waited >= 2 * p.ctl.timeout_ns) {
-      *reinterpret_cast<volatile int*>(give_up) = round;
-      if (atomicCAS(claim, 0, 1) == 0) write_status(p.ctl, layout::STATUS_TIMEOUT, q, round, layout::PHASE_COMBINE, waited);
-      return 0;
-    }
-    __nanosleep(64);
-  }
+    const uint32_t r = static_cast<uint32_t>(round);
+    return static_cast<uint32_t>(a) == r || static_cast<uint32_t>(b) == r ? 2 : 0;
+  };
+  return local_wait(ready, p.ctl, q, round, layout::PHASE_COMBINE, 2 * p.ctl.timeout_ns, 0, true, claim, give_up);
 }
 
 // Overlapped combine, stager side (blocks [0, nstage)): rows received from each
@@ -966,16 +938,9 @@ __device__ __forceinline__ void close_lines(const CombineParams& p, uint8_t* my_
   if (threadIdx.x < p.ws.ep_size) at<int>(my_row, p.aux.send_counters)[threadIdx.x] = 0;
   if (threadIdx.x != 0) return;
   int* counter = at<int>(my_row, p.aux.block_counters) + layout::SLOT_COMBINE_ARRIVAL;
-  uint64_t t0 = 0;
-#pragma unroll 1
-  for (uint32_t it = 0; ld_acquire_gpu(counter) < static_cast<int>(workers); ++it) {
-    const uint64_t now = global_timer_ns();
-    if (it == 0) t0 = now;
-    if (now - t0 >= p.ctl.timeout_ns) {
-      give_up_wait(p.ctl, kWaitTimeout, p.ws.ep_rank, round, layout::PHASE_COMBINE, now - t0, claim, give_up);
-      return;
-    }
-    if (it >= kSpinPolls) __nanosleep(64);
+  if (!local_wait([&] { return ld_acquire_gpu(counter) >= static_cast<int>(workers) ? 1 : 0; }, p.ctl,
+                  p.ws.ep_rank, round, layout::PHASE_COMBINE, p.ctl.timeout_ns, kSpinPolls, false, claim, give_up)) {
+    return;
   }
   *reinterpret_cast<volatile int*>(counter) = 0;  // (every worker added: nothing adds after this)
   *at<int>(my_row, p.aux.flag_val) = round + 1;

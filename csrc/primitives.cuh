@@ -413,6 +413,33 @@ __device__ inline void give_up_wait(const Control& c, int result, int peer, int 
   }
 }
 
+// A wait on words of this rank's own launch (its blocks, or its poller), which the job's abort
+// word does not end (one thread): polls ready() (0: not yet) until it returns a result, which
+// this returns;
+// or until *give_up holds the round (when give_up_watch: the poller gave up), or `limit` ns
+// passed: then it posts the round to *give_up, writes the status record (TIMEOUT naming `peer`)
+// unless another thread had, and returns 0. The first `spins` polls are back to back, then it
+// sleeps between them.
+template <typename Ready>
+__device__ __forceinline__ int local_wait(Ready ready, const Control& c, int peer, int round, uint32_t phase,
+                                          uint64_t limit, uint32_t spins, bool give_up_watch, int* claim,
+                                          int* give_up) {
+  uint64_t t0 = 0;
+#pragma unroll 1
+  for (uint32_t it = 0;; ++it) {
+    const int r = ready();
+    if (r != 0) return r;
+    if (give_up_watch && ld_volatile(give_up) == round) return 0;
+    const uint64_t now = global_timer_ns();
+    if (it == 0) t0 = now;
+    if (now - t0 >= limit) {
+      give_up_wait(c, kWaitTimeout, peer, round, phase, now - t0, claim, give_up);
+      return 0;
+    }
+    if (it >= spins) __nanosleep(64);
+  }
+}
+
 // Threads [0, ep_size) of the block each wait for peer q's probe (probe_of(q)); the
 // block must have at least ep_size threads (every launch that waits has kMaxEpSize).
 // Returns true (in every thread) when the wait completed; `value` gets what the probe
