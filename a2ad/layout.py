@@ -196,6 +196,11 @@ COMBINE_SLICE_ROWS = 8
 #: H100's SMs, lines of up to 1.4 MB were faster than the plain combine and 1.5 MB or more
 #: slower (their staging no longer fits one pass of the grid; docs/PERF.md, "Combine lines").
 COMBINE_LINES_BYTES = 1 << 20
+#: The FP8 combine's lines take at most this much of them: on a third of an H200's SMs FP8 lines
+#: of up to 774 KB were faster than its plain combine and 829 KB or more slower (hidden 2880 at
+#: T=128, 7168 at T=64: the pull's items outnumber the grid's warps there; docs/PERF.md, "FP8
+#: lines").
+COMBINE_LINES_FP8_BYTES = 768 << 10
 #: The most ranks of a job whose rows get a lines tail (a rank mask of one word).
 MAX_LINES_EP_SIZE = 64
 #: Bytes of a lines tail's heads: a 16-byte head per target rank (MAX_LINES_EP_SIZE at most),
@@ -584,8 +589,8 @@ def combine_lines_bytes(ep_size: int, rt: int, hidden: int, elem_size: int, low_
     """Bytes of a combine round's lines (docs/PROTOCOL.md, "Combine lines"): every slot of every
     other rank's rows, a 16-byte line per 8 bytes of a row (``hidden * elem_size`` bytes); FP8
     (``low_precision``): a line per 8 e4m3 bytes, and an 8-byte scale word per FP8_BLOCK
-    elements. The round takes the lines when this is at most COMBINE_LINES_BYTES (and its job's
-    rows have a lines tail)."""
+    elements. The round takes the lines when this is at most COMBINE_LINES_BYTES (FP8:
+    COMBINE_LINES_FP8_BYTES) and its job's rows have a lines tail."""
     rows = (ep_size - 1) * rt
     if low_precision:
         return rows * (16 * (hidden // 8) + 8 * (hidden // FP8_BLOCK))
@@ -999,6 +1004,7 @@ C_HEADER_CONSTANTS = (
     "BLOCK_COUNTER_SLOTS",
     "COMBINE_SLICE_ROWS",
     "COMBINE_LINES_BYTES",
+    "COMBINE_LINES_FP8_BYTES",
     "LINE_HEADS_BYTES",
     "ROW_TAIL_BYTES",
     "INITIAL_ROUND",

@@ -772,7 +772,8 @@ __host__ __device__ inline int64_t lines_bytes(const CombineParams& p, int64_t r
 __host__ __device__ inline bool uses_lines(const CombineParams& p, int64_t row_bytes) {
   const int ep = p.ws.ep_size;
   return p.aux.lines_tail != 0 && ep > 1 && ep <= 64 && !p.ctl.degrade && p.group == 0 && row_bytes % 16 == 0 &&
-         p.ws.row_stride % 16 == 0 && lines_bytes(p, row_bytes) <= layout::COMBINE_LINES_BYTES;
+         p.ws.row_stride % 16 == 0 &&
+         lines_bytes(p, row_bytes) <= (p.low_precision ? layout::COMBINE_LINES_FP8_BYTES : layout::COMBINE_LINES_BYTES);
 }
 
 // A row's lines tail (past the row, zeroed by the daemon with the aux region): the heads, one

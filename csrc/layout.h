@@ -14,6 +14,7 @@ constexpr int MAX_PAYLOADS = 6;
 constexpr int BLOCK_COUNTER_SLOTS = 32;
 constexpr int COMBINE_SLICE_ROWS = 8;
 constexpr int COMBINE_LINES_BYTES = 1048576;
+constexpr int COMBINE_LINES_FP8_BYTES = 786432;
 constexpr int LINE_HEADS_BYTES = 4096;
 constexpr int ROW_TAIL_BYTES = 1052672;
 constexpr int INITIAL_ROUND = 1;

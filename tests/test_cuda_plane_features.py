@@ -246,14 +246,16 @@ def _lines_words(job, r, n):
     return (words >> 32) & 0xFFFFFFFF, data.view(n, 4)
 
 
-# (2, 2880, 128): lines as FP8 (829 KB), not as bf16 (1.47 MB); (3, 256, 5): two sources per rank
-@pytest.mark.parametrize("ep_size,hidden,T", [(2, 2880, 8), (3, 256, 5), (2, 2880, 128)])
+# (2, 2880, 96): lines as FP8 (622 KB), not as bf16 (1.1 MB); (2, 2880, 128): neither (FP8 829 KB);
+# (3, 256, 5): two sources per rank
+@pytest.mark.parametrize("ep_size,hidden,T", [(2, 2880, 8), (3, 256, 5), (2, 2880, 96), (2, 2880, 128)])
 def test_fp8_lines_carry_quantize_fp8(make_job, ep_size, hidden, T):
-    """An FP8 combine whose lines fit (layout.combine_lines_bytes) stages FP8 lines: rank r's lines
+    """An FP8 combine whose lines fit (layout.combine_lines_bytes, COMBINE_LINES_FP8_BYTES) stages FP8 lines: rank r's lines
     hold, for every other source s (source index s - (s > r)) and every slot, host_plane.quantize_fp8's
     e4m3 bytes of its payload row, 4 beside the round in each word, and past them a scale word per
-    32-element block, the round beside its scale byte; the output is exact to its definition. The
-    bf16 combine of the same rows takes the lines only where its own (twice the bytes) fit."""
+    32-element block, the round beside its scale byte; the output is exact to its definition. One
+    whose FP8 lines do not fit takes the plain path, exact too. The bf16 combine of the same rows
+    takes the lines only where its own (twice the bytes) fit."""
     from torch.profiler import ProfilerActivity, profile
 
     from a2ad.client.host_plane import quantize_fp8
@@ -276,13 +278,17 @@ def test_fp8_lines_carry_quantize_fp8(make_job, ep_size, hidden, T):
             outs = job.on_ranks(step)
             job.join()
             torch.cuda.synchronize()
-        fits = L.combine_lines_bytes(ep_size, T, hidden, 2, low_precision=low) <= L.COMBINE_LINES_BYTES
-        assert fits == (low or T != 128)
+        limit = L.COMBINE_LINES_FP8_BYTES if low else L.COMBINE_LINES_BYTES
+        fits = L.combine_lines_bytes(ep_size, T, hidden, 2, low_precision=low) <= limit
+        assert fits == (T < 96 or (low and T == 96))
         assert combine_paths(prof) == [2 if fits else 1] * ep_size, low
-        if not low:
+        if not low or not fits:
             for r in range(ep_size):
                 job.planes[r].check()
-                close(outs[r], combine_reference(job, e[r], x[r]), torch.bfloat16)
+                if low:
+                    assert torch.equal(outs[r].cpu(), _fp8_reference(job, e, x)[r]), r
+                else:
+                    close(outs[r], combine_reference(job, e[r], x[r]), torch.bfloat16)
             continue
         want_out = _fp8_reference(job, e, x)
         n = (ep_size - 1) * T * hidden // 8  # lines, each two words
@@ -527,7 +533,7 @@ def test_caller_mask_dispatch_bytes_and_untouched_row(make_job, device_mask):
 
 
 @pytest.mark.parametrize("in_workspace", [False, True], ids=["staged", "in-workspace"])
-# (T: a round too big for the FP8 combine lines, layout.combine_lines_bytes > COMBINE_LINES_BYTES:
+# (T: a round too big for the FP8 combine lines, layout.combine_lines_bytes > COMBINE_LINES_FP8_BYTES:
 # only such a round stages FP8 rows into the FP8 region; a smaller one stages them as lines,
 # which test_fp8_lines_carry_quantize_fp8 checks)
 @pytest.mark.parametrize("ep_size,hidden,T", [(2, 256, 2056), (3, 2880, 96)])
@@ -537,7 +543,7 @@ def test_fp8_staged_rows_are_quantize_fp8(make_job, in_workspace, ep_size, hidde
     the bf16 payload row: a difference here is the staging (quantizer), elsewhere the pull."""
     from a2ad.client.host_plane import quantize_fp8
 
-    assert L.combine_lines_bytes(ep_size, T, hidden, 2, low_precision=True) > L.COMBINE_LINES_BYTES
+    assert L.combine_lines_bytes(ep_size, T, hidden, 2, low_precision=True) > L.COMBINE_LINES_FP8_BYTES
     torch.manual_seed(99 + hidden)
     top_k, E = 4, 16
     job = make_job(ep_size, T, top_k, E, 2 * hidden + 4 * top_k, 2 * hidden + L.fp8_row_bytes(hidden))

@@ -239,12 +239,14 @@ def test_lines_tail_lies_past_the_row_inside_its_stride():
 def test_combine_lines_bytes_of_each_mode():
     """A round's lines: 16 bytes per 8 bytes of every other rank's rows (twice the rows); FP8: a
     line per 8 e4m3 bytes and a scale word per 32 elements (half the bf16 lines and a sixteenth).
-    At hidden 2880, 2 ranks: bf16 fits up to 91 rows, FP8 up to 161 (so T=128 fits as FP8 only)."""
+    At hidden 2880, 2 ranks: bf16 lines fit COMBINE_LINES_BYTES up to 91 rows, FP8 lines their
+    smaller limit, COMBINE_LINES_FP8_BYTES, up to 121 (so T=96 fits as FP8 only)."""
     assert L.combine_lines_bytes(2, 1, 2880, 2) == 4 * 2880
     assert L.combine_lines_bytes(3, 5, 256, 4) == 2 * 5 * 2 * 256 * 4
     assert L.combine_lines_bytes(2, 1, 2880, 2, low_precision=True) == 16 * 360 + 8 * 90
     assert L.combine_lines_bytes(5, 3, 7168, 2, low_precision=True) * 32 == L.combine_lines_bytes(5, 3, 7168, 2) * 18
     fits = [rt for rt in range(1, 300) if L.combine_lines_bytes(2, rt, 2880, 2) <= L.COMBINE_LINES_BYTES]
     fits8 = [rt for rt in range(1, 300)
-             if L.combine_lines_bytes(2, rt, 2880, 2, low_precision=True) <= L.COMBINE_LINES_BYTES]
-    assert (fits[-1], fits8[-1]) == (91, 161) and fits == list(range(1, 92)) and fits8 == list(range(1, 162))
+             if L.combine_lines_bytes(2, rt, 2880, 2, low_precision=True) <= L.COMBINE_LINES_FP8_BYTES]
+    assert fits == list(range(1, 92)) and fits8 == list(range(1, 122))
+    assert L.COMBINE_LINES_FP8_BYTES <= L.COMBINE_LINES_BYTES  # (the lines region holds either)
