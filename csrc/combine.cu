@@ -757,7 +757,8 @@ __device__ __forceinline__ void stage_rows_indexed(const CombineParams& p, const
 //     (the same bits): each 8 elements of a row one line of their 8 e4m3 bytes (4 a word),
 //     and past every source's lines one scale word per 32-element block, (round << 32) | its
 //     E8M0 byte. Half the bf16 lines' bytes and a sixteenth more; the puller dequantizes as
-//     pull_item_fp8 does.
+//     pull_item_fp8 does. At most COMBINE_LINES_FP8_BYTES of them (above it, on a third of an
+//     H200's SMs, they were slower than the plain FP8 combine; docs/PERF.md, "FP8 lines").
 // The lines of a round: (ep - 1) * rt rows of bf16 (or FP8) units.
 __host__ __device__ inline int64_t lines_units(const CombineParams& p, int64_t row_bytes) {
   return (int64_t)(p.ws.ep_size - 1) * p.rt * (p.low_precision ? p.hidden / 8 : row_bytes / 8);

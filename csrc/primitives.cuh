@@ -413,11 +413,11 @@ __device__ inline void give_up_wait(const Control& c, int result, int peer, int 
   }
 }
 
-// A wait on words of this rank's own launch (its blocks, or its poller), which the job's abort
-// word does not end (one thread): polls ready() (0: not yet) until it returns a result, which
-// this returns;
-// or until *give_up holds the round (when give_up_watch: the poller gave up), or `limit` ns
-// passed: then it posts the round to *give_up, writes the status record (TIMEOUT naming `peer`)
+// A wait of one thread that leaves the job's abort word to the launch's poller (it waits for
+// the launch's own blocks, or for what the poller or a peer writes while the poller watches):
+// polls ready() (0: not yet) until it returns a result, which this returns; or until
+// *give_up holds the round (when give_up_watch: the poller gave up), or `limit` ns passed:
+// then it posts the round to *give_up, writes the status record (TIMEOUT naming `peer`)
 // unless another thread had, and returns 0. The first `spins` polls are back to back, then it
 // sleeps between them.
 template <typename Ready>
