@@ -959,6 +959,21 @@ __device__ __forceinline__ void add_fp8_line(const ulonglong2& line, uint64_t sc
   fp8x2_add(b >> 16, scale, acc + 6);
 }
 
+// A peer's unit v of a lines pull into *l0 and *l1: its two lines (src: the send's first), or
+// (kFp8) its FP8 line and its block's scale word (both words of *l1; scl: the send's first).
+template <bool kFp8>
+__device__ __forceinline__ void ld_peer_unit(const uint8_t* src, const uint8_t* scl, int v, ulonglong2* l0,
+                                             ulonglong2* l1) {
+  if constexpr (kFp8) {
+    *l0 = ld_line(src + 16 * v);
+    const uint64_t w = ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(scl + 8 * (v / 4)));
+    *l1 = make_ulonglong2(w, w);
+  } else {
+    *l0 = ld_line(src + 32 * v);
+    *l1 = ld_line(src + 32 * v + 16);
+  }
+}
+
 // pull_item of a lines combine: this rank's own sends read from its payload, every other
 // from the target's lines, each spun on until its head and its lines hold the round. A target
 // whose head holds another descriptor, or whose ready word came without a head, is not read
@@ -1012,6 +1027,7 @@ __device__ bool pull_item_lines(const CombineParams& p, int t, uint32_t c, const
         scl[b] = peer_lines + scales_at + 8 * (unit0 / 4);
       } else {  // unit v: its two lines at src + 32 * v
         src[b] = self[b] ? self_rows + (int64_t)sq * row_bytes : peer_lines + 16 * ((source * p.rt + sq) * units8 + 2 * first);
+        scl[b] = nullptr;
       }
     }
     // Every load of the batch before the first use: the heads, the lines, the own rows (16
@@ -1029,13 +1045,8 @@ __device__ bool pull_item_lines(const CombineParams& p, int t, uint32_t c, const
           if (self[b]) {
             const uint4 o = load16_any(src[b] + 16 * v, self_aligned);
             l0[b][u] = make_ulonglong2(o.x | static_cast<uint64_t>(o.y) << 32, o.z | static_cast<uint64_t>(o.w) << 32);
-          } else if constexpr (kFp8) {
-            l0[b][u] = ld_line(src[b] + 16 * v);
-            const uint64_t w = ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(scl[b] + 8 * (v / 4)));
-            l1[b][u] = make_ulonglong2(w, w);
           } else {
-            l0[b][u] = ld_line(src[b] + 32 * v);
-            l1[b][u] = ld_line(src[b] + 32 * v + 16);
+            ld_peer_unit<kFp8>(src[b], scl[b], v, &l0[b][u], &l1[b][u]);
           }
         }
       }
@@ -1084,15 +1095,7 @@ __device__ bool pull_item_lines(const CombineParams& p, int t, uint32_t c, const
 #pragma unroll
         for (int u = 0; u < kUnits; ++u) {
           if (in[u] && !(line_has(l0[b][u], r) && line_has(l1[b][u], r))) {
-            const int v = u * 32 + lane;
-            if constexpr (kFp8) {
-              l0[b][u] = ld_line(src[b] + 16 * v);
-              const uint64_t w = ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(scl[b] + 8 * (v / 4)));
-              l1[b][u] = make_ulonglong2(w, w);
-            } else {
-              l0[b][u] = ld_line(src[b] + 32 * v);
-              l1[b][u] = ld_line(src[b] + 32 * v + 16);
-            }
+            ld_peer_unit<kFp8>(src[b], scl[b], u * 32 + lane, &l0[b][u], &l1[b][u]);
           }
         }
       }

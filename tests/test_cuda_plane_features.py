@@ -236,6 +236,16 @@ def test_small_combine_lines_only_where_rows_have_a_tail(make_job, lines_tail):
             assert torch.equal(job._buf[r * job.row_stride + job.size : (r + 1) * job.row_stride], past[r]), r
 
 
+def _fp8_round_inputs(make_job, ep_size, hidden, T, top_k=4, E=16):
+    """A job sized for the FP8 combine's rows and a round of T bf16 tokens on every rank: (job,
+    layout, expert ids, x, E)."""
+    job = make_job(ep_size, T, top_k, E, 2 * hidden + 4 * top_k, 2 * hidden + L.fp8_row_bytes(hidden))
+    pl = job.layout(T, [2 * hidden, 4 * top_k], 2 * hidden)
+    e = [rand_experts(T, top_k, E) for _ in range(ep_size)]
+    x = [torch.randn(T, hidden, device="cuda").to(torch.bfloat16) for _ in range(ep_size)]
+    return job, pl, e, x, E
+
+
 def _lines_words(job, r, n):
     """The first n u64 words of rank r's lines (past its lines tail's heads): (rounds, data halves as
     uint8 [n, 4])."""
@@ -260,11 +270,7 @@ def test_fp8_lines_carry_quantize_fp8(make_job, ep_size, hidden, T):
 
     from a2ad.client.host_plane import quantize_fp8
 
-    top_k, E = 4, 16
-    job = make_job(ep_size, T, top_k, E, 2 * hidden + 4 * top_k, 2 * hidden + L.fp8_row_bytes(hidden))
-    pl = job.layout(T, [2 * hidden, 4 * top_k], 2 * hidden)
-    e = [rand_experts(T, top_k, E) for _ in range(ep_size)]
-    x = [torch.randn(T, hidden, device="cuda").to(torch.bfloat16) for _ in range(ep_size)]
+    job, pl, e, x, E = _fp8_round_inputs(make_job, ep_size, hidden, T)
     payload = {}
     for low in (True, False):
 
@@ -545,11 +551,7 @@ def test_fp8_staged_rows_are_quantize_fp8(make_job, in_workspace, ep_size, hidde
 
     assert L.combine_lines_bytes(ep_size, T, hidden, 2, low_precision=True) > L.COMBINE_LINES_FP8_BYTES
     torch.manual_seed(99 + hidden)
-    top_k, E = 4, 16
-    job = make_job(ep_size, T, top_k, E, 2 * hidden + 4 * top_k, 2 * hidden + L.fp8_row_bytes(hidden))
-    pl = job.layout(T, [2 * hidden, 4 * top_k], 2 * hidden)
-    e = [rand_experts(T, top_k, E) for _ in range(ep_size)]
-    x = [torch.randn(T, hidden, device="cuda").to(torch.bfloat16) for _ in range(ep_size)]
+    job, pl, e, x, E = _fp8_round_inputs(make_job, ep_size, hidden, T)
     payload = {}
 
     def step(r):
