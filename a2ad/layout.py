@@ -191,15 +191,15 @@ FP8_BLOCK = 32
 COMBINE_SLICE_ROWS = 8
 #: Bytes of a row's combine lines (in its lines tail, after the heads): the staged rows of a
 #: small combine as 16-byte lines (8 bytes of data, each 4 beside the round; the FP8 combine's
-#: rows as e4m3 bytes and scale words); a combine whose lines fit
-#: (:func:`combine_lines_bytes`) takes that path (docs/PROTOCOL.md, "Combine lines"). 1 MiB: on a third of an
-#: H100's SMs, lines of up to 1.4 MB were faster than the plain combine and 1.5 MB or more
-#: slower (their staging no longer fits one pass of the grid; docs/PERF.md, "Combine lines").
+#: rows as e4m3 bytes and scale words); a combine whose lines fit (:func:`combine_lines_bytes`)
+#: takes that path (docs/PROTOCOL.md, "Combine lines"). 1 MiB: on a third of an H100's SMs,
+#: lines of up to 1.4 MB were faster than the plain combine and 1.5 MB or more slower (their
+#: staging no longer fits one pass of the grid; docs/PERF.md, "Combine lines").
 COMBINE_LINES_BYTES = 1 << 20
 #: The FP8 combine's lines take at most this much of them: on a third of an H200's SMs FP8 lines
 #: of up to 774 KB were faster than its plain combine and 829 KB or more slower (hidden 2880 at
-#: T=128, 7168 at T=64: the pull's items outnumber the grid's warps there; docs/PERF.md, "FP8
-#: lines").
+#: T=128, 7168 at T=64: most likely the pull's items outnumber the grid's warps there;
+#: docs/PERF.md, "FP8 lines").
 COMBINE_LINES_FP8_BYTES = 768 << 10
 #: The most ranks of a job whose rows get a lines tail (a rank mask of one word).
 MAX_LINES_EP_SIZE = 64

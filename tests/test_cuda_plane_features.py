@@ -260,10 +260,10 @@ def _lines_words(job, r, n):
 # (3, 256, 5): two sources per rank
 @pytest.mark.parametrize("ep_size,hidden,T", [(2, 2880, 8), (3, 256, 5), (2, 2880, 96), (2, 2880, 128)])
 def test_fp8_lines_carry_quantize_fp8(make_job, ep_size, hidden, T):
-    """An FP8 combine whose lines fit (layout.combine_lines_bytes, COMBINE_LINES_FP8_BYTES) stages FP8 lines: rank r's lines
-    hold, for every other source s (source index s - (s > r)) and every slot, host_plane.quantize_fp8's
-    e4m3 bytes of its payload row, 4 beside the round in each word, and past them a scale word per
-    32-element block, the round beside its scale byte; the output is exact to its definition. One
+    """An FP8 combine whose lines fit (layout.combine_lines_bytes, COMBINE_LINES_FP8_BYTES) stages
+    FP8 lines: rank r's lines hold, for every other source s (source index s - (s > r)) and every
+    slot, host_plane.quantize_fp8's e4m3 bytes of its payload row, 4 beside the round in each word,
+    and past them a scale word per 32-element block, the round beside its scale byte; the output is exact to its definition. One
     whose FP8 lines do not fit takes the plain path, exact too. The bf16 combine of the same rows
     takes the lines only where its own (twice the bytes) fit."""
     from torch.profiler import ProfilerActivity, profile
@@ -310,7 +310,8 @@ def test_fp8_lines_carry_quantize_fp8(make_job, ep_size, hidden, T):
             assert torch.equal(data[: 2 * n].reshape(ep_size - 1, T, hidden), want[..., :hidden]), r
             scale_words = data[2 * n :]
             assert not scale_words[:, 1:].any(), r  # (the scale byte alone)
-            assert torch.equal(scale_words[:, 0].reshape(ep_size - 1, T, blocks), want[..., hidden : hidden + blocks]), r
+            scale_bytes = scale_words[:, 0].reshape(ep_size - 1, T, blocks)
+            assert torch.equal(scale_bytes, want[..., hidden : hidden + blocks]), r
 
 
 @pytest.mark.parametrize("in_workspace", [False, True], ids=["staged", "in-workspace"])
