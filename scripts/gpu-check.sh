@@ -10,6 +10,10 @@
 # whole GPU suite took about 500 s on one H100), GPU_CHECK_PART (the tests step's half, for
 # machines lent for less than the whole suite: "kernels", the four kernel test files, about
 # 150 s of pytest on one H100, or "rest", everything else, about 290 s; default both).
+# GPU_CHECK_FLASHINFER: a PYTHONPATH fragment (colon-separated folders) from which FlashInfer's
+# MoeAlltoAll imports, e.g. an unpacked FlashInfer tree and its tvm-ffi package: the tests that
+# compare a2ad with FlashInfer then run instead of skipping (the summary says which it was).
+# GPU_CHECK_TESTS: test paths for the tests step instead of GPU_CHECK_PART's (e.g. one file).
 # Python packages missing on the machine may be given as wheels in ./.whl.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends).
 set -uo pipefail
@@ -31,6 +35,7 @@ case ${GPU_CHECK_PART:-} in
     rest) TEST_ARGS="tests/$(for f in $KERNEL_TESTS; do printf ' --ignore=%s' "$f"; done)" ;;
     *) echo "GPU_CHECK_PART must be kernels or rest, got '$GPU_CHECK_PART'" >&2; exit 2 ;;
 esac
+TEST_ARGS=${GPU_CHECK_TESTS:-$TEST_ARGS}
 
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/a2ad-site .whl/*.whl \
@@ -38,6 +43,11 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
 fi
 if ! "$PY" -c "import a2ad.client" >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 || echo "install: pip install -e . failed" >>"$SUMMARY"
+fi
+
+if [ -n "${GPU_CHECK_FLASHINFER:-}" ]; then
+    export PYTHONPATH=$GPU_CHECK_FLASHINFER${PYTHONPATH:+:$PYTHONPATH}
+    export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$OUTDIR/flashinfer-ws}
 fi
 
 step() {  # step NAME LIMIT_SECONDS COMMAND...
@@ -55,6 +65,11 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
     echo "host: $(hostname) $(date -u +%FT%TZ)"
     nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader 2>/dev/null
     "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
+    if "$PY" -c "import flashinfer.comm.trtllm_moe_alltoall" >/dev/null 2>&1; then
+        echo "flashinfer: importable (its comparison tests run)"
+    else
+        echo "flashinfer: not importable (its comparison tests skip; GPU_CHECK_FLASHINFER names where it is)"
+    fi
 } >>"$SUMMARY" 2>&1
 
 for s in $STEPS; do
