@@ -55,7 +55,8 @@ DIAG_NO_WAIT = 4  # publish the ready words, do not wait for the peers'
 DIAG_NO_PUBLISH = 8  # neither publish nor wait
 DIAG_NOOP = 16  # the kernel returns at entry (launch / graph-node floor)
 DIAG_DOUBLE_FENCE = 32  # one block fence more than the build has (correct; its cost by addition)
-DIAG_BITS = 63
+DIAG_NO_SPEC_CHECK = 64  # after the wait, no comparison of the peers' payload descriptors
+DIAG_BITS = 127
 
 
 #: BLOCK_COUNTERS slot the kernels use to elect the one writer of a status record.

@@ -422,31 +422,33 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
       at<int>(my_row, p.aux.dispatch_completion_flags)[q] = round;
       s_rts[q] = r;
       if (r != p.rt) atomicMin(&s_peer, q);
-      // q's payload descriptor (written before its ready word) against this rank's
-      const uint4* d = reinterpret_cast<const uint4*>(my_row + p.aux.recv_specs + 4 * layout::SPEC_WORDS * (int64_t)q);
-      int theirs[layout::SPEC_WORDS];
+      if (!diag(p, kDiagNoSpecCheck)) {
+        // q's payload descriptor (written before its ready word) against this rank's
+        const uint4* d = reinterpret_cast<const uint4*>(my_row + p.aux.recv_specs + 4 * layout::SPEC_WORDS * (int64_t)q);
+        int theirs[layout::SPEC_WORDS];
 #pragma unroll
-      for (int w = 0; w < layout::SPEC_WORDS / 4; ++w) {
-        const uint4 v = __ldcg(d + w);
-        theirs[4 * w] = static_cast<int>(v.x);
-        theirs[4 * w + 1] = static_cast<int>(v.y);
-        theirs[4 * w + 2] = static_cast<int>(v.z);
-        theirs[4 * w + 3] = static_cast<int>(v.w);
-      }
-      int first = -1, own = 0, other = 0;
-#pragma unroll
-      for (int w = layout::SPEC_WORDS - 1; w >= 0; --w) {
-        if (theirs[w] != p.spec[w]) {
-          first = w;
-          own = p.spec[w];
-          other = theirs[w];
+        for (int w = 0; w < layout::SPEC_WORDS / 4; ++w) {
+          const uint4 v = __ldcg(d + w);
+          theirs[4 * w] = static_cast<int>(v.x);
+          theirs[4 * w + 1] = static_cast<int>(v.y);
+          theirs[4 * w + 2] = static_cast<int>(v.z);
+          theirs[4 * w + 3] = static_cast<int>(v.w);
         }
-      }
-      if (first >= 0) {  // rare: where it differs, for the input record
-        s_field[q] = spec_field(first, &own, &other);
-        s_own[q] = own;
-        s_theirs[q] = other;
-        atomicMin(&s_spec_peer, q);
+        int first = -1, own = 0, other = 0;
+#pragma unroll
+        for (int w = layout::SPEC_WORDS - 1; w >= 0; --w) {
+          if (theirs[w] != p.spec[w]) {
+            first = w;
+            own = p.spec[w];
+            other = theirs[w];
+          }
+        }
+        if (first >= 0) {  // rare: where it differs, for the input record
+          s_field[q] = spec_field(first, &own, &other);
+          s_own[q] = own;
+          s_theirs[q] = other;
+          atomicMin(&s_spec_peer, q);
+        }
       }
     } else {
       at<int>(my_row, p.aux.recv_counters)[q] = 0;  // degraded mode: nothing came from q

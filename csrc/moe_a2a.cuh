@@ -31,6 +31,7 @@ constexpr int kDiagNoWait = 4;       // publish counts and flags, but do not wai
 constexpr int kDiagNoPublish = 8;    // neither publish nor wait (no cross-rank step at all)
 constexpr int kDiagNoop = 16;        // the kernel returns at entry (the launch / graph-node floor)
 constexpr int kDiagDoubleFence = 32; // one block fence more than the build has (its cost, by addition; correct)
+constexpr int kDiagNoSpecCheck = 64; // after the wait, the peers' payload descriptors are not compared (still stored)
 #ifdef A2AD_KERNEL_TIMING
 constexpr bool kTimingBuild = true;
 #else

@@ -342,6 +342,7 @@ def plan_bf16(cp, tokens: list[int] | None = None, diags: bool = True) -> list[t
             ("diag local work only (no publish, no wait)", T, cp.DIAG_NO_PUBLISH),
             ("diag publish, no wait", T, cp.DIAG_NO_WAIT),
             ("diag one fence more (a fence's cost, added)", T, cp.DIAG_DOUBLE_FENCE),
+            ("diag no descriptor comparison after the wait", T, cp.DIAG_NO_SPEC_CHECK),
             ("default again (noise)", T, 0),
         ]
     return rows + [("default", 4096, 0)]
