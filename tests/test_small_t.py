@@ -1,5 +1,6 @@
 """The small-T table against FlashInfer (a2ad.bench.small_t), from harness logs as the GPU
-machine printed them (one H200, hidden 2880; the rows are that run's, cut to T = 1 and 8)."""
+machine printed them (one H200, hidden 2880; the rows are that run's, cut to T = 1, 8 and
+4096, with a FlashInfer point that did not finish added in the form fi_timing prints)."""
 
 from __future__ import annotations
 
