@@ -5,7 +5,11 @@
 #   bash scripts/gpu-check.sh [OUTDIR]      # logs and figures go to OUTDIR (default ./gpu-check-out)
 #
 # Environment: A2AD_EXT_DIR (extension cache, default ./build/ext), GPU_CHECK_STEPS (a
-# space-separated subset of: build tests demo bench; default all), GPU_CHECK_PYTEST (extra
+# space-separated subset of: build tests demo bench table; default build tests demo bench;
+# "table": the small-T table against FlashInfer, both ranks on this one GPU, kernel_timing
+# and fi_timing at hidden 7168 and 2880 and T of GPU_CHECK_TABLE_TOKENS, default 1,8,32,128,
+# then small_t's table into the summary; it needs FlashInfer, see GPU_CHECK_FLASHINFER),
+# GPU_CHECK_PYTEST (extra
 # pytest arguments), GPU_CHECK_TESTS_LIMIT (seconds for the tests step, default 900: the
 # whole GPU suite took about 500 s on one H100), GPU_CHECK_PART (the tests step's half, for
 # machines lent for less than the whole suite: "kernels", the four kernel test files, about
@@ -50,13 +54,18 @@ if [ -n "${GPU_CHECK_FLASHINFER:-}" ]; then
     export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$OUTDIR/flashinfer-ws}
 fi
 
-step() {  # step NAME LIMIT_SECONDS COMMAND...
-    local name=$1 limit=$2
+step() {  # step NAME LIMIT_SECONDS COMMAND...   (STEP_KEEP=FILE: the output also in FILE alone)
+    local name=$1 limit=$2 keep=${STEP_KEEP:-}
     shift 2
     echo "===== $name: $*" >>"$LOG"
     local t0=$SECONDS
-    timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
+    if [ -n "$keep" ]; then
+        timeout --kill-after=10 "$limit" "$@" >"$keep" 2>&1
+    else
+        timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
+    fi
     local rc=$?
+    [ -n "$keep" ] && cat "$keep" >>"$LOG"
     printf '%-10s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$*" >>"$SUMMARY"
     return $rc
 }
@@ -67,6 +76,7 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
     "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
     if "$PY" -c "import flashinfer.comm.trtllm_moe_alltoall" >/dev/null 2>&1; then
         echo "flashinfer: importable (its comparison tests run)"
+        FI_IMPORTS=1
     else
         echo "flashinfer: not importable (its comparison tests skip; GPU_CHECK_FLASHINFER names where it is)"
     fi
@@ -79,6 +89,22 @@ for s in $STEPS; do
         demo)
             step demo-2 180 "$PY" -m a2ad.tools.cli demo --backend cuda --ranks 2 --rounds 30 --tokens 256 --hidden 7168 --top-k 8 --experts 256
             step demo-8 180 "$PY" -m a2ad.tools.cli demo --backend cuda --ranks 8 --rounds 10 --tokens 64 --hidden 2880 --top-k 4 --experts 128
+            ;;
+        table)
+            TOKENS=${GPU_CHECK_TABLE_TOKENS:-1,8,32,128}
+            for h in 7168 2880; do
+                STEP_KEEP="$OUTDIR/timing-$h.log" step "timing-$h" 300 env A2AD_KERNEL_TIMING=1 \
+                    "$PY" -m a2ad.bench.kernel_timing --one-gpu --no-diags --low-precision --hidden "$h" --tokens "$TOKENS"
+            done
+            if [ -n "${FI_IMPORTS:-}" ]; then
+                STEP_KEEP="$OUTDIR/fi-timing.log" step fi-timing 300 \
+                    "$PY" -m a2ad.bench.fi_timing --low-precision both --hidden 7168,2880 --tokens "$TOKENS" --limit 15
+                STEP_KEEP="$OUTDIR/table.md" step table 60 "$PY" -m a2ad.bench.small_t \
+                    "$OUTDIR/timing-7168.log" "$OUTDIR/timing-2880.log" --flashinfer "$OUTDIR/fi-timing.log"
+                { echo "----- the small-T table (python -m a2ad.bench.small_t)"; cat "$OUTDIR/table.md"; } >>"$SUMMARY"
+            else
+                echo "table      rc=2   not made: FlashInfer does not import (GPU_CHECK_FLASHINFER names where it is)" >>"$SUMMARY"
+            fi
             ;;
         bench) step bench 420 "$PY" -m a2ad.bench --quick --budget 360 --json "$OUTDIR/bench-quick.json" --plot "$OUTDIR/perf-quick.png" ;;
         *) echo "unknown step $s" >>"$SUMMARY" ;;
