@@ -51,7 +51,7 @@ fi
 
 if [ -n "${GPU_CHECK_FLASHINFER:-}" ]; then
     export PYTHONPATH=$GPU_CHECK_FLASHINFER${PYTHONPATH:+:$PYTHONPATH}
-    export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$OUTDIR/flashinfer-ws}
+    export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-${TMPDIR:-/tmp}/a2ad-gpu-check-flashinfer}  # its JIT cache, not an output
 fi
 
 step() {  # step NAME LIMIT_SECONDS COMMAND...   (STEP_KEEP=FILE: the output also in FILE alone)
