@@ -52,6 +52,10 @@ fi
 if [ -n "${GPU_CHECK_FLASHINFER:-}" ]; then
     export PYTHONPATH=$GPU_CHECK_FLASHINFER${PYTHONPATH:+:$PYTHONPATH}
     export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-${TMPDIR:-/tmp}/a2ad-gpu-check-flashinfer}  # its JIT cache, not an output
+    if [ -z "${FLASHINFER_CUDA_ARCH_LIST:-}" ]; then  # this GPU's, e.g. 9.0 (what its modules are built for)
+        FLASHINFER_CUDA_ARCH_LIST=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1)
+        [ -n "$FLASHINFER_CUDA_ARCH_LIST" ] && export FLASHINFER_CUDA_ARCH_LIST
+    fi
 fi
 
 step() {  # step NAME LIMIT_SECONDS COMMAND...   (STEP_KEEP=FILE: the output also in FILE alone)
