@@ -56,7 +56,8 @@ DIAG_NO_PUBLISH = 8  # neither publish nor wait
 DIAG_NOOP = 16  # the kernel returns at entry (launch / graph-node floor)
 DIAG_DOUBLE_FENCE = 32  # one block fence more than the build has (correct; its cost by addition)
 DIAG_NO_SPEC_CHECK = 64  # after the wait, no comparison of the peers' payload descriptors
-DIAG_BITS = 127
+DIAG_GPU_SCOPE_PUBLISH = 128  # the ready words released at gpu scope (wrong across GPUs)
+DIAG_BITS = 255
 
 
 #: BLOCK_COUNTERS slot the kernels use to elect the one writer of a status record.

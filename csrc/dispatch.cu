@@ -384,8 +384,13 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
     } else {
       count = ld_volatile(send_counters + q);
     }
-    st_release_sys_u64(at<uint64_t>(row_of(p.ws, q), p.aux.dispatch_ready + 8 * (int64_t)me),
-                       ready_word(min(count, mnt), p.rt, mnt, round));
+    uint64_t* word = at<uint64_t>(row_of(p.ws, q), p.aux.dispatch_ready + 8 * (int64_t)me);
+    const uint64_t v = ready_word(min(count, mnt), p.rt, mnt, round);
+    if (diag(p, kDiagGpuScopePublish)) {
+      st_release_gpu_u64(word, v);
+    } else {
+      st_release_sys_u64(word, v);
+    }
   } else if (one_block && q < ep) {
     send_counters[q] = 0;  // a rank outside the view: nothing was numbered for it
   }

@@ -32,6 +32,7 @@ constexpr int kDiagNoPublish = 8;    // neither publish nor wait (no cross-rank 
 constexpr int kDiagNoop = 16;        // the kernel returns at entry (the launch / graph-node floor)
 constexpr int kDiagDoubleFence = 32; // one block fence more than the build has (its cost, by addition; correct)
 constexpr int kDiagNoSpecCheck = 64; // after the wait, the peers' payload descriptors are not compared (still stored)
+constexpr int kDiagGpuScopePublish = 128; // the ready words released at gpu scope, not sys (wrong across GPUs: the sys scope's cost)
 #ifdef A2AD_KERNEL_TIMING
 constexpr bool kTimingBuild = true;
 #else

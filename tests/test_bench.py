@@ -967,13 +967,14 @@ def test_kernel_timing_plan_runs_the_diagnostics_at_each_asked_t():
     from a2ad.bench import kernel_timing as KT
 
     cp = SimpleNamespace(DIAG_NOOP=16, DIAG_SKIP_COPY=1, DIAG_SKIP_FENCE=2, DIAG_NO_PUBLISH=8, DIAG_NO_WAIT=4,
-                         DIAG_DOUBLE_FENCE=32, DIAG_NO_SPEC_CHECK=64)
+                         DIAG_DOUBLE_FENCE=32, DIAG_NO_SPEC_CHECK=64,
+                         DIAG_GPU_SCOPE_PUBLISH=128)
     default = KT.plan(cp)
-    assert [t for _, t, _ in default] == [1] * 9 + [4096]
+    assert [t for _, t, _ in default] == [1] * 10 + [4096]
     two = KT.plan(cp, [8, 128])
-    assert [t for _, t, _ in two] == [8] * 9 + [128] * 9 + [4096]
+    assert [t for _, t, _ in two] == [8] * 10 + [128] * 10 + [4096]
     assert [d for _, t, d in two if t == 8] == [d for _, t, d in default if t == 1]
-    assert {16, 1 | 2 | 8, 1 | 8, 8, 4, 32, 64} <= {d for _, _, d in two}
+    assert {16, 1 | 2 | 8, 1 | 8, 8, 4, 32, 64, 128} <= {d for _, _, d in two}
     assert KT.plan(cp, [8, 128], diags=False) == [("default", 8, 0), ("default", 128, 0), ("default", 4096, 0)]
     for bad in ("0", "8,5000", "x", ","):
         r = subprocess.run([sys.executable, "-m", "a2ad.bench.kernel_timing", "--tokens", bad],

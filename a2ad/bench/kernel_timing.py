@@ -343,6 +343,7 @@ def plan_bf16(cp, tokens: list[int] | None = None, diags: bool = True) -> list[t
             ("diag publish, no wait", T, cp.DIAG_NO_WAIT),
             ("diag one fence more (a fence's cost, added)", T, cp.DIAG_DOUBLE_FENCE),
             ("diag no descriptor comparison after the wait", T, cp.DIAG_NO_SPEC_CHECK),
+            ("diag ready words released at gpu scope", T, cp.DIAG_GPU_SCOPE_PUBLISH),
             ("default again (noise)", T, 0),
         ]
     return rows + [("default", 4096, 0)]
