@@ -206,6 +206,12 @@ MAX_LINES_EP_SIZE = 64
 #: Bytes of a lines tail's heads: a 16-byte head per target rank (MAX_LINES_EP_SIZE at most),
 #: padded to a page.
 LINE_HEADS_BYTES = 4096
+#: Offset in a lines tail's heads page of the dispatch digests: a 16-byte line per source rank
+#: (MAX_LINES_EP_SIZE at most), written by source s into every peer's row before its dispatch
+#: ready word, each of its two u64 words ``(round << 32) | half of a 64-bit digest of s's payload
+#: descriptor``; a target whose own descriptor has the same digest need not read s's descriptor
+#: after the wait (docs/PROTOCOL.md, "Dispatch digests"). Past the heads; nothing else uses it.
+DISPATCH_DIGESTS_OFFSET = 1024
 #: Bytes of a row's lines tail: the heads, then the lines. The daemon's CUDA backend allocates
 #: every row this much beyond ``size_per_rank`` and zeroes it with the aux region; the tail
 #: starts at ``row_stride - ROW_TAIL_BYTES`` (:func:`lines_tail_offset`).
@@ -500,6 +506,29 @@ def payload_spec(dispatch_bytes_per_token, dtypes=None, eplb_stats_num_experts: 
         words[7] = packed
     words[8] = int(eplb_stats_num_experts)
     return tuple(words)
+
+
+_M64 = (1 << 64) - 1
+
+
+def spec_digest(words) -> int:
+    """The 64-bit digest of a payload descriptor (:func:`payload_spec`'s SPEC_WORDS words) that
+    the CUDA dispatch carries in its digest lines (DISPATCH_DIGESTS_OFFSET): each word, as 32
+    bits, is added into the state and mixed by the murmur3 64-bit finalizer (a bijection), so
+    descriptors that differ in any word share a digest only by chance (2^-64). The kernels
+    compute it as csrc/primitives.cuh ``spec_digest`` does; this is the same function."""
+    words = tuple(words)
+    if len(words) != SPEC_WORDS:
+        raise LayoutError(f"a payload descriptor has {SPEC_WORDS} words, got {len(words)}")
+    h = 0x243F6A8885A308D3 ^ SPEC_WORDS
+    for w, v in enumerate(words):
+        h ^= ((int(v) & 0xFFFFFFFF) + 0x9E3779B97F4A7C15 * (w + 1)) & _M64
+        h ^= h >> 33
+        h = (h * 0xFF51AFD7ED558CCD) & _M64
+        h ^= h >> 33
+        h = (h * 0xC4CEB9FE1A85EC53) & _M64
+        h ^= h >> 33
+    return h
 
 
 #: Combine descriptor bits: hidden (elements) in the low 26, the payload dtype code, and for
@@ -1006,6 +1035,7 @@ C_HEADER_CONSTANTS = (
     "COMBINE_LINES_BYTES",
     "COMBINE_LINES_FP8_BYTES",
     "LINE_HEADS_BYTES",
+    "DISPATCH_DIGESTS_OFFSET",
     "ROW_TAIL_BYTES",
     "INITIAL_ROUND",
     "SLOT_DISPATCH_ARRIVAL",

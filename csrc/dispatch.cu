@@ -205,11 +205,58 @@ __device__ __forceinline__ int spec_field(int w, int* a, int* b) {
   return layout::SPEC_FIELD_COUNT;
 }
 
-// Probe of the ready word peer q wrote into this rank's row.
+// The dispatch digests of a row (docs/PROTOCOL.md, "Dispatch digests"): in its lines tail's
+// heads page, a line per source; null where the job's rows have no lines tail.
+__device__ __forceinline__ uint4* dispatch_digests(const DispatchParams& p, uint8_t* row) {
+  return p.aux.lines_tail != 0 ? at<uint4>(row, p.aux.lines_tail + layout::DISPATCH_DIGESTS_OFFSET) : nullptr;
+}
+
+__device__ __forceinline__ uint64_t digest_word(uint32_t half, int round) {
+  return (static_cast<uint64_t>(static_cast<uint32_t>(round)) << 32) | half;
+}
+
+// This rank's digest line, R in both words, into the rows of the round's ranks (lanes of one
+// warp; a job with a lines tail has at most 64 ranks). The release of the ready words covers it.
+template <int W>
+__device__ __forceinline__ void store_digests(const DispatchParams& p, const RankMask<W>& view, int round, int lane) {
+  const uint64_t a = digest_word(static_cast<uint32_t>(p.spec_digest), round);
+  const uint64_t b = digest_word(static_cast<uint32_t>(p.spec_digest >> 32), round);
+  for (int q = lane; q < p.ws.ep_size; q += 32) {
+    if (view.has(q)) st_line(dispatch_digests(p, row_of(p.ws, q)) + p.ws.ep_rank, a, b);
+  }
+}
+
+// Probe of the ready word peer q wrote into this rank's row. With digests, each poll also
+// reads q's digest line (before the ready word, so both loads are in flight together); once
+// the ready word holds the round, *same says whether that line held the round in both words
+// and this rank's digest: then q's descriptor is this rank's and need not be read.
+struct ReadyProbeDigest {
+  const uint64_t* word;
+  const uint4* digest;  // null: no digests
+  int want;
+  uint64_t mine;
+  bool* same;
+  __device__ __forceinline__ bool ready(int* value) const {
+    ulonglong2 d = make_ulonglong2(0, 0);
+    if (digest != nullptr) d = ld_line(digest);
+    const uint64_t w = ld_acquire_sys_u64(word);
+    if (static_cast<uint32_t>(w) != static_cast<uint32_t>(want)) return false;
+    *value = static_cast<int>(w >> 32);
+    *same = d.x == digest_word(static_cast<uint32_t>(mine), want) &&
+            d.y == digest_word(static_cast<uint32_t>(mine >> 32), want);
+    return true;
+  }
+};
+
 struct ReadyWords {
   const uint64_t* words;
   int round;
-  __device__ ReadyProbe operator()(int q) const { return ReadyProbe{words + q, round}; }
+  const uint4* digests;
+  uint64_t mine;
+  bool* same;
+  __device__ ReadyProbeDigest operator()(int q) const {
+    return ReadyProbeDigest{words + q, digests != nullptr ? digests + q : nullptr, round, mine, same};
+  }
 };
 
 // Grid: any size >= 1. A block takes tiles of p.tile_tokens consecutive tokens
@@ -298,6 +345,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const Items items(p);
   const int tile = p.tile_tokens;
+  // The dispatch digests go out from block 0's last warp: in its first tile where it routes
+  // nothing (its item loads issued, it waits there for the round word, loaded at entry, not a
+  // routing warp), else after the tiles. (W > 1: no lines tail, no digests.)
+  bool digest_warp = W == 1 && p.aux.lines_tail != 0 && blockIdx.x == 0 && warp == kWarps - 1;
 
 #pragma unroll 1
   for (int t0 = blockIdx.x * tile; t0 < p.local_num_tokens; t0 += gridDim.x * tile) {
@@ -312,6 +363,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
     if (early) {
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) load_item<kPairs>(p, items, t0, warp - ntok + b * idle, nearly, lane, batch[b]);
+    }
+    if (digest_warp && warp >= ntok) {
+      store_digests<W>(p, view, round, lane);
+      digest_warp = false;
     }
     // Routing: lane k of warp w handles (t0 + w, k). A send is the smallest k with its target.
     if (warp < ntok) {
@@ -366,6 +421,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
     }
     __syncthreads();  // tr is rewritten by the next tile
   }
+  if (digest_warp) store_digests<W>(p, view, round, lane);
 
   if (!arrive_last(block_counters + layout::SLOT_DISPATCH_ARRIVAL, Writes::kRemote, diag(p, kDiagSkipFence),
                    diag(p, kDiagDoubleFence))) {
@@ -398,10 +454,13 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
   const unsigned long long bad_inv = threadIdx.x == 0 ? take_bad_expert(block_counters) : 0;
   // Only this block waits, so it is the poller (no other block needs telling).
   int count = 0;
+  bool same_digest = false;  // thread q: q's digest line came with its ready word and is this rank's
   RankMask<W> seen = RankMask<W>::all();  // degraded mode: the sources whose ready word came
-  if (!block_wait<W>(ReadyWords{at<uint64_t>(my_row, p.aux.dispatch_ready), round}, ep, round, p.ctl,
-                  layout::PHASE_DISPATCH, /*poller=*/true, block_counters + layout::SLOT_STATUS_CLAIM,
-                  block_counters + layout::SLOT_DISPATCH_GIVE_UP, &count, view, &seen)) {
+  const uint4* digests = W == 1 ? dispatch_digests(p, my_row) : nullptr;
+  const ReadyWords probes{at<uint64_t>(my_row, p.aux.dispatch_ready), round, digests, p.spec_digest, &same_digest};
+  if (!block_wait<W>(probes, ep, round, p.ctl, layout::PHASE_DISPATCH, /*poller=*/true,
+                     block_counters + layout::SLOT_STATUS_CLAIM, block_counters + layout::SLOT_DISPATCH_GIVE_UP, &count,
+                     view, &seen)) {
     return;
   }
   // Thread q now holds what peer q sent here; the protocol's per-source fields get it.
@@ -427,8 +486,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
       at<int>(my_row, p.aux.dispatch_completion_flags)[q] = round;
       s_rts[q] = r;
       if (r != p.rt) atomicMin(&s_peer, q);
-      if (!diag(p, kDiagNoSpecCheck)) {
-        // q's payload descriptor (written before its ready word) against this rank's
+      if (!same_digest && !diag(p, kDiagNoSpecCheck)) {
+        // q's payload descriptor (written before its ready word) against this rank's (where
+        // its digest line did not show the same descriptor: an older client, a digest line
+        // still on its way, another descriptor, or a job without digests)
         const uint4* d = reinterpret_cast<const uint4*>(my_row + p.aux.recv_specs + 4 * layout::SPEC_WORDS * (int64_t)q);
         int theirs[layout::SPEC_WORDS];
 #pragma unroll
@@ -726,6 +787,7 @@ cudaError_t launch_words(const DispatchParams& p, cudaStream_t stream) {
   DispatchParams q = p;
   const int64_t tile = launch::ceil_div(p.local_num_tokens, resident);
   q.tile_tokens = static_cast<int>(tile < 1 ? 1 : tile > kTileMax ? kTileMax : tile);
+  q.spec_digest = spec_digest(p.spec);
   const int grid = launch::clamp_grid(launch::ceil_div(p.local_num_tokens, q.tile_tokens), resident);
   if (p.ctl.degrade) {
     prologue_kernel<W><<<1, prologue_threads<W>(), 0, stream>>>(q);

@@ -16,6 +16,7 @@ constexpr int COMBINE_SLICE_ROWS = 8;
 constexpr int COMBINE_LINES_BYTES = 1048576;
 constexpr int COMBINE_LINES_FP8_BYTES = 786432;
 constexpr int LINE_HEADS_BYTES = 4096;
+constexpr int DISPATCH_DIGESTS_OFFSET = 1024;
 constexpr int ROW_TAIL_BYTES = 1052672;
 constexpr int INITIAL_ROUND = 1;
 constexpr int SLOT_DISPATCH_ARRIVAL = 0;

@@ -96,6 +96,7 @@ struct DispatchParams {
   int diag;                   // kDiag* bits (timing build only; 0 otherwise)
   // The payload descriptor every peer compares with its own (layout.payload_spec).
   int32_t spec[layout::SPEC_WORDS];
+  uint64_t spec_digest;       // set by launch_dispatch: spec_digest(spec) (the dispatch digests)
   // EPLB statistics (eplb_experts > 0): this rank's [eplb_experts] int32 go to row
   // eplb_offset + 4 * me * eplb_experts of every peer; eplb_out (may be null) gets the
   // gathered [ep_size, eplb_experts] (zeros for a rank outside the round).

@@ -156,6 +156,23 @@ __host__ __device__ __forceinline__ uint64_t ready_word(int count, int rt, int m
   return (static_cast<uint64_t>(high) << 32) | static_cast<uint32_t>(round);
 }
 
+// A 64-bit digest of a payload descriptor (layout.payload_spec, SPEC_WORDS words): what the
+// dispatch digests carry (docs/PROTOCOL.md, "Dispatch digests"). Every word goes through the
+// murmur3 64-bit finalizer, a bijection, chained, so that descriptors that differ in any word
+// collide only by chance (2^-64).
+__host__ __device__ __forceinline__ uint64_t spec_digest(const int32_t* spec) {
+  uint64_t h = 0x243f6a8885a308d3ull ^ static_cast<uint64_t>(layout::SPEC_WORDS);
+  for (int w = 0; w < layout::SPEC_WORDS; ++w) {
+    h ^= static_cast<uint64_t>(static_cast<uint32_t>(spec[w])) + 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(w + 1);
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdull;
+    h ^= h >> 33;
+    h *= 0xc4ceb9fe1a85ec53ull;
+    h ^= h >> 33;
+  }
+  return h;
+}
+
 // ---------------------------------------------------------------------------
 // Status and input records (control block, host memory)
 // ---------------------------------------------------------------------------

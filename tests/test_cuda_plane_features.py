@@ -55,12 +55,24 @@ def _good_round(job, T=8, hidden=64):
         job.planes[r].check_input()
 
 
+def _digest_lines(job, r):
+    """Rank r's dispatch digest lines (layout.DISPATCH_DIGESTS_OFFSET of its lines tail), one per
+    source: ([ep_size, 2] rounds of the two words, [ep_size] digests from their low halves)."""
+    a = L.DISPATCH_DIGESTS_OFFSET
+    words = job.tail(r)[a : a + 16 * job.ep_size].view(torch.int64).cpu().view(job.ep_size, 2)
+    lo = (words & 0xFFFFFFFF).tolist()
+    return (words >> 32) & 0xFFFFFFFF, [lo[s][0] | lo[s][1] << 32 for s in range(job.ep_size)]
+
+
+@pytest.mark.parametrize("lines_tail", [True, False])
 @pytest.mark.parametrize("ep_size", [2, 3])
-def test_payload_width_mismatch_raises_on_every_rank(make_job, ep_size):
+def test_payload_width_mismatch_raises_on_every_rank(make_job, ep_size, lines_tail):
     """hidden 7 on rank 0, 8 on the others (bf16): every rank's check_input raises naming
-    input_payloads[0] and both widths; the round's combine returns zeros; then exact rounds."""
+    input_payloads[0] and both widths; the round's combine returns zeros; then exact rounds.
+    Alike in rows with a lines tail (where the dispatch digests are: rank 0's differs from the
+    others', so every rank compares the descriptors) and in a caller's rows without one."""
     T, top_k, E = 8, 2, 8
-    job = make_job(ep_size, T, top_k, E, 2 * 64 + 4 * top_k, 2 * 64)
+    job = make_job(ep_size, T, top_k, E, 2 * 64 + 4 * top_k, 2 * 64, lines_tail=lines_tail)
     e = [rand_experts(T, top_k, E) for _ in range(ep_size)]
     hid = [7 if r == 0 else 8 for r in range(ep_size)]
     x = [torch.randn(T, hid[r], device="cuda").to(torch.bfloat16) for r in range(ep_size)]
@@ -79,11 +91,76 @@ def test_payload_width_mismatch_raises_on_every_rank(make_job, ep_size):
     job.join()
     for r in range(ep_size):
         assert not bool(outs[r].any()), f"rank {r}: a round with mismatched payloads returned data"
+    if lines_tail:
+        digests = [L.spec_digest(pl.spec) for pl in pls]
+        assert digests[0] != digests[1]
+        for r in range(ep_size):
+            rounds, got = _digest_lines(job, r)
+            assert (rounds == L.INITIAL_ROUND).all() and got == digests, f"rank {r}: digest lines {got}"
     words = {0: ["input_payloads[0] bytes per token", "this rank 14", "16"]}
     for r in range(1, ep_size):
         words[r] = ["input_payloads[0] bytes per token", "this rank 16", "rank 0 14"]
     _raises_on_every_rank(job, words)
     _good_round(job)
+
+
+def test_dispatch_digests_carry_the_round_and_the_descriptor(make_job):
+    """In rows with a lines tail every dispatch writes its digest line (R in both words,
+    layout.spec_digest of its payload descriptor in their low halves) into the row of every rank
+    of its round: after each round every row holds each source's line of that round (zeroed
+    before the first); a round with another descriptor has another digest; a rank outside a
+    round's caller mask neither writes a line nor gets one (the slots keep the round before);
+    and every round is exact."""
+    ep, T, top_k, E, hidden = 3, 8, 2, 12, 64
+    job = make_job(ep, T, top_k, E, 2 * hidden + 4 * top_k, 2 * hidden)
+    assert job.lines_tail
+    job.rt = T
+    for r in range(ep):
+        rounds, _ = _digest_lines(job, r)
+        assert not rounds.any(), f"rank {r}: digest lines before the first round"
+    plain = L.payload_layout(job.aux, job.size, T, [2 * hidden, 4 * top_k], 2 * hidden)
+    typed = L.payload_layout(job.aux, job.size, T, [2 * hidden, 4 * top_k], 2 * hidden,
+                             dtypes=[torch.bfloat16, torch.int32])
+    assert L.spec_digest(plain.spec) != L.spec_digest(typed.spec)
+    for R, pl in ((1, plain), (2, typed)):
+        e = [rand_experts(T, top_k, E) for _ in range(ep)]
+        x = [torch.randn(T, hidden, device="cuda").to(torch.bfloat16) for _ in range(ep)]
+        outs = run_round(job, e, [[x[r].view(torch.uint8), e[r].view(torch.uint8)] for r in range(ep)], pl, 0,
+                         torch.bfloat16)
+        torch.cuda.synchronize()
+        for r in range(ep):
+            job.planes[r].check_input()
+            close(outs[r], combine_reference(job, e[r], x[r]), torch.bfloat16)
+            rounds, got = _digest_lines(job, r)
+            assert (rounds == R).all(), f"round {R}, rank {r}: digest line rounds {rounds.tolist()}"
+            assert got == [L.spec_digest(pl.spec)] * ep, f"round {R}, rank {r}: digests {got}"
+    # round 3 on ranks 0 and 1 only (rank 2 runs nothing)
+    active, mask = [0, 1], torch.tensor([0b011], dtype=torch.int64, device="cuda")
+    e = [rand_experts(T, top_k, E) for _ in range(ep)]
+    x = [torch.randn(T, hidden, device="cuda").to(torch.bfloat16) for _ in range(ep)]
+
+    def step(r):
+        job.planes[r].dispatch(e[r], [x[r], e[r]], T, plain, E, caller_mask=mask)
+        recv = job.region(r, plain.dispatch_offsets[0], 2 * hidden).view(torch.bfloat16)
+        comb = (recv.float() * expert_weight(r)).to(torch.bfloat16)
+        return job.planes[r].combine(comb, T, T, plain, False, caller_mask=mask)
+
+    outs = job.on_ranks(step, ranks=active)
+    job.join(ranks=active)
+    torch.cuda.synchronize()
+    for r in active:
+        job.planes[r].check_input()
+        tg = routes(e[r].cpu(), E, ep)
+        w = torch.tensor([sum(expert_weight(q) for q in t if q in active) for t in tg], dtype=torch.float64)
+        close(outs[r], x[r].cpu().double() * w[:, None], torch.bfloat16)
+    want_rounds = {0: [3, 3, 2], 1: [3, 3, 2], 2: [2, 2, 2]}
+    want_digests = {0: [L.spec_digest(plain.spec)] * 2 + [L.spec_digest(typed.spec)],
+                    1: [L.spec_digest(plain.spec)] * 2 + [L.spec_digest(typed.spec)],
+                    2: [L.spec_digest(typed.spec)] * 3}
+    for r in range(ep):
+        rounds, got = _digest_lines(job, r)
+        assert rounds.tolist() == [[v, v] for v in want_rounds[r]], f"round 3, rank {r}: {rounds.tolist()}"
+        assert got == want_digests[r], f"round 3, rank {r}: digests {got}"
 
 
 def test_payload_dtype_mismatch_names_both_dtypes(make_job):

@@ -216,10 +216,12 @@ def test_sizes_at_ep_256_are_linear_in_ep_size():
 def test_lines_tail_lies_past_the_row_inside_its_stride():
     """A row allocated with a lines tail (row_bytes_with_tail, rounded up to any granularity
     that is a multiple of a page) has its last ROW_TAIL_BYTES past size_per_rank, page-aligned;
-    a row without the room for one is refused. The heads hold a 16-byte line for each of
-    MAX_LINES_EP_SIZE ranks, and the aux plan carries the tail (0: none) and the sizes the
-    kernels were built for."""
+    a row without the room for one is refused. The heads page holds a 16-byte line for each of
+    MAX_LINES_EP_SIZE ranks, then, apart from them, the dispatch digests (as many lines), and
+    the aux plan carries the tail (0: none) and the sizes the kernels were built for."""
     assert L.LINE_HEADS_BYTES >= 16 * L.MAX_LINES_EP_SIZE and L.LINE_HEADS_BYTES % 4096 == 0
+    d = L.DISPATCH_DIGESTS_OFFSET
+    assert d % 16 == 0 and d >= 16 * L.MAX_LINES_EP_SIZE and d + 16 * L.MAX_LINES_EP_SIZE <= L.LINE_HEADS_BYTES
     assert L.ROW_TAIL_BYTES == L.LINE_HEADS_BYTES + L.COMBINE_LINES_BYTES and L.COMBINE_LINES_BYTES % 16 == 0
     for size in (1, 4095, 4096, 65536, 123457, 3 << 30):
         for gran in (4096, 1 << 16, 2 << 20):
@@ -250,3 +252,27 @@ def test_combine_lines_bytes_of_each_mode():
              if L.combine_lines_bytes(2, rt, 2880, 2, low_precision=True) <= L.COMBINE_LINES_FP8_BYTES]
     assert fits == list(range(1, 92)) and fits8 == list(range(1, 122))
     assert L.COMBINE_LINES_FP8_BYTES <= L.COMBINE_LINES_BYTES  # (the lines region holds either)
+
+
+def test_spec_digest_tells_descriptors_apart_by_any_word():
+    """The dispatch digest of a payload descriptor: 64 bits, a function of the words alone, and
+    different wherever any one word differs (by one, in its sign bit, or as the 32 bits a
+    negative int32 has); another word count is refused."""
+    base = L.payload_spec([14336, 32, 32], dtypes=["bfloat16", "int32", "float32"],
+                          eplb_stats_num_experts=256)
+    d = L.spec_digest(base)
+    assert 0 <= d < 1 << 64 and d == L.spec_digest(list(base))
+    seen = {d}
+    for w in range(L.SPEC_WORDS):
+        for v in (base[w] + 1, base[w] ^ (1 << 31), base[w] - (1 << 32) if base[w] >= 1 << 31 else None):
+            if v is None:
+                continue
+            other = list(base)
+            other[w] = v
+            same_bits = (v & 0xFFFFFFFF) == (base[w] & 0xFFFFFFFF)
+            assert (L.spec_digest(other) == d) == same_bits, (w, v)
+            seen.add(L.spec_digest(other))
+    assert L.spec_digest([-1] + list(base[1:])) == L.spec_digest([0xFFFFFFFF] + list(base[1:]))
+    assert len(seen) > 2 * L.SPEC_WORDS
+    with pytest.raises(L.LayoutError):
+        L.spec_digest(base[:-1])
