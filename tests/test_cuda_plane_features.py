@@ -64,6 +64,28 @@ def _digest_lines(job, r):
     return (words >> 32) & 0xFFFFFFFF, [lo[s][0] | lo[s][1] << 32 for s in range(job.ep_size)]
 
 
+def _masked_step(job, e, x, pl, E, T, mask):
+    """fn(r): rank r's dispatch of ``[x[r], e[r]]`` (rt = T) and the combine of its received rows
+    times expert_weight(r), both under the caller's device mask ``mask``; returns the output."""
+    hidden = x[0].shape[1]
+
+    def step(r):
+        job.planes[r].dispatch(e[r], [x[r], e[r]], T, pl, E, caller_mask=mask)
+        recv = job.region(r, pl.dispatch_offsets[0], 2 * hidden).view(torch.bfloat16)
+        comb = (recv.float() * expert_weight(r)).to(torch.bfloat16)
+        return job.planes[r].combine(comb, T, T, pl, False, caller_mask=mask)
+
+    return step
+
+
+def _masked_reference(e_r, x_r, E, ep, active):
+    """float64: each row of x_r times the sum of expert_weight over its distinct targets that are
+    in ``active`` (a masked round's combine)."""
+    tg = routes(e_r.cpu(), E, ep)
+    w = torch.tensor([sum(expert_weight(q) for q in t if q in active) for t in tg], dtype=torch.float64)
+    return x_r.cpu().double() * w[:, None]
+
+
 @pytest.mark.parametrize("lines_tail", [True, False])
 @pytest.mark.parametrize("ep_size", [2, 3])
 def test_payload_width_mismatch_raises_on_every_rank(make_job, ep_size, lines_tail):
@@ -138,21 +160,12 @@ def test_dispatch_digests_carry_the_round_and_the_descriptor(make_job):
     active, mask = [0, 1], torch.tensor([0b011], dtype=torch.int64, device="cuda")
     e = [rand_experts(T, top_k, E) for _ in range(ep)]
     x = [torch.randn(T, hidden, device="cuda").to(torch.bfloat16) for _ in range(ep)]
-
-    def step(r):
-        job.planes[r].dispatch(e[r], [x[r], e[r]], T, plain, E, caller_mask=mask)
-        recv = job.region(r, plain.dispatch_offsets[0], 2 * hidden).view(torch.bfloat16)
-        comb = (recv.float() * expert_weight(r)).to(torch.bfloat16)
-        return job.planes[r].combine(comb, T, T, plain, False, caller_mask=mask)
-
-    outs = job.on_ranks(step, ranks=active)
+    outs = job.on_ranks(_masked_step(job, e, x, plain, E, T, mask), ranks=active)
     job.join(ranks=active)
     torch.cuda.synchronize()
     for r in active:
         job.planes[r].check_input()
-        tg = routes(e[r].cpu(), E, ep)
-        w = torch.tensor([sum(expert_weight(q) for q in t if q in active) for t in tg], dtype=torch.float64)
-        close(outs[r], x[r].cpu().double() * w[:, None], torch.bfloat16)
+        close(outs[r], _masked_reference(e[r], x[r], E, ep, active), torch.bfloat16)
     want_rounds = {0: [3, 3, 2], 1: [3, 3, 2], 2: [2, 2, 2]}
     want_digests = {0: [L.spec_digest(plain.spec)] * 2 + [L.spec_digest(typed.spec)],
                     1: [L.spec_digest(plain.spec)] * 2 + [L.spec_digest(typed.spec)],
@@ -449,17 +462,10 @@ def test_caller_mask_device_tensor_in_graphs(make_job):
     mask = torch.tensor([0b0111], dtype=torch.int64, device="cuda")
     e = [rand_experts(T, top_k, E) for _ in range(ep_size)]
     x = [torch.randn(T, hidden, device="cuda").to(torch.bfloat16) for _ in range(ep_size)]
-
-    def step(r):
-        job.planes[r].dispatch(e[r], [x[r], e[r]], T, pl, E, caller_mask=mask)
-        recv = job.region(r, pl.dispatch_offsets[0], 2 * hidden).view(torch.bfloat16)
-        comb = (recv.float() * expert_weight(r)).to(torch.bfloat16)
-        return job.planes[r].combine(comb, T, T, pl, False, caller_mask=mask)
+    step = _masked_step(job, e, x, pl, E, T, mask)
 
     def reference(r):
-        tg = routes(e[r].cpu(), E, ep_size)
-        w = torch.tensor([sum(expert_weight(q) for q in t if q in active) for t in tg], dtype=torch.float64)
-        return x[r].cpu().double() * w[:, None]
+        return _masked_reference(e[r], x[r], E, ep_size, active)
 
     outs = job.on_ranks(step, ranks=active)
     job.join(ranks=active)
@@ -610,9 +616,7 @@ def test_caller_mask_dispatch_bytes_and_untouched_row(make_job, device_mask):
     job.join(ranks=active)
     torch.cuda.synchronize()
     for r in active:
-        tg = routes(e[r].cpu(), E, ep_size)
-        w = torch.tensor([sum(expert_weight(q) for q in t if q in active) for t in tg], dtype=torch.float64)
-        close(outs[r], x[r].cpu().double() * w[:, None], torch.bfloat16)
+        close(outs[r], _masked_reference(e[r], x[r], E, ep_size, active), torch.bfloat16)
     assert torch.equal(job.ws[3].cpu(), row3), "the excluded rank's row was written by the combine"
 
 
