@@ -276,3 +276,42 @@ def test_spec_digest_tells_descriptors_apart_by_any_word():
     assert len(seen) > 2 * L.SPEC_WORDS
     with pytest.raises(L.LayoutError):
         L.spec_digest(base[:-1])
+
+
+def test_spec_digest_is_the_kernels_function(tmp_path):
+    """layout.spec_digest gives what csrc/primitives.cuh's spec_digest (the function the CUDA
+    launcher computes the dispatch digests with) gives for the same words: that function,
+    compiled for the host by the C++ compiler here, on descriptors with negative words and
+    every field in use."""
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler on this machine")
+    src = (Path(__file__).resolve().parents[1] / "csrc" / "primitives.cuh").read_text()
+    m = re.search(r"^__host__ __device__ __forceinline__ uint64_t spec_digest\(.*?^}\n", src, re.S | re.M)
+    assert m, "spec_digest not found in csrc/primitives.cuh"
+    specs = [
+        L.payload_spec([14336, 32, 32], dtypes=["bfloat16", "int32", "float32"], eplb_stats_num_experts=256),
+        L.payload_spec([5760, 64]),
+        tuple([-1] * L.SPEC_WORDS),
+        tuple(range(-6, 6)),
+    ]
+    rows = ",\n".join("{" + ", ".join(f"(int32_t){int(v)}" for v in s) + "}" for s in specs)
+    prog = tmp_path / "digest.cpp"
+    prog.write_text(
+        "#include <cstdint>\n#include <cstdio>\n"
+        "#define __host__\n#define __device__\n#define __forceinline__ inline\n"
+        f"namespace layout {{ constexpr int SPEC_WORDS = {L.SPEC_WORDS}; }}\n"
+        + m.group(0)
+        + f"int main() {{\n  const int32_t specs[][{L.SPEC_WORDS}] = {{{rows}}};\n"
+        + "  for (const auto& s : specs) std::printf(\"%llu\\n\", (unsigned long long)spec_digest(s));\n}\n"
+    )
+    exe = tmp_path / "digest"
+    subprocess.run([cxx, "-std=c++17", "-O1", "-o", str(exe), str(prog)], check=True, capture_output=True, timeout=120)
+    got = [int(line) for line in subprocess.run([str(exe)], check=True, capture_output=True, text=True,
+                                                 timeout=60).stdout.split()]
+    assert got == [L.spec_digest(s) for s in specs]
