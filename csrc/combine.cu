@@ -787,10 +787,6 @@ __device__ __forceinline__ uint8_t* lines_of(const CombineParams& p, uint8_t* ro
   return row + p.aux.lines_tail + layout::LINE_HEADS_BYTES;
 }
 
-__device__ __forceinline__ uint64_t line_word(uint32_t data, uint32_t round) {
-  return (static_cast<uint64_t>(round) << 32) | data;
-}
-
 __device__ __forceinline__ bool line_has(const ulonglong2& l, uint32_t round) {
   return static_cast<uint32_t>(l.x >> 32) == round && static_cast<uint32_t>(l.y >> 32) == round;
 }

@@ -211,16 +211,12 @@ __device__ __forceinline__ uint4* dispatch_digests(const DispatchParams& p, uint
   return p.aux.lines_tail != 0 ? at<uint4>(row, p.aux.lines_tail + layout::DISPATCH_DIGESTS_OFFSET) : nullptr;
 }
 
-__device__ __forceinline__ uint64_t digest_word(uint32_t half, int round) {
-  return (static_cast<uint64_t>(static_cast<uint32_t>(round)) << 32) | half;
-}
-
 // This rank's digest line, R in both words, into the rows of the round's ranks (lanes of one
 // warp; a job with a lines tail has at most 64 ranks). The release of the ready words covers it.
 template <int W>
 __device__ __forceinline__ void store_digests(const DispatchParams& p, const RankMask<W>& view, int round, int lane) {
-  const uint64_t a = digest_word(static_cast<uint32_t>(p.spec_digest), round);
-  const uint64_t b = digest_word(static_cast<uint32_t>(p.spec_digest >> 32), round);
+  const uint64_t a = line_word(static_cast<uint32_t>(p.spec_digest), static_cast<uint32_t>(round));
+  const uint64_t b = line_word(static_cast<uint32_t>(p.spec_digest >> 32), static_cast<uint32_t>(round));
   for (int q = lane; q < p.ws.ep_size; q += 32) {
     if (view.has(q)) st_line(dispatch_digests(p, row_of(p.ws, q)) + p.ws.ep_rank, a, b);
   }
@@ -231,19 +227,16 @@ __device__ __forceinline__ void store_digests(const DispatchParams& p, const Ran
 // the ready word holds the round, *same says whether that line held the round in both words
 // and this rank's digest: then q's descriptor is this rank's and need not be read.
 struct ReadyProbeDigest {
-  const uint64_t* word;
+  ReadyProbe word;
   const uint4* digest;  // null: no digests
-  int want;
   uint64_t mine;
   bool* same;
   __device__ __forceinline__ bool ready(int* value) const {
     ulonglong2 d = make_ulonglong2(0, 0);
     if (digest != nullptr) d = ld_line(digest);
-    const uint64_t w = ld_acquire_sys_u64(word);
-    if (static_cast<uint32_t>(w) != static_cast<uint32_t>(want)) return false;
-    *value = static_cast<int>(w >> 32);
-    *same = d.x == digest_word(static_cast<uint32_t>(mine), want) &&
-            d.y == digest_word(static_cast<uint32_t>(mine >> 32), want);
+    if (!word.ready(value)) return false;
+    const uint32_t r = static_cast<uint32_t>(word.want);
+    *same = d.x == line_word(static_cast<uint32_t>(mine), r) && d.y == line_word(static_cast<uint32_t>(mine >> 32), r);
     return true;
   }
 };
@@ -255,7 +248,7 @@ struct ReadyWords {
   uint64_t mine;
   bool* same;
   __device__ ReadyProbeDigest operator()(int q) const {
-    return ReadyProbeDigest{words + q, digests != nullptr ? digests + q : nullptr, round, mine, same};
+    return ReadyProbeDigest{ReadyProbe{words + q, round}, digests != nullptr ? digests + q : nullptr, mine, same};
   }
 };
 

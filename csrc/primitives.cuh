@@ -86,6 +86,11 @@ __device__ __forceinline__ void st_line(void* p, uint64_t a, uint64_t b) {
   asm volatile("st.relaxed.sys.global.v2.b64 [%0], {%1, %2};" ::"l"(p), "l"(a), "l"(b) : "memory");
 }
 
+// A line word: 4 bytes of data in the low half, the round in the high half.
+__device__ __forceinline__ uint64_t line_word(uint32_t data, uint32_t round) {
+  return (static_cast<uint64_t>(round) << 32) | data;
+}
+
 // One line word alone (the FP8 lines' scale words).
 __device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
