@@ -1295,10 +1295,13 @@ __global__ void __launch_bounds__(kThreads, kPath == kPathLines ? 2 : 0) combine
   if (mismatch) {
     uint8_t* out = static_cast<uint8_t*>(p.out);
     const int64_t n = (int64_t)out_rows * row_bytes;
+    // (rare: both loops unroll 1, so that the common path jumps over little code)
+#pragma unroll 1
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
       out[i] = 0;
     }
     if (p.degraded != nullptr) {
+#pragma unroll 1
       for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < out_rows;
            i += (int64_t)gridDim.x * blockDim.x) {
         p.degraded[i] = 0;

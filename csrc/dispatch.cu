@@ -53,26 +53,20 @@ __device__ __forceinline__ int64_t source_row(const DispatchParams& p, int i, in
   return t;
 }
 
-// How each payload is cut into copy items. With 16-byte rows and pointers a chunk is
-// 32 lanes x kCopyUnroll vectors, loaded once and stored to every send; otherwise
-// the item is the whole row, copied with the widest access the alignment allows.
+// How each payload is cut into copy items (planned on the host, plan_items): with 16-byte
+// rows and pointers a chunk is 32 lanes x kCopyUnroll vectors, loaded once and stored to
+// every send; otherwise the item is the whole row, copied with the widest access the
+// alignment allows.
 struct Items {
   int chunks[kMaxPayloads];
   bool vec16[kMaxPayloads];
   int per_token;
 
-  __device__ explicit Items(const DispatchParams& p) : per_token(0) {
+  __device__ explicit Items(const DispatchParams& p) : per_token(p.items_per_token) {
 #pragma unroll
     for (int i = 0; i < kMaxPayloads; ++i) {
-      chunks[i] = 0;
-      vec16[i] = false;
-      if (i < p.num_payloads) {
-        const int64_t nb = p.payload_bytes[i];
-        vec16[i] = nb % 16 == 0 && reinterpret_cast<uintptr_t>(p.payload[i]) % 16 == 0 &&
-                   (reinterpret_cast<uintptr_t>(p.ws.base) + p.payload_offset[i]) % 16 == 0 && p.ws.row_stride % 16 == 0;
-        chunks[i] = vec16[i] ? static_cast<int>((nb / 16 + 32 * kCopyUnroll - 1) / (32 * kCopyUnroll)) : 1;
-        per_token += chunks[i];
-      }
+      chunks[i] = p.item_chunks[i];
+      vec16[i] = (p.item_vec16 >> i & 1) != 0;
     }
   }
 
@@ -217,6 +211,7 @@ template <int W>
 __device__ __forceinline__ void store_digests(const DispatchParams& p, const RankMask<W>& view, int round, int lane) {
   const uint64_t a = line_word(static_cast<uint32_t>(p.spec_digest), static_cast<uint32_t>(round));
   const uint64_t b = line_word(static_cast<uint32_t>(p.spec_digest >> 32), static_cast<uint32_t>(round));
+#pragma unroll 1  // (at most two steps: up to 64 ranks; unrolled, it was 2.9 KB of code at each call)
   for (int q = lane; q < p.ws.ep_size; q += 32) {
     if (view.has(q)) st_line(dispatch_digests(p, row_of(p.ws, q)) + p.ws.ep_rank, a, b);
   }
@@ -769,6 +764,23 @@ __global__ void __launch_bounds__(prologue_threads<W>()) prologue_kernel(const D
 
 namespace {
 
+// The kernel's Items, planned once per launch on the host (its entry then reads them instead
+// of computing them: less code on every launch's path).
+void plan_items(DispatchParams& p) {
+  p.items_per_token = 0;
+  p.item_vec16 = 0;
+  for (int i = 0; i < kMaxPayloads; ++i) {
+    p.item_chunks[i] = 0;
+    if (i >= p.num_payloads) continue;
+    const int64_t nb = p.payload_bytes[i];
+    const bool vec16 = nb % 16 == 0 && reinterpret_cast<uintptr_t>(p.payload[i]) % 16 == 0 &&
+                       (reinterpret_cast<uintptr_t>(p.ws.base) + p.payload_offset[i]) % 16 == 0 && p.ws.row_stride % 16 == 0;
+    if (vec16) p.item_vec16 |= 1u << i;
+    p.item_chunks[i] = vec16 ? static_cast<int>((nb / 16 + 32 * kCopyUnroll - 1) / (32 * kCopyUnroll)) : 1;
+    p.items_per_token += p.item_chunks[i];
+  }
+}
+
 template <int W, bool kPairs, bool kPlain = false>
 cudaError_t launch_words(const DispatchParams& p, cudaStream_t stream) {
   int resident = 0;
@@ -781,6 +793,7 @@ cudaError_t launch_words(const DispatchParams& p, cudaStream_t stream) {
   const int64_t tile = launch::ceil_div(p.local_num_tokens, resident);
   q.tile_tokens = static_cast<int>(tile < 1 ? 1 : tile > kTileMax ? kTileMax : tile);
   q.spec_digest = spec_digest(p.spec);
+  plan_items(q);
   const int grid = launch::clamp_grid(launch::ceil_div(p.local_num_tokens, q.tile_tokens), resident);
   if (p.ctl.degrade) {
     prologue_kernel<W><<<1, prologue_threads<W>(), 0, stream>>>(q);

@@ -97,6 +97,10 @@ struct DispatchParams {
   // The payload descriptor every peer compares with its own (layout.payload_spec).
   int32_t spec[layout::SPEC_WORDS];
   uint64_t spec_digest;       // set by launch_dispatch: spec_digest(spec) (the dispatch digests)
+  // Set by launch_dispatch: how payload i is cut into copy items (the kernel's Items).
+  int item_chunks[kMaxPayloads];  // items per token
+  uint32_t item_vec16;            // bit i: payload i moves in 16-byte vectors, a chunk per item
+  int items_per_token;            // the sum of item_chunks
   // EPLB statistics (eplb_experts > 0): this rank's [eplb_experts] int32 go to row
   // eplb_offset + 4 * me * eplb_experts of every peer; eplb_out (may be null) gets the
   // gathered [ep_size, eplb_experts] (zeros for a rank outside the round).
