@@ -984,6 +984,10 @@ def test_kernel_timing_plan_runs_the_diagnostics_at_each_asked_t():
         r = subprocess.run([sys.executable, "-m", "a2ad.bench.kernel_timing", "--one-gpu", "--ep", bad],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and "--ep" in r.stderr, (bad, r.stderr)
+    # the production build has no diagnostics: only its kernels as they serve can be timed
+    r = subprocess.run([sys.executable, "-m", "a2ad.bench.kernel_timing", "--one-gpu", "--production"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--production" in r.stderr and "--no-diags" in r.stderr, r.stderr
 
 
 @pytest.mark.gpu

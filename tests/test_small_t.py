@@ -83,6 +83,14 @@ def test_runs_of_one_point_count_as_their_mean(tmp_path):
     assert line == "| 1 | 2880 | 10.15 / 8.20 / 8.16 | 11.58 / 9.70 / 9.25 | 1.14 | 1.18 | 1.13 | 2 / 1 |"
 
 
+def test_a_log_that_names_its_build_reads_the_same(tmp_path):
+    """kernel_timing names the build on the job's line (``--production`` or the timing build)."""
+    for build in ("production", "timing"):
+        named = A2AD_LOG.replace("2 ranks all on cuda:0 (--one-gpu)", f"2 ranks all on cuda:0 (--one-gpu), {build} build")
+        assert named != A2AD_LOG
+        assert S.parse_a2ad(named) == S.parse_a2ad(A2AD_LOG)
+
+
 def test_diagnostic_rows_are_not_the_kernels_as_they_serve():
     text = A2AD_LOG.replace("| default | 8 | 0 | yes |", "| diag publish, no wait | 8 | 4 | yes |")
     points, _ = S.parse_a2ad(text)

@@ -19,7 +19,9 @@ with ``--one-gpu``, each with 1/(N+1) of the SMs).
 The diagnostics (``CudaPlane.diag``, the ``DIAG_*`` bits of a2ad.client.cuda_plane) take
 parts of dispatch away to show what each part costs. They exist only in the timing build
 of the extension, which this harness asks for (``A2AD_KERNEL_TIMING=1`` before the
-extension is first loaded). One line per configuration as it goes, then a markdown table.
+extension is first loaded); ``--production`` with ``--no-diags`` times the production build
+instead, the kernels as a2ad ships them (the line naming the job says which build ran). One
+line per configuration as it goes, then a markdown table.
 """
 
 from __future__ import annotations
@@ -371,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "combine on every rank), many rounds per graph, no L2 flush, at each T of --tokens")
     p.add_argument("--ep", type=int, default=2,
                    help="ranks in the job (default 2): one GPU each, or all on cuda:0 with --one-gpu")
+    p.add_argument("--production", action="store_true",
+                   help="time the production build (the kernels a2ad ships, no diagnostics compiled in) instead "
+                        "of the timing build; only with --no-diags or --back-to-back")
     p.add_argument("--degrade", action="store_true",
                    help="a job of on_peer_loss='degrade' (its dispatch runs a one-block prologue first)")
     return p
@@ -380,7 +385,9 @@ def print_job_line(args) -> None:
     """The line under the figures that names the job they are of."""
     where = "all on cuda:0 (--one-gpu)" if args.one_gpu else f"on cuda:0 .. cuda:{args.ep - 1}"
     policy = ", on_peer_loss='degrade'" if args.degrade else ""
-    print(f"\nhidden {args.hidden}, top_k {args.top_k}, {args.num_experts} experts, {args.ep} ranks {where}{policy}")
+    build = "production" if args.production else "timing"
+    print(f"\nhidden {args.hidden}, top_k {args.top_k}, {args.num_experts} experts, {args.ep} ranks {where}{policy}, "
+          f"{build} build")
 
 
 def back_to_back(job: TwoGpuJob, tokens: list[int], args) -> int:
@@ -413,8 +420,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--tokens: comma-separated integers, got {args.tokens!r}")
     if not tokens or any(not 1 <= t <= 4096 for t in tokens):
         parser.error(f"--tokens: each T in [1, 4096], got {args.tokens!r}")
-    # the diagnostics exist only in the timing build: ask for it before the extension is first loaded
-    os.environ[TIMING_ENV] = "1"
+    if args.production and not (args.no_diags or args.back_to_back):
+        parser.error("--production: the production build has no diagnostics; add --no-diags (or --back-to-back)")
+    # the diagnostics exist only in the timing build: ask for the build wanted before the
+    # extension is first loaded (the production build: what a2ad ships)
+    os.environ[TIMING_ENV] = "0" if args.production else "1"
     from .common import ensure_client_package
 
     why = ensure_client_package()
