@@ -83,7 +83,7 @@ def test_runs_of_one_point_count_as_their_mean(tmp_path):
     assert line == "| 1 | 2880 | 10.15 / 8.20 / 8.16 | 11.58 / 9.70 / 9.25 | 1.14 | 1.18 | 1.13 | 2 / 1 |"
 
 
-def test_a_log_that_names_its_build_reads_the_same(tmp_path):
+def test_a_log_that_names_its_build_reads_the_same():
     """kernel_timing names the build on the job's line (``--production`` or the timing build)."""
     for build in ("production", "timing"):
         named = A2AD_LOG.replace("2 ranks all on cuda:0 (--one-gpu)", f"2 ranks all on cuda:0 (--one-gpu), {build} build")
