@@ -9,6 +9,7 @@ needed, only ``nvcc``.
     python3 scripts/kernel-sizes.py                       # csrc/dispatch.cu and csrc/combine.cu, sm_90
     python3 scripts/kernel-sizes.py --against HEAD~1      # the same for a git revision, side by side
     python3 scripts/kernel-sizes.py --files sanitize.cu --arch sm_100 --timing
+    python3 scripts/kernel-sizes.py --files dispatch.cu --by-line dispatch_kernelILi1ELb0ELb1E   # bytes per source line
 """
 
 from __future__ import annotations
@@ -68,23 +69,84 @@ def demangle(symbols: list[str]) -> dict[str, str]:
     return out
 
 
+def compile_cubin(src: Path, arch: str, timing: bool, nvcc: str, work: Path, lineinfo: bool = False) -> Path:
+    """*src* compiled to a cubin in *work* (its folder on the include path, as the extension's)."""
+    if not src.is_file():
+        raise FileNotFoundError(f"{src}: no such source")
+    cubin = work / (src.stem + ".cubin")
+    cmd = [nvcc, "-O3", "-std=c++17", f"-arch={arch}", "-cubin", f"-I{src.parent}", "-o", str(cubin), str(src)]
+    if timing:
+        cmd.insert(1, "-DA2AD_KERNEL_TIMING")
+    if lineinfo:
+        cmd.insert(1, "-lineinfo")
+    print(f"compiling {src} ({arch}) ...", file=sys.stderr, flush=True)
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise RuntimeError(f"nvcc failed on {src}:\n{res.stderr[-4000:]}")
+    return cubin
+
+
 def compile_sizes(csrc: Path, files: list[str], arch: str, timing: bool, nvcc: str, work: Path) -> dict[str, dict[str, int]]:
     """``{file: {symbol: bytes}}`` of the sources in *csrc*."""
-    sizes = {}
-    for name in files:
-        src = csrc / name
-        if not src.is_file():
-            raise FileNotFoundError(f"{src}: no such source")
-        cubin = work / (src.stem + ".cubin")
-        cmd = [nvcc, "-O3", "-std=c++17", f"-arch={arch}", "-cubin", f"-I{csrc}", "-o", str(cubin), str(src)]
-        if timing:
-            cmd.insert(1, "-DA2AD_KERNEL_TIMING")
-        print(f"compiling {src} ({arch}) ...", file=sys.stderr, flush=True)
-        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if res.returncode != 0:
-            raise RuntimeError(f"nvcc failed on {src}:\n{res.stderr[-4000:]}")
-        sizes[name] = text_sections(cubin.read_bytes())
-    return sizes
+    return {name: text_sections(compile_cubin(csrc / name, arch, timing, nvcc, work).read_bytes()) for name in files}
+
+
+_LINE = re.compile(r'\s*//## File "([^"]+)", line (\d+)(.*)')
+_INLINED = re.compile(r'inlined at "([^"]+)", line (\d+)')
+_INSN = re.compile(r"\s*/\*([0-9a-f]{4,})\*/")
+
+
+def bytes_by_line(listing: str, source_name: str, match: str) -> dict[str, dict[int | str, int]]:
+    """``{symbol: {line: bytes}}`` from ``nvdisasm -gi`` output, for the functions whose
+    symbol contains *match*: each instruction is counted at the innermost frame of its
+    inlining chain that lies in *source_name* (else at the outermost frame, as ``file:line``)."""
+    out: dict[str, dict[int | str, int]] = {}
+    current = None
+    where: int | str | None = None
+    for text in listing.splitlines():
+        if text.startswith("//---------------------"):
+            parts = text.split()
+            name = next((x for x in parts if x.startswith(".text.")), None)
+            symbol = ANON_NS.sub("12_GLOBAL__N_1", name[len(".text."):]) if name else None
+            current = out.setdefault(symbol, {}) if symbol and match in symbol else None
+            where = None
+            continue
+        if current is None:
+            continue
+        m = _LINE.match(text)
+        if m:
+            frames = [(m[1], int(m[2]))] + [(f, int(n)) for f, n in _INLINED.findall(m[3])]
+            where = next((n for f, n in frames if Path(f).name == source_name), None)
+            if where is None:
+                where = f"{Path(frames[-1][0]).name}:{frames[-1][1]}"
+            continue
+        if _INSN.match(text):
+            current[where] = current.get(where, 0) + 16
+    return out
+
+
+def print_by_line(csrc: Path, name: str, match: str, arch: str, timing: bool, nvcc: str, nvdisasm: str, work: Path,
+                  top: int) -> int:
+    """The *top* source lines of *name* by bytes of machine code, per kernel matching *match*."""
+    cubin = compile_cubin(csrc / name, arch, timing, nvcc, work, lineinfo=True)
+    res = subprocess.run([nvdisasm, "-gi", str(cubin)], capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise RuntimeError(f"nvdisasm failed on {cubin}:\n{res.stderr[-2000:]}")
+    found = bytes_by_line(res.stdout, name, match)
+    if not found:
+        print(f"kernel-sizes: no kernel of {name} has {match!r} in its symbol", file=sys.stderr)
+        return 1
+    lines = (csrc / name).read_text().splitlines()
+    readable = demangle(sorted(found))
+    for symbol in sorted(found, key=lambda x: readable[x]):
+        per = found[symbol]
+        total = sum(per.values())
+        print(f"\n`{readable[symbol]}` ({name}, {arch}): {total} bytes; the {top} source lines with the most")
+        print("| bytes | line | source |\n| --: | --: | --- |")
+        for where, n in sorted(per.items(), key=lambda kv: -kv[1])[:top]:
+            code = lines[where - 1].strip() if isinstance(where, int) and 0 < where <= len(lines) else ""
+            print(f"| {n} | {where} | `{code[:90]}` |")
+    return 0
 
 
 def revision_csrc(rev: str, work: Path) -> Path:
@@ -106,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timing", action="store_true", help="the timing build (-DA2AD_KERNEL_TIMING)")
     ap.add_argument("--against", metavar="REV", help="also size a git revision's csrc and print both")
     ap.add_argument("--csrc", type=Path, default=ROOT / "csrc", help="the sources to size (default: this tree's csrc)")
+    ap.add_argument("--by-line", metavar="MATCH",
+                    help="instead: for each kernel of the (single) --files source whose symbol contains MATCH "
+                         "(e.g. dispatch_kernelILi1ELb0ELb1E), the source lines with the most machine code; needs "
+                         "nvdisasm (the PyPI wheel nvidia-cuda-nvdisasm has it)")
+    ap.add_argument("--top", type=int, default=25, help="--by-line: how many lines per kernel (default 25)")
     args = ap.parse_args(argv)
     nvcc = shutil.which("nvcc")
     if not nvcc:
@@ -114,6 +181,23 @@ def main(argv: list[str] | None = None) -> int:
     files = [f.strip() for f in args.files.split(",") if f.strip()]
     if not files:
         ap.error("--files: no source named")
+    if args.by_line is not None:
+        if len(files) != 1 or args.against:
+            ap.error("--by-line: one source in --files, and no --against")
+        if args.top < 1:
+            ap.error(f"--top: at least 1, got {args.top}")
+        nvdisasm = shutil.which("nvdisasm")
+        if not nvdisasm:
+            print("kernel-sizes: --by-line needs nvdisasm on PATH (pip install nvidia-cuda-nvdisasm has it)",
+                  file=sys.stderr)
+            return 2
+        with tempfile.TemporaryDirectory(prefix="a2ad-sizes-") as tmp:
+            try:
+                return print_by_line(args.csrc, files[0], args.by_line, args.arch, args.timing, nvcc, nvdisasm,
+                                     Path(tmp), args.top)
+            except (FileNotFoundError, RuntimeError) as exc:
+                print(f"kernel-sizes: {exc}", file=sys.stderr)
+                return 1
     with tempfile.TemporaryDirectory(prefix="a2ad-sizes-") as tmp:
         work = Path(tmp)
         try:

@@ -60,3 +60,47 @@ def test_a_missing_source_is_a_clear_error(tmp_path):
     out = subprocess.run([sys.executable, str(SCRIPT), "--files", "nosuch.cu"], capture_output=True, text=True,
                          timeout=60, check=False)
     assert out.returncode == 1 and "nosuch.cu: no such source" in out.stderr
+
+
+LISTING = """\
+//--------------------- .text._ZN4a2ad44_GLOBAL__N__a317de03_11_dispatch_cu_5bf0e37b6kernelEv --------------------------
+	//## File "/src/dispatch.cu", line 10
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   MOV R2, R1 ;
+	//## File "/src/primitives.cuh", line 141 inlined at "/src/dispatch.cu", line 12
+        /*0020*/                   IMAD R3, R2, R2, RZ ;
+	//## File "/src/primitives.cuh", line 7 inlined at "/src/launch.cuh", line 3
+        /*0030*/                   EXIT ;
+//--------------------- .text._ZN4a2ad5otherEv --------------------------
+	//## File "/src/dispatch.cu", line 99
+        /*0000*/                   EXIT ;
+"""
+
+
+def test_bytes_by_line_counts_each_instruction_at_its_line_in_the_source():
+    ks = load_script()
+    got = ks.bytes_by_line(LISTING, "dispatch.cu", "6kernel")
+    assert got == {"_ZN4a2ad12_GLOBAL__N_16kernelEv": {10: 32, 12: 16, "launch.cuh:3": 16}}
+    assert ks.bytes_by_line(LISTING, "dispatch.cu", "nosuch") == {}
+
+
+def test_by_line_without_nvdisasm_says_what_it_needs(tmp_path):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc on this machine (the script stops at it first)")
+    # a PATH holding nvcc but no nvdisasm
+    (tmp_path / "nvcc").symlink_to(nvcc)
+    out = subprocess.run([sys.executable, str(SCRIPT), "--files", "dispatch.cu", "--by-line", "dispatch_kernel"],
+                         capture_output=True, text=True, timeout=60, check=False,
+                         env={"PATH": str(tmp_path), "HOME": str(tmp_path)})
+    assert out.returncode == 2 and "nvdisasm" in out.stderr, out.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("nvdisasm") is None, reason="needs nvcc and nvdisasm")
+def test_by_line_names_the_lines_of_a_compiled_kernel():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--files", "sanitize.cu", "--by-line", "sanitize_kernel",
+                          "--top", "3"], capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
+    assert 1 <= len(rows) <= 3, out.stdout
+    assert "`sanitize_kernel` (sanitize.cu, sm_90)" in out.stdout
