@@ -32,6 +32,11 @@ DEFAULT_FILES = ("dispatch.cu", "combine.cu")
 ANON_NS = re.compile(r"\d+_GLOBAL__N__[0-9a-f]+_\d+_\w+?_[0-9a-f]{8}(?=\d)")
 
 
+def normalized(symbol: str) -> str:
+    """*symbol* with an anonymous namespace under one name, ``12_GLOBAL__N_1``."""
+    return ANON_NS.sub("12_GLOBAL__N_1", symbol)
+
+
 def text_sections(cubin: bytes) -> dict[str, int]:
     """``{function symbol: bytes}`` from the ``.text.<symbol>`` sections of a 64-bit ELF cubin
     (an anonymous namespace in the symbol under one name, ``12_GLOBAL__N_1``)."""
@@ -47,7 +52,7 @@ def text_sections(cubin: bytes) -> dict[str, int]:
         end = names.index(b"\0", h[0])
         name = names[h[0]:end].decode()
         if name.startswith(".text."):
-            out[ANON_NS.sub("12_GLOBAL__N_1", name[len(".text."):])] = h[5]
+            out[normalized(name[len(".text."):])] = h[5]
     return out
 
 
@@ -107,7 +112,7 @@ def bytes_by_line(listing: str, source_name: str, match: str) -> dict[str, dict[
         if text.startswith("//---------------------"):
             parts = text.split()
             name = next((x for x in parts if x.startswith(".text.")), None)
-            symbol = ANON_NS.sub("12_GLOBAL__N_1", name[len(".text."):]) if name else None
+            symbol = normalized(name[len(".text."):]) if name else None
             current = out.setdefault(symbol, {}) if symbol and match in symbol else None
             where = None
             continue
@@ -181,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     files = [f.strip() for f in args.files.split(",") if f.strip()]
     if not files:
         ap.error("--files: no source named")
+    nvdisasm = None
     if args.by_line is not None:
         if len(files) != 1 or args.against:
             ap.error("--by-line: one source in --files, and no --against")
@@ -191,16 +197,12 @@ def main(argv: list[str] | None = None) -> int:
             print("kernel-sizes: --by-line needs nvdisasm on PATH (pip install nvidia-cuda-nvdisasm has it)",
                   file=sys.stderr)
             return 2
-        with tempfile.TemporaryDirectory(prefix="a2ad-sizes-") as tmp:
-            try:
-                return print_by_line(args.csrc, files[0], args.by_line, args.arch, args.timing, nvcc, nvdisasm,
-                                     Path(tmp), args.top)
-            except (FileNotFoundError, RuntimeError) as exc:
-                print(f"kernel-sizes: {exc}", file=sys.stderr)
-                return 1
     with tempfile.TemporaryDirectory(prefix="a2ad-sizes-") as tmp:
         work = Path(tmp)
         try:
+            if nvdisasm is not None:
+                return print_by_line(args.csrc, files[0], args.by_line, args.arch, args.timing, nvcc, nvdisasm, work,
+                                     args.top)
             (work / "now").mkdir()
             now = compile_sizes(args.csrc, files, args.arch, args.timing, nvcc, work / "now")
             before = None

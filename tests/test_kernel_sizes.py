@@ -26,10 +26,10 @@ def test_anonymous_namespace_gets_one_name_whatever_the_source_path():
     ks = load_script()
     a = "_ZN4a2ad44_GLOBAL__N__a317de03_11_dispatch_cu_5bf0e37b15dispatch_kernelILi1ELb0ELb1EEEvNS_14DispatchParamsE"
     b = "_ZN4a2ad44_GLOBAL__N__0c9e11aa_11_dispatch_cu_77d01f2e15dispatch_kernelILi1ELb0ELb1EEEvNS_14DispatchParamsE"
-    na, nb = ks.ANON_NS.sub("12_GLOBAL__N_1", a), ks.ANON_NS.sub("12_GLOBAL__N_1", b)
+    na, nb = ks.normalized(a), ks.normalized(b)
     assert na == nb == "_ZN4a2ad12_GLOBAL__N_115dispatch_kernelILi1ELb0ELb1EEEvNS_14DispatchParamsE"
     plain = "_ZN4a2ad15launch_dispatchERKNS_14DispatchParamsEP11CUstream_st"
-    assert ks.ANON_NS.sub("12_GLOBAL__N_1", plain) == plain
+    assert ks.normalized(plain) == plain
 
 
 def test_text_sections_refuses_what_is_not_a_64_bit_elf():
