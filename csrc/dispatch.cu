@@ -255,8 +255,12 @@ struct ReadyWords {
 // W: the words of a rank mask (1 when ep_size <= 64). kPairs: low-latency pairs
 // (DispatchParams says what). kPlain: only a round that is not degraded and gathers no
 // EPLB statistics (the code of those two is left out: a smaller kernel, whose code a round
-// after an L2 flush fetches cold).
-template <int W, bool kPairs, bool kPlain = false>
+// after an L2 flush fetches cold). kSmall (with kPlain): a launch whose tiles hold fewer tokens
+// than the block has warps (p.tile_tokens < kWarps, small T), so every tile has warps that
+// route nothing; its early and later copy passes share one run of code, with no branch over
+// the other's code on the path (the general form keeps them apart: with full tiles, large
+// T, the shared loop measured 1% slower at hidden 7168).
+template <int W, bool kPairs, bool kPlain = false, bool kSmall = false>
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams p) {
   constexpr int kRanks = 64 * W;  // the most ranks this instantiation serves
   const bool degrade = !kPlain && p.ctl.degrade;
@@ -290,6 +294,15 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
   if (threadIdx.x < 32) {
     prefetch_l2(block_counters, 4 * layout::BLOCK_COUNTER_SLOTS, threadIdx.x, 32);
     if (!one_block) prefetch_l2(send_counters, 4 * ep, threadIdx.x, 32);
+    if constexpr (!kPairs) {
+      // the expert ids of this block's first tile: the routing's first cold read, which it
+      // issues only once its code (a branch away) is fetched
+      const int t0 = blockIdx.x * p.tile_tokens;
+      if (t0 < p.local_num_tokens) {
+        prefetch_l2(p.experts + (int64_t)t0 * p.top_k, 4 * min(p.tile_tokens, p.local_num_tokens - t0) * p.top_k,
+                    threadIdx.x, 32);
+      }
+    }
   }
   // The ready word carries rt with the count (job-wide: max_num_tokens is the same everywhere).
   const int mnt = p.aux.max_num_tokens;
@@ -338,74 +351,112 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
   // routing warp), else after the tiles. (W > 1: no lines tail, no digests.)
   bool digest_warp = W == 1 && p.aux.lines_tail != 0 && blockIdx.x == 0 && warp == kWarps - 1;
 
+  // Routing: lane k of warp w handles (t0 + w, k) of the tile. A send is the smallest k with
+  // its target.
+  auto route = [&](int t) {
+    int target = -1;
+    if (lane < p.top_k) {
+      int e;
+      if constexpr (kPairs) {
+        e = pair_expert(p, t);  // (top_k is 1)
+        tr.pair_id[warp] = e;
+      } else {
+        e = p.experts[(int64_t)t * p.top_k + lane];
+      }
+      if (e >= 0 && e < p.num_experts) {
+        target = expert_owner(e, p.num_experts, ep);
+      } else if (!kPairs || e >= 0) {  // routed nowhere; the smallest (token, id) is reported after the round
+        const unsigned long long key =
+            (static_cast<unsigned long long>(static_cast<uint32_t>(t)) << 32) | static_cast<uint32_t>(e);
+        atomicMax(reinterpret_cast<unsigned long long*>(block_counters + layout::SLOT_BAD_EXPERT), ~key);
+      }
+    }
+    const unsigned same = __match_any_sync(kFullMask, target);
+    // The first (t, k) of each target; in degraded mode one whose target is not in the
+    // round's view is dropped: TOPK_TARGET_RANKS keeps the target, no slot, nothing sent.
+    const bool first_k = target >= 0 && __ffs(same) - 1 == lane;
+    const bool is_send = first_k && view.has(target);
+    int slot = -1;
+    if (is_send) slot = one_block ? atomicAdd(s_count + target, 1) : atomicAdd(send_counters + target, 1);
+    if (is_send && slot < p.rt) slot_tokens[(int64_t)target * p.aux.max_num_tokens + slot] = t;
+    if (lane < p.top_k) {
+      topk_target[(int64_t)t * p.aux.topk_stride + lane] = first_k ? target : -1;
+      topk_send[(int64_t)t * p.aux.topk_stride + lane] = is_send ? slot : -1;
+    }
+    tr.target[warp][lane] = target;
+    tr.slot[warp][lane] = slot;
+    // slot < T <= rt always holds (one send per token and target); never write
+    // outside the region even if it did not.
+    const unsigned sends = __ballot_sync(kFullMask, is_send && slot < p.rt);
+    if (lane == 0) tr.sends[warp] = sends;
+  };
+
 #pragma unroll 1
   for (int t0 = blockIdx.x * tile; t0 < p.local_num_tokens; t0 += gridDim.x * tile) {
     const int ntok = min(tile, p.local_num_tokens - t0);
     const int nitems = ntok * items.per_token;
-    // Items: the warps that route nothing take up to kBatch items each and load them before
-    // the routing is known (early); the rest go round-robin over every warp after it.
     const int idle = kWarps - ntok;  // warps that route nothing
-    const int nearly = min(nitems, kBatch * idle);
     Item batch[kBatch];
-    const bool early = warp >= ntok && warp - ntok < nearly;
-    if (early) {
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) load_item<kPairs>(p, items, t0, warp - ntok + b * idle, nearly, lane, batch[b]);
-    }
-    if (digest_warp && warp >= ntok) {
-      store_digests<W>(p, view, round, lane);
-      digest_warp = false;
-    }
-    // Routing: lane k of warp w handles (t0 + w, k). A send is the smallest k with its target.
-    if (warp < ntok) {
-      const int t = t0 + warp;
-      int target = -1;
-      if (lane < p.top_k) {
-        int e;
-        if constexpr (kPairs) {
-          e = pair_expert(p, t);  // (top_k is 1)
-          tr.pair_id[warp] = e;
-        } else {
-          e = p.experts[(int64_t)t * p.top_k + lane];
-        }
-        if (e >= 0 && e < p.num_experts) {
-          target = expert_owner(e, p.num_experts, ep);
-        } else if (!kPairs || e >= 0) {  // routed nowhere; the smallest (token, id) is reported after the round
-          const unsigned long long key =
-              (static_cast<unsigned long long>(static_cast<uint32_t>(t)) << 32) | static_cast<uint32_t>(e);
-          atomicMax(reinterpret_cast<unsigned long long*>(block_counters + layout::SLOT_BAD_EXPERT), ~key);
-        }
-      }
-      const unsigned same = __match_any_sync(kFullMask, target);
-      // The first (t, k) of each target; in degraded mode one whose target is not in the
-      // round's view is dropped: TOPK_TARGET_RANKS keeps the target, no slot, nothing sent.
-      const bool first_k = target >= 0 && __ffs(same) - 1 == lane;
-      const bool is_send = first_k && view.has(target);
-      int slot = -1;
-      if (is_send) slot = one_block ? atomicAdd(s_count + target, 1) : atomicAdd(send_counters + target, 1);
-      if (is_send && slot < p.rt) slot_tokens[(int64_t)target * p.aux.max_num_tokens + slot] = t;
-      if (lane < p.top_k) {
-        topk_target[(int64_t)t * p.aux.topk_stride + lane] = first_k ? target : -1;
-        topk_send[(int64_t)t * p.aux.topk_stride + lane] = is_send ? slot : -1;
-      }
-      tr.target[warp][lane] = target;
-      tr.slot[warp][lane] = slot;
-      // slot < T <= rt always holds (one send per token and target); never write
-      // outside the region even if it did not.
-      const unsigned sends = __ballot_sync(kFullMask, is_send && slot < p.rt);
-      if (lane == 0) tr.sends[warp] = sends;
-    }
-    __syncthreads();
-    if (early) {
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) store_item<kPairs, W == 1>(p, tr, t0, lane, batch[b]);
-    }
+    if constexpr (kSmall) {
+      // (every tile has idle warps: tile_tokens < kWarps) The idle warps take up to kBatch
+      // items each and load them before the routing is known (early: first + b * idle, below
+      // nearly); after it every warp takes the rest round-robin, kBatch at a time. One copy
+      // of the load and store code serves both passes, and the path is one run of code
+      // (every launch fetches it, cold after an L2 flush; see the kernel's comment).
+      const int nearly = min(nitems, kBatch * idle);
+      int first = warp - ntok, stride = idle, limit = nearly;
+      bool pending = warp >= ntok && first < nearly;  // early
 #pragma unroll 1
-    for (int base = nearly + warp; base < nitems; base += kBatch * kWarps) {
+      for (bool routed = false;; routed = true) {
+        if (pending) {
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) load_item<kPairs>(p, items, t0, base + b * kWarps, nitems, lane, batch[b]);
+          for (int b = 0; b < kBatch; ++b) load_item<kPairs>(p, items, t0, first + b * stride, limit, lane, batch[b]);
+        }
+        if (!routed) {
+          if (digest_warp && warp >= ntok) {
+            store_digests<W>(p, view, round, lane);
+            digest_warp = false;
+          }
+          if (warp < ntok) route(t0 + warp);
+          __syncthreads();
+        }
+        if (pending) {
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) store_item<kPairs, W == 1>(p, tr, t0, lane, batch[b]);
+          for (int b = 0; b < kBatch; ++b) store_item<kPairs, W == 1>(p, tr, t0, lane, batch[b]);
+        }
+        first = routed ? first + kBatch * kWarps : nearly + warp;
+        stride = kWarps;
+        limit = nitems;
+        pending = first < nitems;
+        if (!pending) break;
+      }
+    } else {
+      // The warps that route nothing (a partial tile) take up to kBatch items each and load
+      // them before the routing is known (early); the rest go round-robin over every warp
+      // after it, kBatch at a time.
+      const int nearly = min(nitems, kBatch * idle);
+      const bool early = warp >= ntok && warp - ntok < nearly;
+      if (early) {
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) load_item<kPairs>(p, items, t0, warp - ntok + b * idle, nearly, lane, batch[b]);
+      }
+      if (digest_warp && warp >= ntok) {
+        store_digests<W>(p, view, round, lane);
+        digest_warp = false;
+      }
+      if (warp < ntok) route(t0 + warp);
+      __syncthreads();
+      if (early) {
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) store_item<kPairs, W == 1>(p, tr, t0, lane, batch[b]);
+      }
+#pragma unroll 1
+      for (int base = nearly + warp; base < nitems; base += kBatch * kWarps) {
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) load_item<kPairs>(p, items, t0, base + b * kWarps, nitems, lane, batch[b]);
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) store_item<kPairs, W == 1>(p, tr, t0, lane, batch[b]);
+      }
     }
     __syncthreads();  // tr is rewritten by the next tile
   }
@@ -440,6 +491,13 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
   }
   if (diag(p, kDiagNoWait)) return;
   const unsigned long long bad_inv = threadIdx.x == 0 ? take_bad_expert(block_counters) : 0;
+  // What the sources sent that differs from this rank's (the lowest such peer), set before the
+  // wait: the barrier in block_wait orders these stores before every thread's atomicMin after it.
+  __shared__ int s_peer, s_spec_peer;
+  if (threadIdx.x == 0) {
+    s_peer = kRanks;
+    s_spec_peer = kRanks;
+  }
   // Only this block waits, so it is the poller (no other block needs telling).
   int count = 0;
   bool same_digest = false;  // thread q: q's digest line came with its ready word and is this rank's
@@ -452,14 +510,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const DispatchParams
     return;
   }
   // Thread q now holds what peer q sent here; the protocol's per-source fields get it.
-  __shared__ int s_peer, s_spec_peer;
   __shared__ int s_rts[kRanks];
   __shared__ int s_field[kRanks], s_own[kRanks], s_theirs[kRanks];
-  if (threadIdx.x == 0) {
-    s_peer = kRanks;
-    s_spec_peer = kRanks;
-  }
-  __syncthreads();
   if (q < ep) {
     if (seen.has(q)) {
       int r;
@@ -783,6 +835,7 @@ void plan_items(DispatchParams& p) {
 
 template <int W, bool kPairs, bool kPlain = false>
 cudaError_t launch_words(const DispatchParams& p, cudaStream_t stream) {
+  static_assert(!kPlain || W == 1, "the plain dispatch serves one-word masks");
   int resident = 0;
   cudaError_t err =
       launch::resident_blocks(reinterpret_cast<const void*>(&dispatch_kernel<W, kPairs, kPlain>), kThreads, p.lim, &resident);
@@ -799,6 +852,17 @@ cudaError_t launch_words(const DispatchParams& p, cudaStream_t stream) {
     prologue_kernel<W><<<1, prologue_threads<W>(), 0, stream>>>(q);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
+  }
+  if constexpr (kPlain) {
+    if (q.tile_tokens < kWarps) {  // small T: the form whose copy passes share one run of code
+      // (its own occupancy bounds its grid: it need not have the general form's registers)
+      int small_resident = 0;
+      err = launch::resident_blocks(reinterpret_cast<const void*>(&dispatch_kernel<W, kPairs, true, true>), kThreads,
+                                    p.lim, &small_resident);
+      if (err != cudaSuccess) return err;
+      return launch::overlapped(dispatch_kernel<W, kPairs, true, true>, launch::clamp_grid(grid, small_resident),
+                                kThreads, stream, q);
+    }
   }
   return launch::overlapped(dispatch_kernel<W, kPairs, kPlain>, grid, kThreads, stream, q);
 }
@@ -851,6 +915,8 @@ cudaError_t load_dispatch_kernels() {
       reinterpret_cast<const void*>(&dispatch_kernel<kMaskWords, true>),
       reinterpret_cast<const void*>(&dispatch_kernel<1, false, true>),
       reinterpret_cast<const void*>(&dispatch_kernel<1, true, true>),
+      reinterpret_cast<const void*>(&dispatch_kernel<1, false, true, true>),
+      reinterpret_cast<const void*>(&dispatch_kernel<1, true, true, true>),
       reinterpret_cast<const void*>(&prologue_kernel<1>),
       reinterpret_cast<const void*>(&prologue_kernel<kMaskWords>),
   };
