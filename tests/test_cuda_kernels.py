@@ -386,6 +386,44 @@ def test_one_and_many_block_launches(make_job, ep_size, T, dtype, in_workspace):
             check_ready_words(job, r, 40)
 
 
+def dispatch_forms(prof):
+    """(mask words, pairs, plain, small) of every dispatch kernel a profile saw launched."""
+    import re
+
+    found = [re.search(r"dispatch_kernel<(\d+), (true|false), (true|false), (true|false)>\(", e.name)
+             for e in prof.events()]
+    return [(int(m.group(1)),) + tuple(g == "true" for g in m.groups()[1:]) for m in found if m]
+
+
+def test_dispatch_small_and_general_forms(make_job):
+    """The plain dispatch has two forms: a launch whose tiles hold fewer tokens than a block has
+    warps (small T) runs the one whose two copy passes share one loop, every other launch the
+    general one. With two SMs per rank (at most 6 resident blocks) T = 1-7 take the small form
+    and T = 61 and 64 the general one (full tiles of 8, and a partial last tile at 61, whose idle
+    warps load early); the forms alternate over the rounds, each round byte-exact, its combine
+    close. The dispatch kernel each round launched (torch's profiler) shows the form."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dtype, ep_size, top_k, num_experts, hidden = torch.bfloat16, 2, 4, 16, 1024
+    job = make_job(ep_size, 64, top_k, num_experts, 2 * hidden + 4 * top_k, 2 * hidden)
+    for plane in job.planes:
+        plane.sm_budget = 2
+    pl = job.layout(64, [2 * hidden, 4 * top_k], 2 * hidden)
+    for T in (1, 64, 5, 61, 7, 64):
+        experts = [rand_experts(T, top_k, num_experts) for _ in range(ep_size)]
+        xs = [torch.randn(T, hidden, device="cuda").to(dtype) for _ in range(ep_size)]
+        payloads = [[xs[r].view(torch.uint8), experts[r].view(torch.uint8)] for r in range(ep_size)]
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            outs = run_round(job, experts, payloads, pl, 0, dtype)
+            torch.cuda.synchronize()
+        assert dispatch_forms(prof) == [(1, False, True, T <= 7)] * ep_size, T
+        check_dispatch(job, experts, payloads, pl)
+        for r in range(ep_size):
+            close(outs[r], combine_reference(job, experts[r], xs[r]), dtype)
+            job.planes[r].check()
+            check_ready_words(job, r, 64)
+
+
 def combine_paths(prof):
     """The kPath (last template argument) of every combine kernel a profile saw launched."""
     import re
