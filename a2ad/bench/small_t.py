@@ -40,9 +40,10 @@ def _add(points: dict, key: tuple[int, int], kind: str, value: float) -> None:
     points.setdefault(key, {}).setdefault(kind, []).append(value)
 
 
-def parse_a2ad(text: str, name: str = "a2ad log") -> tuple[dict, tuple[int, int, bool]]:
+def parse_a2ad(text: str, name: str = "a2ad log", *, like_flashinfer: bool = True) -> tuple[dict, tuple[int, int, bool]]:
     """{(hidden, T): {kind: [us, ...]}} of one kernel_timing log, and its (top_k, experts, flush).
-    Only its diag-0 rows count (the kernels as they serve); it must be a one-GPU, two-rank run."""
+    Only its diag-0 rows count (the kernels as they serve). With ``like_flashinfer`` it must be
+    a run FlashInfer's figures compare with: one GPU, two ranks, no degraded mode."""
     points: dict = {}
     job = None
     flush = None
@@ -50,10 +51,10 @@ def parse_a2ad(text: str, name: str = "a2ad log") -> tuple[dict, tuple[int, int,
         m = _A2AD_JOB.match(line.strip())
         if m:
             hidden, top_k, experts, ranks, where = int(m[1]), int(m[2]), int(m[3]), int(m[4]), m[5]
-            if "--one-gpu" not in where or ranks != 2:
+            if like_flashinfer and ("--one-gpu" not in where or ranks != 2):
                 raise LogError(f"{name}: a run of {ranks} ranks {where}; FlashInfer's figures are of two ranks "
                                "on one GPU, so only a kernel_timing --one-gpu run of two ranks compares with them")
-            if "degrade" in where:
+            if like_flashinfer and "degrade" in where:
                 raise LogError(f"{name}: a degrade job's run; FlashInfer's job has no degraded mode")
             job = (hidden, top_k, experts)
             continue
