@@ -7,8 +7,8 @@ A LOG is what ``A2AD_KERNEL_TIMING=1 A2AD_CSRC=<tree>/csrc python -m a2ad.bench.
 --no-diags --low-precision --hidden H --tokens ...`` printed for one build. The logs of a
 build are its runs. Give every build's logs in the same order, pass by pass (run i of every
 build from pass i, the passes in alternating build orders), so that a build's i-th run of a
-point pairs with the first build's i-th run of it: drift during a call then falls on both
-sides of a pair. Every log must be of one job shape (top_k, experts, the L2 flush).
+point pairs with the first build's i-th run of it (where the counts differ, only the first
+runs of the longer side pair up): drift during a call then falls on both sides of a pair. Every log must be of one job shape (top_k, experts, the L2 flush).
 
 For each (hidden, T) it prints each build's mean dispatch, bf16 combine and FP8 combine (us;
 a log that printed a point twice counts once, as the mean of the two), then, for each later
