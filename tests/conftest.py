@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,27 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import DaemonProcess  # noqa: E402
+
+
+_PYTEST_PID = os.getpid()
+
+
+def _terminated(signum, frame):
+    """SIGTERM in the pytest process: end the run as Ctrl-C does (pytest then tears every
+    fixture down, so the daemons and processes the tests started end with it; by default the
+    signal would kill pytest at once and leave them running). A second SIGTERM kills at once. In
+    a child that a test forked, the signal does what it does by default, as if no handler had
+    been inherited."""
+    signal.signal(signum, signal.SIG_DFL)
+    if os.getpid() != _PYTEST_PID:
+        os.kill(os.getpid(), signum)
+        return
+    raise KeyboardInterrupt(f"terminated by signal {signum}")
+
+
+def pytest_configure(config):
+    if threading.current_thread() is threading.main_thread() and os.getpid() == _PYTEST_PID:
+        signal.signal(signal.SIGTERM, _terminated)
 
 
 def _cuda_count() -> int:
