@@ -19,15 +19,11 @@ torch). docs/PERF.md's before/after tables are of this form.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
+from statistics import fmean as _mean
 
 from a2ad.bench.small_t import KINDS, LogError, parse_a2ad
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)
 
 
 def runs(logs: list[tuple[str, str]]) -> tuple[dict, tuple]:
