@@ -12,6 +12,7 @@ namespace {
 std::mutex g_mutex;
 std::vector<std::pair<int, int>> g_sms;                           // (device, SMs)
 std::vector<std::pair<std::pair<int, const void*>, int>> g_occupancy;  // ((device, kernel), blocks per SM)
+std::vector<std::pair<std::pair<int, const void*>, std::pair<int, bool>>> g_clusters;  // ((device, kernel), (blocks, fits))
 
 cudaError_t occupancy(int device, const void* fn, int threads, int* out) {
   {
@@ -66,6 +67,51 @@ cudaError_t resident_blocks(const void* fn, int threads, const LaunchLimits& lim
   if (occ < 1) return cudaErrorLaunchOutOfResources;
   const int budget = lim.sm_budget > 0 && lim.sm_budget < sms ? lim.sm_budget : sms;
   *out = budget * occ;
+  return cudaSuccess;
+}
+
+cudaError_t cluster_fits(const void* fn, int threads, int blocks, bool* out) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    for (const auto& e : g_clusters) {
+      if (e.first.first == device && e.first.second == fn && e.second.first == blocks) {
+        *out = e.second.second;
+        return cudaSuccess;
+      }
+    }
+  }
+  bool fits = false;
+  cudaFuncAttributes a;
+  err = cudaFuncGetAttributes(&a, fn);
+  if (err != cudaSuccess) return err;
+  int major = 0;
+  err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err != cudaSuccess) return err;
+  if (a.binaryVersion >= 90 && major >= 9) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+    cfg.blockDim = dim3(static_cast<unsigned>(threads));
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = static_cast<unsigned>(blocks);
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    err = cudaOccupancyMaxActiveClusters(&clusters, fn, &cfg);
+    if (err != cudaSuccess) {
+      cudaGetLastError();  // (no cluster launch here: the caller launches without one)
+      clusters = 0;
+    }
+    fits = clusters >= 1;
+  }
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_clusters.push_back({{device, fn}, {blocks, fits}});
+  *out = fits;
   return cudaSuccess;
 }
 

@@ -32,6 +32,10 @@ namespace launch {
 // Blocks of `fn` (with `threads` threads) that fit at once on the SMs this launch may use.
 cudaError_t resident_blocks(const void* fn, int threads, const LaunchLimits& lim, int* out);
 
+// Whether `fn` can run as one cluster of `blocks` blocks of `threads` threads on this device:
+// its code is sm_90 or later and at least one such cluster fits (cached per kernel and size).
+cudaError_t cluster_fits(const void* fn, int threads, int blocks, bool* out);
+
 bool valid_workspace(const Workspace& ws);
 bool valid_aux(const AuxOffsets& a);
 bool valid_control(const Control& c);
@@ -45,19 +49,31 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // kernel behind one that waits for its peers, where those peers run on this GPU too:
 // launched early, its blocks would sit on SMs waiting, and might take the room the peers'
 // kernels need to finish what the kernel before it waits for.
+// `cluster` > 1: the grid's blocks run in clusters of that many (grid.x a multiple of it).
 template <typename Params>
 cudaError_t overlapped(void (*kernel)(Params), dim3 grid, int threads, size_t smem, cudaStream_t stream,
-                       const Params& params, bool early = true) {
+                       const Params& params, bool early = true, int cluster = 1) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(static_cast<unsigned>(threads));
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr = {};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = early ? 1 : 0;
+  cudaLaunchAttribute attrs[2] = {};
+  unsigned n = 0;
+  if (early) {
+    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  if (cluster > 1) {
+    attrs[n].id = cudaLaunchAttributeClusterDimension;
+    attrs[n].val.clusterDim.x = static_cast<unsigned>(cluster);
+    attrs[n].val.clusterDim.y = 1;
+    attrs[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  cfg.attrs = attrs;
+  cfg.numAttrs = n;
   return cudaLaunchKernelEx(&cfg, kernel, params);
 }
 

@@ -120,6 +120,30 @@ __device__ __forceinline__ void red_add_release_gpu(int* p, int v) {
 // completed and its memory is visible (at once when there is no such dependency);
 // every kernel calls it before touching memory. allow_dependents() lets the next kernel
 // be scheduled (it still waits for this one's completion before touching memory).
+// Thread-block clusters (sm_90 code only: the launchers start a cluster only where the
+// kernel's code is sm_90 or later, launch::cluster_fits; elsewhere these trap).
+// cluster_arrive_release: this thread's writes so far are released at cluster scope to the
+// threads that wait on the cluster barrier; the thread may then exit (a wait counts only the
+// threads that have not exited). cluster_wait: arrive (releasing nothing) and wait for every
+// other thread of the cluster, acquiring what they released. A release at a wider scope by
+// a waiting thread after that covers what the others wrote before their arrival (causality
+// order is transitive), as the last block's st.release.sys after an arrival does.
+__device__ __forceinline__ void cluster_arrive_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
 __device__ __forceinline__ void wait_prior_grid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void allow_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
