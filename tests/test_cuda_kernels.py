@@ -387,12 +387,17 @@ def test_one_and_many_block_launches(make_job, ep_size, T, dtype, in_workspace):
 
 
 def dispatch_forms(prof):
-    """(mask words, pairs, plain, small) of every dispatch kernel a profile saw launched."""
+    """(mask words, pairs, plain, small, cluster) of every dispatch kernel a profile saw launched."""
     import re
 
-    found = [re.search(r"dispatch_kernel<(\d+), (true|false), (true|false), (true|false)>\(", e.name)
+    found = [re.search(r"dispatch_kernel<(\d+), (true|false), (true|false), (true|false), (true|false)>\(", e.name)
              for e in prof.events()]
     return [(int(m.group(1)),) + tuple(g == "true" for g in m.groups()[1:]) for m in found if m]
+
+
+def clusters_here():
+    """Whether this GPU runs thread-block clusters (sm_90 and later): the one-token dispatch's cluster form."""
+    return torch.cuda.get_device_capability()[0] >= 9
 
 
 def test_dispatch_small_and_general_forms(make_job):
@@ -400,7 +405,8 @@ def test_dispatch_small_and_general_forms(make_job):
     warps (small T) runs the one whose two copy passes share one loop, every other launch the
     general one. With two SMs per rank (at most 6 resident blocks) T = 1-7 take the small form
     and T = 61 and 64 the general one (full tiles of 8, and a partial last tile at 61, whose idle
-    warps load early); the forms alternate over the rounds, each round byte-exact, its combine
+    warps load early); T = 1 takes the small form's cluster variant (two blocks) where the GPU
+    has clusters; the forms alternate over the rounds, each round byte-exact, its combine
     close. The dispatch kernel each round launched (torch's profiler) shows the form."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -416,12 +422,70 @@ def test_dispatch_small_and_general_forms(make_job):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             outs = run_round(job, experts, payloads, pl, 0, dtype)
             torch.cuda.synchronize()
-        assert dispatch_forms(prof) == [(1, False, True, T <= 7)] * ep_size, T
+        assert dispatch_forms(prof) == [(1, False, True, T <= 7, T == 1 and clusters_here())] * ep_size, T
         check_dispatch(job, experts, payloads, pl)
         for r in range(ep_size):
             close(outs[r], combine_reference(job, experts[r], xs[r]), dtype)
             job.planes[r].check()
             check_ready_words(job, r, 64)
+
+
+@pytest.mark.parametrize("ep_size,budget,hidden,dtype", [
+    (2, None, 7168, "bf16"),  # 7 + 2 items: a cluster of 2 blocks
+    (2, 1, 2880, "bf16"),     # one SM: the one-block launch
+    (4, 2, 1024, "fp32"),     # 2 + 2 items
+    (8, None, 1001, "bf16"),  # a 2002-byte row (no 16-byte vectors: one item) + 2 items
+])
+def test_one_token_from_a_cluster(make_job, ep_size, budget, hidden, dtype):
+    """A one-token dispatch runs as one cluster of blocks (two, where the launch may use two SMs
+    or more), each copying its share of the token's items; the first block alone writes the
+    routing arrays and a bad expert id's record, and publishes after the cluster's barrier. With
+    one SM it is the one-block launch. Rounds of one token: random ids, every id on one rank, an
+    id out of range, every id out of range (nothing sent; -3 reported); each byte-exact, its
+    combine close, its ready words right, a bad id reported with its token and id, the form the
+    one the launcher picks."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dtype = DTYPES[dtype]
+    es = torch.tensor([], dtype=dtype).element_size()
+    top_k, num_experts = 8, 64
+    widths = [es * hidden, 4 * top_k, 4 * top_k]
+    job = make_job(ep_size, 8, top_k, num_experts, sum(widths), es * hidden)
+    if budget is not None:
+        for plane in job.planes:
+            plane.sm_budget = budget
+    pl = job.layout(8, widths, es * hidden)
+    per_rank = num_experts // ep_size
+    bad = num_experts + 5
+    cases = [  # (what, expert ids of rank r, the bad id reported or None)
+        ("random", lambda r: rand_experts(1, top_k, num_experts), None),
+        ("one rank", lambda r: torch.arange(top_k, dtype=torch.int32, device="cuda").view(1, top_k) % per_rank
+         + per_rank * ((r + 1) % ep_size), None),
+        ("a bad id", lambda r: torch.cat([rand_experts(1, top_k - 1, num_experts),
+                                          torch.full((1, 1), bad, dtype=torch.int32, device="cuda")], dim=1), bad),
+        ("none valid", lambda r: torch.full((1, top_k), -3, dtype=torch.int32, device="cuda"), -3),
+        ("random again", lambda r: rand_experts(1, top_k, num_experts), None),
+    ]
+    cluster = clusters_here() and budget != 1
+    for what, make, reported in cases:
+        experts = [make(r).contiguous() for r in range(ep_size)]
+        xs = [torch.randn(1, hidden, device="cuda").to(dtype) for _ in range(ep_size)]
+        payloads = [[xs[r].view(torch.uint8), experts[r].view(torch.uint8),
+                     torch.rand(1, top_k, device="cuda").view(torch.uint8)] for r in range(ep_size)]
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            outs = run_round(job, experts, payloads, pl, 0, dtype)
+            torch.cuda.synchronize()
+        assert dispatch_forms(prof) == [(1, False, True, True, cluster)] * ep_size, what
+        check_dispatch(job, experts, payloads, pl)
+        for r in range(ep_size):
+            close(outs[r], combine_reference(job, experts[r], xs[r]), dtype)
+            job.planes[r].check()
+            check_ready_words(job, r, 8)
+            if reported is not None:
+                with pytest.raises(errors.InputError) as ei:
+                    job.planes[r].check_input()
+                assert ei.value.details["token"] == 0 and ei.value.details["expert_id"] == reported, str(ei.value)
+            job.planes[r].check_input()  # nothing (left) to report
 
 
 def combine_paths(prof):
