@@ -94,11 +94,7 @@ cudaError_t cluster_fits(const void* fn, int threads, int blocks, bool* out) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(static_cast<unsigned>(blocks));
     cfg.blockDim = dim3(static_cast<unsigned>(threads));
-    cudaLaunchAttribute attr = {};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = static_cast<unsigned>(blocks);
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
+    cudaLaunchAttribute attr = cluster_attribute(blocks);
     cfg.attrs = &attr;
     cfg.numAttrs = 1;
     int clusters = 0;

@@ -49,6 +49,16 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // kernel behind one that waits for its peers, where those peers run on this GPU too:
 // launched early, its blocks would sit on SMs waiting, and might take the room the peers'
 // kernels need to finish what the kernel before it waits for.
+// The launch attribute that runs a grid's blocks in clusters of `blocks` along x.
+inline cudaLaunchAttribute cluster_attribute(int blocks) {
+  cudaLaunchAttribute a = {};
+  a.id = cudaLaunchAttributeClusterDimension;
+  a.val.clusterDim.x = static_cast<unsigned>(blocks);
+  a.val.clusterDim.y = 1;
+  a.val.clusterDim.z = 1;
+  return a;
+}
+
 // `cluster` > 1: the grid's blocks run in clusters of that many (grid.x a multiple of it).
 template <typename Params>
 cudaError_t overlapped(void (*kernel)(Params), dim3 grid, int threads, size_t smem, cudaStream_t stream,
@@ -65,13 +75,7 @@ cudaError_t overlapped(void (*kernel)(Params), dim3 grid, int threads, size_t sm
     attrs[n].val.programmaticStreamSerializationAllowed = 1;
     ++n;
   }
-  if (cluster > 1) {
-    attrs[n].id = cudaLaunchAttributeClusterDimension;
-    attrs[n].val.clusterDim.x = static_cast<unsigned>(cluster);
-    attrs[n].val.clusterDim.y = 1;
-    attrs[n].val.clusterDim.z = 1;
-    ++n;
-  }
+  if (cluster > 1) attrs[n++] = cluster_attribute(cluster);
   cfg.attrs = attrs;
   cfg.numAttrs = n;
   return cudaLaunchKernelEx(&cfg, kernel, params);

@@ -120,6 +120,9 @@ __device__ __forceinline__ void red_add_release_gpu(int* p, int v) {
 // completed and its memory is visible (at once when there is no such dependency);
 // every kernel calls it before touching memory. allow_dependents() lets the next kernel
 // be scheduled (it still waits for this one's completion before touching memory).
+__device__ __forceinline__ void wait_prior_grid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void allow_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
 // Thread-block clusters (sm_90 code only: the launchers start a cluster only where the
 // kernel's code is sm_90 or later, launch::cluster_fits; elsewhere these trap).
 // cluster_arrive_release: this thread's writes so far are released at cluster scope to the
@@ -143,9 +146,6 @@ __device__ __forceinline__ void cluster_wait() {
   __trap();
 #endif
 }
-
-__device__ __forceinline__ void wait_prior_grid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void allow_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 __device__ __forceinline__ int ld_volatile(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
 
