@@ -153,6 +153,9 @@ class Front:
 
     def __init__(self, att, plane=None, *, make_plane=None, eplb_stats_num_experts: int = 0):
         self.att = att
+        # the rank's round bookkeeping: the attachment's one RoundState (reset in place, never
+        # replaced), held here so that a call does not go through the attachment's property
+        self._rounds = att.rounds
         self.device = att.device
         self.ep_rank = int(att.ep_rank)
         self.ep_size = int(att.ep_size)
@@ -203,7 +206,7 @@ class Front:
         try:
             plane.check()
         except (errors.PeerTimeout, errors.PeerLost, errors.JobDestroyed):
-            rounds = att.rounds
+            rounds = self._rounds
             if rounds.owner is not UNMAPPED:
                 rounds.owner = rounds.round = None
             raise
@@ -211,7 +214,7 @@ class Front:
             plane.check_input()
 
     def _refuse_open_round(self, owner) -> None:
-        rounds = self.att.rounds
+        rounds = self._rounds
         held = rounds.owner
         if held is UNMAPPED:
             raise errors.StateError(
@@ -344,7 +347,7 @@ class Front:
         if plane is None:
             plane = self.plane(top_k, num_experts)
         self.check_peers(plane, inputs=True)
-        if self.att.rounds.owner is not None:
+        if self._rounds.owner is not None:
             self._refuse_open_round(owner)
         if type(rt) is not int or not 1 <= rt <= self.max_num_tokens:
             rt = int_arg("runtime_max_tokens_per_rank", rt, 1, self.max_num_tokens)
@@ -358,7 +361,7 @@ class Front:
         ``[ep_size, rt, elements_per_token]`` of each payload's dtype, backed by this
         rank's workspace row. ``caller_mask``: int64 mask words (rank_mask_arg)."""
         plane, rt = self._begin_dispatch(owner, top_k, num_experts, rt)
-        rounds = self.att.rounds
+        rounds = self._rounds
         experts = self.check_experts(experts, rt, top_k, num_experts, plane)
         num_tokens = experts.shape[0]
         payloads, nbytes = self.check_payloads(payloads, num_tokens)
@@ -366,7 +369,8 @@ class Front:
             eplb_local_stats = self._check_eplb(eplb_local_stats)
         layout, layout_kw = self.layout(rt, nbytes, payloads,
                                         self.eplb_stats_num_experts if eplb_local_stats is not None else 0)
-        self._check_clear_of_combine(layout, rt, "input_payloads")
+        if layout.dispatch_end > rounds.combine_floor:
+            self._refuse_overlap(layout, rt, "input_payloads")
         if invalid_id is not None or ids_index is not None:
             ids_index, invalid_id = self._check_sanitize_args(payloads, invalid_id, ids_index)
         kw = {}
@@ -396,7 +400,7 @@ class Front:
         dispatch_pairs = getattr(plane, "dispatch_pairs", None)
         if dispatch_pairs is None:
             raise errors.BackendError("dispatching (token, k) pairs needs the CUDA backend's kernels")
-        rounds = self.att.rounds
+        rounds = self._rounds
         if not isinstance(x, torch.Tensor) or x.device != self.device:
             tensor_arg("x", x, self.device)
         if x.dim() != 2 or x.shape[1] < 1 or not x.is_contiguous():
@@ -414,7 +418,8 @@ class Front:
         kinds = (x, self._pair_meta_kind)
         nbytes = (x.shape[1] * x.element_size(), self._pair_meta_kind.element_size() * 2)
         layout, layout_kw = self.layout(rt, nbytes, kinds, 0)
-        self._check_clear_of_combine(layout, rt, "x")
+        if layout.dispatch_end > rounds.combine_floor:
+            self._refuse_overlap(layout, rt, "x")
         dispatch_pairs(x, topk_idx, rt, layout, caller_mask=caller_mask)
         rounds.owner, rounds.round = owner, Round(rt, num_pairs, layout, plane, None, layout_kw)
         return self._received(layout, rt, nbytes, kinds)
@@ -422,16 +427,15 @@ class Front:
     #: What the pairs' metadata payload is (int32; only its dtype is read).
     _pair_meta_kind = torch.empty(0, dtype=torch.int32)
 
-    def _check_clear_of_combine(self, layout, rt: int, argument: str) -> None:
-        """Refuse a dispatch whose payloads reach the previous round's combine region."""
-        att = self.att
-        if layout.dispatch_end > att.rounds.combine_floor:
-            raise errors.InputError(
-                f"these payloads need bytes [{att.aux.payload_data}, {layout.dispatch_end}) of every row at "
-                f"runtime_max_tokens_per_rank={rt}, which overlap the previous round's combine region (from "
-                f"{att.rounds.combine_floor}) that peers may still be reading; size the workspace for the dispatch "
-                f"and combine payloads together (get_moe_workspace_size_per_rank)",
-                argument=argument)
+    def _refuse_overlap(self, layout, rt: int, argument: str) -> None:
+        """Refuse a dispatch whose payloads reach the previous round's combine region (the
+        caller compared ``layout.dispatch_end`` with the rounds' ``combine_floor``)."""
+        raise errors.InputError(
+            f"these payloads need bytes [{self.att.aux.payload_data}, {layout.dispatch_end}) of every row at "
+            f"runtime_max_tokens_per_rank={rt}, which overlap the previous round's combine region (from "
+            f"{self._rounds.combine_floor}) that peers may still be reading; size the workspace for the dispatch "
+            f"and combine payloads together (get_moe_workspace_size_per_rank)",
+            argument=argument)
 
     def _received(self, layout, rt, nbytes, payloads) -> list:
         # the views depend on the bytes per token and the dtypes only (each is [ep, rt, -1])
@@ -460,7 +464,7 @@ class Front:
         rnd.plane.sanitize(ids, rnd.rt, invalid)
 
     def open_round(self, what: str) -> Round:
-        rounds = self.att.rounds
+        rounds = self._rounds
         if rounds.round is None or rounds.owner is UNMAPPED:
             raise errors.StateError(f"{what} called before dispatch: this rank has no round open")
         return rounds.round
@@ -507,7 +511,7 @@ class Front:
         each token's sum over k of ``weights[t, k]`` times its pair's row (pairs whose id is
         negative left out)."""
         att = self.att
-        rounds = att.rounds
+        rounds = self._rounds
         rnd = rounds.round
         self.check_peers(rnd.plane if rnd is not None else self._plane, inputs=False)
         if rounds.owner is not owner:
@@ -619,7 +623,7 @@ class Front:
         """``launch(*args, **kw)``: the round's combine; the round ends whatever it does, then
         (the round being complete on every rank) the input errors the kernels found may surface."""
         att = self.att
-        rounds = att.rounds
+        rounds = self._rounds
         rounds.combine_floor = layout.combine_offset
         try:
             out = launch(*args, **kw)
