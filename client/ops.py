@@ -652,7 +652,8 @@ def moe_a2a_combine(
     out = front.combine(
         FUNCTIONAL_OWNER, payload, runtime_max_tokens_per_rank, payload_in_workspace,
         local_num_tokens=local_num_tokens, combine_payload_offset=combine_payload_offset,
-        output=None if quantized or output_dtype not in (None, payload.dtype) else output,
+        # (a payload that is not a tensor is refused by front.combine, naming it)
+        output=None if quantized or output_dtype not in (None, getattr(payload, "dtype", None)) else output,
         low_precision=use_low_precision, caller_mask=mask,
     )
     return finish_output(out, output_dtype, output_scales, output_scalar_scale, sf_layout, output,

@@ -1,6 +1,7 @@
 """What a wrong argument is told: an ``ep_rank`` outside the job says it is out of range (not
-that it is another rank), and an expert id outside ``[0, num_experts)`` on the host backend
-names the token and the value. Caller-owned CPU workspaces and a real daemon job."""
+that it is another rank), an expert id outside ``[0, num_experts)`` on the host backend
+names the token and the value, and a combine payload that is no tensor is named. Caller-owned
+CPU workspaces and a real daemon job."""
 
 from __future__ import annotations
 
@@ -68,6 +69,38 @@ def test_host_backend_names_the_token_and_the_id_out_of_range(daemon):
                 d = exc.value.details
                 assert (d["argument"], d["token"], d["k"], d["value"]) == ("token_selected_experts", token, k, value)
         assert a2a.phase == "idle"
+    finally:
+        a2a.close()
+        c.moe_a2a_release(ws)
+
+
+def test_a_combine_payload_that_is_no_tensor_is_named(daemon):
+    """A combine given a list where its payload goes (the received list of a dispatch, say) is
+    told that the payload must be a tensor, with or without an output dtype, through the
+    functional op and through MoeAlltoAll; the round stays open, and combining it right works."""
+    import a2ad.client as c
+
+    ws = _workspace(1)
+    meta = c.moe_a2a_initialize(ws, 0, 1, MAX_TOKENS, timeout=5.0)
+    a2a = c.MoeAlltoAll(Mapping(0, 1), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN, job=job_name("notensor"),
+                        runtime_dir=str(daemon.runtime_dir), timeout=20.0)
+    try:
+        rt, inputs, _, _ = _round(1730, 1, tokens=[3])
+        mine = inputs[0]
+        payloads = [mine.hidden, mine.experts, mine.scales]
+        recv, off, _ = c.moe_a2a_dispatch(mine.experts, payloads, ws, meta, rt, 0, 1, TOP_K, NUM_EXPERTS)
+        for kw in ({}, {"output_dtype": torch.float32}):
+            with pytest.raises(errors.InputError) as exc:
+                c.moe_a2a_combine(recv, 3, ws, meta, rt, 0, 1, TOP_K, off, **kw)
+            assert "payload must be a torch.Tensor, got list" in str(exc.value), str(exc.value)
+        assert c.moe_a2a_combine(recv[0], 3, ws, meta, rt, 0, 1, TOP_K, off).shape == (3, HIDDEN)
+        got = a2a.dispatch(mine.experts, payloads, rt)
+        for kw in ({}, {"output_dtype": torch.float32}):
+            with pytest.raises(errors.InputError) as exc:
+                a2a.combine(got, rt, **kw)
+            assert "payload must be a torch.Tensor, got list" in str(exc.value), str(exc.value)
+        assert a2a.phase == "dispatched"
+        assert a2a.combine(got[0], rt).shape == (3, HIDDEN)
     finally:
         a2a.close()
         c.moe_a2a_release(ws)
