@@ -1,7 +1,8 @@
 """What a wrong argument is told: an ``ep_rank`` outside the job says it is out of range (not
-that it is another rank), an expert id outside ``[0, num_experts)`` on the host backend
-names the token and the value, and a combine payload that is no tensor is named. Caller-owned
-CPU workspaces and a real daemon job."""
+that it is another rank), an expert id outside ``[0, num_experts)`` on the host backend names
+the token and the value, a combine payload that is no tensor is named, and a dispatch whose
+rows reach the previous round's combine region is refused. Caller-owned CPU workspaces and a
+real daemon job."""
 
 from __future__ import annotations
 
@@ -71,6 +72,37 @@ def test_host_backend_names_the_token_and_the_id_out_of_range(daemon):
         assert a2a.phase == "idle"
     finally:
         a2a.close()
+        c.moe_a2a_release(ws)
+
+
+def test_a_dispatch_into_the_previous_combine_region_is_refused():
+    """A round's combine region sits at the end of the row, where peers may still read it while
+    this rank dispatches again: a dispatch whose payloads reach it (wider rows than the
+    workspace was sized for) is refused before anything is written, naming the bytes, and the
+    rank stays idle, its next dispatch of the sized rows served."""
+    import a2ad.client as c
+
+    ws = _workspace(1)
+    meta = c.moe_a2a_initialize(ws, 0, 1, MAX_TOKENS, timeout=5.0)
+    try:
+        rt, inputs, _, _ = _round(1720, 1, tokens=[MAX_TOKENS])
+        mine = inputs[0]
+        args = (ws, meta, rt, 0, 1, TOP_K, NUM_EXPERTS)
+        recv, off, _ = c.moe_a2a_dispatch(mine.experts, [mine.hidden, mine.experts, mine.scales], *args)
+        c.moe_a2a_combine(recv[0], MAX_TOKENS, ws, meta, rt, 0, 1, TOP_K, off)  # its region: the row's end
+        # rows of 4 * 2 * HIDDEN bytes where the workspace was sized for 2 * HIDDEN: they fit the
+        # row, but reach the combine region
+        wide = mine.hidden.float().repeat(1, 2)
+        with pytest.raises(errors.InputError) as exc:
+            c.moe_a2a_dispatch(mine.experts, [wide, mine.experts, mine.scales], *args)
+        msg = str(exc.value)
+        assert "overlap the previous round's combine region" in msg and f"runtime_max_tokens_per_rank={rt}" in msg, msg
+        assert exc.value.details["argument"] == "input_payloads"
+        recv, off, _ = c.moe_a2a_dispatch(mine.experts, [mine.hidden, mine.experts, mine.scales], *args)
+        assert torch.equal(recv[0][0, :MAX_TOKENS], mine.hidden)
+        out = c.moe_a2a_combine(recv[0], MAX_TOKENS, ws, meta, rt, 0, 1, TOP_K, off)
+        assert out.shape == (MAX_TOKENS, HIDDEN)
+    finally:
         c.moe_a2a_release(ws)
 
 
