@@ -6,6 +6,8 @@ real daemon job."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -46,14 +48,29 @@ def _bad_ids(experts, token, k, value):
     return bad
 
 
-def test_host_backend_names_the_token_and_the_id_out_of_range(daemon):
+@contextlib.contextmanager
+def _one_rank(daemon, name):
+    """A one-rank caller-owned CPU workspace (initialized: its metainfo) and a one-rank
+    MoeAlltoAll of a daemon job, both released at the end."""
     import a2ad.client as c
 
     ws = _workspace(1)
     meta = c.moe_a2a_initialize(ws, 0, 1, MAX_TOKENS, timeout=5.0)
-    a2a = c.MoeAlltoAll(Mapping(0, 1), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN, job=job_name("badid"),
-                        runtime_dir=str(daemon.runtime_dir), timeout=20.0)
     try:
+        a2a = c.MoeAlltoAll(Mapping(0, 1), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN, job=job_name(name),
+                            runtime_dir=str(daemon.runtime_dir), timeout=20.0)
+        try:
+            yield ws, meta, a2a
+        finally:
+            a2a.close()
+    finally:
+        c.moe_a2a_release(ws)
+
+
+def test_host_backend_names_the_token_and_the_id_out_of_range(daemon):
+    import a2ad.client as c
+
+    with _one_rank(daemon, "badid") as (ws, meta, a2a):
         rt, inputs, _, _ = _round(1710, 1, tokens=[5])
         mine = inputs[0]
         for token, k, value in ((3, 2, NUM_EXPERTS), (0, 0, -7), (4, TOP_K - 1, 1 << 20)):
@@ -70,9 +87,6 @@ def test_host_backend_names_the_token_and_the_id_out_of_range(daemon):
                 d = exc.value.details
                 assert (d["argument"], d["token"], d["k"], d["value"]) == ("token_selected_experts", token, k, value)
         assert a2a.phase == "idle"
-    finally:
-        a2a.close()
-        c.moe_a2a_release(ws)
 
 
 def test_a_dispatch_into_the_previous_combine_region_is_refused():
@@ -112,11 +126,7 @@ def test_a_combine_payload_that_is_no_tensor_is_named(daemon):
     functional op and through MoeAlltoAll; the round stays open, and combining it right works."""
     import a2ad.client as c
 
-    ws = _workspace(1)
-    meta = c.moe_a2a_initialize(ws, 0, 1, MAX_TOKENS, timeout=5.0)
-    a2a = c.MoeAlltoAll(Mapping(0, 1), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN, job=job_name("notensor"),
-                        runtime_dir=str(daemon.runtime_dir), timeout=20.0)
-    try:
+    with _one_rank(daemon, "notensor") as (ws, meta, a2a):
         rt, inputs, _, _ = _round(1730, 1, tokens=[3])
         mine = inputs[0]
         payloads = [mine.hidden, mine.experts, mine.scales]
@@ -133,6 +143,3 @@ def test_a_combine_payload_that_is_no_tensor_is_named(daemon):
             assert "payload must be a torch.Tensor, got list" in str(exc.value), str(exc.value)
         assert a2a.phase == "dispatched"
         assert a2a.combine(got[0], rt).shape == (3, HIDDEN)
-    finally:
-        a2a.close()
-        c.moe_a2a_release(ws)
