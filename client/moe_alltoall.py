@@ -595,7 +595,8 @@ class MoeAlltoAll:
         if not plain:
             from .ops import _quantized
 
-            plain = not _quantized(output_dtype, output_scales) and output_dtype in (None, getattr(payload, "dtype", None))
+            dtype = getattr(payload, "dtype", None)  # (front.combine refuses a payload that is no tensor)
+            plain = not _quantized(output_dtype, output_scales) and output_dtype in (None, dtype)
         out = self._front.combine(
             self._token, payload, runtime_max_tokens_per_rank, payload_in_workspace,
             output=output if plain else None, low_precision=use_low_precision, caller_mask=mask,
