@@ -107,8 +107,10 @@ def test_a_dispatch_into_the_previous_combine_region_is_refused():
         # rows of 4 * 2 * HIDDEN bytes where the workspace was sized for 2 * HIDDEN: they fit the
         # row, but reach the combine region
         wide = mine.hidden.float().repeat(1, 2)
+        before = ws.clone()
         with pytest.raises(errors.InputError) as exc:
             c.moe_a2a_dispatch(mine.experts, [wide, mine.experts, mine.scales], *args)
+        assert torch.equal(ws, before)  # nothing written
         msg = str(exc.value)
         assert "overlap the previous round's combine region" in msg and f"runtime_max_tokens_per_rank={rt}" in msg, msg
         assert exc.value.details["argument"] == "input_payloads"
