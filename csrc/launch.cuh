@@ -42,13 +42,6 @@ bool valid_control(const Control& c);
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Launch `kernel` with programmatic stream serialization allowed: it may be scheduled
-// while the previous kernel on the stream finishes (hiding the launch), and waits for
-// that kernel's completion itself (wait_prior_grid). Graph capture keeps the edge.
-// `early` false: an ordinary launch (scheduled once that kernel completed). It is for a
-// kernel behind one that waits for its peers, where those peers run on this GPU too:
-// launched early, its blocks would sit on SMs waiting, and might take the room the peers'
-// kernels need to finish what the kernel before it waits for.
 // The launch attribute that runs a grid's blocks in clusters of `blocks` along x.
 inline cudaLaunchAttribute cluster_attribute(int blocks) {
   cudaLaunchAttribute a = {};
@@ -59,6 +52,13 @@ inline cudaLaunchAttribute cluster_attribute(int blocks) {
   return a;
 }
 
+// Launch `kernel` with programmatic stream serialization allowed: it may be scheduled
+// while the previous kernel on the stream finishes (hiding the launch), and waits for
+// that kernel's completion itself (wait_prior_grid). Graph capture keeps the edge.
+// `early` false: an ordinary launch (scheduled once that kernel completed). It is for a
+// kernel behind one that waits for its peers, where those peers run on this GPU too:
+// launched early, its blocks would sit on SMs waiting, and might take the room the peers'
+// kernels need to finish what the kernel before it waits for.
 // `cluster` > 1: the grid's blocks run in clusters of that many (grid.x a multiple of it).
 template <typename Params>
 cudaError_t overlapped(void (*kernel)(Params), dim3 grid, int threads, size_t smem, cudaStream_t stream,
