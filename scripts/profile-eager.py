@@ -1,10 +1,18 @@
-"""What one eager MoeAlltoAll.dispatch + combine pair costs on the host, on one GPU.
+"""What one eager MoeAlltoAll.dispatch + combine pair costs on the host.
 
 A one-rank job (it needs no peer, so the figures are the client's own): the eager pair
-(many pairs back to back, one synchronize), the same pair replayed from a CUDA graph, and
-a cProfile of eager pairs (top items by own time). Starts its own daemon.
+(many pairs back to back, one synchronize), the same pair replayed from a CUDA graph (cuda
+backend), and a cProfile of eager pairs (top items by own time). Starts its own daemon.
 
-    python3 scripts/profile-eager.py [--tokens 1] [--hidden 7168] [--pairs 2000]
+A host's CPU can run at different speeds from one process to the next (shared or throttled
+machines: the same tree measured 27 us in one run and 45 us in the next), so the eager pairs
+are timed in batches, each beside a batch of a reference of the same kind of host work: two
+in-place torch ops on a tensor of the pair's device (two launches through torch's dispatcher
+on CUDA). The ratio eager pair / reference is what to compare between trees on such a host;
+the script prints each batch's ratio, and their median.
+
+    python3 scripts/profile-eager.py [--backend cuda|host] [--tokens 1] [--hidden 7168]
+                                     [--pairs 2000] [--batches 10] [--no-profile]
 """
 
 from __future__ import annotations
@@ -14,28 +22,54 @@ import cProfile
 import io
 import pstats
 import shutil
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=1)
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--pairs", type=int, default=2000)
+    ap.add_argument("--backend", choices=["cuda", "host"], default="cuda",
+                    help="the daemon's memory backend: cuda (default; one GPU) or host (no GPU; no graph replay)")
+    ap.add_argument("--tokens", type=positive, default=1)
+    ap.add_argument("--hidden", type=positive, default=7168)
+    ap.add_argument("--top-k", type=positive, default=8)
+    ap.add_argument("--experts", type=positive, default=256)
+    ap.add_argument("--pairs", type=positive, default=2000, help="pairs timed (split over the batches), and profiled")
+    ap.add_argument("--batches", type=positive, default=10,
+                    help="batches of eager pairs, each timed beside a batch of the reference (default 10)")
+    ap.add_argument("--no-profile", action="store_true", help="leave out the cProfile of eager pairs")
     args = ap.parse_args()
+    if args.batches > args.pairs:
+        ap.error(f"--batches ({args.batches}) must not exceed --pairs ({args.pairs}): each batch times at least one pair")
+    if args.top_k > args.experts:
+        ap.error(f"--top-k ({args.top_k}) must not exceed --experts ({args.experts})")
 
     import torch
+
+    cuda = args.backend == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("profile-eager: no CUDA GPU here; --backend host profiles the host backend", file=sys.stderr)
+        return 2
 
     from a2ad.client import MoeAlltoAll
     from a2ad.tools.launcher import DaemonLauncher
 
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
     folder = Path(tempfile.mkdtemp(prefix="a2ad-prof-"))
-    daemon = DaemonLauncher(folder / "rt", "--backend", "cuda").start()
+    daemon = DaemonLauncher(folder / "rt", "--backend", args.backend).start()
     try:
         class Mapping:
             moe_ep_rank, moe_ep_size = 0, 1
@@ -47,54 +81,85 @@ def main() -> int:
         hidden = torch.randn(T, H, device=dev).to(torch.bfloat16)
         scales = torch.rand(T, K, device=dev)
         payloads = [hidden, experts, scales]
+        ref = torch.zeros(T, H, device=dev, dtype=torch.bfloat16)
 
         def pair():
             recv = a2a.dispatch(experts, payloads, T)
             return a2a.combine(recv[0], T)
 
+        def reference():
+            ref.add_(1.0)
+            ref.mul_(0.5)
+
+        def timed(fn, n):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            sync()
+            return time.perf_counter() - t0
+
         for _ in range(200):
             pair()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(args.pairs):
-            pair()
-        torch.cuda.synchronize()
-        eager = (time.perf_counter() - t0) / args.pairs * 1e6
+            reference()
+        sync()
+        # Batches of pairs beside batches of the reference, which goes first every other batch.
+        sizes = [args.pairs // args.batches + (1 if b < args.pairs % args.batches else 0) for b in range(args.batches)]
+        pair_s, ref_us, ratios = 0.0, [], []
+        for b, n in enumerate(sizes):
+            if b % 2:
+                r = timed(reference, n)
+                p = timed(pair, n)
+            else:
+                p = timed(pair, n)
+                r = timed(reference, n)
+            pair_s += p
+            ref_us.append(r / n * 1e6)
+            ratios.append(p / r)
+        eager = pair_s / args.pairs * 1e6
 
         t0 = time.perf_counter()
         for _ in range(args.pairs):
             recv = a2a.dispatch(experts, payloads, T)
             a2a.combine(recv[0], T)
         host = (time.perf_counter() - t0) / args.pairs * 1e6  # the host's issue time (the GPU trails)
-        torch.cuda.synchronize()
+        sync()
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            pair()
-        torch.cuda.synchronize()
-        for _ in range(50):
-            graph.replay()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(args.pairs):
-            graph.replay()
-        torch.cuda.synchronize()
-        replay = (time.perf_counter() - t0) / args.pairs * 1e6
+        replay = None
+        if cuda:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+                pair()
+            torch.cuda.synchronize()
+            for _ in range(50):
+                graph.replay()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(args.pairs):
+                graph.replay()
+            torch.cuda.synchronize()
+            replay = (time.perf_counter() - t0) / args.pairs * 1e6
 
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(args.pairs):
-            pair()
-        prof.disable()
-        torch.cuda.synchronize()
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
+        if not args.no_profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.pairs):
+                pair()
+            prof.disable()
+            sync()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
+            print(out.getvalue())
         a2a.close()
-        print(out.getvalue())
-        print(f"one rank, T={T}, hidden={H}, top_k={K}: eager pair {eager:.2f} us (host issue {host:.2f} us), "
-              f"graph replay of the pair {replay:.2f} us, eager - graph {eager - replay:+.2f} us")
+        graph_part = (f"graph replay of the pair {replay:.2f} us, eager - graph {eager - replay:+.2f} us"
+                      if replay is not None else "no graph replay (host backend)")
+        print(f"one rank, T={T}, hidden={H}, top_k={K}, backend {args.backend}: eager pair {eager:.2f} us "
+              f"(host issue {host:.2f} us), {graph_part}")
+        print(f"reference (two in-place torch ops on a [{T}, {H}] bf16 tensor of the pair's device): "
+              f"{statistics.median(ref_us):.2f} us; eager pair / reference {statistics.median(ratios):.3f} "
+              f"(median of {len(ratios)} batches; batch ratios {min(ratios):.3f}-{max(ratios):.3f})")
     finally:
         daemon.stop()
         shutil.rmtree(folder, ignore_errors=True)
