@@ -294,7 +294,7 @@ def expert_weight(q):
 def run_round(job, experts, payloads, pl, hidden_index, dtype, in_workspace=False):
     """dispatch -> expert computation (row * expert_weight(rank)) -> combine; returns outputs per rank.
     ``in_workspace``: for every rank, or a list with one entry per rank."""
-    ep, rt = job.ep_size, pl.runtime_max_tokens_per_rank
+    rt = pl.runtime_max_tokens_per_rank
     nb = pl.dispatch_bytes_per_token[hidden_index]
     hidden = nb // torch.tensor([], dtype=dtype).element_size()
     hb = hidden * torch.tensor([], dtype=dtype).element_size()
