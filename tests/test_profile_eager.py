@@ -85,5 +85,6 @@ def test_the_cuda_pair_is_timed_eagerly_and_from_a_graph():
     assert graph, pair[6]
     eager, replay = float(pair[4]), float(graph.group(1))
     assert eager > 0 and replay > 0
-    assert abs(eager - replay - float(graph.group(2))) < 0.011  # the difference it prints is of the two it prints
+    # the difference it prints is of the two it prints (each of the three rounded to 0.01)
+    assert abs(eager - replay - float(graph.group(2))) <= 0.0151
     check_reference(ref, 1, 7168, 4)
