@@ -49,22 +49,31 @@ def _bad_ids(experts, token, k, value):
 
 
 @contextlib.contextmanager
-def _one_rank(daemon, name):
-    """A one-rank caller-owned CPU workspace (initialized: its metainfo) and a one-rank
-    MoeAlltoAll of a daemon job, both released at the end."""
+def _caller_rank():
+    """A one-rank caller-owned CPU workspace and its metainfo, released at the end."""
     import a2ad.client as c
 
     ws = _workspace(1)
     meta = c.moe_a2a_initialize(ws, 0, 1, MAX_TOKENS, timeout=5.0)
     try:
+        yield ws, meta
+    finally:
+        c.moe_a2a_release(ws)
+
+
+@contextlib.contextmanager
+def _one_rank(daemon, name):
+    """:func:`_caller_rank`'s workspace and a one-rank MoeAlltoAll of a daemon job, both
+    released at the end."""
+    import a2ad.client as c
+
+    with _caller_rank() as (ws, meta):
         a2a = c.MoeAlltoAll(Mapping(0, 1), MAX_TOKENS, TOP_K, NUM_EXPERTS, hidden_size=HIDDEN, job=job_name(name),
                             runtime_dir=str(daemon.runtime_dir), timeout=20.0)
         try:
             yield ws, meta, a2a
         finally:
             a2a.close()
-    finally:
-        c.moe_a2a_release(ws)
 
 
 def test_host_backend_names_the_token_and_the_id_out_of_range(daemon):
@@ -96,9 +105,7 @@ def test_a_dispatch_into_the_previous_combine_region_is_refused():
     rank stays idle, its next dispatch of the sized rows served."""
     import a2ad.client as c
 
-    ws = _workspace(1)
-    meta = c.moe_a2a_initialize(ws, 0, 1, MAX_TOKENS, timeout=5.0)
-    try:
+    with _caller_rank() as (ws, meta):
         rt, inputs, _, _ = _round(1720, 1, tokens=[MAX_TOKENS])
         mine = inputs[0]
         args = (ws, meta, rt, 0, 1, TOP_K, NUM_EXPERTS)
@@ -118,8 +125,6 @@ def test_a_dispatch_into_the_previous_combine_region_is_refused():
         assert torch.equal(recv[0][0, :MAX_TOKENS], mine.hidden)
         out = c.moe_a2a_combine(recv[0], MAX_TOKENS, ws, meta, rt, 0, 1, TOP_K, off)
         assert out.shape == (MAX_TOKENS, HIDDEN)
-    finally:
-        c.moe_a2a_release(ws)
 
 
 def test_a_combine_payload_that_is_no_tensor_is_named(daemon):
