@@ -280,24 +280,33 @@ __device__ __forceinline__ void stage_rows_fp8(const CombineParams& p, const int
   const int word_lane0 = 16 * (lane & 1), word_shift = 8 * ((lane >> 1) & 3);
   for (int s = 0; s < ep; ++s) {
     if (s == me) continue;
-    int rows = all_slots ? p.rt : ld_volatile(recv + s);
-    rows = rows < 0 ? 0 : rows > p.rt ? p.rt : rows;
-    const uint32_t n = static_cast<uint32_t>(rows) * per_row;
+    const int got = all_slots ? p.rt : ld_volatile(recv + s);
     const uint8_t* src = p.payload + (int64_t)s * p.rt * row16;
     uint8_t* dst = region + (int64_t)s * p.rt * row8;
     // rotate the warps per source so that small copies spread over the grid
     const uint32_t w = (warp_id + static_cast<uint32_t>(s) * (nwarps / static_cast<uint32_t>(ep))) % nwarps;
-#pragma unroll 1
-    for (uint32_t item = w; item < n; item += nwarps) {
+    // The units of an item (a chunk of row j) into v, zeros past the row.
+    auto load = [&](uint32_t item, uint4* v) {
       const uint32_t j = item / per_row, e0 = (item - j * per_row) * kChunkUnits;
       const uint4* src_row = reinterpret_cast<const uint4*>(src + (int64_t)j * row16);
-      uint8_t* dst_row = dst + (int64_t)j * row8;
-      uint4 v[kQ];
 #pragma unroll
       for (int u = 0; u < kQ; ++u) {
         const uint32_t e8 = e0 + u * 32 + lane;
         v[u] = e8 < U ? src_row[e8] : make_uint4(0, 0, 0, 0);
       }
+    };
+    // The warp's first item is loaded before the received count is in (a cold load where
+    // not every slot is staged; as in stage_rows, every slot lies in the payload, and an item
+    // past the received rows is dropped).
+    uint4 v[kQ] = {};
+    if (w < static_cast<uint32_t>(p.rt) * per_row) load(w, v);
+    const int rows = got < 0 ? 0 : got > p.rt ? p.rt : got;
+    const uint32_t n = static_cast<uint32_t>(rows) * per_row;
+#pragma unroll 1
+    for (uint32_t item = w; item < n; item += nwarps) {
+      const uint32_t j = item / per_row, e0 = (item - j * per_row) * kChunkUnits;
+      uint8_t* dst_row = dst + (int64_t)j * row8;
+      if (item != w) load(item, v);
       uint32_t kbytes = 0;  // this lane's scale byte of each unit round u (byte u; 0 past the row)
 #pragma unroll
       for (int u = 0; u < kQ; ++u) {
@@ -685,12 +694,43 @@ __device__ __forceinline__ void stage_rows(const CombineParams& p, const int* re
   const uint32_t stride = nthreads / static_cast<uint32_t>(ep);
   for (int s = 0; s < ep; ++s) {
     if (s == me) continue;
-    int rows = all_slots ? p.rt : ld_volatile(recv + s);
-    rows = rows < 0 ? 0 : rows > p.rt ? p.rt : rows;
     const int64_t off = (int64_t)s * p.rt * row_bytes;
     // rotate the threads per source so that small copies spread over the grid
     const uint32_t my = (tid + static_cast<uint32_t>(s) * stride) % nthreads;
-    copy_bytes<kCopyUnroll, true>(region + off, p.payload + off, rows * row_bytes, my, nthreads);
+    if constexpr (kVec) {
+      // Not every slot (that copy returned above): the received count is a cold load (asked
+      // of L2 at entry, still on its way). Each thread issues the loads of its first
+      // kCopyUnroll vectors of the source's slots before it has the count, and stores those
+      // within the received rows once it has it: the count's latency overlaps the payload's
+      // instead of coming before it. (Every slot lies in the payload, which the all-slots
+      // copy reads whole; what lies past the received rows is read and dropped.)
+      const int64_t slots = (int64_t)p.rt * row_bytes / 16;
+      const uint4* src = reinterpret_cast<const uint4*>(p.payload + off);
+      uint4* dst = reinterpret_cast<uint4*>(region + off);
+      const int got = ld_volatile(recv + s);
+      uint4 r[kCopyUnroll];
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int64_t i = my + (int64_t)u * nthreads;
+        r[u] = i < slots ? src[i] : make_uint4(0, 0, 0, 0);
+      }
+      const int rows = got < 0 ? 0 : got > p.rt ? p.rt : got;
+      const int64_t n = rows * row_bytes / 16;
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int64_t i = my + (int64_t)u * nthreads;
+        if (i < n) dst[i] = r[u];
+      }
+      const int64_t done = (int64_t)kCopyUnroll * nthreads;
+      if (n > done) {
+        copy_vectors<uint4, kCopyUnroll, true>(region + off + 16 * done, p.payload + off + 16 * done, n - done, my,
+                                               nthreads);
+      }
+    } else {
+      int rows = all_slots ? p.rt : ld_volatile(recv + s);
+      rows = rows < 0 ? 0 : rows > p.rt ? p.rt : rows;
+      copy_bytes<kCopyUnroll, true>(region + off, p.payload + off, rows * row_bytes, my, nthreads);
+    }
   }
 }
 

@@ -665,3 +665,71 @@ def test_fp8_staged_rows_are_quantize_fp8(make_job, in_workspace, ep_size, hidde
             assert want.shape == (n, row8)
             bad = (fp8[s, :n] != want).any(1).nonzero().flatten().tolist()
             assert not bad, f"rank {r}: FP8 rows {bad} staged for source {s} differ from quantize_fp8"
+
+#: A plain staging of more bytes than this (csrc/combine.cu, kStageAllSlotsBytes) copies only the
+#: rows each source sent (RECV_COUNTERS), not every slot.
+STAGE_ALL_SLOTS_BYTES = 1 << 20
+
+
+@pytest.mark.parametrize("low_precision", [False, True], ids=["bf16", "fp8"])
+def test_plain_staging_stores_exactly_the_received_rows(make_job, low_precision):
+    """A plain combine that stages more than every slot's worth allows copies, for each source s,
+    the rows s sent (RECV_COUNTERS), its first loads issued before that count is in: what they
+    read past it is dropped. Uneven token counts (a rank that sends nothing, one that sends a
+    few, rt > T), two rounds with the counts moved between ranks: each rank's combine region
+    (bf16, or the FP8 region) holds the payload's rows [0, n) of every other source s, as
+    host_plane.quantize_fp8 gives them for FP8, and its slots past n keep what they held before
+    the round; the outputs match the reference (FP8: bit for bit its definition)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from a2ad.client.host_plane import quantize_fp8
+
+    ep_size, top_k, E, hidden, rt = 4, 4, 16, 2048, 128
+    assert STAGE_ALL_SLOTS_BYTES < (ep_size - 1) * rt * 2 * hidden < 16 << 20  # neither every slot nor overlapped
+    row8 = L.fp8_row_bytes(hidden)
+    job = make_job(ep_size, rt, top_k, E, 2 * hidden + 4 * top_k, 2 * hidden + row8)
+    pl = job.layout(rt, [2 * hidden, 4 * top_k], 2 * hidden)
+    if low_precision:
+        off, width = L.fp8_combine_offset(pl, ep_size, hidden, False), row8
+    else:
+        off, width = pl.combine_offset, 2 * hidden
+    sentinel = 0x5A
+    for tokens in ([rt, 5, 0, 77], [0, rt - 1, 77, 5]):
+        e = [rand_experts(t, top_k, E) for t in tokens]
+        x = [torch.randn(t, hidden, device="cuda").bfloat16() for t in tokens]
+        for r in range(ep_size):
+            job.region(r, off, width).fill_(sentinel)
+        payload = {}
+
+        def step(r):
+            job.planes[r].dispatch(e[r], [x[r].view(torch.uint8), e[r].view(torch.uint8)], rt, pl, E)
+            recv = job.region(r, pl.dispatch_offsets[0], 2 * hidden).view(torch.bfloat16)
+            payload[r] = (recv.float() * expert_weight(r)).bfloat16()
+            return job.planes[r].combine(payload[r], tokens[r], rt, pl, False, low_precision=low_precision)
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            outs = job.on_ranks(step)
+            job.join()
+            torch.cuda.synchronize()
+        assert combine_paths(prof) == [1] * ep_size, f"tokens {tokens}: not the plain combine"
+        want_fp8 = _fp8_reference(job, e, x) if low_precision else None
+        for r in range(ep_size):
+            job.planes[r].check()
+            region = job.region(r, off, width).cpu()
+            counts = job.recv_counts(r)
+            src = payload[r].cpu()
+            for s in range(ep_size):
+                if s == r:
+                    continue
+                n = counts[s].item()
+                assert n == sum(1 for tg in routes(e[s].cpu(), E, ep_size) if r in tg), (tokens, r, s)
+                want = quantize_fp8(src[s, :n]) if low_precision else src[s, :n].contiguous().view(torch.uint8)
+                assert torch.equal(region[s, :n], want), f"tokens {tokens}: rank {r}, the rows staged for source {s}"
+                assert bool((region[s, n:] == sentinel).all()), (
+                    f"tokens {tokens}: rank {r} wrote slots past the {n} rows source {s} sent")
+            assert outs[r].shape == (tokens[r], hidden)
+            if low_precision:
+                assert torch.equal(outs[r].cpu(), want_fp8[r]), f"tokens {tokens}: rank {r}, FP8 combine"
+            else:
+                close(outs[r], combine_reference(job, e[r], x[r]), torch.bfloat16)
+
