@@ -620,6 +620,14 @@ def test_caller_mask_dispatch_bytes_and_untouched_row(make_job, device_mask):
     assert torch.equal(job.ws[3].cpu(), row3), "the excluded rank's row was written by the combine"
 
 
+def _staged_sources(job, r, payload):
+    """For every source s != r of rank r: (s, the rows s sent to r (RECV_COUNTERS), rank r's
+    combine payload rows of s on the CPU): what r's staging copies for s."""
+    counts = job.recv_counts(r)
+    src = payload.cpu()
+    return [(s, counts[s].item(), src[s]) for s in range(job.ep_size) if s != r]
+
+
 @pytest.mark.parametrize("in_workspace", [False, True], ids=["staged", "in-workspace"])
 # (T: a round too big for the FP8 combine lines, layout.combine_lines_bytes > COMBINE_LINES_FP8_BYTES:
 # only such a round stages FP8 rows into the FP8 region; a smaller one stages them as lines,
@@ -655,13 +663,8 @@ def test_fp8_staged_rows_are_quantize_fp8(make_job, in_workspace, ep_size, hidde
         job.planes[r].check_input()
         off = L.fp8_combine_offset(pl, ep_size, hidden, in_workspace)
         fp8 = job.ws[r, off : off + ep_size * T * row8].view(ep_size, T, row8).cpu()
-        counts = job.recv_counts(r)
-        src = payload[r].cpu()
-        for s in range(ep_size):
-            if s == r:
-                continue
-            n = counts[s].item()
-            want = quantize_fp8(src[s, :n])
+        for s, n, src in _staged_sources(job, r, payload[r]):
+            want = quantize_fp8(src[:n])
             assert want.shape == (n, row8)
             bad = (fp8[s, :n] != want).any(1).nonzero().flatten().tolist()
             assert not bad, f"rank {r}: FP8 rows {bad} staged for source {s} differ from quantize_fp8"
@@ -716,14 +719,9 @@ def test_plain_staging_stores_exactly_the_received_rows(make_job, low_precision)
         for r in range(ep_size):
             job.planes[r].check()
             region = job.region(r, off, width).cpu()
-            counts = job.recv_counts(r)
-            src = payload[r].cpu()
-            for s in range(ep_size):
-                if s == r:
-                    continue
-                n = counts[s].item()
+            for s, n, src in _staged_sources(job, r, payload[r]):
                 assert n == sum(1 for tg in routes(e[s].cpu(), E, ep_size) if r in tg), (tokens, r, s)
-                want = quantize_fp8(src[s, :n]) if low_precision else src[s, :n].contiguous().view(torch.uint8)
+                want = quantize_fp8(src[:n]) if low_precision else src[:n].contiguous().view(torch.uint8)
                 assert torch.equal(region[s, :n], want), f"tokens {tokens}: rank {r}, the rows staged for source {s}"
                 assert bool((region[s, n:] == sentinel).all()), (
                     f"tokens {tokens}: rank {r} wrote slots past the {n} rows source {s} sent")
