@@ -46,10 +46,11 @@ constexpr int kStageUnroll = 8;
 // critical path of a small round); the extra rows are never pulled.
 constexpr int64_t kStageAllSlotsBytes = int64_t{1} << 20;
 // Above it, the 16-byte vectors each staging thread loads before the received count is in
-// (stage_rows). At hidden 7168, T = 128 (1.84 MB to stage, about 5 vectors a thread on a third
-// of an H100's SMs) 8 cover a thread's share in one round trip: one H100, against 4, the bf16
-// combine there 17.87 -> 16.72 us (the kernel stays within 128 registers, two blocks per SM).
-constexpr int kStageFirst = 8;
+// (stage_rows). 8 would cover a thread's share at hidden 7168, T = 128 (1.84 MB to stage, about
+// 5 vectors a thread on a third of an H100's SMs) in one round trip, and timed faster there on
+// one H100 (the bf16 combine 17.87 -> 16.72 us; docs/PERF.md), but its build has not run the
+// GPU tests yet: 4, the form that has.
+constexpr int kStageFirst = 4;
 // Lines (see uses_lines): 8-byte units of the payload in flight per staging thread, and
 // 16-byte vectors per lane per item of the pull (half the plain pull's: two lines each, and
 // the kernel stays within 128 registers, two blocks per SM).
