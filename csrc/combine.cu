@@ -46,11 +46,10 @@ constexpr int kStageUnroll = 8;
 // critical path of a small round); the extra rows are never pulled.
 constexpr int64_t kStageAllSlotsBytes = int64_t{1} << 20;
 // Above it, the 16-byte vectors each staging thread loads before the received count is in
-// (stage_rows). 8 would cover a thread's share at hidden 7168, T = 128 (1.84 MB to stage, about
-// 5 vectors a thread on a third of an H100's SMs) in one round trip, and timed faster there on
-// one H100 (the bf16 combine 17.87 -> 16.72 us; docs/PERF.md), but its build has not run the
-// GPU tests yet: 4, the form that has.
-constexpr int kStageFirst = 4;
+// (stage_rows): 8 cover a thread's share at hidden 7168, T = 128 (1.84 MB to stage, about 5
+// vectors a thread on a third of an H100's SMs) in one round trip, where 4 left a second one
+// (the bf16 combine 17.87 -> 16.72 us on one H100; docs/PERF.md).
+constexpr int kStageFirst = 8;
 // Lines (see uses_lines): 8-byte units of the payload in flight per staging thread, and
 // 16-byte vectors per lane per item of the pull (half the plain pull's: two lines each, and
 // the kernel stays within 128 registers, two blocks per SM).

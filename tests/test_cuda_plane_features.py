@@ -675,7 +675,11 @@ STAGE_ALL_SLOTS_BYTES = 1 << 20
 
 
 @pytest.mark.parametrize("low_precision", [False, True], ids=["bf16", "fp8"])
-def test_plain_staging_stores_exactly_the_received_rows(make_job, low_precision):
+# (hidden 2048: every staging thread's or warp's share is loaded before the count; 7168: a bf16
+# thread has more vectors than it loads before the count, an FP8 warp more items than two, so
+# the copy after the count and the FP8 staging's pipelined loads run too)
+@pytest.mark.parametrize("hidden", [2048, 7168], ids=["h2048", "h7168"])
+def test_plain_staging_stores_exactly_the_received_rows(make_job, low_precision, hidden):
     """A plain combine that stages more than every slot's worth allows copies, for each source s,
     the rows s sent (RECV_COUNTERS), its first loads issued before that count is in: what they
     read past it is dropped. Uneven token counts (a rank that sends nothing, one that sends a
@@ -687,7 +691,7 @@ def test_plain_staging_stores_exactly_the_received_rows(make_job, low_precision)
 
     from a2ad.client.host_plane import quantize_fp8
 
-    ep_size, top_k, E, hidden, rt = 4, 4, 16, 2048, 128
+    ep_size, top_k, E, rt = 4, 4, 16, 128
     assert STAGE_ALL_SLOTS_BYTES < (ep_size - 1) * rt * 2 * hidden < 16 << 20  # neither every slot nor overlapped
     row8 = L.fp8_row_bytes(hidden)
     job = make_job(ep_size, rt, top_k, E, 2 * hidden + 4 * top_k, 2 * hidden + row8)
