@@ -21,12 +21,11 @@ import argparse
 import cProfile
 import io
 import pstats
-import shutil
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
+
+from _eager_pair import eager_pair
 
 
 def positive(text: str) -> int:
@@ -61,44 +60,9 @@ def main() -> int:
         print("profile-eager: no CUDA GPU here; --backend host profiles the host backend", file=sys.stderr)
         return 2
 
-    from a2ad.client import MoeAlltoAll
-    from a2ad.tools.launcher import DaemonLauncher
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
-    folder = Path(tempfile.mkdtemp(prefix="a2ad-prof-"))
-    daemon = DaemonLauncher(folder / "rt", "--backend", args.backend).start()
-    try:
-        class Mapping:
-            moe_ep_rank, moe_ep_size = 0, 1
-
-        T, H, K = args.tokens, args.hidden, args.top_k
-        a2a = MoeAlltoAll(Mapping(), T, K, args.experts, hidden_size=H, job="profile", runtime_dir=daemon.runtime_dir)
-        dev = a2a.workspace.device
-        experts = torch.randint(0, args.experts, (T, K), dtype=torch.int32, device=dev)
-        hidden = torch.randn(T, H, device=dev).to(torch.bfloat16)
-        scales = torch.rand(T, K, device=dev)
-        payloads = [hidden, experts, scales]
-        ref = torch.zeros(T, H, device=dev, dtype=torch.bfloat16)
-
-        def pair():
-            recv = a2a.dispatch(experts, payloads, T)
-            return a2a.combine(recv[0], T)
-
-        def reference():
-            ref.add_(1.0)
-            ref.mul_(0.5)
-
-        def timed(fn, n):
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            sync()
-            return time.perf_counter() - t0
-
+    T, H, K = args.tokens, args.hidden, args.top_k
+    with eager_pair(args.backend, T, H, K, args.experts) as job:
+        pair, reference, sync, timed = job.pair, job.reference, job.sync, job.timed
         for _ in range(200):
             pair()
             reference()
@@ -146,17 +110,13 @@ def main() -> int:
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
             print(out.getvalue())
-        a2a.close()
-        graph_part = (f"graph replay of the pair {replay:.2f} us, eager - graph {eager - replay:+.2f} us"
-                      if replay is not None else "no graph replay (host backend)")
-        print(f"one rank, T={T}, hidden={H}, top_k={K}, backend {args.backend}: eager pair {eager:.2f} us "
-              f"(host issue {host:.2f} us), {graph_part}")
-        print(f"reference (two in-place torch ops on a [{T}, {H}] bf16 tensor of the pair's device): "
-              f"{statistics.median(ref_us):.2f} us; eager pair / reference {statistics.median(ratios):.3f} "
-              f"(median of {len(ratios)} batches; batch ratios {min(ratios):.3f}-{max(ratios):.3f})")
-    finally:
-        daemon.stop()
-        shutil.rmtree(folder, ignore_errors=True)
+    graph_part = (f"graph replay of the pair {replay:.2f} us, eager - graph {eager - replay:+.2f} us"
+                  if replay is not None else "no graph replay (host backend)")
+    print(f"one rank, T={T}, hidden={H}, top_k={K}, backend {args.backend}: eager pair {eager:.2f} us "
+          f"(host issue {host:.2f} us), {graph_part}")
+    print(f"reference (two in-place torch ops on a [{T}, {H}] bf16 tensor of the pair's device): "
+          f"{statistics.median(ref_us):.2f} us; eager pair / reference {statistics.median(ratios):.3f} "
+          f"(median of {len(ratios)} batches; batch ratios {min(ratios):.3f}-{max(ratios):.3f})")
     return 0
 
 

@@ -1,0 +1,73 @@
+"""The eager pair that scripts/profile-eager.py and scripts/eager-ab.py time: a one-rank job
+(it needs no peer, so the figures are the client's own) on a daemon of its own, one
+MoeAlltoAll.dispatch + combine of T tokens, and a reference of the same kind of host work
+(two in-place torch ops on a tensor of the pair's device: two launches through torch's
+dispatcher on CUDA).
+
+Only the public client API is used (MoeAlltoAll, DaemonLauncher), so that eager-ab.py can run
+it against an installed package of another tree."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+
+@contextlib.contextmanager
+def eager_pair(backend: str, tokens: int, hidden: int, top_k: int, experts: int):
+    """Yields a namespace: ``pair()``, ``reference()``, ``sync()``, ``timed(fn, n)`` (seconds for
+    n calls of fn, synchronized before and after) and ``a2a``. The job and its daemon end on
+    exit."""
+    import torch
+
+    from a2ad.client import MoeAlltoAll
+    from a2ad.tools.launcher import DaemonLauncher
+
+    cuda = backend == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    folder = Path(tempfile.mkdtemp(prefix="a2ad-eager-"))
+    daemon = DaemonLauncher(folder / "rt", "--backend", backend).start()
+    try:
+        class Mapping:
+            moe_ep_rank, moe_ep_size = 0, 1
+
+        T, H, K = tokens, hidden, top_k
+        a2a = MoeAlltoAll(Mapping(), T, K, experts, hidden_size=H, job="profile", runtime_dir=daemon.runtime_dir)
+        try:
+            dev = a2a.workspace.device
+            ids = torch.randint(0, experts, (T, K), dtype=torch.int32, device=dev)
+            x = torch.randn(T, H, device=dev).to(torch.bfloat16)
+            scales = torch.rand(T, K, device=dev)
+            payloads = [x, ids, scales]
+            ref = torch.zeros(T, H, device=dev, dtype=torch.bfloat16)
+
+            def pair():
+                recv = a2a.dispatch(ids, payloads, T)
+                return a2a.combine(recv[0], T)
+
+            def reference():
+                ref.add_(1.0)
+                ref.mul_(0.5)
+
+            def timed(fn, n):
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                sync()
+                return time.perf_counter() - t0
+
+            yield SimpleNamespace(pair=pair, reference=reference, sync=sync, timed=timed, a2a=a2a)
+        finally:
+            a2a.close()
+    finally:
+        daemon.stop()
+        shutil.rmtree(folder, ignore_errors=True)
