@@ -9,12 +9,29 @@ it against an installed package of another tree."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import shutil
 import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def add_pair_arguments(ap: argparse.ArgumentParser, backend_help: str) -> None:
+    """The pair's arguments: --backend, --tokens, --hidden, --top-k, --experts."""
+    ap.add_argument("--backend", choices=["cuda", "host"], default="cuda", help=backend_help)
+    ap.add_argument("--tokens", type=positive, default=1)
+    ap.add_argument("--hidden", type=positive, default=7168)
+    ap.add_argument("--top-k", type=positive, default=8)
+    ap.add_argument("--experts", type=positive, default=256)
 
 
 @contextlib.contextmanager

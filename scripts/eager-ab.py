@@ -32,15 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from _eager_pair import add_pair_arguments, eager_pair, positive
+
 READY_TIMEOUT_S = 300.0  # a worker's start: CUDA, its daemon, the job, the JIT-built extension
 ROUND_TIMEOUT_S = 120.0  # one batch of pairs and one of the reference
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def assignments(text: str) -> dict[str, str]:
@@ -58,9 +53,6 @@ def assignments(text: str) -> dict[str, str]:
 def worker(backend: str, tokens: int, hidden: int, top_k: int, experts: int) -> int:
     """Set the pair up, say "ready", then answer "run N FIRST" with the seconds of N pairs and of
     N references (FIRST 1: the reference first), until "quit" or end of input."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _eager_pair import eager_pair
-
     with eager_pair(backend, tokens, hidden, top_k, experts) as job:
         for _ in range(200):
             job.pair()
@@ -149,12 +141,7 @@ def main() -> int:
     ap.add_argument("--worker", nargs=5, metavar=("BACKEND", "T", "HIDDEN", "TOP_K", "EXPERTS"), help=argparse.SUPPRESS)
     ap.add_argument("--a-env", type=assignments, default={}, help="K=V words for side A (default: none)")
     ap.add_argument("--b-env", type=assignments, default={}, help="K=V words for side B (default: none)")
-    ap.add_argument("--backend", choices=["cuda", "host"], default="cuda",
-                    help="the daemons' memory backend: cuda (default; one GPU) or host (no GPU)")
-    ap.add_argument("--tokens", type=positive, default=1)
-    ap.add_argument("--hidden", type=positive, default=7168)
-    ap.add_argument("--top-k", type=positive, default=8)
-    ap.add_argument("--experts", type=positive, default=256)
+    add_pair_arguments(ap, "the daemons' memory backend: cuda (default; one GPU) or host (no GPU)")
     ap.add_argument("--rounds", type=positive, default=40, help="rounds, each a batch in A and one in B (default 40)")
     ap.add_argument("--pairs", type=positive, default=400, help="pairs in each batch (default 400)")
     ap.add_argument("--cpu", type=int, default=None,

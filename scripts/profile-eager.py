@@ -25,24 +25,12 @@ import statistics
 import sys
 import time
 
-from _eager_pair import eager_pair
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+from _eager_pair import add_pair_arguments, eager_pair, positive
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", choices=["cuda", "host"], default="cuda",
-                    help="the daemon's memory backend: cuda (default; one GPU) or host (no GPU; no graph replay)")
-    ap.add_argument("--tokens", type=positive, default=1)
-    ap.add_argument("--hidden", type=positive, default=7168)
-    ap.add_argument("--top-k", type=positive, default=8)
-    ap.add_argument("--experts", type=positive, default=256)
+    add_pair_arguments(ap, "the daemon's memory backend: cuda (default; one GPU) or host (no GPU; no graph replay)")
     ap.add_argument("--pairs", type=positive, default=2000, help="pairs timed (split over the batches), and profiled")
     ap.add_argument("--batches", type=positive, default=10,
                     help="batches of eager pairs, each timed beside a batch of the reference (default 10)")
