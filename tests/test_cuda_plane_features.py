@@ -676,8 +676,8 @@ STAGE_ALL_SLOTS_BYTES = 1 << 20
 
 @pytest.mark.parametrize("low_precision", [False, True], ids=["bf16", "fp8"])
 # (hidden 2048: every staging thread's or warp's share is loaded before the count; 7168: a bf16
-# thread has more vectors than it loads before the count, an FP8 warp more items than two, so
-# the copy after the count and the FP8 staging's pipelined loads run too)
+# thread has more vectors than the 8 it loads before the count, an FP8 warp two or three items,
+# of which only the first is loaded before it, so the copies after the count run too)
 @pytest.mark.parametrize("hidden", [2048, 7168], ids=["h2048", "h7168"])
 def test_plain_staging_stores_exactly_the_received_rows(make_job, low_precision, hidden):
     """A plain combine that stages more than every slot's worth allows copies, for each source s,
