@@ -305,7 +305,7 @@ __device__ __forceinline__ void stage_rows_fp8(const CombineParams& p, const int
     // past the received rows is dropped).
     uint4 v[kQ] = {};
     if (w < static_cast<uint32_t>(p.rt) * per_row) load(w, v);
-    const int rows = got < 0 ? 0 : got > p.rt ? p.rt : got;
+    const int rows = received_rows(got, p.rt);
     const uint32_t n = static_cast<uint32_t>(rows) * per_row;
 #pragma unroll 1
     for (uint32_t item = w; item < n; item += nwarps) {
@@ -719,7 +719,7 @@ __device__ __forceinline__ void stage_rows(const CombineParams& p, const int* re
         const int64_t i = my + (int64_t)u * nthreads;
         r[u] = i < slots ? src[i] : make_uint4(0, 0, 0, 0);
       }
-      const int rows = got < 0 ? 0 : got > p.rt ? p.rt : got;
+      const int rows = received_rows(got, p.rt);
       const int64_t n = rows * row_bytes / 16;
 #pragma unroll
       for (int u = 0; u < kStageFirst; ++u) {
@@ -732,8 +732,7 @@ __device__ __forceinline__ void stage_rows(const CombineParams& p, const int* re
                                                nthreads);
       }
     } else {
-      int rows = all_slots ? p.rt : ld_volatile(recv + s);
-      rows = rows < 0 ? 0 : rows > p.rt ? p.rt : rows;
+      const int rows = received_rows(all_slots ? p.rt : ld_volatile(recv + s), p.rt);
       copy_bytes<kCopyUnroll, true>(region + off, p.payload + off, rows * row_bytes, my, nthreads);
     }
   }
@@ -748,8 +747,7 @@ __device__ __forceinline__ void stage_rows_indexed(const CombineParams& p, const
   const int64_t nvec = row_bytes / 16;
   for (int s = 0; s < ep; ++s) {
     if (s == me) continue;
-    int rows = ld_volatile(recv + s);
-    rows = rows < 0 ? 0 : rows > p.rt ? p.rt : rows;
+    const int rows = received_rows(ld_volatile(recv + s), p.rt);
     // rotate the warps per source so that small copies spread over the grid
     const uint32_t w = (warp_id + static_cast<uint32_t>(s) * (nwarps / static_cast<uint32_t>(ep))) % nwarps;
 #pragma unroll 1

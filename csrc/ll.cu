@@ -116,8 +116,7 @@ __global__ void __launch_bounds__(kLlThreads) ll_pack_kernel(LlPackParams p) {
 // slot keys and numbers; E = lx * ep, key = le * ep + s.
 // -------------------------------------------------------------------------------------------
 __device__ __forceinline__ int received(const LlArrangeParams& p, int s) {
-  const int n = p.counts[s];
-  return n < 0 ? 0 : (n > p.rt ? p.rt : n);
+  return received_rows(p.counts[s], p.rt);
 }
 
 // The key of slot j of source s (-1: not received, or not for one of this rank's experts).

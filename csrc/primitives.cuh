@@ -149,6 +149,10 @@ __device__ __forceinline__ void cluster_wait() {
 
 __device__ __forceinline__ int ld_volatile(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
 
+// A received count as a number of rows: [0, rt] (a count out of range moves nothing past the
+// source's rt slots).
+__device__ __forceinline__ int received_rows(int count, int rt) { return count < 0 ? 0 : count > rt ? rt : count; }
+
 // Ask L2 for the 32-byte sectors of [p, p + bytes), lane `lane` of `lanes` taking every
 // lanes-th sector. For the few words a kernel later hits with an atomic or a dependent
 // read: asked for at entry, their HBM fetch overlaps the kernel's first loads instead
