@@ -290,9 +290,13 @@ __device__ __forceinline__ void stage_rows_fp8(const CombineParams& p, const int
     uint8_t* dst = region + (int64_t)s * p.rt * row8;
     // rotate the warps per source so that small copies spread over the grid
     const uint32_t w = (warp_id + static_cast<uint32_t>(s) * (nwarps / static_cast<uint32_t>(ep))) % nwarps;
-    // The units of an item (a chunk of row j) into v, zeros past the row.
-    auto load = [&](uint32_t item, uint4* v) {
-      const uint32_t j = item / per_row, e0 = (item - j * per_row) * kChunkUnits;
+    // An item: a chunk of row j, its units from e0.
+    auto chunk_of = [&](uint32_t item, uint32_t* j, uint32_t* e0) {
+      *j = item / per_row;
+      *e0 = (item - *j * per_row) * kChunkUnits;
+    };
+    // The units of the chunk of row j from e0 into v, zeros past the row.
+    auto load = [&](uint32_t j, uint32_t e0, uint4* v) {
       const uint4* src_row = reinterpret_cast<const uint4*>(src + (int64_t)j * row16);
 #pragma unroll
       for (int u = 0; u < kQ; ++u) {
@@ -304,14 +308,19 @@ __device__ __forceinline__ void stage_rows_fp8(const CombineParams& p, const int
     // not every slot is staged; as in stage_rows, every slot lies in the payload, and an item
     // past the received rows is dropped).
     uint4 v[kQ] = {};
-    if (w < static_cast<uint32_t>(p.rt) * per_row) load(w, v);
+    if (w < static_cast<uint32_t>(p.rt) * per_row) {
+      uint32_t j, e0;
+      chunk_of(w, &j, &e0);
+      load(j, e0, v);
+    }
     const int rows = received_rows(got, p.rt);
     const uint32_t n = static_cast<uint32_t>(rows) * per_row;
 #pragma unroll 1
     for (uint32_t item = w; item < n; item += nwarps) {
-      const uint32_t j = item / per_row, e0 = (item - j * per_row) * kChunkUnits;
+      uint32_t j, e0;
+      chunk_of(item, &j, &e0);
       uint8_t* dst_row = dst + (int64_t)j * row8;
-      if (item != w) load(item, v);
+      if (item != w) load(j, e0, v);
       uint32_t kbytes = 0;  // this lane's scale byte of each unit round u (byte u; 0 past the row)
 #pragma unroll
       for (int u = 0; u < kQ; ++u) {
