@@ -481,6 +481,10 @@ def test_one_token_from_a_cluster(make_job, ep_size, budget, hidden, dtype):
             close(outs[r], combine_reference(job, experts[r], xs[r]), dtype)
             job.planes[r].check()
             check_ready_words(job, r, 8)
+            if job.lines_tail:  # every source's digest line of this round, in every row
+                rounds, got = digest_lines(job, r)
+                assert (rounds == job.flag_val(r) - 1).all() and got == [L.spec_digest(pl.spec)] * ep_size, (
+                    what, r, rounds.tolist(), got)
             if reported is not None:
                 with pytest.raises(errors.InputError) as ei:
                     job.planes[r].check_input()
@@ -605,6 +609,15 @@ def ready_word_high(count, rt, max_tokens):
     """The high half of a dispatch ready word: rt * (max_tokens + 1) + count when that fits
     32 bits for every rt and count (max_tokens <= 65535), else the count alone."""
     return rt * (max_tokens + 1) + count if (max_tokens + 1) ** 2 <= 1 << 32 else count
+
+
+def digest_lines(job, r):
+    """Rank r's dispatch digest lines (layout.DISPATCH_DIGESTS_OFFSET of its lines tail), one per
+    source: ([ep_size, 2] rounds of the two words, [ep_size] digests from their low halves)."""
+    a = L.DISPATCH_DIGESTS_OFFSET
+    words = job.tail(r)[a : a + 16 * job.ep_size].view(torch.int64).cpu().view(job.ep_size, 2)
+    lo = (words & 0xFFFFFFFF).tolist()
+    return (words >> 32) & 0xFFFFFFFF, [lo[s][0] | lo[s][1] << 32 for s in range(job.ep_size)]
 
 
 def check_ready_words(job, r, rt):

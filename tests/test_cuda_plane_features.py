@@ -15,6 +15,7 @@ from test_cuda_kernels import (  # noqa: F401  (make_job is a fixture)
     check_dispatch,
     combine_paths,
     combine_reference,
+    digest_lines,
     expert_weight,
     make_job,
     owners,
@@ -53,15 +54,6 @@ def _good_round(job, T=8, hidden=64):
     for r in range(job.ep_size):
         close(outs[r], combine_reference(job, e[r], x[r]), torch.bfloat16)
         job.planes[r].check_input()
-
-
-def _digest_lines(job, r):
-    """Rank r's dispatch digest lines (layout.DISPATCH_DIGESTS_OFFSET of its lines tail), one per
-    source: ([ep_size, 2] rounds of the two words, [ep_size] digests from their low halves)."""
-    a = L.DISPATCH_DIGESTS_OFFSET
-    words = job.tail(r)[a : a + 16 * job.ep_size].view(torch.int64).cpu().view(job.ep_size, 2)
-    lo = (words & 0xFFFFFFFF).tolist()
-    return (words >> 32) & 0xFFFFFFFF, [lo[s][0] | lo[s][1] << 32 for s in range(job.ep_size)]
 
 
 def _masked_step(job, e, x, pl, E, T, mask):
@@ -117,7 +109,7 @@ def test_payload_width_mismatch_raises_on_every_rank(make_job, ep_size, lines_ta
         digests = [L.spec_digest(pl.spec) for pl in pls]
         assert digests[0] != digests[1]
         for r in range(ep_size):
-            rounds, got = _digest_lines(job, r)
+            rounds, got = digest_lines(job, r)
             assert (rounds == L.INITIAL_ROUND).all() and got == digests, f"rank {r}: digest lines {got}"
     words = {0: ["input_payloads[0] bytes per token", "this rank 14", "16"]}
     for r in range(1, ep_size):
@@ -138,7 +130,7 @@ def test_dispatch_digests_carry_the_round_and_the_descriptor(make_job):
     assert job.lines_tail
     job.rt = T
     for r in range(ep):
-        rounds, _ = _digest_lines(job, r)
+        rounds, _ = digest_lines(job, r)
         assert not rounds.any(), f"rank {r}: digest lines before the first round"
     plain = L.payload_layout(job.aux, job.size, T, [2 * hidden, 4 * top_k], 2 * hidden)
     typed = L.payload_layout(job.aux, job.size, T, [2 * hidden, 4 * top_k], 2 * hidden,
@@ -153,7 +145,7 @@ def test_dispatch_digests_carry_the_round_and_the_descriptor(make_job):
         for r in range(ep):
             job.planes[r].check_input()
             close(outs[r], combine_reference(job, e[r], x[r]), torch.bfloat16)
-            rounds, got = _digest_lines(job, r)
+            rounds, got = digest_lines(job, r)
             assert (rounds == R).all(), f"round {R}, rank {r}: digest line rounds {rounds.tolist()}"
             assert got == [L.spec_digest(pl.spec)] * ep, f"round {R}, rank {r}: digests {got}"
     # round 3 on ranks 0 and 1 only (rank 2 runs nothing)
@@ -171,7 +163,7 @@ def test_dispatch_digests_carry_the_round_and_the_descriptor(make_job):
                     1: [L.spec_digest(plain.spec)] * 2 + [L.spec_digest(typed.spec)],
                     2: [L.spec_digest(typed.spec)] * 3}
     for r in range(ep):
-        rounds, got = _digest_lines(job, r)
+        rounds, got = digest_lines(job, r)
         assert rounds.tolist() == [[v, v] for v in want_rounds[r]], f"round 3, rank {r}: {rounds.tolist()}"
         assert got == want_digests[r], f"round 3, rank {r}: digests {got}"
 
