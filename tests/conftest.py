@@ -34,6 +34,7 @@ def _terminated(signum, frame):
 def pytest_configure(config):
     if threading.current_thread() is threading.main_thread() and os.getpid() == _PYTEST_PID:
         signal.signal(signal.SIGTERM, _terminated)
+        _load_modules_eagerly_here()
 
 
 def _cuda_count() -> int:
@@ -43,6 +44,29 @@ def _cuda_count() -> int:
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:
         return 0
+
+
+#: CUDA's module loading setting, and whether whoever ran pytest set it (then it stays theirs)
+MODULE_LOADING = "CUDA_MODULE_LOADING"
+MODULE_LOADING_SET_BY_CALLER = MODULE_LOADING in os.environ
+
+
+def _load_modules_eagerly_here() -> None:
+    """CUDA initialized in this process with eager module loading, unless the caller set
+    ``CUDA_MODULE_LOADING``. Several ranks of one job run in this process (the kernel tests'
+    jobs) and wait for each other inside their kernels. Under CUDA's default lazy loading the
+    first launch of a kernel loads it, and that load may wait for the kernels already running:
+    a rank's first torch op after its dispatch (a conversion never run before in this process)
+    waits for that dispatch, which waits for a rank not launched yet, until the dispatch times
+    out. Eagerly, every kernel is loaded when the context is made. The driver reads the setting
+    when it initializes (here), so the processes the tests start, one rank each, keep the default."""
+    if MODULE_LOADING_SET_BY_CALLER:
+        return
+    os.environ[MODULE_LOADING] = "EAGER"
+    try:
+        _cuda_count()  # initializes CUDA, where there is a GPU
+    finally:
+        del os.environ[MODULE_LOADING]
 
 
 #: set to 1 (or pass --full) to run the full tier: the tests marked ``full`` too

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import mmap
+import os
 import time
 from types import SimpleNamespace
 
@@ -393,6 +394,25 @@ def dispatch_forms(prof):
     found = [re.search(r"dispatch_kernel<(\d+), (true|false), (true|false), (true|false), (true|false)>\(", e.name)
              for e in prof.events()]
     return [(int(m.group(1)),) + tuple(g == "true" for g in m.groups()[1:]) for m in found if m]
+
+
+def test_this_process_loads_kernels_eagerly():
+    """The jobs here run several ranks in this process, waiting for each other inside their
+    kernels; tests/conftest.py initializes CUDA with eager module loading, so that no kernel's
+    first launch (a torch op between two ranks' dispatches) waits for a dispatch that waits for
+    a rank not launched yet (the dispatch timed out that way when a test that ran first in a
+    process was the first to convert bf16 to float). The driver reports the mode it runs in;
+    the environment the tests' own processes inherit does not carry the setting."""
+    import conftest
+
+    if conftest.MODULE_LOADING_SET_BY_CALLER:
+        pytest.skip(f"{conftest.MODULE_LOADING} was set by the caller: this process loads modules as it asked")
+    torch.cuda.init()
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    mode = ctypes.c_int(0)
+    assert libcuda.cuModuleGetLoadingMode(ctypes.byref(mode)) == 0
+    assert mode.value == 1, f"module loading mode {mode.value} (1: eager, 2: lazy)"  # CU_MODULE_EAGER_LOADING
+    assert conftest.MODULE_LOADING not in os.environ
 
 
 def clusters_here():
