@@ -58,8 +58,10 @@ def _load_modules_eagerly_here() -> None:
     first launch of a kernel loads it, and that load may wait for the kernels already running:
     a rank's first torch op after its dispatch (a conversion never run before in this process)
     waits for that dispatch, which waits for a rank not launched yet, until the dispatch times
-    out. Eagerly, every kernel is loaded when the context is made. The driver reads the setting
-    when it initializes (here), so the processes the tests start, one rank each, keep the default."""
+    out. Eagerly, every kernel is loaded when the context is made. The driver takes the setting
+    when it initializes, here (tests/test_cuda_kernels.py::test_this_process_loads_kernels_eagerly
+    asks it), so it leaves the environment again: the processes the tests start, one rank each,
+    keep the default."""
     if MODULE_LOADING_SET_BY_CALLER:
         return
     os.environ[MODULE_LOADING] = "EAGER"
