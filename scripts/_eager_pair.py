@@ -36,9 +36,10 @@ def add_pair_arguments(ap: argparse.ArgumentParser, backend_help: str) -> None:
 
 @contextlib.contextmanager
 def eager_pair(backend: str, tokens: int, hidden: int, top_k: int, experts: int):
-    """Yields a namespace: ``pair()``, ``reference()``, ``sync()``, ``timed(fn, n)`` (seconds for
-    n calls of fn, synchronized before and after) and ``a2a``. The job and its daemon end on
-    exit."""
+    """Yields a namespace, once 200 pairs and references have run (warm): ``pair()``,
+    ``reference()``, ``sync()``, ``timed(fn, n)`` (seconds for n calls of fn, synchronized before
+    and after), ``batch(n, reference_first)`` (the seconds of n pairs and of n references, timed
+    one after the other in that order) and ``a2a``. The job and its daemon end on exit."""
     import torch
 
     from a2ad.client import MoeAlltoAll
@@ -82,7 +83,18 @@ def eager_pair(backend: str, tokens: int, hidden: int, top_k: int, experts: int)
                 sync()
                 return time.perf_counter() - t0
 
-            yield SimpleNamespace(pair=pair, reference=reference, sync=sync, timed=timed, a2a=a2a)
+            def batch(n, reference_first):
+                if reference_first:
+                    r = timed(reference, n)
+                    return timed(pair, n), r
+                p = timed(pair, n)
+                return p, timed(reference, n)
+
+            for _ in range(200):
+                pair()
+                reference()
+            sync()
+            yield SimpleNamespace(pair=pair, reference=reference, sync=sync, timed=timed, batch=batch, a2a=a2a)
         finally:
             a2a.close()
     finally:

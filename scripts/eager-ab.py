@@ -54,22 +54,12 @@ def worker(backend: str, tokens: int, hidden: int, top_k: int, experts: int) -> 
     """Set the pair up, say "ready", then answer "run N FIRST" with the seconds of N pairs and of
     N references (FIRST 1: the reference first), until "quit" or end of input."""
     with eager_pair(backend, tokens, hidden, top_k, experts) as job:
-        for _ in range(200):
-            job.pair()
-            job.reference()
-        job.sync()
         print("ready", flush=True)
         for line in sys.stdin:
             words = line.split()
             if not words or words[0] == "quit":
                 break
-            n, ref_first = int(words[1]), words[2] == "1"
-            if ref_first:
-                r = job.timed(job.reference, n)
-                p = job.timed(job.pair, n)
-            else:
-                p = job.timed(job.pair, n)
-                r = job.timed(job.reference, n)
+            p, r = job.batch(int(words[1]), words[2] == "1")
             print(f"{p!r} {r!r}", flush=True)
     return 0
 

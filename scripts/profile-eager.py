@@ -50,21 +50,12 @@ def main() -> int:
 
     T, H, K = args.tokens, args.hidden, args.top_k
     with eager_pair(args.backend, T, H, K, args.experts) as job:
-        pair, reference, sync, timed = job.pair, job.reference, job.sync, job.timed
-        for _ in range(200):
-            pair()
-            reference()
-        sync()
+        pair, sync, timed = job.pair, job.sync, job.timed
         # Batches of pairs beside batches of the reference, which goes first every other batch.
         sizes = [args.pairs // args.batches + (1 if b < args.pairs % args.batches else 0) for b in range(args.batches)]
         pair_s, ref_us, ratios = 0.0, [], []
         for b, n in enumerate(sizes):
-            if b % 2:
-                r = timed(reference, n)
-                p = timed(pair, n)
-            else:
-                p = timed(pair, n)
-                r = timed(reference, n)
+            p, r = job.batch(n, reference_first=b % 2 == 1)
             pair_s += p
             ref_us.append(r / n * 1e6)
             ratios.append(p / r)
