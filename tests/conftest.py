@@ -55,13 +55,16 @@ def _load_modules_eagerly_here() -> None:
     """CUDA initialized in this process with eager module loading, unless the caller set
     ``CUDA_MODULE_LOADING``. Several ranks of one job run in this process (the kernel tests'
     jobs) and wait for each other inside their kernels. Under CUDA's default lazy loading the
-    first launch of a kernel loads it, and that load may wait for the kernels already running:
-    a rank's first torch op after its dispatch (a conversion never run before in this process)
-    waits for that dispatch, which waits for a rank not launched yet, until the dispatch times
-    out. Eagerly, every kernel is loaded when the context is made. The driver takes the setting
-    when it initializes, here (tests/test_cuda_kernels.py::test_this_process_loads_kernels_eagerly
-    asks it), so it leaves the environment again: the processes the tests start, one rank each,
-    keep the default."""
+    first launch of a kernel loads it, and a load may wait for the kernels already running
+    (docs/DEEPEP.md: a harness of in-process ranks timed out that way): a rank's first torch
+    op after its dispatch would wait for that dispatch, which waits for a rank not launched
+    yet. Eagerly, every kernel is loaded when the context is made. (It is not all a first
+    launch can do: a staging test that queued a rank's first bf16 -> float conversion between
+    two ranks' dispatches still timed out under eager loading, when it ran first in its process;
+    it now queues every rank's dispatch before any rank's torch ops, as run_round does.) The
+    driver takes the setting when it initializes, here
+    (tests/test_cuda_kernels.py::test_this_process_loads_kernels_eagerly asks it), so it leaves
+    the environment again: the processes the tests start, one rank each, keep the default."""
     if MODULE_LOADING_SET_BY_CALLER:
         return
     os.environ[MODULE_LOADING] = "EAGER"

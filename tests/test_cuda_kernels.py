@@ -399,10 +399,9 @@ def dispatch_forms(prof):
 def test_this_process_loads_kernels_eagerly():
     """The jobs here run several ranks in this process, waiting for each other inside their
     kernels; tests/conftest.py initializes CUDA with eager module loading, so that no kernel's
-    first launch (a torch op between two ranks' dispatches) waits for a dispatch that waits for
-    a rank not launched yet (the dispatch timed out that way when a test that ran first in a
-    process was the first to convert bf16 to float). The driver reports the mode it runs in;
-    the environment the tests' own processes inherit does not carry the setting."""
+    first launch (a torch op between two ranks' dispatches) loads its module while a dispatch
+    waits for a rank not launched yet. The driver reports the mode it runs in; the environment
+    the tests' own processes inherit does not carry the setting."""
     import conftest
 
     if conftest.MODULE_LOADING_SET_BY_CALLER:

@@ -700,14 +700,21 @@ def test_plain_staging_stores_exactly_the_received_rows(make_job, low_precision,
             job.region(r, off, width).fill_(sentinel)
         payload = {}
 
-        def step(r):
+        # Every rank's dispatch is queued before any rank's torch ops, as run_round does. Queued
+        # between rank 0's dispatch and rank 1's, the process's first bf16 -> float conversion (when
+        # this test ran first in its process) kept rank 1's dispatch from running while rank 0's
+        # waited for it in its kernel, until that wait timed out, eager module loading or not.
+        def dispatch(r):
             job.planes[r].dispatch(e[r], [x[r].view(torch.uint8), e[r].view(torch.uint8)], rt, pl, E)
+
+        def combine(r):
             recv = job.region(r, pl.dispatch_offsets[0], 2 * hidden).view(torch.bfloat16)
             payload[r] = (recv.float() * expert_weight(r)).bfloat16()
             return job.planes[r].combine(payload[r], tokens[r], rt, pl, False, low_precision=low_precision)
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            outs = job.on_ranks(step)
+            job.on_ranks(dispatch)
+            outs = job.on_ranks(combine)
             job.join()
             torch.cuda.synchronize()
         assert combine_paths(prof) == [1] * ep_size, f"tokens {tokens}: not the plain combine"
